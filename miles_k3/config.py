@@ -1,0 +1,86 @@
+"""The run's typed config tree and its Hydra plumbing.
+
+Hydra composes `recipes/` (`train.yaml` + groups `recipe/`, `model/`, ...); each section is typed by the
+dataclass its component owns (`ModelConfig`, ...), registered here as the schema `train.yaml` extends. An unknown
+key or a value of the wrong type fails while composing; `to_typed` then builds the dataclasses and runs every
+section's `validate()`, so a bad value fails before any work with the field's full name.
+"""
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from hydra import compose, initialize_config_module
+from hydra.core.config_store import ConfigStore
+from omegaconf import DictConfig, OmegaConf
+
+from miles_k3.model.build import ModelConfig
+
+RECIPES_MODULE = "miles_k3.recipes"
+
+
+class ConfigFieldError(ValueError):
+    """A config value is invalid; the message starts with the field's full dotted name."""
+
+
+@dataclass
+class TrainConfig:
+    """`python -m miles_k3.train`: the whole run."""
+
+    seed: int = 0
+    """Seed for torch, python and numpy RNGs."""
+    device: str = "auto"
+    """auto (cuda if available, else cpu), cpu, cuda or cuda:N."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """The policy's base model."""
+
+    def validate(self) -> None:
+        if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
+            raise ValueError(f"device: '{self.device}' is not one of auto, cpu, cuda, cuda:N")
+
+
+@dataclass
+class ModelInfoConfig:
+    """`python -m miles_k3.model_info`: sizing figures of a K3 config."""
+
+    model: ModelConfig = field(default_factory=lambda: ModelConfig(name="k3"))
+    """The model to size (computed on the meta device: no memory, any size)."""
+    tp: int = 8
+    """Tensor-parallel degree for the per-rank KDA state figure (also reported at tp=1)."""
+
+    def validate(self) -> None:
+        if self.tp < 1:
+            raise ValueError(f"tp: must be >= 1, got {self.tp}")
+
+
+def register_schemas() -> None:
+    store = ConfigStore.instance()
+    store.store(name="train_schema", node=TrainConfig)
+    store.store(name="model_info_schema", node=ModelInfoConfig)
+
+
+def to_typed(cfg: DictConfig) -> Any:
+    """The composed config as its dataclasses, every section validated (errors name the field path)."""
+    obj = OmegaConf.to_object(cfg)
+    _validate_tree(obj, "")
+    return obj
+
+
+def _validate_tree(obj: Any, path: str) -> None:
+    if not dataclasses.is_dataclass(obj):
+        return
+    for f in dataclasses.fields(obj):
+        _validate_tree(getattr(obj, f.name), f"{path}{f.name}.")
+    validate = getattr(type(obj), "validate", None)
+    if validate is not None:
+        try:
+            validate(obj)
+        except ValueError as e:
+            raise ConfigFieldError(f"{path}{e}") from None
+
+
+def compose_config(config_name: str, overrides: list[str] | tuple[str, ...] = ()) -> Any:
+    """Compose `recipes/<config_name>.yaml` with Hydra overrides and return the validated dataclass tree."""
+    register_schemas()
+    with initialize_config_module(config_module=RECIPES_MODULE, version_base=None):
+        cfg = compose(config_name=config_name, overrides=list(overrides))
+    return to_typed(cfg)

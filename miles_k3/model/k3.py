@@ -1,0 +1,204 @@
+"""The K3 decoder: layers with Block Attention Residuals, and the causal LM with its two forward modes.
+
+Module attribute names follow the published checkpoint, so `language_model.<key>` checkpoint tensors map onto
+`K3ForCausalLM.state_dict()` keys by dropping that prefix only (`CHECKPOINT_PREFIX`).
+
+Between layers the model carries not a residual stream but (bank, partial): completed block sums and the sum of
+sublayer outputs since the current block started. Each sublayer input is a depth-softmax mixture of both
+(`attn_res_mix`); a block is sealed at every layer i with i % attn_res_block_size == 0 (layer 0 seals the
+embedding). Modes: `forward` (full sequence: training and prefill, optionally continuing from a `K3State` and
+returning one) and `step` (one decode token per request from a `K3State`); they agree numerically.
+
+Legend: B batch, T tokens, D hidden, V vocabulary.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from miles_k3.model.config import K3Config
+from miles_k3.model.kda import KDAAttention
+from miles_k3.model.kda_ops import KDABackend, resolve_kda_backend
+from miles_k3.model.layers import RMSNorm, SiTUMLP, attn_res_mix
+from miles_k3.model.mla import MLAAttention
+from miles_k3.model.moe import LatentMoE
+from miles_k3.model.state import K3State, KDALayerState, MLALayerState
+
+log = logging.getLogger(__name__)
+
+CHECKPOINT_PREFIX = "language_model."
+# Tensors the checkpoint keeps in fp32 whatever the model dtype (K3 reference, checkpoint dtypes).
+FP32_PARAM_SUFFIXES = ("A_log", "dt_bias", "conv1d.weight", "o_norm.weight", "e_score_correction_bias")
+
+
+class K3DecoderLayer(nn.Module):
+    def __init__(self, cfg: K3Config, layer_id: int):
+        super().__init__()
+        d, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.layer_id = layer_id
+        self.seals_block = layer_id % cfg.attn_res_block_size == 0
+        self.input_layernorm = RMSNorm(d, eps)
+        self.post_attention_layernorm = RMSNorm(d, eps)
+        self.self_attention_res_norm = RMSNorm(d, eps)
+        self.self_attention_res_proj = nn.Linear(d, 1, bias=False)
+        self.mlp_res_norm = RMSNorm(d, eps)
+        self.mlp_res_proj = nn.Linear(d, 1, bias=False)
+        self.is_mla = cfg.is_mla_layer(layer_id)
+        self.self_attn = MLAAttention(cfg) if self.is_mla else KDAAttention(cfg)
+        self.is_moe = cfg.is_moe_layer(layer_id)
+        if self.is_moe:
+            self.block_sparse_moe = LatentMoE(cfg)
+        else:
+            self.mlp = SiTUMLP(d, cfg.intermediate_size, cfg.activation_situ_beta, cfg.activation_situ_linear_beta)
+
+    @property
+    def ffn(self) -> nn.Module:
+        return self.block_sparse_moe if self.is_moe else self.mlp
+
+    def forward(self, bank: list[torch.Tensor], partial: torch.Tensor, attn_fn) -> torch.Tensor:
+        """One layer. `bank` is extended in place when this layer seals a block; returns the new partial sum.
+
+        `attn_fn(layer, x)` runs `layer.self_attn` on its normed input (the caller binds mode and state).
+        """
+        x_in = attn_res_mix(bank + [partial], self.self_attention_res_norm, self.self_attention_res_proj) \
+            if bank else partial
+        if self.seals_block:
+            bank.append(partial)
+        a = attn_fn(self, self.input_layernorm(x_in))
+        partial = a if self.seals_block else partial + a
+        x_ffn = attn_res_mix(bank + [partial], self.mlp_res_norm, self.mlp_res_proj)
+        return partial + self.ffn(self.post_attention_layernorm(x_ffn))
+
+
+class K3Model(nn.Module):
+    def __init__(self, cfg: K3Config):
+        super().__init__()
+        d = cfg.hidden_size
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, d)
+        self.layers = nn.ModuleList(K3DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.output_attn_res_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.output_attn_res_proj = nn.Linear(d, 1, bias=False)
+
+    def run(self, input_ids_BT: torch.Tensor, attn_fn) -> torch.Tensor:
+        """Embedding -> layers -> output mixer -> final norm; returns the final hidden states [B, T, D]."""
+        partial = self.embed_tokens(input_ids_BT)
+        bank: list[torch.Tensor] = []
+        for layer in self.layers:
+            partial = layer(bank, partial, attn_fn)
+        return self.norm(attn_res_mix(bank + [partial], self.output_attn_res_norm, self.output_attn_res_proj))
+
+
+@dataclass
+class K3Output:
+    logits: torch.Tensor  # [B, T, V] (or [B, V] from `step`)
+    state: K3State | None
+
+
+class K3ForCausalLM(nn.Module):
+    """Kimi K3 text backbone + LM head. `kda_backend`: "auto" or a name from `kda_ops` (resolved per device)."""
+
+    def __init__(self, cfg: K3Config, kda_backend: str = "auto"):
+        super().__init__()
+        self.config = cfg
+        self.kda_backend_name = kda_backend
+        self._backends: dict[str, KDABackend] = {}
+        self.model = K3Model(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.reset_parameters()
+
+    def kda_backend(self, device: torch.device) -> KDABackend:
+        """The KDA backend for `device`, resolved once and logged with the reason."""
+        key = torch.device(device).type
+        if key not in self._backends:
+            backend = resolve_kda_backend(self.kda_backend_name, torch.device(device),
+                                          self.config.linear_attn_config.gate_lower_bound)
+            log.info("kda=%s (%s)", backend.name, backend.reason)
+            self._backends[key] = backend
+        return self._backends[key]
+
+    def forward(self, input_ids_BT: torch.Tensor, seq_lens: torch.Tensor | None = None,
+                state: K3State | None = None, return_state: bool = False) -> K3Output:
+        """Full-sequence forward (training, prefill). Tokens are left-aligned; `seq_lens` [B] counts the real
+        ones (default: all T). With `state`, continues each request after its `state.seq_lens` tokens.
+        Returns logits [B, T, V] and, if `return_state`, the state after each request's last real token.
+        """
+        b, t = input_ids_BT.shape
+        backend = self.kda_backend(input_ids_BT.device)
+        past = state.seq_lens if state is not None else None
+        states: list = []
+
+        def attn_fn(layer: K3DecoderLayer, x: torch.Tensor) -> torch.Tensor:
+            prev = state.layers[layer.layer_id] if state is not None else None
+            if layer.is_mla:
+                y, st = layer.self_attn(x, prev, past)
+            else:
+                y, st = layer.self_attn(x, backend, prev, seq_lens)
+            states.append(st)
+            return y
+
+        logits = self.lm_head(self.model.run(input_ids_BT, attn_fn))
+        if not return_state:
+            return K3Output(logits, None)
+        new_lens = torch.full((b,), t, device=input_ids_BT.device) if seq_lens is None else seq_lens
+        total = new_lens if past is None else past + new_lens
+        return K3Output(logits, K3State(total.long(), states))
+
+    @torch.no_grad()
+    def step(self, input_ids_B: torch.Tensor, state: K3State) -> K3Output:
+        """One decode token per request: logits [B, V] and the advanced state (KDA recurrent, MLA absorbed)."""
+        backend = self.kda_backend(input_ids_B.device)
+        states: list = []
+
+        def attn_fn(layer: K3DecoderLayer, x: torch.Tensor) -> torch.Tensor:
+            prev = state.layers[layer.layer_id]
+            if layer.is_mla:
+                y, st = layer.self_attn.step(x, prev, state.seq_lens)
+            else:
+                y, st = layer.self_attn(x, backend, prev, decode=True)
+            states.append(st)
+            return y
+
+        logits = self.lm_head(self.model.run(input_ids_B[:, None], attn_fn))
+        return K3Output(logits[:, 0], K3State(state.seq_lens + 1, states))
+
+    def empty_state(self, batch: int, device=None, dtype=None) -> K3State:
+        """The state of B requests that have consumed no tokens yet."""
+        device = device or self.lm_head.weight.device
+        dtype = dtype or self.lm_head.weight.dtype
+        layers: list[KDALayerState | MLALayerState] = []
+        for layer in self.model.layers:
+            if layer.is_mla:
+                width = layer.self_attn.rank + layer.self_attn.rope
+                layers.append(MLALayerState(torch.zeros(batch, 0, width, device=device, dtype=dtype)))
+            else:
+                layers.append(layer.self_attn.empty_state(batch, device, dtype))
+        return K3State(torch.zeros(batch, dtype=torch.long, device=device), layers)
+
+    # ---- parameters --------------------------------------------------------------------------------
+    @torch.no_grad()
+    def reset_parameters(self, std: float = 0.02) -> None:
+        """Pretraining-style init (K3 reference / NeMo port): linears and experts N(0, std), norms 1,
+        A_log = log U(1, 16), dt_bias 0, AttnRes pseudo-queries 0 (so a first mix is a uniform average)."""
+        for name, p in self.named_parameters():
+            if name.endswith(("_res_proj.weight", "dt_bias", "e_score_correction_bias")):
+                p.zero_()
+            elif name.endswith("A_log"):
+                p.uniform_(1, 16).log_()
+            elif name.endswith("conv1d.weight"):
+                p.uniform_(-1, 1).mul_(p.shape[-1] ** -0.5)  # nn.Conv1d's default bound, fan_in = W
+            elif p.ndim == 1:
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, std)
+
+    def cast(self, dtype: torch.dtype) -> K3ForCausalLM:
+        """Cast to `dtype`, keeping the checkpoint's fp32 tensors (A_log, dt_bias, convs, o_norm, bias) fp32."""
+        for name, p in self.named_parameters():
+            p.data = p.data.to(torch.float32 if name.endswith(FP32_PARAM_SUFFIXES) else dtype)
+        return self

@@ -1,0 +1,122 @@
+"""K3 KDA (Kimi Delta Attention) layer, named as in the published checkpoint (`self_attn.*` of KDA layers).
+
+Per token: q/k/v projections -> causal depthwise short conv (state: the last W-1 inputs) -> SiLU; L2-normalised
+q/k (in the backend); decay gate g = lower_bound * sigmoid(exp(A_log) * (f_b(f_a(x)) + dt_bias)) in fp32;
+beta = sigmoid(b_proj x); the delta-rule recurrence (fla-core: kernels on CUDA, references or our torch chunked
+form on CPU, chosen by `KDABackend`); per-head RMSNorm gated by sigmoid(g_proj x); o_proj.
+
+Right padding: positions t >= seq_lens[b] get g = 0 and beta = 0, which leaves the recurrent state untouched, so
+the returned state is the state after each request's last real token.
+
+Legend: B batch, T tokens, D hidden, H heads, K = V head dim, C = 3 * H * K (q|k|v channels), W conv taps.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from miles_k3.model.config import K3Config
+from miles_k3.model.kda_ops import KDABackend
+from miles_k3.model.state import KDALayerState
+
+
+class KDAAttention(nn.Module):
+    def __init__(self, cfg: K3Config):
+        super().__init__()
+        lac = cfg.linear_attn_config
+        d = cfg.hidden_size
+        self.num_heads, self.head_dim, self.conv_size = lac.num_heads, lac.head_dim, lac.short_conv_kernel_size
+        self.lower_bound = float(lac.gate_lower_bound)
+        p = self.num_heads * self.head_dim
+        self.q_proj = nn.Linear(d, p, bias=False)
+        self.k_proj = nn.Linear(d, p, bias=False)
+        self.v_proj = nn.Linear(d, p, bias=False)
+        self.q_conv1d = nn.Conv1d(p, p, self.conv_size, groups=p, bias=False)
+        self.k_conv1d = nn.Conv1d(p, p, self.conv_size, groups=p, bias=False)
+        self.v_conv1d = nn.Conv1d(p, p, self.conv_size, groups=p, bias=False)
+        self.f_a_proj = nn.Linear(d, self.head_dim, bias=False)
+        self.f_b_proj = nn.Linear(self.head_dim, p, bias=False)
+        # One decay rate per head (the checkpoint pads A_log to a multiple of 128 entries; the loader unpads).
+        self.A_log = nn.Parameter(torch.empty(self.num_heads))
+        self.dt_bias = nn.Parameter(torch.zeros(p))
+        self.b_proj = nn.Linear(d, self.num_heads, bias=False)
+        self.g_proj = nn.Linear(d, p, bias=False)
+        self.o_norm = _HeadNormWeight(self.head_dim)
+        self.o_proj = nn.Linear(p, d, bias=False)
+        self.norm_eps = cfg.rms_norm_eps
+
+    def state_bytes_per_request(self, tp: int = 1) -> int:
+        """Recurrent state of this layer per request on the busiest of `tp` ranks: ceil(H/tp) x K x V fp32
+        values (heads are sharded across ranks; with tp > H they are replicated)."""
+        return -(-self.num_heads // tp) * self.head_dim * self.head_dim * 4
+
+    def empty_state(self, batch: int, device, dtype) -> KDALayerState:
+        """Zero state: what a request holds before its first token."""
+        c = 3 * self.num_heads * self.head_dim
+        return KDALayerState(
+            torch.zeros(batch, c, self.conv_size - 1, device=device, dtype=dtype),
+            torch.zeros(batch, self.num_heads, self.head_dim, self.head_dim, device=device, dtype=torch.float32))
+
+    def forward(self, x_BTD: torch.Tensor, backend: KDABackend, state: KDALayerState | None = None,
+                seq_lens: torch.Tensor | None = None, decode: bool = False) -> tuple[torch.Tensor, KDALayerState]:
+        """Full sequence (or one decode token with `decode=True`, which needs `state`).
+
+        `seq_lens` [B] counts the real (left-aligned) tokens among the T; None means all T are real.
+        Returns y [B, T, D] and the state after each request's last real token.
+        """
+        from fla.ops.kda.gate import naive_kda_lowerbound_gate  # lazy: importing fla takes seconds
+
+        b, t, _ = x_BTD.shape
+        if state is None:
+            state = self.empty_state(b, x_BTD.device, x_BTD.dtype)
+        qkv_BTC, conv_BCW = self._short_conv(x_BTD, state.conv_BCW, seq_lens)
+        shape = (b, t, self.num_heads, self.head_dim)
+        q, k, v = (z.reshape(shape) for z in qkv_BTC.chunk(3, dim=-1))
+        g_BTHK = naive_kda_lowerbound_gate(self.f_b_proj(self.f_a_proj(x_BTD)).view(shape), self.A_log,
+                                           self.dt_bias, lower_bound=self.lower_bound)
+        beta_BTH = torch.sigmoid(self.b_proj(x_BTD).float())
+        if seq_lens is not None:
+            real_BT = torch.arange(t, device=x_BTD.device) < seq_lens[:, None]
+            g_BTHK = g_BTHK * real_BT[:, :, None, None]
+            beta_BTH = beta_BTH * real_BT[:, :, None]
+        if decode:
+            o_BTHV, rec = backend.decode(q, k, v, g_BTHK, beta_BTH, state.recurrent_BHKV)
+        else:
+            o_BTHV, rec = backend.prefill(q, k, v, g_BTHK, beta_BTH, initial_state=state.recurrent_BHKV,
+                                          output_final_state=True)
+        return self._gated_output(o_BTHV, x_BTD), KDALayerState(conv_BCW, rec)
+
+    def _short_conv(self, x_BTD: torch.Tensor, conv_BCW: torch.Tensor, seq_lens: torch.Tensor | None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """SiLU(causal depthwise conv) of the q|k|v projections, continuing from the carried window.
+
+        Returns the activations [B, T, C] (input dtype) and the new window: the last W-1 real inputs.
+        """
+        qkv_BTC = torch.cat([self.q_proj(x_BTD), self.k_proj(x_BTD), self.v_proj(x_BTD)], dim=-1)
+        seq_BCX = torch.cat([conv_BCW.to(qkv_BTC.dtype), qkv_BTC.transpose(1, 2)], dim=2)  # X = W-1+T
+        weight = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight]).float()
+        act_BCT = F.silu(F.conv1d(seq_BCX.float(), weight, groups=weight.shape[0]))
+        w1 = self.conv_size - 1
+        t = x_BTD.shape[1]
+        if seq_lens is None:
+            new_BCW = seq_BCX[:, :, t:]
+        else:  # window ends at the last real token: positions seq_lens .. seq_lens + W - 2 of seq_BCX
+            idx_BW = seq_lens[:, None] + torch.arange(w1, device=x_BTD.device)
+            new_BCW = seq_BCX.gather(2, idx_BW[:, None, :].expand(-1, seq_BCX.shape[1], -1))
+        return act_BCT.transpose(1, 2).to(x_BTD.dtype), new_BCW
+
+    def _gated_output(self, o_BTHV: torch.Tensor, x_BTD: torch.Tensor) -> torch.Tensor:
+        """o_proj( RMSNorm(o_h) * o_norm.weight * sigmoid(g_proj x)_h ), norm and gate in fp32."""
+        o = o_BTHV.float()
+        o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + self.norm_eps) * self.o_norm.weight.float()
+        gate = torch.sigmoid(self.g_proj(x_BTD).float()).view_as(o)
+        return self.o_proj((o * gate).reshape(*x_BTD.shape[:2], -1).to(x_BTD.dtype))
+
+
+class _HeadNormWeight(nn.Module):
+    """Holds `o_norm.weight` [K] (fp32 in the checkpoint), shared by all heads; applied in `_gated_output`."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))

@@ -1,0 +1,130 @@
+"""K3 MLA (multi-head latent attention, no RoPE, sigmoid output gate), named as in the published checkpoint.
+
+Two forms over the same weights:
+* naive ("MHA mode", training and prefill): per-head keys/values are expanded from the latent with kv_b_proj and
+  attended with SDPA (causal; past latents from a state are prepended per request);
+* absorbed ("MQA mode", decode): W_UK is folded into the query and W_UV applied after attention, so attention runs
+  directly over the cached 512+64 latent per token, exactly MQA with 576-dim keys and 512-dim values.
+
+Legend: B batch, T new tokens, S latent positions, H heads, R kv_lora_rank, P rope dims (unrotated: K3 is NoPE),
+N nope dims, V value dims, L = R + P (cache width per token).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from miles_k3.model.config import K3Config
+from miles_k3.model.layers import RMSNorm
+from miles_k3.model.state import MLALayerState
+
+# The NeMo port (which follows the HF reference) builds the q_a/kv_a norms with the class default eps.
+LATENT_NORM_EPS = 1e-6
+
+
+class MLAAttention(nn.Module):
+    def __init__(self, cfg: K3Config):
+        super().__init__()
+        d, h = cfg.hidden_size, cfg.num_attention_heads
+        self.num_heads, self.rank = h, cfg.kv_lora_rank
+        self.nope, self.rope, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        self.scale = (self.nope + self.rope) ** -0.5
+        self.q_a_proj = nn.Linear(d, cfg.q_lora_rank, bias=False)
+        self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, LATENT_NORM_EPS)
+        self.q_b_proj = nn.Linear(cfg.q_lora_rank, h * (self.nope + self.rope), bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(d, self.rank + self.rope, bias=False)
+        self.kv_a_layernorm = RMSNorm(self.rank, LATENT_NORM_EPS)
+        self.kv_b_proj = nn.Linear(self.rank, h * (self.nope + self.v_dim), bias=False)
+        self.g_proj = nn.Linear(d, h * self.v_dim, bias=False) if cfg.mla_use_output_gate else None
+        self.o_proj = nn.Linear(h * self.v_dim, d, bias=False)
+
+    # ---- pieces shared by both forms ---------------------------------------------------------------
+    def cache_bytes_per_token(self, bytes_per_value: int = 2) -> int:
+        """Latent cache per token for this layer: (kv_lora_rank + rope dims) values (bf16 by default)."""
+        return (self.rank + self.rope) * bytes_per_value
+
+    def _queries(self, x_BTD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x_BTD)))
+        q_BTHQ = q.view(*x_BTD.shape[:2], self.num_heads, self.nope + self.rope)
+        return q_BTHQ[..., : self.nope], q_BTHQ[..., self.nope:]
+
+    def _latents(self, x_BTD: torch.Tensor) -> torch.Tensor:
+        c_kr = self.kv_a_proj_with_mqa(x_BTD)
+        c, k_r = c_kr[..., : self.rank], c_kr[..., self.rank:]
+        return torch.cat([self.kv_a_layernorm(c), k_r], dim=-1)
+
+    def _output(self, o_BTHV: torch.Tensor, x_BTD: torch.Tensor) -> torch.Tensor:
+        o = o_BTHV.reshape(*x_BTD.shape[:2], -1)
+        if self.g_proj is not None:
+            o = o * torch.sigmoid(self.g_proj(x_BTD))
+        return self.o_proj(o)
+
+    # ---- naive form -------------------------------------------------------------------------------
+    def forward(self, x_BTD: torch.Tensor, state: MLALayerState | None = None,
+                past_lens: torch.Tensor | None = None) -> tuple[torch.Tensor, MLALayerState]:
+        """Full-sequence attention over `state`'s first `past_lens[b]` latents plus the T new tokens.
+
+        Returns the output [B, T, D] and the state with the new latents written at positions past_lens + t.
+        """
+        q_nope, q_rope = self._queries(x_BTD)
+        new_BTL = self._latents(x_BTD)
+        if state is None:
+            latent_BSL, mask = new_BTL, None
+        else:
+            latent_BSL = write_latents(state.latent_BSL, past_lens, new_BTL)
+            mask = _prefix_causal_mask(past_lens, x_BTD.shape[1], latent_BSL.shape[1])
+        b, s = latent_BSL.shape[:2]
+        kv = self.kv_b_proj(latent_BSL[..., : self.rank]).view(b, s, self.num_heads, self.nope + self.v_dim)
+        k_rope = latent_BSL[..., self.rank:].unsqueeze(2).expand(b, s, self.num_heads, self.rope)
+        k = torch.cat([kv[..., : self.nope], k_rope], dim=-1)
+        q = torch.cat([q_nope, q_rope], dim=-1)
+        o = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), kv[..., self.nope:].transpose(1, 2),
+            attn_mask=mask, is_causal=mask is None, scale=self.scale)
+        return self._output(o.transpose(1, 2), x_BTD), MLALayerState(latent_BSL)
+
+    # ---- absorbed form ----------------------------------------------------------------------------
+    def step(self, x_B1D: torch.Tensor, state: MLALayerState, past_lens: torch.Tensor
+             ) -> tuple[torch.Tensor, MLALayerState]:
+        """One decode token per request, attending over the cached latents (absorbed form)."""
+        q_nope, q_rope = self._queries(x_B1D)
+        latent_BSL = write_latents(state.latent_BSL, past_lens, self._latents(x_B1D))
+        valid_BS = torch.arange(latent_BSL.shape[1], device=x_B1D.device) <= past_lens[:, None]
+        o_BHV = self.absorbed_attention(q_nope[:, 0], q_rope[:, 0], latent_BSL, valid_BS)
+        return self._output(o_BHV.unsqueeze(1), x_B1D), MLALayerState(latent_BSL)
+
+    def absorbed_attention(self, q_nope_BHN: torch.Tensor, q_rope_BHP: torch.Tensor,
+                           latent_BSL: torch.Tensor, valid_BS: torch.Tensor) -> torch.Tensor:
+        """MQA over latents: q_lat = W_UK^T q_nope; softmax (fp32) over valid positions; o = W_UV (p . c).
+
+        Returns o [B, H, V] in the latent dtype. The engine's paged cache gathers `latent_BSL` and calls this.
+        """
+        w_HXR = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_dim, self.rank)
+        w_uk_HNR, w_uv_HVR = w_HXR[:, : self.nope], w_HXR[:, self.nope:]
+        c_BSR, kr_BSP = latent_BSL[..., : self.rank], latent_BSL[..., self.rank:]
+        q_lat_BHR = torch.einsum("bhn,hnr->bhr", q_nope_BHN, w_uk_HNR)
+        scores_BHS = (torch.einsum("bhr,bsr->bhs", q_lat_BHR, c_BSR)
+                      + torch.einsum("bhp,bsp->bhs", q_rope_BHP, kr_BSP)).float() * self.scale
+        scores_BHS = scores_BHS.masked_fill(~valid_BS[:, None, :], float("-inf"))
+        p_BHS = torch.softmax(scores_BHS, dim=-1).to(latent_BSL.dtype)
+        o_lat_BHR = torch.einsum("bhs,bsr->bhr", p_BHS, c_BSR)
+        return torch.einsum("bhr,hvr->bhv", o_lat_BHR, w_uv_HVR)
+
+
+def write_latents(past_BSL: torch.Tensor, past_lens: torch.Tensor, new_BTL: torch.Tensor) -> torch.Tensor:
+    """A new latent tensor with `new_BTL[b, t]` at position past_lens[b] + t (capacity grown as needed)."""
+    b, t, width = new_BTL.shape
+    need = int(past_lens.max()) + t if b else t
+    latent = past_BSL
+    if latent.shape[1] < need:
+        latent = F.pad(latent, (0, 0, 0, need - latent.shape[1]))
+    pos_BT = past_lens[:, None] + torch.arange(t, device=new_BTL.device)
+    return latent.scatter(1, pos_BT.unsqueeze(-1).expand(b, t, width), new_BTL.to(latent.dtype))
+
+
+def _prefix_causal_mask(past_lens: torch.Tensor, t: int, s: int) -> torch.Tensor:
+    """[B, 1, T, S] bool: query t of request b sees positions j <= past_lens[b] + t."""
+    j = torch.arange(s, device=past_lens.device)
+    limit_BT = past_lens[:, None] + torch.arange(t, device=past_lens.device)
+    return (j[None, None, :] <= limit_BT[:, :, None]).unsqueeze(1)

@@ -1,0 +1,44 @@
+"""Per-request inference state that the full-sequence forward can return and the stateful step consumes.
+
+A reference layout (contiguous, one row per request): the rollout engine keeps the same contents in its own
+pools (KDA state slots, paged MLA latents). Legend: B requests, C = 3 * KDA projection width (q|k|v channels),
+W conv taps, H heads, K/V head dims, S latent positions (capacity >= seq_lens), L = kv_lora_rank + rope dims.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class KDALayerState:
+    """conv_BCW: the last W-1 pre-conv q|k|v projections (activation dtype); recurrent_BHKV: S, fp32."""
+
+    conv_BCW: torch.Tensor
+    recurrent_BHKV: torch.Tensor
+
+
+@dataclass
+class MLALayerState:
+    """latent_BSL: [normalised c (kv_lora_rank) | k_r (rope dims)] per past token; rows past seq_lens are junk."""
+
+    latent_BSL: torch.Tensor
+
+
+@dataclass
+class K3State:
+    """The whole model's state: tokens consumed per request and one entry per decoder layer."""
+
+    seq_lens: torch.Tensor  # [B] int64
+    layers: list[KDALayerState | MLALayerState]
+
+    def select(self, rows: torch.Tensor) -> K3State:
+        """The state of a subset (or a repetition, for a group fork) of the requests, as new tensors."""
+        layers = []
+        for st in self.layers:
+            if isinstance(st, KDALayerState):
+                layers.append(KDALayerState(st.conv_BCW[rows], st.recurrent_BHKV[rows]))
+            else:
+                layers.append(MLALayerState(st.latent_BSL[rows]))
+        return K3State(self.seq_lens[rows], layers)

@@ -1,0 +1,62 @@
+"""`python -m miles_k3.model_info model=k3 [tp=8] [model.path=DIR]`: one JSON object of sizing figures.
+
+Every figure is computed from the instantiated modules on the meta device (no memory is allocated, so the
+full 2.78T K3 works anywhere), not from a second formula:
+* params_total: all parameters (tied weights once; A_log counted per head, as the model holds it);
+* params_active_per_token: what one token touches: everything except the input embedding table (a row
+  lookup) and the routed experts it is not sent to (top-k of E);
+* kda_state_bytes_per_request: fp32 recurrent state of all KDA layers, per rank, at tp=1 and at the given tp
+  (heads per rank = ceil(H / tp)); kda_conv_state_bytes_per_request: the conv windows, bf16, tp=1;
+* mla_kv_bytes_per_token: (kv_lora_rank + rope dims) bf16 values over all MLA layers.
+"""
+import json
+import sys
+
+import torch
+
+from miles_k3.config import compose_config
+from miles_k3.model.build import load_k3_config
+from miles_k3.model.k3 import K3ForCausalLM
+from miles_k3.model.kda import KDAAttention
+from miles_k3.model.mla import MLAAttention
+from miles_k3.model.moe import RoutedExperts
+
+
+def model_figures(model: K3ForCausalLM, tp: int) -> dict:
+    """Sizing figures of an instantiated K3 (any device, meta included)."""
+    layers = model.model.layers
+    kda = [m for m in model.modules() if isinstance(m, KDAAttention)]
+    mla = [m for m in model.modules() if isinstance(m, MLAAttention)]
+    routed = [m for m in model.modules() if isinstance(m, RoutedExperts)]
+    total = sum(p.numel() for p in model.parameters())
+    skipped_experts = sum(
+        sum(p.numel() for p in m.parameters()) * (1 - model.config.num_experts_per_token / m.num_experts)
+        for m in routed)
+    embed = 0 if model.config.tie_word_embeddings else model.model.embed_tokens.weight.numel()
+    conv_bytes = sum(3 * m.num_heads * m.head_dim * (m.conv_size - 1) * 2 for m in kda)
+    return {
+        "params_total": total,
+        "params_active_per_token": round(total - embed - skipped_experts),
+        "params_routed_experts": sum(p.numel() for m in routed for p in m.parameters()),
+        "kda_state_bytes_per_request": {f"tp{d}": sum(m.state_bytes_per_request(d) for m in kda)
+                                        for d in sorted({1, tp})},
+        "kda_conv_state_bytes_per_request": conv_bytes,
+        "mla_kv_bytes_per_token": sum(m.cache_bytes_per_token() for m in mla),
+        "num_kda_layers": len(kda),
+        "num_mla_layers": len(mla),
+        "num_moe_layers": sum(layer.is_moe for layer in layers),
+        "num_layers": len(layers),
+    }
+
+
+def main(argv: list[str]) -> dict:
+    cfg = compose_config("model_info", argv)
+    k3 = load_k3_config(cfg.model)
+    with torch.device("meta"):
+        model = K3ForCausalLM(k3)
+    figures = {"model": cfg.model.path or cfg.model.name, "tp": cfg.tp, **model_figures(model, cfg.tp)}
+    return figures
+
+
+if __name__ == "__main__":
+    print(json.dumps(main(sys.argv[1:])))

@@ -1,0 +1,121 @@
+"""SiTU, the AttnRes mixer, the router and the routed experts against their definitions and references."""
+import pytest
+import torch
+from fla.ops.attnres.naive import naive_attnres
+from torch import nn
+
+from miles_k3.model.config import K3Config
+from miles_k3.model.layers import RMSNorm, SiTUMLP, attn_res_mix, situ_gate, situ_glu, situ_up
+from miles_k3.model.moe import LatentMoE, RoutedExperts, TopKRouter
+
+
+def test_situ_definition_and_caps():
+    g = torch.linspace(-50, 50, 2001, dtype=torch.float64)
+    beta, lin = 4.0, 25.0
+    want = beta * torch.tanh(g / beta) * torch.sigmoid(g) * (lin * torch.tanh(g / lin))
+    torch.testing.assert_close(situ_glu(g, g, beta, lin).double(), want.float().double(), rtol=1e-6, atol=1e-5)
+    gate = situ_gate(g, beta)
+    assert gate.max() <= beta and gate.min() > -0.28  # soft cap: gate_act in (-0.27, 4]
+    assert situ_gate(torch.tensor(10.0), beta) < beta
+    assert situ_up(g, lin).abs().max() < lin
+    assert torch.equal(situ_up(g, None), g.float())  # no linear cap when the config's value is null
+    small = torch.linspace(-0.1, 0.1, 101)
+    assert (situ_gate(small, beta) - nn.functional.silu(small)).abs().max() < 1e-4  # ~SiLU near 0
+
+
+def test_situ_mlp_matches_formula():
+    torch.manual_seed(0)
+    mlp = SiTUMLP(16, 24, 4.0, 25.0)
+    x = torch.randn(3, 5, 16)
+    g, u = mlp.gate_proj(x), mlp.up_proj(x)
+    want = mlp.down_proj(4 * torch.tanh(g / 4) * torch.sigmoid(g) * 25 * torch.tanh(u / 25))
+    torch.testing.assert_close(mlp(x), want)
+
+
+@pytest.mark.parametrize("num_sources", [1, 3, 9])
+def test_attn_res_mix_matches_fla_naive_attnres(num_sources):
+    torch.manual_seed(num_sources)
+    d, eps = 32, 1e-5
+    norm, proj = RMSNorm(d, eps), nn.Linear(d, 1, bias=False)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+        proj.weight.normal_()
+    sources = [torch.randn(2, 7, d) * (i + 1) for i in range(num_sources)]
+    got = attn_res_mix(sources, norm, proj)
+    want = naive_attnres(proj.weight[0], sources, norm.weight, rms_eps=eps)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_attn_res_mix_zero_query_is_uniform_average():
+    d = 8
+    sources = [torch.randn(2, 3, d) for _ in range(4)]
+    proj = nn.Linear(d, 1, bias=False)
+    nn.init.zeros_(proj.weight)
+    torch.testing.assert_close(attn_res_mix(sources, RMSNorm(d, 1e-5), proj), torch.stack(sources).mean(0))
+
+
+def test_router_topk_renormalisation_and_selection_bias():
+    torch.manual_seed(0)
+    router = TopKRouter(hidden=12, num_experts=8, top_k=3, renormalize=True, scaling=1.0)
+    nn.init.normal_(router.weight)
+    x = torch.randn(20, 12)
+    ids, w = router(x)
+    scores = torch.sigmoid(x @ router.weight.t())
+    for n in range(20):
+        want_ids = torch.topk(scores[n], 3).indices
+        assert set(ids[n].tolist()) == set(want_ids.tolist())
+        torch.testing.assert_close(w[n], scores[n, ids[n]] / scores[n, ids[n]].sum())
+    torch.testing.assert_close(w.sum(-1), torch.ones(20))
+    # the correction bias changes which experts are chosen, never the weights' source scores
+    with torch.no_grad():
+        router.e_score_correction_bias[5] = 10.0
+    ids_b, w_b = router(x)
+    assert (ids_b == 5).any(-1).all()
+    torch.testing.assert_close(w_b, scores.gather(-1, ids_b) / scores.gather(-1, ids_b).sum(-1, keepdim=True))
+
+
+def test_routed_experts_match_per_token_loop_and_expose_checkpoint_keys():
+    torch.manual_seed(0)
+    experts = RoutedExperts(num_experts=6, latent=16, inter=8, beta=4.0, linear_beta=25.0)
+    for p in experts.parameters():
+        nn.init.normal_(p, std=0.3)
+    z = torch.randn(11, 16)
+    ids = torch.stack([torch.randperm(6)[:2] for _ in range(11)])
+    w = torch.rand(11, 2)
+    want = torch.zeros(11, 16)
+    for n in range(11):
+        for j in range(2):
+            e = ids[n, j]
+            h = situ_glu(z[n] @ experts.w1[e].t(), z[n] @ experts.w3[e].t(), 4.0, 25.0)
+            want[n] += w[n, j] * (h @ experts.w2[e].t())
+    torch.testing.assert_close(experts(z, ids, w), want, rtol=1e-5, atol=1e-5)
+
+    sd = experts.state_dict()
+    assert set(sd) == {f"{e}.{p}.weight" for e in range(6) for p in ("w1", "w2", "w3")}
+    assert sd["3.w2.weight"].shape == (16, 8)
+    other = RoutedExperts(6, 16, 8, 4.0, 25.0)
+    other.load_state_dict(sd)
+    assert torch.equal(other.w2, experts.w2)
+    bad = dict(sd)
+    bad["1.w1.weight"] = torch.zeros(8, 15)
+    with pytest.raises(RuntimeError, match=r"1\.w1\.weight"):
+        other.load_state_dict(bad)
+    del bad["1.w1.weight"]
+    with pytest.raises(RuntimeError, match=r"Missing key.*1\.w1\.weight"):
+        other.load_state_dict(bad)
+
+
+def test_latent_moe_composition():
+    torch.manual_seed(0)
+    cfg = K3Config.from_name("k3_tiny")
+    moe = LatentMoE(cfg)
+    for p in moe.parameters():
+        if p.ndim > 1:
+            nn.init.normal_(p, std=0.1)
+    x = torch.randn(2, 5, cfg.hidden_size)
+    xf = x.reshape(-1, cfg.hidden_size)
+    ids, w = moe.gate(xf)
+    u = moe.experts(moe.routed_expert_down_proj(xf), ids, w)
+    want = moe.routed_expert_up_proj(moe.routed_expert_norm(u)) + moe.shared_experts(xf)
+    torch.testing.assert_close(moe(x), want.view_as(x))
+    assert moe.shared_experts.gate_proj.weight.shape == (2 * cfg.moe_intermediate_size, cfg.hidden_size)

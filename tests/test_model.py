@@ -1,0 +1,171 @@
+"""The K3 model on k3_tiny (fp32, CPU): names, sizes, the two forward modes, chunked prefill, padding, learning."""
+import pytest
+import torch
+
+from miles_k3.model import K3Config, K3ForCausalLM
+from miles_k3.model.kda import KDAAttention
+from miles_k3.model.mla import MLAAttention
+from miles_k3.model_info import main as model_info
+
+# fp32 agreement of two mathematically equal evaluation orders (chunked vs recurrent KDA, naive vs absorbed
+# MLA) through 9 layers; observed max |diff| is ~1e-6 on logits of magnitude ~1.
+LOGIT_TOL = {"rtol": 1e-4, "atol": 1e-4}
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    torch.manual_seed(0)
+    model = K3ForCausalLM(K3Config.from_name("k3_tiny"))
+    # Non-zero AttnRes queries and a trained-looking spread, so mixers and gates are really exercised.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("_res_proj.weight"):
+                p.normal_(0, 0.5)
+    return model.eval().requires_grad_(False)
+
+
+def _ids(b, t, seed=0, vocab=512):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (b, t), generator=g)
+
+
+def test_parameter_counts_of_shipped_configs():
+    expected = {"k3_tiny": 3_074_040, "k3_m": 296_598_624, "k3": 2_779_484_476_000}
+    for name, want in expected.items():
+        with torch.device("meta"):
+            model = K3ForCausalLM(K3Config.from_name(name))
+        assert sum(p.numel() for p in model.parameters()) == want, name
+
+
+def test_model_info_k3_figures():
+    info = model_info(["model=k3"])
+    assert info["params_total"] == 2_779_484_476_000
+    assert info["kda_state_bytes_per_request"]["tp8"] == 54_263_808
+    assert info["kda_state_bytes_per_request"]["tp1"] == 8 * 54_263_808
+    assert info["mla_kv_bytes_per_token"] == 27_648
+    assert (info["num_kda_layers"], info["num_mla_layers"], info["num_moe_layers"]) == (69, 24, 92)
+    # active = all but the embedding table and the 880 unused experts per MoE layer (reference: ~104.2B)
+    unused = 92 * (896 - 16) * 3 * 3072 * 3584
+    assert info["params_active_per_token"] == 2_779_484_476_000 - 163840 * 7168 - unused
+
+
+def test_model_info_other_models_and_paths(tmp_path):
+    tiny = model_info(["model=k3_tiny", "tp=2"])
+    assert tiny["params_total"] == 3_074_040
+    assert tiny["kda_state_bytes_per_request"] == {"tp1": 6 * 4 * 32 * 32 * 4, "tp2": 6 * 2 * 32 * 32 * 4}
+    assert tiny["mla_kv_bytes_per_token"] == 3 * (32 + 8) * 2
+    K3Config.from_name("k3_m").save(tmp_path / "config.json")
+    from_dir = model_info([f"model.path={tmp_path}"])
+    assert from_dir["params_total"] == 296_598_624 and from_dir["model"] == str(tmp_path)
+
+
+def test_state_dict_keys_are_the_checkpoint_names():
+    with torch.device("meta"):
+        model = K3ForCausalLM(K3Config.from_name("k3"))
+    keys = set(model.state_dict())
+    kda = "model.layers.1.self_attn."
+    for suffix in ("q_proj.weight", "k_proj.weight", "v_proj.weight", "g_proj.weight", "q_conv1d.weight",
+                   "k_conv1d.weight", "v_conv1d.weight", "f_a_proj.weight", "f_b_proj.weight", "b_proj.weight",
+                   "A_log", "dt_bias", "o_norm.weight", "o_proj.weight"):
+        assert kda + suffix in keys
+    mla = "model.layers.92.self_attn."
+    for suffix in ("q_a_proj.weight", "q_a_layernorm.weight", "q_b_proj.weight", "kv_a_proj_with_mqa.weight",
+                   "kv_a_layernorm.weight", "kv_b_proj.weight", "g_proj.weight", "o_proj.weight"):
+        assert mla + suffix in keys
+    moe = "model.layers.5.block_sparse_moe."
+    for suffix in ("gate.weight", "gate.e_score_correction_bias", "shared_experts.gate_proj.weight",
+                   "routed_expert_down_proj.weight", "routed_expert_norm.weight", "routed_expert_up_proj.weight",
+                   "experts.0.w1.weight", "experts.895.w2.weight", "experts.17.w3.weight"):
+        assert moe + suffix in keys
+    for key in ("model.embed_tokens.weight", "lm_head.weight", "model.norm.weight",
+                "model.output_attn_res_norm.weight", "model.output_attn_res_proj.weight",
+                "model.layers.0.mlp.gate_proj.weight", "model.layers.0.self_attention_res_proj.weight",
+                "model.layers.7.mlp_res_norm.weight", "model.layers.7.post_attention_layernorm.weight"):
+        assert key in keys
+    assert not any(".mlp." in k for k in keys if k.startswith("model.layers.1."))
+    assert model.model.layers[1].self_attn.q_conv1d.weight.shape == (12288, 1, 4)
+    assert model.state_dict()["model.layers.3.block_sparse_moe.experts.7.w2.weight"].shape == (3584, 3072)
+    assert len(keys) == 93 * 6 + 69 * 14 + 24 * 8 + 3 + 92 * (8 + 3 * 896) + 5
+
+
+def test_cast_keeps_checkpoint_fp32_tensors():
+    model = K3ForCausalLM(K3Config.from_name("k3_tiny")).cast(torch.bfloat16)
+    dtypes = {n: p.dtype for n, p in model.named_parameters()}
+    fp32 = {n for n, d in dtypes.items() if d == torch.float32}
+    assert "model.layers.1.self_attn.A_log" in fp32 and "model.layers.2.self_attn.v_conv1d.weight" in fp32
+    assert "model.layers.4.block_sparse_moe.gate.e_score_correction_bias" in fp32
+    assert all(n.endswith(("A_log", "dt_bias", "conv1d.weight", "o_norm.weight", "e_score_correction_bias"))
+               for n in fp32)
+    assert dtypes["model.layers.3.self_attn.kv_b_proj.weight"] == torch.bfloat16
+
+
+def test_full_sequence_equals_token_by_token_decode(tiny):
+    ids = _ids(3, 21)
+    full = tiny(ids).logits
+    state = tiny.empty_state(3)
+    for t in range(21):
+        out = tiny.step(ids[:, t], state)
+        state = out.state
+        torch.testing.assert_close(out.logits, full[:, t], **LOGIT_TOL)
+    assert state.seq_lens.tolist() == [21, 21, 21]
+
+
+def test_prefill_then_decode_equals_one_shot(tiny):
+    ids = _ids(2, 30, seed=1)
+    full = tiny(ids).logits
+    out = tiny(ids[:, :17], return_state=True)
+    for t in range(17, 30):
+        out = tiny.step(ids[:, t], out.state)
+        torch.testing.assert_close(out.logits, full[:, t], **LOGIT_TOL)
+
+
+def test_state_handed_between_prefill_chunks_equals_one_long_prefill(tiny):
+    ids = _ids(2, 40, seed=2)
+    one = tiny(ids, return_state=True)
+    first = tiny(ids[:, :23], return_state=True)
+    second = tiny(ids[:, 23:], state=first.state, return_state=True)
+    torch.testing.assert_close(second.logits, one.logits[:, 23:], **LOGIT_TOL)
+    for a, b in zip(second.state.layers, one.state.layers):
+        if hasattr(a, "recurrent_BHKV"):
+            torch.testing.assert_close(a.recurrent_BHKV, b.recurrent_BHKV, rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(a.conv_BCW, b.conv_BCW, rtol=1e-4, atol=1e-5)
+        else:
+            torch.testing.assert_close(a.latent_BSL, b.latent_BSL, **LOGIT_TOL)  # RMS-normalised: ~1
+    assert torch.equal(second.state.seq_lens, one.state.seq_lens)
+
+
+def test_right_padded_batch_matches_separate_requests(tiny):
+    lens = [13, 5, 9]
+    rows = [_ids(1, n, seed=10 + i) for i, n in enumerate(lens)]
+    batch = torch.zeros(3, 13, dtype=torch.long)
+    for i, r in enumerate(rows):
+        batch[i, : r.shape[1]] = r[0]
+    out = tiny(batch, seq_lens=torch.tensor(lens), return_state=True)
+    nxt = torch.tensor([7, 8, 9])
+    stepped = tiny.step(nxt, out.state).logits
+    for i, r in enumerate(rows):
+        alone = tiny(r, return_state=True)
+        torch.testing.assert_close(out.logits[i, : lens[i]], alone.logits[0], **LOGIT_TOL)
+        torch.testing.assert_close(stepped[i], tiny.step(nxt[i: i + 1], alone.state).logits[0], **LOGIT_TOL)
+
+
+def test_forward_backward_and_a_few_steps_lower_the_loss():
+    torch.manual_seed(0)
+    model = K3ForCausalLM(K3Config.from_name("k3_tiny"))
+    ids = _ids(4, 32, seed=3)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(6):
+        logits = model(ids[:, :-1]).logits
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert all(torch.isfinite(torch.tensor(losses)))
+    assert losses[-1] < losses[0] - 0.5, losses
+    kda, mla = model.model.layers[1].self_attn, model.model.layers[3].self_attn
+    assert isinstance(kda, KDAAttention) and isinstance(mla, MLAAttention)
+    for p in (kda.A_log, kda.dt_bias, kda.q_conv1d.weight, mla.kv_b_proj.weight,
+              model.model.layers[1].block_sparse_moe.experts.w2):
+        assert p.grad is not None and p.grad.abs().sum() > 0

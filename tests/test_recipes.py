@@ -1,0 +1,74 @@
+"""Every recipe composes and validates; bad overrides fail at once naming the field; the entry points run."""
+import os
+import subprocess
+import sys
+from importlib import resources
+
+import pytest
+from hydra.errors import ConfigCompositionException
+from omegaconf.errors import ConfigKeyError, ValidationError
+
+from miles_k3.config import ConfigFieldError, TrainConfig, compose_config
+from miles_k3.model.build import ModelConfig
+
+RECIPES = sorted(p.name.removesuffix(".yaml")
+                 for p in resources.files("miles_k3.recipes").joinpath("recipe").iterdir()
+                 if p.name.endswith(".yaml"))
+
+
+def test_recipes_are_found():
+    assert {"quickstart", "aime_grpo"} <= set(RECIPES)
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_every_recipe_composes_and_starts_with_its_command(recipe):
+    cfg = compose_config("train", [f"recipe={recipe}"])
+    assert isinstance(cfg, TrainConfig) and isinstance(cfg.model, ModelConfig)
+    text = resources.files("miles_k3.recipes").joinpath(f"recipe/{recipe}.yaml").read_text()
+    commands = [line for line in text.splitlines() if line.startswith("# python -m miles_k3.")]
+    assert commands, f"recipe/{recipe}.yaml must start with the command that runs it"
+
+
+def test_default_and_aime_recipe_values():
+    default = compose_config("train")
+    assert (default.model.name, default.model.path, default.device) == ("k3_tiny", None, "cpu")
+    aime = compose_config("train", ["recipe=aime_grpo"])
+    assert (aime.model.name, aime.model.path) == ("k3", "moonshotai/Kimi-K3")
+    overridden = compose_config("train", ["recipe=aime_grpo", "model.path=/ckpt/k3", "seed=7"])
+    assert (overridden.model.path, overridden.seed) == ("/ckpt/k3", 7)
+
+
+@pytest.mark.parametrize("override, field", [
+    ("model.dtype=fp8", "model.dtype"),
+    ("model.kda_backend=cuda_magic", "model.kda_backend"),
+    ("model.name=k4", "model.name"),
+    ("device=tpu", "device"),
+])
+def test_bad_values_fail_naming_the_field(override, field):
+    with pytest.raises(ConfigFieldError, match=rf"^{field}: "):
+        compose_config("train", [override])
+
+
+def test_unknown_keys_and_bad_types_fail_while_composing():
+    with pytest.raises(ConfigCompositionException, match="model.lr"):
+        compose_config("train", ["model.lr=1e-3"])
+    with pytest.raises((ValidationError, ConfigCompositionException), match="seed"):
+        compose_config("train", ["seed=abc"])
+    with pytest.raises(ConfigCompositionException, match="recipe"):
+        compose_config("train", ["recipe=no_such_recipe"])
+    with pytest.raises((ConfigKeyError, ConfigCompositionException), match="tp"):
+        compose_config("model_info", ["tp=two"])
+    with pytest.raises(ConfigFieldError, match="^tp: "):
+        compose_config("model_info", ["tp=0"])
+
+
+def test_train_entry_point_runs_the_embedded_default(tmp_path):
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run([sys.executable, "-m", "miles_k3.train", f"hydra.run.dir={tmp_path}"],
+                          capture_output=True, text=True, env=env, timeout=300, check=False)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    assert "kda=torch_chunk" in out and "device=cpu" in out and "3,074,040" in out
+    bad = subprocess.run([sys.executable, "-m", "miles_k3.train", "model.dtype=fp8", f"hydra.run.dir={tmp_path}"],
+                         capture_output=True, text=True, env=env, timeout=300, check=False)
+    assert bad.returncode != 0 and "model.dtype" in bad.stderr
