@@ -119,3 +119,44 @@ def test_latent_moe_composition():
     want = moe.routed_expert_up_proj(moe.routed_expert_norm(u)) + moe.shared_experts(xf)
     torch.testing.assert_close(moe(x), want.view_as(x))
     assert moe.shared_experts.gate_proj.weight.shape == (2 * cfg.moe_intermediate_size, cfg.hidden_size)
+
+
+def test_kda_layer_matches_its_definition_with_fla_references():
+    """KDAAttention = projections, causal depthwise conv (explicit loop) + SiLU, L2-normalised q/k, the
+    lower-bound gate (fla naive_kda_lowerbound_gate), sigmoid beta, fla naive_recurrent_kda, per-head RMSNorm
+    gated by sigmoid(g_proj x), o_proj."""
+    from fla.ops.kda.gate import naive_kda_lowerbound_gate
+    from fla.ops.kda.naive import naive_recurrent_kda
+
+    from miles_k3.model.kda import KDAAttention
+    from miles_k3.model.kda_ops import resolve_kda_backend
+
+    torch.manual_seed(0)
+    cfg = K3Config.from_name("k3_tiny")
+    kda = KDAAttention(cfg)
+    for p in kda.parameters():
+        nn.init.normal_(p, std=0.2)
+    b, t, h, d = 2, 11, 4, 32
+    x = torch.randn(b, t, cfg.hidden_size)
+
+    def conv_silu(proj, conv):
+        z = proj(x)  # [B, T, P]
+        w = conv.weight[:, 0]  # [P, W]
+        out = torch.zeros_like(z)
+        for step in range(t):
+            for j in range(4):  # tap j sees token step - 3 + j
+                if step - 3 + j >= 0:
+                    out[:, step] += w[:, j] * z[:, step - 3 + j]
+        return torch.nn.functional.silu(out).view(b, t, h, d)
+
+    q, k, v = (conv_silu(getattr(kda, f"{c}_proj"), getattr(kda, f"{c}_conv1d")) for c in "qkv")
+    q, k = (z / torch.sqrt((z * z).sum(-1, keepdim=True) + 1e-6) for z in (q, k))
+    g = naive_kda_lowerbound_gate(kda.f_b_proj(kda.f_a_proj(x)).view(b, t, h, d), kda.A_log, kda.dt_bias, -5.0)
+    beta = torch.sigmoid(kda.b_proj(x))
+    o, state = naive_recurrent_kda(q, k, v, g, beta, output_final_state=True)
+    o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + cfg.rms_norm_eps) * kda.o_norm.weight
+    want = kda.o_proj((o * torch.sigmoid(kda.g_proj(x)).view(b, t, h, d)).reshape(b, t, -1))
+    got, got_state = kda(x, resolve_kda_backend("torch_chunk", "cpu"))
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(got_state.recurrent_BHKV, state, rtol=1e-4, atol=1e-5)
+    assert (g > -5).all() and (g < 0).all()

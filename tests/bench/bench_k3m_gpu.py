@@ -68,9 +68,11 @@ def main() -> None:
         loss.backward()
         model.zero_grad(set_to_none=True)
 
-    for _ in range(2):
+    t0 = time.perf_counter()
+    for _ in range(2):  # compiles / autotunes fla's kernels on a fresh machine (minutes without a cache)
         step()
     torch.cuda.synchronize()
+    print(f"warmup (2 steps, incl. Triton compile/autotune): {time.perf_counter() - t0:.1f} s", flush=True)
     times = []
     for _ in range(args.iters):
         t0 = time.perf_counter()
