@@ -7,7 +7,6 @@ vs fp32 on CPU, on identical inputs: 3e-2 (the same comparison with the CPU path
 """
 import pytest
 import torch
-
 from parity import layerwise_errors, reference_model, rel
 
 from miles_k3.model.kda_ops import resolve_kda_backend

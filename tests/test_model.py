@@ -1,7 +1,6 @@
 """The K3 model on k3_tiny (fp32, CPU): names, sizes, the two forward modes, chunked prefill, padding, learning."""
 import pytest
 import torch
-
 from parity import layerwise_errors, reference_model
 
 from miles_k3.model import K3Config, K3ForCausalLM

@@ -1,7 +1,8 @@
 """`ModelConfig` (the `model` section of the run config) and building a `K3ForCausalLM` from it.
 
 The architecture comes from `model.path` (a checkpoint directory or a hub id; its `config.json`) when set, else
-from the shipped config `model.name`. Loading the checkpoint's weights is `miles_k3.model.checkpoint`'s job.
+from the shipped config `model.name`. `build_model` initialises the weights randomly; it does not read a
+checkpoint's tensors.
 """
 import logging
 from dataclasses import dataclass

@@ -96,23 +96,11 @@ class K3Config:
         return tuple(i - 1 for i in self.linear_attn_config.full_attn_layers)
 
     def is_mla_layer(self, layer_id: int) -> bool:
-        return layer_id in self._mla_set
+        return layer_id in self.mla_layer_ids
 
     def is_moe_layer(self, layer_id: int) -> bool:
         """DeepSeek rule: dense for the first `first_k_dense_replace` layers, then MoE every `moe_layer_freq`."""
         return layer_id >= self.first_k_dense_replace and layer_id % self.moe_layer_freq == 0
-
-    @property
-    def _mla_set(self) -> frozenset[int]:
-        return frozenset(self.mla_layer_ids)
-
-    @property
-    def kda_proj_dim(self) -> int:
-        return self.linear_attn_config.num_heads * self.linear_attn_config.head_dim
-
-    @property
-    def mla_qk_head_dim(self) -> int:
-        return self.qk_nope_head_dim + self.qk_rope_head_dim
 
     # ---- I/O ----------------------------------------------------------------------------------------
     @classmethod
@@ -177,11 +165,6 @@ class K3Config:
             raise ConfigError(f"unknown model config '{name}'; choose one of {', '.join(SHIPPED_CONFIGS)}")
         text = resources.files("miles_k3.model").joinpath(f"configs/{name}.json").read_text()
         return cls.from_dict(json.loads(text), source=f"miles_k3/model/configs/{name}.json")
-
-    def replace(self, **changes: Any) -> K3Config:
-        cfg = dataclasses.replace(self, **changes)
-        cfg.validate("<replace>")
-        return cfg
 
     # ---- validation ---------------------------------------------------------------------------------
     def validate(self, source: str) -> None:

@@ -32,13 +32,3 @@ class K3State:
 
     seq_lens: torch.Tensor  # [B] int64
     layers: list[KDALayerState | MLALayerState]
-
-    def select(self, rows: torch.Tensor) -> K3State:
-        """The state of a subset (or a repetition, for a group fork) of the requests, as new tensors."""
-        layers = []
-        for st in self.layers:
-            if isinstance(st, KDALayerState):
-                layers.append(KDALayerState(st.conv_BCW[rows], st.recurrent_BHKV[rows]))
-            else:
-                layers.append(MLALayerState(st.latent_BSL[rows]))
-        return K3State(self.seq_lens[rows], layers)
