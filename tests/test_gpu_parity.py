@@ -24,7 +24,7 @@ def _kda_inputs(b=2, t=300, h=8, k=128, seed=0):  # k3_m's KDA shape: kernels co
     return q, kk, v, gate, beta, h0
 
 
-@pytest.mark.parametrize("dtype, tol", [(torch.float32, 5e-3), (torch.bfloat16, 2e-2)], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 5e-3), (torch.bfloat16, 2e-2)], ids=["float32_inputs", "bfloat16_inputs"])
 def test_fla_prefill_matches_torch_chunk_forward_and_backward(dtype, tol):
     ref_b, fla_b = resolve_kda_backend("torch_chunk", "cpu"), resolve_kda_backend("fla", "cuda")
     inputs = _kda_inputs()
