@@ -72,3 +72,21 @@ def test_train_entry_point_runs_the_embedded_default(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "miles_k3.train", "model.dtype=fp8", f"hydra.run.dir={tmp_path}"],
                          capture_output=True, text=True, env=env, timeout=300, check=False)
     assert bad.returncode != 0 and "model.dtype" in bad.stderr
+
+
+def test_model_path_hub_id_fetches_only_config_json(tmp_path, monkeypatch):
+    """A hub id goes through huggingface_hub.hf_hub_download(repo, "config.json"); other bad paths fail clearly."""
+    import types
+
+    from miles_k3.model.build import load_k3_config
+    from miles_k3.model.config import ConfigError, K3Config
+
+    K3Config.from_name("k3_m").save(tmp_path / "config.json")
+    calls = []
+    fake = types.ModuleType("huggingface_hub")
+    fake.hf_hub_download = lambda repo, name: calls.append((repo, name)) or str(tmp_path / name)
+    monkeypatch.setitem(sys.modules, "huggingface_hub", fake)
+    cfg = load_k3_config(ModelConfig(path="moonshotai/Kimi-K3"))
+    assert calls == [("moonshotai/Kimi-K3", "config.json")] and cfg.hidden_size == 768
+    with pytest.raises(ConfigError, match="not a directory, and not a hub id"):
+        load_k3_config(ModelConfig(path=str(tmp_path / "missing" / "dir")))

@@ -25,7 +25,7 @@ from miles_k3.model.kda_ops import KDABackend, resolve_kda_backend
 from miles_k3.model.layers import RMSNorm, SiTUMLP, attn_res_mix
 from miles_k3.model.mla import MLAAttention
 from miles_k3.model.moe import LatentMoE
-from miles_k3.model.state import K3State, KDALayerState, MLALayerState
+from miles_k3.model.state import K3State
 
 log = logging.getLogger(__name__)
 
@@ -171,13 +171,7 @@ class K3ForCausalLM(nn.Module):
         """The state of B requests that have consumed no tokens yet."""
         device = device or self.lm_head.weight.device
         dtype = dtype or self.lm_head.weight.dtype
-        layers: list[KDALayerState | MLALayerState] = []
-        for layer in self.model.layers:
-            if layer.is_mla:
-                width = layer.self_attn.rank + layer.self_attn.rope
-                layers.append(MLALayerState(torch.zeros(batch, 0, width, device=device, dtype=dtype)))
-            else:
-                layers.append(layer.self_attn.empty_state(batch, device, dtype))
+        layers = [layer.self_attn.empty_state(batch, device, dtype) for layer in self.model.layers]
         return K3State(torch.zeros(batch, dtype=torch.long, device=device), layers)
 
     # ---- parameters --------------------------------------------------------------------------------

@@ -44,6 +44,10 @@ class MLAAttention(nn.Module):
         """Latent cache per token for this layer: (kv_lora_rank + rope dims) values (bf16 by default)."""
         return (self.rank + self.rope) * bytes_per_value
 
+    def empty_state(self, batch: int, device, dtype) -> MLALayerState:
+        """No latents yet: what a request holds before its first token."""
+        return MLALayerState(torch.zeros(batch, 0, self.rank + self.rope, device=device, dtype=dtype))
+
     def _queries(self, x_BTD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x_BTD)))
         q_BTHQ = q.view(*x_BTD.shape[:2], self.num_heads, self.nope + self.rope)

@@ -114,7 +114,6 @@ class LatentMoE(nn.Module):
         if cfg.num_shared_experts:
             self.shared_experts = SiTUMLP(d, cfg.num_shared_experts * cfg.moe_intermediate_size,
                                           cfg.activation_situ_beta, cfg.activation_situ_linear_beta)
-        self.active_fraction = cfg.num_experts_per_token / cfg.num_experts
 
     def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
         x_ND = x_BTD.reshape(-1, x_BTD.shape[-1])
