@@ -6,7 +6,8 @@ from torch import nn
 
 from miles_k3.model.config import K3Config
 from miles_k3.model.layers import RMSNorm, SiTUMLP, attn_res_mix, situ_gate, situ_glu, situ_up
-from miles_k3.model.moe import LatentMoE, RoutedExperts, TopKRouter
+from miles_k3.model.experts import RoutedExperts
+from miles_k3.model.moe import LatentMoE, TopKRouter
 
 
 def test_situ_definition_and_caps():

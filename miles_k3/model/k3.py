@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from miles_k3.model.config import K3Config
+from miles_k3.model.experts import RoutedExperts
 from miles_k3.model.kda import KDAAttention
 from miles_k3.model.kda_ops import KDABackend, resolve_kda_backend
 from miles_k3.model.layers import RMSNorm, SiTUMLP, attn_res_mix
@@ -35,7 +36,7 @@ FP32_PARAM_SUFFIXES = ("A_log", "dt_bias", "conv1d.weight", "o_norm.weight", "e_
 
 
 class K3DecoderLayer(nn.Module):
-    def __init__(self, cfg: K3Config, layer_id: int):
+    def __init__(self, cfg: K3Config, layer_id: int, expert_format: str = "bf16"):
         super().__init__()
         d, eps = cfg.hidden_size, cfg.rms_norm_eps
         self.layer_id = layer_id
@@ -50,7 +51,7 @@ class K3DecoderLayer(nn.Module):
         self.self_attn = MLAAttention(cfg) if self.is_mla else KDAAttention(cfg)
         self.is_moe = cfg.is_moe_layer(layer_id)
         if self.is_moe:
-            self.block_sparse_moe = LatentMoE(cfg)
+            self.block_sparse_moe = LatentMoE(cfg, expert_format)
         else:
             self.mlp = SiTUMLP(d, cfg.intermediate_size, cfg.activation_situ_beta, cfg.activation_situ_linear_beta)
 
@@ -74,11 +75,11 @@ class K3DecoderLayer(nn.Module):
 
 
 class K3Model(nn.Module):
-    def __init__(self, cfg: K3Config):
+    def __init__(self, cfg: K3Config, expert_format: str = "bf16"):
         super().__init__()
         d = cfg.hidden_size
         self.embed_tokens = nn.Embedding(cfg.vocab_size, d)
-        self.layers = nn.ModuleList(K3DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(K3DecoderLayer(cfg, i, expert_format) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(d, cfg.rms_norm_eps)
         self.output_attn_res_norm = RMSNorm(d, cfg.rms_norm_eps)
         self.output_attn_res_proj = nn.Linear(d, 1, bias=False)
@@ -99,14 +100,16 @@ class K3Output:
 
 
 class K3ForCausalLM(nn.Module):
-    """Kimi K3 text backbone + LM head. `kda_backend`: "auto" or a name from `kda_ops` (resolved per device)."""
+    """Kimi K3 text backbone + LM head. `kda_backend`: "auto" or a name from `kda_ops` (resolved per device).
+    `expert_format`: routed experts as "bf16" parameters or frozen "mxfp4" storage (`experts.py`)."""
 
-    def __init__(self, cfg: K3Config, kda_backend: str = "auto"):
+    def __init__(self, cfg: K3Config, kda_backend: str = "auto", expert_format: str = "bf16"):
         super().__init__()
         self.config = cfg
+        self.expert_format = expert_format
         self.kda_backend_name = kda_backend
         self._backends: dict[str, KDABackend] = {}
-        self.model = K3Model(cfg)
+        self.model = K3Model(cfg, expert_format)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -190,6 +193,9 @@ class K3ForCausalLM(nn.Module):
                 p.fill_(1.0)
             else:
                 p.normal_(0.0, std)
+        for m in self.modules():
+            if isinstance(m, RoutedExperts) and m.expert_format == "mxfp4":
+                m.reset_parameters(std)
 
     def cast(self, dtype: torch.dtype) -> K3ForCausalLM:
         """Cast to `dtype`, keeping the checkpoint's fp32 tensors (A_log, dt_bias, convs, o_norm, bias) fp32."""

@@ -1,0 +1,216 @@
+"""K3's routed experts (`block_sparse_moe.experts`): E SiTU-GLU experts in the latent width, stored as bf16
+parameters or, as in the published checkpoint, as frozen native MXFP4 (compressed-tensors
+`mxfp4-pack-quantized`: `weight_packed` uint8 [out, in/2] + `weight_scale` uint8 E8M0 [out, in/32]).
+
+Tokens arrive grouped by expert (rows of expert 0, then expert 1, ...; `counts[e]` rows each). Every
+projection is a grouped matmul `y[rows of e] = x[rows of e] @ W_e^T`. In MXFP4 format the weights are
+dequantized on the fly, a chunk of experts at a time, by `MXFP4GroupedLinear`, an autograd function that
+saves only references to the uint8 storage and re-dequantizes in backward (input gradient only): no bf16
+copy of an expert weight is ever kept, neither as storage nor for backward. Optional per-expert LoRA
+deltas (`self.lora`, see `miles_k3.model.lora`) are added to each projection's output.
+
+Legend: M routed rows (token-expert pairs), E experts, I expert width (moe_intermediate_size), Dl latent
+width, O/In a projection's output/input width.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from miles_k3.model.layers import situ_glu
+from miles_k3.mxfp4 import GROUP_SIZE, dequantize_mxfp4, quantize_mxfp4
+
+EXPERT_FORMATS = ("bf16", "mxfp4")
+PROJS = ("w1", "w2", "w3")  # gate, down, up (checkpoint names)
+# Experts dequantized at once in MXFP4 format: bounds the transient bf16 buffer (K3: 64 x 22 MB = 1.4 GB).
+DEQUANT_CHUNK = 64
+
+
+def _use_grouped_mm(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """torch._grouped_mm (one kernel for all experts) for bf16 on CUDA with 16-byte aligned widths."""
+    return (x.is_cuda and x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16
+            and x.shape[-1] % 8 == 0 and w.shape[1] % 8 == 0)
+
+
+def grouped_linear(x_MI: torch.Tensor, counts: list[int], w_EOI: torch.Tensor) -> torch.Tensor:
+    """y [M, O]: rows of x grouped by expert (counts[e] rows for expert e, in order) times w[e]^T.
+
+    Ordinary autograd: differentiable in x and w. On CUDA bf16 one `torch._grouped_mm` kernel; otherwise
+    one matmul per expert that has rows (the CPU reference path).
+    """
+    assert len(counts) == w_EOI.shape[0] and sum(counts) == x_MI.shape[0], (len(counts), w_EOI.shape)
+    if x_MI.shape[0] == 0:
+        return x_MI.new_zeros(0, w_EOI.shape[1])
+    if _use_grouped_mm(x_MI, w_EOI):
+        offs = torch.tensor(counts, device=x_MI.device, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        return torch._grouped_mm(x_MI, w_EOI.transpose(1, 2), offs=offs)
+    outs = [x_e @ w_EOI[e].t() for e, x_e in enumerate(torch.split(x_MI, counts)) if counts[e]]
+    return torch.cat(outs)
+
+
+def _mxfp4_grouped(x_MI: torch.Tensor, counts: list[int], packed: torch.Tensor, scale: torch.Tensor,
+                   transpose: bool) -> torch.Tensor:
+    """x @ W_e^T (or x @ W_e with `transpose`) over MXFP4 experts, dequantizing DEQUANT_CHUNK experts at a
+    time (only chunks that have rows) into x's dtype. packed [E, O, In/2], scale [E, O, In/32]."""
+    num_experts, out_rows = packed.shape[0], packed.shape[1]
+    width = packed.shape[2] * 2 if transpose else out_rows
+    y = x_MI.new_empty(x_MI.shape[0], width)
+    starts = [0]
+    for c in counts:
+        starts.append(starts[-1] + c)
+    for e0 in range(0, num_experts, DEQUANT_CHUNK):
+        e1 = min(num_experts, e0 + DEQUANT_CHUNK)
+        r0, r1 = starts[e0], starts[e1]
+        if r1 == r0:
+            continue
+        active = [e for e in range(e0, e1) if counts[e]]
+        lo, hi = active[0], active[-1] + 1  # dequantize only the span of experts that have rows
+        w = dequantize_mxfp4(packed[lo:hi], scale[lo:hi], dtype=x_MI.dtype)  # [c, O, In]
+        if transpose:
+            w = w.transpose(1, 2)
+        y[r0:r1] = grouped_linear(x_MI[r0:r1], counts[lo:hi], w)
+        del w
+    return y
+
+
+class MXFP4GroupedLinear(torch.autograd.Function):
+    """y = grouped x @ dequant(W)^T for frozen MXFP4 experts. Saves only the uint8 storage (references, no
+    copy) and re-dequantizes in backward; returns the input gradient only (the base is frozen)."""
+
+    @staticmethod
+    def forward(ctx, x_MI, counts, packed, scale):
+        ctx.counts = counts
+        ctx.save_for_backward(packed, scale)
+        return _mxfp4_grouped(x_MI, counts, packed, scale, transpose=False)
+
+    @staticmethod
+    def backward(ctx, grad_MO):
+        packed, scale = ctx.saved_tensors
+        grad_x = _mxfp4_grouped(grad_MO.contiguous(), ctx.counts, packed, scale, transpose=True)
+        return grad_x, None, None, None
+
+
+class RoutedExperts(nn.Module):
+    """E SiTU-GLU experts: w1 (gate), w3 (up) [E, I, Dl] and w2 (down) [E, Dl, I].
+
+    `expert_format`: "bf16" keeps stacked Parameters `w1`, `w2`, `w3`; "mxfp4" keeps uint8 buffers
+    `w1_packed` [E, I, Dl/2], `w1_scale` [E, I, Dl/32] (same for w3; w2: [E, Dl, I/2], [E, Dl, I/32]) and
+    never a bf16 copy. The state dict exposes the checkpoint's per-expert names, as views into the stacked
+    storage: `{e}.w1.weight` (bf16) or `{e}.w1.weight_packed` + `{e}.w1.weight_scale` (mxfp4).
+    `lora`: None, or an nn.ModuleDict over some of w1/w2/w3 whose modules map (x [M, In], counts) to a
+    delta [M, O] added to that projection's output.
+    """
+
+    def __init__(self, num_experts: int, latent: int, inter: int, beta: float, linear_beta: float | None,
+                 expert_format: str = "bf16"):
+        super().__init__()
+        if expert_format not in EXPERT_FORMATS:
+            raise ValueError(f"expert_format: '{expert_format}' is not one of {', '.join(EXPERT_FORMATS)}")
+        self.num_experts, self.latent, self.inter = num_experts, latent, inter
+        self.beta, self.linear_beta, self.expert_format = beta, linear_beta, expert_format
+        self.lora: nn.ModuleDict | None = None
+        for name in PROJS:
+            out_f, in_f = self.proj_shape(name)
+            if expert_format == "bf16":
+                setattr(self, name, nn.Parameter(torch.empty(num_experts, out_f, in_f)))
+                continue
+            if in_f % GROUP_SIZE:
+                raise ValueError(f"{name}: input width {in_f} is not a multiple of the MXFP4 group size "
+                                 f"{GROUP_SIZE}; use expert_format=bf16 for this config")
+            self.register_buffer(f"{name}_packed", torch.zeros(num_experts, out_f, in_f // 2, dtype=torch.uint8))
+            self.register_buffer(f"{name}_scale",
+                                 torch.zeros(num_experts, out_f, in_f // GROUP_SIZE, dtype=torch.uint8))
+
+    def proj_shape(self, name: str) -> tuple[int, int]:
+        """(out, in) of one expert's projection `name`."""
+        return (self.latent, self.inter) if name == "w2" else (self.inter, self.latent)
+
+    def num_params(self) -> int:
+        """Logical (decoded) parameters of all experts, whatever the storage format."""
+        return self.num_experts * sum(o * i for o, i in map(self.proj_shape, PROJS))
+
+    # ---- compute -----------------------------------------------------------------------------------
+    def project(self, name: str, x_MI: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """Projection `name` of grouped rows: base (bf16 or MXFP4) plus the LoRA delta if attached."""
+        if self.expert_format == "bf16":
+            y = grouped_linear(x_MI, counts, getattr(self, name).to(x_MI.dtype))
+        else:
+            y = MXFP4GroupedLinear.apply(x_MI, counts, getattr(self, f"{name}_packed"),
+                                         getattr(self, f"{name}_scale"))
+        if self.lora is not None and name in self.lora:
+            y = y + self.lora[name](x_MI, counts).to(y.dtype)
+        return y
+
+    def forward(self, z_ND: torch.Tensor, ids_NK: torch.Tensor, w_NK: torch.Tensor) -> torch.Tensor:
+        """u = sum_k w[n,k] * E_{ids[n,k]}(z[n]); expert outputs rounded to z's dtype, weighted in fp32."""
+        n_tok, top_k = ids_NK.shape
+        if n_tok == 0:
+            return torch.zeros_like(z_ND)
+        flat_ids = ids_NK.reshape(-1)
+        order = torch.argsort(flat_ids, stable=True)
+        token_of = order // top_k
+        counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()  # one host sync per layer
+        z_MI = z_ND[token_of]
+        h = situ_glu(self.project("w1", z_MI, counts), self.project("w3", z_MI, counts),
+                     self.beta, self.linear_beta)
+        y_MD = self.project("w2", h, counts)
+        # Back to (token, slot) order and a sum over the K slots in fp32: deterministic (no atomics), so the
+        # trainer and the engine reproduce each other bit for bit.
+        y_NKD = torch.empty_like(y_MD).index_copy_(0, order, y_MD).view(n_tok, top_k, -1)
+        return (y_NKD.float() * w_NK.unsqueeze(-1)).sum(1).to(z_ND.dtype)
+
+    # ---- storage -----------------------------------------------------------------------------------
+    def dequantized(self, name: str, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        """A new [E, O, In] tensor of projection `name`'s decoded weights (a copy: for references/merging)."""
+        if self.expert_format == "bf16":
+            return getattr(self, name).detach().to(dtype, copy=True)
+        return dequantize_mxfp4(getattr(self, f"{name}_packed"), getattr(self, f"{name}_scale"), dtype=dtype)
+
+    @torch.no_grad()
+    def reset_parameters(self, std: float = 0.02, scale_rule: str = "floor") -> None:
+        """N(0, std) weights; in MXFP4 format drawn per expert and quantized (no bf16 layer copy)."""
+        for name in PROJS:
+            if self.expert_format == "bf16":
+                getattr(self, name).normal_(0.0, std)
+                continue
+            packed, scale = getattr(self, f"{name}_packed"), getattr(self, f"{name}_scale")
+            if packed.is_meta:
+                continue
+            out_f, in_f = self.proj_shape(name)
+            for e in range(self.num_experts):
+                w = torch.empty(out_f, in_f, device=packed.device).normal_(0.0, std)
+                packed[e], scale[e] = quantize_mxfp4(w, scale_rule)
+
+    def _stored(self) -> dict[str, torch.Tensor]:
+        """Checkpoint suffix (`w1.weight`, or `w1.weight_packed`/`w1.weight_scale`) -> stacked tensor."""
+        if self.expert_format == "bf16":
+            return {f"{n}.weight": getattr(self, n) for n in PROJS}
+        return {f"{n}.weight_{kind}": getattr(self, f"{n}_{kind}") for n in PROJS for kind in ("packed", "scale")}
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        for suffix, stacked in self._stored().items():
+            for e in range(self.num_experts):
+                destination[f"{prefix}{e}.{suffix}"] = stacked[e] if keep_vars else stacked[e].detach()
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
+        expected = set()
+        for suffix, stacked in self._stored().items():
+            for e in range(self.num_experts):
+                key = f"{prefix}{e}.{suffix}"
+                expected.add(key)
+                if key not in state_dict:
+                    missing_keys.append(key)
+                elif state_dict[key].shape != stacked.shape[1:]:
+                    error_msgs.append(f"size mismatch for {key}: checkpoint {tuple(state_dict[key].shape)}, "
+                                      f"model {tuple(stacked.shape[1:])}")
+                elif stacked.dtype == torch.uint8 and state_dict[key].dtype != torch.uint8:
+                    error_msgs.append(f"dtype mismatch for {key}: checkpoint {state_dict[key].dtype}, "
+                                      "model torch.uint8 (MXFP4 storage)")
+                else:
+                    with torch.no_grad():
+                        stacked[e].copy_(state_dict[key])
+        if strict:
+            # Own direct entries only; keys of child modules (the LoRA deltas) are theirs to claim.
+            unexpected_keys.extend(k for k in state_dict if k.startswith(prefix) and k not in expected
+                                   and not k[len(prefix):].startswith("lora."))
