@@ -1,9 +1,11 @@
 """`ModelConfig` (the `model` section of the run config) and building a `K3ForCausalLM` from it.
 
-The architecture comes from `model.path` (a checkpoint directory or a hub id; its `config.json`) when set, else
-from the shipped config `model.name`. `build_model` initialises the weights randomly; it does not read a
-checkpoint's tensors.
+The architecture comes from `model.path` (a checkpoint directory or a hub id; its `config.json`) when set,
+else from the shipped config `model.name`. With `path`, `build_model` loads the checkpoint's weights
+(`checkpoint.load_checkpoint`; a hub id is first fetched into the huggingface_hub cache: config, tokenizer and
+text weights only); without it, it initialises the weights randomly.
 """
+import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,10 +14,14 @@ from typing import Optional
 import torch
 
 from miles_k3.model.config import SHIPPED_CONFIGS, ConfigError, K3Config
-from miles_k3.model.k3 import K3ForCausalLM
+from miles_k3.model.experts import EXPERT_FORMATS, RoutedExperts
+from miles_k3.model.k3 import CHECKPOINT_PREFIX, K3ForCausalLM
 from miles_k3.model.kda_ops import BACKEND_NAMES
 
 log = logging.getLogger(__name__)
+
+# Fetched from the hub before the weights: config, index, tokenizer and its code (no weights, no images).
+HUB_NON_WEIGHT_PATTERNS = ["*.json", "*.py", "*.model", "*.txt", "*.jinja", "tokenizer*"]
 
 
 @dataclass
@@ -23,11 +29,18 @@ class ModelConfig:
     name: str = "k3_tiny"
     """Shipped architecture used when `path` is null: k3 (published 2.78T), k3_m (~0.3B), k3_tiny (~3.1M)."""
     path: Optional[str] = None  # noqa: UP045 (OmegaConf 2.3 structured configs need Optional)
-    """A checkpoint directory or a hub id (e.g. moonshotai/Kimi-K3); its config.json defines the architecture."""
+    """A checkpoint directory or a hub id (e.g. moonshotai/Kimi-K3): its config.json defines the architecture
+    and its weights are loaded."""
     dtype: str = "auto"
     """Activation/weight dtype: auto (bf16 on CUDA, fp32 on CPU), bf16 or fp32. fp32 tensors stay fp32."""
     kda_backend: str = "auto"
     """KDA math: auto, torch_chunk, naive_recurrent, naive_chunk (CPU references) or fla (CUDA kernels)."""
+    experts: str = "auto"
+    """Routed-expert storage: auto (as stored in the checkpoint; mxfp4 for a random init), mxfp4 (frozen
+    native MXFP4, quantized with the floor rule when the checkpoint is bf16), or bf16 (a dequantized copy, for
+    references and benchmarks)."""
+    trust_remote_code: bool = False
+    """Run the tokenizer code shipped in the model directory (the real K3: tokenization_kimi.py)."""
 
     def validate(self) -> None:
         if self.name not in SHIPPED_CONFIGS:
@@ -36,31 +49,105 @@ class ModelConfig:
             raise ValueError(f"dtype: '{self.dtype}' is not one of auto, bf16, fp32")
         if self.kda_backend not in BACKEND_NAMES:
             raise ValueError(f"kda_backend: '{self.kda_backend}' is not one of {list(BACKEND_NAMES)}")
+        if self.experts not in ("auto", *EXPERT_FORMATS):
+            raise ValueError(f"experts: '{self.experts}' is not one of {['auto', *EXPERT_FORMATS]}")
+        if not isinstance(self.trust_remote_code, bool):
+            raise ValueError(  # noqa: TRY004 (config errors are ValueErrors, prefixed with the field path)
+                f"trust_remote_code: expected true or false, got {self.trust_remote_code!r}")
+
+
+def _hub_id(cfg: ModelConfig) -> str:
+    """`cfg.path` when it is not a local directory: it must look like a hub id (owner/name)."""
+    path = Path(cfg.path).expanduser()
+    if path.exists() or cfg.path.count("/") != 1 or cfg.path.startswith((".", "/", "~")):
+        raise ConfigError(f"model.path={cfg.path}: not a directory, and not a hub id of the form owner/name")
+    return cfg.path
+
+
+def _hub_unavailable(cfg: ModelConfig, err: Exception) -> ConfigError:
+    return ConfigError(f"model.path={cfg.path}: the hub id could not be fetched ({type(err).__name__}: "
+                       f"{err}); HF_HUB_OFFLINE=1 or no network access is the likely cause: pass a local "
+                       "checkpoint directory as model.path")
 
 
 def load_k3_config(cfg: ModelConfig) -> K3Config:
-    """The architecture: `path`'s config.json (directory, or hub id fetched with huggingface_hub) or `name`."""
+    """The architecture: `path`'s config.json (a directory, or a hub id: config.json only) or `name`."""
     if cfg.path is None:
         return K3Config.from_name(cfg.name)
     path = Path(cfg.path).expanduser()
     if path.is_dir():
         return K3Config.from_json_file(path / "config.json")
-    if path.exists() or cfg.path.count("/") != 1 or cfg.path.startswith((".", "/", "~")):
-        raise ConfigError(f"model.path={cfg.path}: not a directory, and not a hub id of the form owner/name")
+    repo = _hub_id(cfg)
     try:
         from huggingface_hub import hf_hub_download
     except ImportError:
         raise ConfigError(f"model.path={cfg.path} looks like a hub id; install huggingface_hub "
-                          "(pip install 'miles-k3[hub]') or pass a local checkpoint directory") from None
-    return K3Config.from_json_file(hf_hub_download(cfg.path, "config.json"))
+                          "or pass a local checkpoint directory") from None
+    try:
+        return K3Config.from_json_file(hf_hub_download(repo, "config.json"))
+    except (OSError, ValueError) as e:
+        if isinstance(e, ConfigError):
+            raise
+        raise _hub_unavailable(cfg, e) from None
+
+
+def checkpoint_dir(cfg: ModelConfig) -> Path:
+    """The local checkpoint directory of `cfg.path`: the directory itself, or a hub id's snapshot in the
+    huggingface_hub cache with config, tokenizer files and the shards that hold text weights (vision shards
+    are not fetched)."""
+    path = Path(cfg.path).expanduser()
+    if path.is_dir():
+        return path
+    repo = _hub_id(cfg)
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError:
+        raise ConfigError(f"model.path={cfg.path} looks like a hub id; install huggingface_hub "
+                          "or pass a local checkpoint directory") from None
+    try:
+        local = Path(snapshot_download(repo, allow_patterns=HUB_NON_WEIGHT_PATTERNS))
+        shards = _text_weight_files(local)
+        local = Path(snapshot_download(repo, allow_patterns=HUB_NON_WEIGHT_PATTERNS + shards))
+    except (OSError, ValueError) as e:
+        raise _hub_unavailable(cfg, e) from None
+    return local
+
+
+def _text_weight_files(local: Path) -> list[str]:
+    """Weight files of a (partially fetched) snapshot that hold `language_model.` tensors."""
+    index = local / "model.safetensors.index.json"
+    if not index.is_file():
+        return ["model.safetensors"]
+    weight_map = json.loads(index.read_text()).get("weight_map", {})
+    return sorted({f for n, f in weight_map.items() if n.startswith(CHECKPOINT_PREFIX)})
+
+
+def num_params(model: K3ForCausalLM) -> int:
+    """Logical parameters: every parameter once, plus MXFP4 routed experts counted decoded."""
+    dense = sum(p.numel() for n, p in model.named_parameters() if "lora_" not in n)
+    return dense + sum(m.num_params() for m in model.modules()
+                       if isinstance(m, RoutedExperts) and m.expert_format == "mxfp4")
 
 
 def build_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> K3ForCausalLM:
-    """A randomly initialised K3 on `device` in `dtype` (fp32 tensors kept), with its KDA backend resolved."""
-    k3 = load_k3_config(cfg)
-    with torch.device(device):
-        model = K3ForCausalLM(k3, kda_backend=cfg.kda_backend).cast(dtype)
-    if device.type != "meta":
-        model.kda_backend(device)  # resolve and log the backend choice now, not at the first forward
-    log.info("model=%s: %s parameters", cfg.path or cfg.name, f"{sum(p.numel() for p in model.parameters()):,}")
+    """The K3 of `cfg` on `device` in `dtype` (fp32 tensors kept), with its KDA backend resolved.
+
+    With `path`: the checkpoint's weights (frozen), experts per `cfg.experts`. Without: a random init with
+    MXFP4 experts unless `cfg.experts` is bf16.
+    """
+    if cfg.path is not None:
+        from miles_k3.model.checkpoint import load_checkpoint
+
+        model = load_checkpoint(checkpoint_dir(cfg), device, dtype, expert_format=cfg.experts,
+                                kda_backend=cfg.kda_backend)
+    else:
+        fmt = "mxfp4" if cfg.experts == "auto" else cfg.experts
+        with torch.device(device):
+            model = K3ForCausalLM(K3Config.from_name(cfg.name), kda_backend=cfg.kda_backend,
+                                  expert_format=fmt).cast(dtype)
+        model.requires_grad_(False)  # the base is frozen; adapters (miles_k3.model.lora) are what trains
+        if device.type != "meta":
+            model.kda_backend(device)  # resolve and log the backend choice now, not at the first forward
+    log.info("model=%s: %s parameters, experts %s", cfg.path or cfg.name, f"{num_params(model):,}",
+             model.expert_format)
     return model

@@ -1,0 +1,445 @@
+"""The K3 checkpoint directory (Hugging Face layout): read, validate, load and write it. A checkpoint is
+`config.json` (published K3 keys, flat or nested under `text_config`; with a compressed-tensors
+`quantization_config` when the routed experts are MXFP4) plus `model.safetensors` or shards listed by
+`model.safetensors.index.json` (`metadata.total_size`, `weight_map`; any shard names). Tensor names are
+`language_model.` + the `K3ForCausalLM.state_dict()` key; top-level `vision_tower.*` / `mm_projector.*`
+tensors are skipped (text-only model). Stored dtypes: bf16, except the fp32 families (`FP32_PARAM_SUFFIXES`)
+and the uint8 MXFP4 experts (`…experts.{e}.w{1,2,3}.weight_packed` [out, in/2] + `.weight_scale`
+[out, in/32]). `A_log` is stored padded with zeros to a multiple of 128 entries (the published [128] for 96
+heads); the model holds one per head. `load_checkpoint` validates every name, shape and dtype from the headers
+before copying anything, then streams tensors one at a time into a model built on the meta device.
+Writing (atomic: a temporary sibling directory renamed into place when complete) is in
+`checkpoint_writer.py`.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import logging
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+from torch.overrides import TorchFunctionMode
+
+from miles_k3.model.config import K3Config
+from miles_k3.model.experts import EXPERT_FORMATS
+from miles_k3.model.k3 import CHECKPOINT_PREFIX, FP32_PARAM_SUFFIXES, K3ForCausalLM
+from miles_k3.mxfp4 import GROUP_SIZE, dequantize_mxfp4, quantize_mxfp4
+
+log = logging.getLogger(__name__)
+
+CONFIG_FILE = "config.json"
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+SKIPPED_PREFIXES = ("vision_tower.", "mm_projector.")  # multimodal towers: not part of the text model
+DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
+A_LOG_PAD = 128  # the published A_log is padded with zeros to a multiple of this
+MXFP4_FORMAT = "mxfp4-pack-quantized"
+EXPERT_NAME = re.compile(r"^(?P<base>.*\.experts\.\d+\.w[123])\.(?P<kind>weight|weight_packed|weight_scale)$")
+_MAX_LISTED = 8
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory is unusable; the message names the tensor and file and says how to fix it."""
+
+
+def mxfp4_quantization_config() -> dict[str, Any]:
+    """The published K3 `quantization_config` (compressed-tensors `mxfp4-pack-quantized`), verbatim."""
+    weights = {"actorder": None, "block_structure": None, "dynamic": False, "group_size": GROUP_SIZE,
+               "num_bits": 4, "observer": "minmax", "observer_kwargs": {}, "scale_dtype": "torch.uint8",
+               "strategy": "group", "symmetric": True, "type": "float", "zp_dtype": None}
+    return {
+        "config_groups": {"group_0": {"format": MXFP4_FORMAT, "input_activations": None,
+                                      "output_activations": None, "targets": ["Linear"], "weights": weights}},
+        "format": MXFP4_FORMAT,
+        "global_compression_ratio": None,
+        "ignore": ["re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\.(gate|up|gate_up|down)_proj.*",
+                   "re:.*lm_head.*", "re:.*vision_tower.*", "re:.*mm_projector.*"],
+        "kv_cache_scheme": None,
+        "quant_method": "compressed-tensors",
+        "quantization_status": "compressed",
+    }
+
+
+def checkpoint_config(cfg: K3Config, expert_format: str) -> dict[str, Any]:
+    """`config.json` contents: the flat published keys, with the quantization_config iff experts are MXFP4."""
+    out = cfg.to_dict()
+    out.pop("quantization_config", None)
+    if expert_format == "mxfp4":
+        out["quantization_config"] = mxfp4_quantization_config()
+    return out
+
+
+# ---- the expected tensors of a config --------------------------------------------------------------------
+@dataclass(frozen=True)
+class TensorSpec:
+    """A stored tensor: shape and safetensors dtype name (BF16, F32, U8)."""
+
+    shape: tuple[int, ...]
+    dtype: str
+
+
+def stored_dtype(name: str, tensor_dtype: torch.dtype) -> str:
+    """Stored dtype of a model tensor: U8 for MXFP4 storage, F32 for the fp32 families, else BF16."""
+    if tensor_dtype == torch.uint8:
+        return "U8"
+    return "F32" if name.endswith(FP32_PARAM_SUFFIXES) else "BF16"
+
+
+def padded_a_log_len(num_heads: int) -> int:
+    """Stored length of `A_log`: num_heads rounded up to a multiple of 128 (K3: 96 -> 128)."""
+    return -(-num_heads // A_LOG_PAD) * A_LOG_PAD
+
+
+class _SkipMetaInit(TorchFunctionMode):
+    """In-place init ops on meta tensors become no-ops. They compute nothing there anyway, but several are
+    Python decompositions whose first call imports torch._dynamo: seconds per process for an empty model."""
+
+    OPS = frozenset(("normal_", "uniform_", "log_", "exp_", "fill_", "zero_", "mul_", "add_", "sub_", "div_",
+                     "neg_", "clamp_", "copy_", "erfinv_"))
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        target = args[0] if args else kwargs.get("tensor", kwargs.get("self"))
+        if getattr(func, "__name__", "") in self.OPS and isinstance(target, torch.Tensor) and target.is_meta:
+            return target
+        return func(*args, **kwargs)
+
+
+def meta_model(cfg: K3Config, expert_format: str = "bf16", kda_backend: str = "auto") -> K3ForCausalLM:
+    """A `K3ForCausalLM` on the meta device (shapes and dtypes only, no memory), built without init."""
+    with torch.device("meta"), _SkipMetaInit():
+        return K3ForCausalLM(cfg, kda_backend=kda_backend, expert_format=expert_format)
+
+
+def expected_tensors(cfg: K3Config, expert_format: str) -> dict[str, TensorSpec]:
+    """Checkpoint name -> stored spec of every text tensor of `cfg` with experts in `expert_format`.
+
+    Computed from a model on the meta device (no memory). `A_log` has its padded stored shape; a tied LM head
+    is stored once (as the embedding).
+    """
+    model = meta_model(cfg, expert_format)
+    specs = {}
+    for key, t in model.state_dict().items():
+        if key == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        shape = tuple(t.shape)
+        if key.endswith("A_log"):
+            shape = (padded_a_log_len(shape[0]),)
+        specs[CHECKPOINT_PREFIX + key] = TensorSpec(shape, stored_dtype(key, t.dtype))
+    return specs
+
+
+# ---- reading ----------------------------------------------------------------------------------------------
+@dataclass
+class CheckpointInfo:
+    """What a checkpoint directory holds, validated against its config (headers only, no tensor data).
+
+    `tensors`: text tensor name -> (file, stored spec); `other_tensors`: skipped (vision) name -> file, for
+    the files that are present; `expert_format`: "bf16" or "mxfp4" as stored.
+    """
+
+    path: Path
+    raw_config: dict[str, Any]
+    config: K3Config
+    expert_format: str
+    tensors: dict[str, tuple[Path, TensorSpec]]
+    other_tensors: dict[str, Path] = field(default_factory=dict)
+
+
+def inspect_checkpoint(path: str | Path) -> CheckpointInfo:
+    """Read config, index and safetensors headers of a checkpoint directory and validate every text tensor's
+    name, shape and dtype (and the zero padding of `A_log`). Raises CheckpointError naming tensor and file."""
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: not a directory; pass a checkpoint directory (config.json + "
+                              f"{SINGLE_FILE} or {INDEX_FILE} and shards)")
+    raw = _read_json(path / CONFIG_FILE, "the model config")
+    cfg = K3Config.from_dict(raw, source=str(path / CONFIG_FILE))
+    locations = _tensor_locations(path)
+    text = {n: f for n, f in locations.items() if n.startswith(CHECKPOINT_PREFIX)}
+    skipped = {n: f for n, f in locations.items() if n.startswith(SKIPPED_PREFIXES)}
+    for name, file in locations.items():
+        if name not in text and name not in skipped:
+            raise CheckpointError(f"unexpected tensor '{name}' in {file}: neither a text tensor "
+                                  f"('{CHECKPOINT_PREFIX}…') nor a skipped vision tensor "
+                                  f"({', '.join(SKIPPED_PREFIXES)}…); remove it or fix its name")
+    _check_files_exist(path, text)
+    headers = _read_headers(text)
+    fmt = _stored_expert_format(headers)
+    if fmt == "mxfp4":
+        _check_quantization_config(raw, path / CONFIG_FILE, next(n for n in headers if n.endswith("_packed")))
+    tensors = _validate_tensors(cfg, fmt, headers)
+    _check_a_log_padding(cfg, tensors)
+    other = {n: f for n, f in skipped.items() if f.is_file()}
+    if len(other) < len(skipped):
+        log.info("%s: %d vision/projector tensors are in files not present here (text-only copy); skipped",
+                 path, len(skipped) - len(other))
+    return CheckpointInfo(path, raw, cfg, fmt, tensors, other)
+
+
+def _read_json(file: Path, what: str) -> dict[str, Any]:
+    try:
+        raw = json.loads(file.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{file}: missing ({what}); a checkpoint directory must contain it") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{file}: not valid JSON ({e}); re-download or re-write it") from None
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{file}: expected a JSON object, got {type(raw).__name__}; re-write it")
+    return raw
+
+
+def _tensor_locations(path: Path) -> dict[str, Path]:
+    """Tensor name -> file, from the index's weight_map, or from the single model.safetensors' header."""
+    index_file = path / INDEX_FILE
+    if index_file.is_file():
+        weight_map = _read_json(index_file, "the shard index").get("weight_map")
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise CheckpointError(f"{index_file}: 'weight_map' must map tensor names to shard file names; "
+                                  "re-download or re-write the index")
+        for name, file in weight_map.items():
+            if Path(file).name != file:
+                raise CheckpointError(f"{index_file}: tensor '{name}' maps to '{file}', which is not a file "
+                                      "name in the checkpoint directory; fix the index")
+        return {name: path / file for name, file in weight_map.items()}
+    single = path / SINGLE_FILE
+    if not single.is_file():
+        raise CheckpointError(f"{path}: no weights: expected {SINGLE_FILE} or {INDEX_FILE} (with its "
+                              "shards); pass a complete checkpoint directory")
+    with open_safetensors(single, []) as f:
+        return dict.fromkeys(f.keys(), single)
+
+
+def _check_files_exist(path: Path, text: dict[str, Path]) -> None:
+    missing: dict[Path, str] = {}
+    for name, file in text.items():
+        if not file.is_file():
+            missing.setdefault(file, name)
+    if missing:
+        file, name = next(iter(missing.items()))
+        raise CheckpointError(f"{path / INDEX_FILE} maps tensor '{name}' to {file.name}, which does not "
+                              f"exist ({len(missing)} shard file(s) missing in {path}); download the missing "
+                              "shards or re-write the checkpoint")
+
+
+@contextlib.contextmanager
+def open_safetensors(file: Path, names: list[str]) -> Iterator[Any]:
+    """safe_open(file), turning a truncated/corrupt file into a CheckpointError that names its tensors."""
+    try:
+        handle = safe_open(str(file), framework="pt")
+    except (SafetensorError, OSError) as e:
+        held = f" (holds {_listed(names)})" if names else ""
+        raise CheckpointError(f"{file}{held}: cannot read the safetensors file, truncated or corrupt ({e}); "
+                              "re-download or re-write it") from None
+    with handle as f:
+        yield f
+
+
+def _read_headers(text: dict[str, Path]) -> dict[str, tuple[Path, TensorSpec]]:
+    """Name -> (file, stored spec) from the headers; every name the index maps to a file must be in it."""
+    by_file: dict[Path, list[str]] = {}
+    for name, file in text.items():
+        by_file.setdefault(file, []).append(name)
+    headers = {}
+    for file, names in sorted(by_file.items()):
+        with open_safetensors(file, names) as f:
+            present = set(f.keys())
+            for name in names:
+                if name not in present:
+                    raise CheckpointError(f"{file.parent / INDEX_FILE} maps tensor '{name}' to {file.name}, "
+                                          "but that file has no such tensor; re-download the shard or fix "
+                                          "the index")
+                piece = f.get_slice(name)
+                headers[name] = (file, TensorSpec(tuple(piece.get_shape()), piece.get_dtype()))
+    return headers
+
+
+def _stored_expert_format(headers: dict[str, tuple[Path, TensorSpec]]) -> str:
+    """bf16 or mxfp4 from the expert tensor names; a mix, or packed without scale (or back), is an error."""
+    kinds: dict[str, dict[str, str]] = {"weight": {}, "weight_packed": {}, "weight_scale": {}}
+    for name in headers:
+        m = EXPERT_NAME.match(name)
+        if m:
+            kinds[m["kind"]][m["base"]] = name
+    plain, packed, scale = kinds["weight"], kinds["weight_packed"], kinds["weight_scale"]
+    if plain and (packed or scale):
+        a, b = next(iter(plain.values())), next(iter((packed or scale).values()))
+        raise CheckpointError(f"mixed routed-expert formats: '{a}' ({headers[a][0]}) is bf16 but '{b}' "
+                              f"({headers[b][0]}) is MXFP4; a checkpoint must store all experts one way: "
+                              "re-export it (python -m miles_k3.quantize turns a bf16 checkpoint into MXFP4)")
+    for have, other, want in ((packed, scale, "weight_scale"), (scale, packed, "weight_packed")):
+        lonely = sorted(set(have) - set(other))
+        if lonely:
+            name = have[lonely[0]]
+            raise CheckpointError(f"'{name}' ({headers[name][0]}) has no matching '{lonely[0]}.{want}' "
+                                  f"({len(lonely)} such expert projections); an MXFP4 weight needs both "
+                                  "weight_packed and weight_scale: re-download or re-export the checkpoint")
+    return "mxfp4" if packed else "bf16"
+
+
+def _check_quantization_config(raw: dict[str, Any], source: Path, example: str) -> None:
+    """MXFP4 tensors need a compressed-tensors quantization_config: 4-bit float, group 32 (flat or nested)."""
+    text = raw["text_config"] if isinstance(raw.get("text_config"), dict) else raw
+    qc = text.get("quantization_config", raw.get("quantization_config"))
+    how = ("use the published block (miles_k3.model.checkpoint.mxfp4_quantization_config(); "
+           "python -m miles_k3.quantize writes it)")
+    if not isinstance(qc, dict):
+        raise CheckpointError(f"{source}: MXFP4 tensors are present (e.g. '{example}') but there is no "
+                              f"quantization_config (top level or under text_config); {how}")
+    groups = qc.get("config_groups")
+    if not isinstance(groups, dict) or not groups:
+        raise CheckpointError(f"{source}: quantization_config.config_groups is missing or empty; {how}")
+    want = {"num_bits": 4, "type": "float", "group_size": GROUP_SIZE}
+    for gname, group in groups.items():
+        weights = group.get("weights") if isinstance(group, dict) else None
+        if not isinstance(weights, dict):
+            raise CheckpointError(f"{source}: quantization_config.config_groups.{gname}.weights is missing; "
+                                  f"{how}")
+        for key, value in want.items():
+            if weights.get(key) != value:
+                raise CheckpointError(f"{source}: quantization_config.config_groups.{gname}.weights.{key} is "
+                                      f"{weights.get(key)!r}, but the MXFP4 tensors (e.g. '{example}') need "
+                                      f"{value!r} (MXFP4: num_bits 4, type float, group_size 32); {how}")
+
+
+def _validate_tensors(cfg: K3Config, fmt: str, headers: dict[str, tuple[Path, TensorSpec]]
+                      ) -> dict[str, tuple[Path, TensorSpec]]:
+    """Every expected tensor present with its shape and dtype, nothing else; all problems in one error."""
+    expected = expected_tensors(cfg, fmt)
+    num_heads = cfg.linear_attn_config.num_heads
+    problems = []
+    for name, spec in expected.items():
+        if name not in headers:
+            if not (name == CHECKPOINT_PREFIX + "lm_head.weight" and cfg.tie_word_embeddings):
+                problems.append(f"missing tensor '{name}' (no file in the checkpoint holds it; expected "
+                                f"{spec.dtype} {list(spec.shape)})")
+            continue
+        file, got = headers[name]
+        shapes = [spec.shape]
+        if name.endswith("A_log"):
+            shapes = [(num_heads,), spec.shape]  # per head, or padded as published
+        if got.shape not in shapes:
+            problems.append(f"tensor '{name}' in {file} has shape {list(got.shape)}, expected "
+                            f"{' or '.join(str(list(s)) for s in shapes)} for this config.json")
+        if got.dtype != spec.dtype:
+            problems.append(f"tensor '{name}' in {file} is stored as {got.dtype}, expected {spec.dtype} (K3 "
+                            "stores bf16; fp32 for A_log, dt_bias, conv1d, o_norm, e_score_correction_bias; "
+                            "uint8 for MXFP4 experts)")
+    tied_head = CHECKPOINT_PREFIX + "lm_head.weight" if cfg.tie_word_embeddings else None
+    for name, (file, _) in headers.items():
+        if name not in expected and name != tied_head:
+            problems.append(f"unexpected tensor '{name}' in {file}: not a tensor of the K3 text model that "
+                            f"config.json describes (num_hidden_layers={cfg.num_hidden_layers}, "
+                            f"num_experts={cfg.num_experts}, experts stored as {fmt})")
+    if problems:
+        more = f"\n  ... and {len(problems) - _MAX_LISTED} more" if len(problems) > _MAX_LISTED else ""
+        raise CheckpointError(f"{len(problems)} problem(s) in the checkpoint tensors; check that config.json "
+                              "matches the weights, or re-export the checkpoint:\n  "
+                              + "\n  ".join(problems[:_MAX_LISTED]) + more)
+    return {n: headers[n] for n in expected if n in headers}
+
+
+def _check_a_log_padding(cfg: K3Config, tensors: dict[str, tuple[Path, TensorSpec]]) -> None:
+    """A padded A_log is accepted only when the entries beyond num_heads are zero."""
+    n = cfg.linear_attn_config.num_heads
+    for name, (file, spec) in tensors.items():
+        if not name.endswith("A_log") or spec.shape == (n,):
+            continue
+        with open_safetensors(file, [name]) as f:
+            tail = f.get_slice(name)[n:]
+        if bool((tail != 0).any()):
+            raise CheckpointError(f"tensor '{name}' in {file}: entries {n}..{spec.shape[0] - 1} (padding "
+                                  f"beyond linear_attn_config.num_heads={n}) must be zero, found max |x| = "
+                                  f"{tail.abs().max().item():.4g}; num_heads does not match this A_log, so "
+                                  "check config.json against the weights")
+
+
+def _listed(names: list[str]) -> str:
+    shown = ", ".join(f"'{n}'" for n in names[:3])
+    return shown + (f" and {len(names) - 3} more tensors" if len(names) > 3 else "")
+
+
+# ---- loading --------------------------------------------------------------------------------------------
+def load_checkpoint(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.bfloat16,
+                    expert_format: str = "auto", kda_backend: str = "auto") -> K3ForCausalLM:
+    """Load a checkpoint directory into a frozen `K3ForCausalLM` on `device` in `dtype` (fp32 families kept).
+
+    `expert_format`: "auto" keeps the stored format; "bf16" on an MXFP4 checkpoint dequantizes while loading
+    (references, benchmarks); "mxfp4" on a bf16 checkpoint quantizes while loading (floor rule). Everything is
+    validated from the headers first; then tensors stream one at a time into the model's state-dict views.
+    """
+    if expert_format not in ("auto", *EXPERT_FORMATS):
+        raise CheckpointError(f"expert_format: '{expert_format}' is not one of auto, "
+                              f"{', '.join(EXPERT_FORMATS)}")
+    if not dtype.is_floating_point:
+        raise CheckpointError(f"dtype: {dtype} is not a floating-point dtype; use torch.bfloat16 or "
+                              "torch.float32")
+    device = torch.device(device)
+    info = inspect_checkpoint(path)
+    fmt = info.expert_format if expert_format == "auto" else expert_format
+    model = meta_model(info.config, fmt, kda_backend)
+    model.cast(dtype).to_empty(device=device)  # allocate once, already in the compute dtype
+    _stream_tensors(model, info, fmt)
+    model.requires_grad_(False)
+    if device.type != "meta":
+        model.kda_backend(device)
+    log.info("loaded %s: %d tensors, experts %s%s", info.path, len(info.tensors), fmt,
+             "" if fmt == info.expert_format else f" (stored {info.expert_format})")
+    return model
+
+
+def _stream_tensors(model: K3ForCausalLM, info: CheckpointInfo, fmt: str) -> None:
+    """Copy every stored tensor into the model's state-dict views, converting the expert format if asked."""
+    views = {CHECKPOINT_PREFIX + k: v for k, v in model.state_dict().items()}
+    written: set[str] = set()
+    num_heads = info.config.linear_attn_config.num_heads
+    with contextlib.ExitStack() as stack:
+        handles: dict[Path, Any] = {}
+
+        def read(name: str) -> torch.Tensor:
+            file = info.tensors[name][0]
+            if file not in handles:
+                handles[file] = stack.enter_context(open_safetensors(file, [name]))
+            try:
+                return handles[file].get_tensor(name)
+            except (SafetensorError, OSError) as e:
+                raise CheckpointError(f"tensor '{name}' in {file}: cannot be read ({e}); re-download or "
+                                      "re-write the file") from None
+
+        for name in sorted(info.tensors, key=lambda n: (info.tensors[n][0], n)):
+            m = EXPERT_NAME.match(name)
+            with torch.no_grad():
+                if m is None or fmt == info.expert_format:
+                    t = read(name)
+                    views[name].copy_(t[:num_heads] if name.endswith("A_log") else t)
+                    written.add(name)
+                elif m["kind"] == "weight_packed":  # stored MXFP4 -> bf16 model
+                    target = views[f"{m['base']}.weight"]
+                    exact = target.dtype if target.dtype in (torch.bfloat16, torch.float32) else torch.float32
+                    target.copy_(dequantize_mxfp4(read(name), read(f"{m['base']}.weight_scale"), exact))
+                    written.add(f"{m['base']}.weight")
+                elif m["kind"] == "weight":  # stored bf16 -> MXFP4 model
+                    packed, scale = quantize_mxfp4(read(name), "floor")
+                    views[f"{m['base']}.weight_packed"].copy_(packed)
+                    views[f"{m['base']}.weight_scale"].copy_(scale)
+                    written.update((f"{m['base']}.weight_packed", f"{m['base']}.weight_scale"))
+    tied = {CHECKPOINT_PREFIX + "lm_head.weight"} if info.config.tie_word_embeddings else set()
+    assert set(views) - tied <= written, sorted(set(views) - tied - written)[:5]
+
+
+# ---- writing --------------------------------------------------------------------------------------------
+
+
+def config_with_quantization(raw: dict[str, Any]) -> dict[str, Any]:
+    """A copy of a raw config.json with the MXFP4 quantization_config added where the text keys live."""
+    out = copy.deepcopy(raw)
+    target = out["text_config"] if isinstance(out.get("text_config"), dict) else out
+    target["quantization_config"] = mxfp4_quantization_config()
+    return out

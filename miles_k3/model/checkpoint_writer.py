@@ -1,0 +1,218 @@
+"""Writing K3 checkpoint directories atomically: `CheckpointWriter` (used by `save_checkpoint`,
+`miles_k3.quantize` and `miles_k3.init_checkpoint`) writes shards, the index and config into a temporary
+sibling directory, fsyncs it and renames it into place only when complete, so a crash never leaves a
+half-written directory under the destination name and an existing checkpoint is replaced only by a complete
+one. Layout and validation rules are in `checkpoint.py`.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import tempfile
+import uuid
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import safetensors.torch
+import torch
+
+from miles_k3.model.checkpoint import (
+    CONFIG_FILE,
+    DEFAULT_MAX_SHARD_BYTES,
+    EXPERT_NAME,
+    INDEX_FILE,
+    SINGLE_FILE,
+    CheckpointError,
+    TensorSpec,
+    checkpoint_config,
+    expected_tensors,
+)
+from miles_k3.model.k3 import CHECKPOINT_PREFIX, K3ForCausalLM
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
+
+
+class CheckpointWriter:
+    """Write a checkpoint directory atomically (a context manager; `commit` on success, `abort` on error).
+
+    Everything goes into a temporary sibling directory `.NAME.tmp-*`; `commit` names the shards
+    (`model.safetensors`, or `model-0000i-of-0000n.safetensors` + index), fsyncs every file and the directory,
+    and renames it to `path`. An existing `path` is refused unless `overwrite`, and then replaced only after
+    the new directory is complete. A crash never leaves a partial directory under `path`.
+    `add(group)` keeps a group of tensors in one shard; a shard closes when the next group would exceed
+    `max_shard_bytes` (None: only at `flush()`).
+    """
+
+    def __init__(self, path: str | Path, overwrite: bool = False, max_shard_bytes: int | None = None):
+        self.path = Path(path)
+        if max_shard_bytes is not None and max_shard_bytes <= 0:
+            raise CheckpointError(f"max_shard_bytes: must be > 0 or None, got {max_shard_bytes}")
+        if self.path.exists() or self.path.is_symlink():
+            if not overwrite:
+                raise CheckpointError(f"{self.path} already exists; pass overwrite=True (CLI: --overwrite / "
+                                      "overwrite=true) to replace it, or choose another directory")
+            if not self.path.is_dir():
+                raise CheckpointError(f"{self.path} exists and is not a directory; remove it or choose "
+                                      "another path")
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.staging = Path(tempfile.mkdtemp(prefix=f".{self.path.name}.tmp-", dir=self.path.parent))
+        self.max_shard_bytes = max_shard_bytes
+        self._pending: dict[str, torch.Tensor] = {}
+        self._pending_bytes = 0
+        self._shards: list[tuple[Path, list[str]]] = []
+        self._names: set[str] = set()
+        self._total_bytes = 0
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None:
+            self.abort()
+            return
+        try:
+            self.commit()
+        except BaseException:
+            self.abort()
+            raise
+
+    def add(self, group: dict[str, torch.Tensor]) -> None:
+        """Queue tensors (stored as given: dtype, shape) that must share one shard."""
+        nbytes = sum(t.numel() * t.element_size() for t in group.values())
+        if self._pending and self.max_shard_bytes is not None \
+                and self._pending_bytes + nbytes > self.max_shard_bytes:
+            self.flush()
+        for name, t in group.items():
+            assert name not in self._names, f"tensor {name} written twice"
+            self._names.add(name)
+            t = t.detach().to("cpu").contiguous()
+            if t.untyped_storage().nbytes() != t.numel() * t.element_size():
+                t = t.clone()  # a view into a larger tensor: safetensors stores only whole storages
+            self._pending[name] = t
+        self._pending_bytes += nbytes
+
+    def flush(self) -> None:
+        """Close the current shard (no-op when empty)."""
+        if not self._pending:
+            return
+        file = self.staging / f".shard-{len(self._shards):06d}.safetensors"
+        safetensors.torch.save_file(self._pending, str(file), metadata={"format": "pt"})
+        self._shards.append((file, list(self._pending)))
+        self._total_bytes += self._pending_bytes
+        self._pending, self._pending_bytes = {}, 0
+
+    def write_json(self, name: str, obj: dict[str, Any]) -> None:
+        (self.staging / name).write_text(json.dumps(obj, indent=2) + "\n")
+
+    def copy_in(self, src: Path, name: str) -> None:
+        """Copy a file or directory tree `src` to `name` in the checkpoint."""
+        if src.is_dir():
+            shutil.copytree(src, self.staging / name)
+        else:
+            shutil.copy2(src, self.staging / name)
+
+    def commit(self) -> Path:
+        """Finish the shards and index, fsync, and move the directory into place; returns `path`."""
+        self.flush()
+        n = len(self._shards)
+        weight_map = {}
+        for i, (file, names) in enumerate(self._shards):
+            final = SINGLE_FILE if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+            file.rename(self.staging / final)
+            weight_map.update((name, final) for name in names)
+        if n > 1:
+            self.write_json(INDEX_FILE, {"metadata": {"total_size": self._total_bytes},
+                                         "weight_map": dict(sorted(weight_map.items()))})
+        _apply_umask(self.staging)
+        _fsync_tree(self.staging)
+        old = None
+        if self.path.exists():
+            old = self.path.with_name(f".{self.path.name}.old-{uuid.uuid4().hex[:8]}")
+            os.rename(self.path, old)
+        try:
+            os.rename(self.staging, self.path)
+        except OSError:
+            if old is not None:
+                os.rename(old, self.path)  # put the previous checkpoint back
+            raise
+        _fsync_dir(self.path.parent)
+        if old is not None:
+            shutil.rmtree(old)
+        return self.path
+
+    def abort(self) -> None:
+        shutil.rmtree(self.staging, ignore_errors=True)
+
+
+def _apply_umask(root: Path) -> None:
+    """Give the staged tree the permissions of a plain mkdir/open (mkdtemp, safetensors use 0o700/0o600)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for dirpath, _, filenames in os.walk(root):
+        os.chmod(dirpath, 0o777 & ~umask)
+        for name in filenames:
+            os.chmod(os.path.join(dirpath, name), 0o666 & ~umask)
+
+
+def _fsync_tree(root: Path) -> None:
+    for dirpath, _, filenames in os.walk(root):
+        for name in filenames:
+            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        _fsync_dir(Path(dirpath))
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def to_stored(name: str, t: torch.Tensor, spec: TensorSpec) -> torch.Tensor:
+    """A model tensor as stored: a CPU copy in the stored dtype; `A_log` zero-padded to its stored length."""
+    dtype = {"BF16": torch.bfloat16, "F32": torch.float32, "U8": torch.uint8}[spec.dtype]
+    out = t.detach().to("cpu", dtype, copy=True)
+    if name.endswith("A_log") and tuple(out.shape) != spec.shape:
+        out = torch.cat([out, out.new_zeros(spec.shape[0] - out.shape[0])])
+    assert tuple(out.shape) == spec.shape, (name, out.shape, spec.shape)
+    return out
+
+
+def write_groups(specs: dict[str, TensorSpec]) -> list[list[str]]:
+    """Checkpoint names in write order: layers 0..L-1 then the model-level tensors (as published); each
+    routed expert's tensors (all projections, packed with scale) form one group that is never split."""
+    def layer_of(name: str) -> int:
+        m = re.match(rf"^{re.escape(CHECKPOINT_PREFIX)}model\.layers\.(\d+)\.", name)
+        return int(m[1]) if m else 1 << 30
+
+    groups: dict[str, list[str]] = {}
+    for name in sorted(specs, key=lambda n: (layer_of(n), n)):
+        m = EXPERT_NAME.match(name)
+        key = m["base"].rsplit(".", 1)[0] if m else name  # `…experts.{e}`
+        groups.setdefault(key, []).append(name)
+    return list(groups.values())
+
+
+def save_checkpoint(model: K3ForCausalLM, path: str | Path,
+                    max_shard_bytes: int | None = DEFAULT_MAX_SHARD_BYTES, overwrite: bool = False) -> Path:
+    """Write `model`'s base weights as a checkpoint directory (the inverse of `load_checkpoint`).
+
+    Stored dtypes are the checkpoint's (bf16, fp32 families, uint8 MXFP4 experts) whatever the model's compute
+    dtype; LoRA or other non-base tensors are not written. Atomic; see `CheckpointWriter`.
+    """
+    fmt = getattr(model, "expert_format", "bf16")
+    specs = expected_tensors(model.config, fmt)
+    views = {CHECKPOINT_PREFIX + k: v for k, v in model.state_dict().items()}
+    with CheckpointWriter(path, overwrite=overwrite, max_shard_bytes=max_shard_bytes) as writer:
+        writer.write_json(CONFIG_FILE, checkpoint_config(model.config, fmt))
+        for group in write_groups(specs):
+            writer.add({name: to_stored(name, views[name], specs[name]) for name in group})
+    return Path(path)
