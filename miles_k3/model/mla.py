@@ -17,6 +17,7 @@ from torch import nn
 
 from miles_k3.model.config import K3Config
 from miles_k3.model.layers import RMSNorm
+from miles_k3.model.lora import effective_weight
 from miles_k3.model.state import MLALayerState
 
 # The NeMo port (which follows the HF reference) builds the q_a/kv_a norms with the class default eps.
@@ -103,8 +104,9 @@ class MLAAttention(nn.Module):
         """MQA over latents: q_lat = W_UK^T q_nope; softmax (fp32) over valid positions; o = W_UV (p . c).
 
         Returns o [B, H, V] in the latent dtype. The engine's paged cache gathers `latent_BSL` and calls this.
+        W_UK and W_UV are slices of kv_b_proj's effective weight (merged with its LoRA delta, if adapted).
         """
-        w_HXR = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_dim, self.rank)
+        w_HXR = effective_weight(self.kv_b_proj).view(self.num_heads, self.nope + self.v_dim, self.rank)
         w_uk_HNR, w_uv_HVR = w_HXR[:, : self.nope], w_HXR[:, self.nope:]
         c_BSR, kr_BSP = latent_BSL[..., : self.rank], latent_BSL[..., self.rank:]
         q_lat_BHR = torch.einsum("bhn,hnr->bhr", q_nope_BHN, w_uk_HNR)

@@ -1,0 +1,254 @@
+"""PEFT-format LoRA adapter directories: `save_adapter` writes what vLLM / SGLang / PEFT load, and
+`load_adapter` reads one back into a K3 model, validating every field, key and shape at this boundary.
+
+A directory holds `adapter_config.json` (written by `peft.LoraConfig.save_pretrained`: peft_type LORA,
+task_type CAUSAL_LM, r, lora_alpha, lora_dropout, target_modules = the configured names, use_rslora; no DoRA,
+no modules_to_save, no bias) and `adapter_model.safetensors` (fp32, metadata {"format": "pt"}) with keys
+`base_model.model.language_model.<module path>.lora_A.weight` [r, In] / `.lora_B.weight` [Out, r], the
+module path being the published checkpoint's (`...model.layers.1.self_attn.q_proj.lora_A.weight`). Routed
+experts use the per-expert 2-D form the checkpoint's `experts.{e}.w1` names imply:
+`...block_sparse_moe.experts.{e}.w1.lora_A.weight` [r, Dl] / `.lora_B.weight` [I, r] (w3 likewise; w2:
+[r, I] / [Dl, r]). PEFT's scaling (alpha / r, or alpha / sqrt(r) with rsLoRA) equals ours, so tensors are
+stored as trained. peft is imported lazily (GPU hosts may not have it): saving needs it; loading uses it to
+cross-check the config when it is installed.
+
+Legend: E experts, r rank, Dl latent width, I expert width.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from miles_k3.model.k3 import CHECKPOINT_PREFIX
+from miles_k3.model.lora import (
+    ALLOWED_TARGETS,
+    LoRAConfig,
+    applied_lora_config,
+    apply_lora,
+    expert_loras,
+    lora_linears,
+    remove_lora,
+)
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+PEFT_PREFIX = "base_model.model." + CHECKPOINT_PREFIX
+# adapter_config.json fields whose other values would change what the tensors mean -> accepted values.
+PLAIN_LORA_FIELDS = {
+    "use_dora": (False, None), "modules_to_save": (None, []), "bias": ("none", None),
+    "fan_in_fan_out": (False, None), "rank_pattern": ({}, None), "alpha_pattern": ({}, None),
+    "target_parameters": (None, []), "layers_to_transform": (None,), "lora_bias": (False, None),
+}
+
+
+def peft_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """PEFT key -> the adapter tensor it names, as a view into the model's Parameter (experts: A[e] [r, In],
+    B[e] [Out, r]). Writing into a view writes the Parameter in place."""
+    table = {}
+    for path, m in lora_linears(model):
+        table[f"{PEFT_PREFIX}{path}.lora_A.weight"] = m.lora_A.weight
+        table[f"{PEFT_PREFIX}{path}.lora_B.weight"] = m.lora_B.weight
+    for path, name, m in expert_loras(model):
+        for e in range(m.lora_A.shape[0]):
+            table[f"{PEFT_PREFIX}{path}.{e}.{name}.lora_A.weight"] = m.lora_A[e]
+            table[f"{PEFT_PREFIX}{path}.{e}.{name}.lora_B.weight"] = m.lora_B[e]
+    return table
+
+
+def _first_mismatch(want: LoRAConfig, have: LoRAConfig) -> tuple[str, object, object] | None:
+    """(PEFT field, want's value, have's value) of the first weight-relevant difference (dropout is none)."""
+    pairs = [("r", want.rank, have.rank), ("lora_alpha", float(want.alpha), float(have.alpha)),
+             ("use_rslora", want.use_rslora, have.use_rslora),
+             ("target_modules", sorted(want.targets), sorted(have.targets))]
+    return next(((f, a, b) for f, a, b in pairs if a != b), None)
+
+
+# ---- save --------------------------------------------------------------------------------------------
+def save_adapter(model: nn.Module, lora_cfg: LoRAConfig, path: str | os.PathLike,
+                 base_model_name_or_path: str, overwrite: bool = False) -> Path:
+    """Write the model's adapters as a PEFT LoRA directory at `path` (atomically: a temp dir renamed into
+    place). `lora_cfg` must be the config the model's LoRA was built with. Refuses an existing `path` unless
+    `overwrite`. Returns the directory."""
+    from peft import LoraConfig  # lazy: GPU hosts may not have peft
+
+    lora_cfg.validate()
+    have = applied_lora_config(model)
+    if have is None:
+        raise ValueError("save_adapter: the model has no LoRA adapters; apply_lora(model, cfg) first")
+    bad = _first_mismatch(lora_cfg, have)
+    if bad:
+        raise ValueError(f"lora_cfg: {bad[0]}={bad[1]} but the model's LoRA has {bad[2]}; pass the "
+                         "LoRAConfig the model's LoRA was built with")
+    dest = Path(path)
+    if dest.exists() and not overwrite:
+        raise FileExistsError(f"{dest}: already exists; choose a new path or pass overwrite=True")
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=f".{dest.name}.tmp-"))
+    try:
+        LoraConfig(r=lora_cfg.rank, lora_alpha=lora_cfg.alpha, lora_dropout=lora_cfg.dropout,
+                   target_modules=list(lora_cfg.targets), use_rslora=lora_cfg.use_rslora, bias="none",
+                   modules_to_save=None, use_dora=False, fan_in_fan_out=False, init_lora_weights=True,
+                   inference_mode=True, task_type="CAUSAL_LM",
+                   base_model_name_or_path=base_model_name_or_path).save_pretrained(str(tmp))
+        tensors = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in peft_tensors(model).items()}
+        save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+        for name in (CONFIG_FILE, WEIGHTS_FILE):
+            _fsync(tmp / name)
+        os.chmod(tmp, 0o755)  # mkdtemp makes it 0700
+        _swap_into_place(tmp, dest)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return dest
+
+
+def _fsync(file: Path) -> None:
+    fd = os.open(file, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _swap_into_place(tmp: Path, dest: Path) -> None:
+    """Rename `tmp` to `dest`; an existing `dest` is moved aside first and deleted only after the rename."""
+    if not dest.exists():
+        os.rename(tmp, dest)
+        return
+    if not dest.is_dir():
+        raise FileExistsError(f"{dest}: exists and is not a directory; remove it or choose another path")
+    old = dest.with_name(f".{dest.name}.old-{os.getpid()}")
+    os.rename(dest, old)
+    try:
+        os.rename(tmp, dest)
+    except BaseException:
+        os.rename(old, dest)
+        raise
+    shutil.rmtree(old)
+
+
+# ---- load --------------------------------------------------------------------------------------------
+def load_adapter(model: nn.Module, path: str | os.PathLike) -> LoRAConfig:
+    """Load a PEFT LoRA directory into `model`, copying into its adapter Parameters in place (their storage
+    never moves). If the model has LoRA, its rank, alpha, use_rslora and targets must equal the file's
+    (dropout may differ: it does not affect the weights); if it has none, load applies LoRA with the file's
+    config first (freezing the base) and removes it again should the load fail. Everything is validated
+    before any tensor is written. Returns the file's config.
+
+    Raises FileNotFoundError for a missing file, and ValueError naming the field or key and the fix for: a
+    non-LORA peft_type, DoRA or another non-plain LoRA option, a config that differs from the model's LoRA,
+    a missing, unexpected or wrongly shaped tensor, and an unreadable (truncated/corrupt) safetensors file.
+    """
+    adapter_dir = Path(path)
+    file_cfg = read_adapter_config(adapter_dir)
+    tensors = _read_tensors(adapter_dir / WEIGHTS_FILE)
+    have = applied_lora_config(model)
+    if have is not None:
+        bad = _first_mismatch(file_cfg, have)
+        if bad:
+            raise ValueError(f"{adapter_dir / CONFIG_FILE}: {bad[0]}={bad[1]} but the model's LoRA has "
+                             f"{bad[2]}; build the model's LoRA with the adapter's settings, or load into a "
+                             "model without LoRA (load_adapter then applies it)")
+        _copy_checked(model, tensors, adapter_dir / WEIGHTS_FILE)
+        return file_cfg
+    apply_lora(model, file_cfg)
+    try:
+        _copy_checked(model, tensors, adapter_dir / WEIGHTS_FILE)
+    except BaseException:
+        remove_lora(model)
+        raise
+    return file_cfg
+
+
+def read_adapter_config(adapter_dir: Path) -> LoRAConfig:
+    """adapter_config.json as a validated LoRAConfig (also parsed by peft's LoraConfig when installed)."""
+    file = adapter_dir / CONFIG_FILE
+    if not file.is_file():
+        raise FileNotFoundError(f"{file}: missing; an adapter directory holds {CONFIG_FILE} and "
+                                f"{WEIGHTS_FILE}")
+    try:
+        raw = json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{file}: not valid JSON ({e}); re-export the adapter") from None
+    if raw.get("peft_type") != "LORA":
+        raise ValueError(f"{file}: peft_type is {raw.get('peft_type')!r}; only LORA adapters can be loaded")
+    for key, accepted in PLAIN_LORA_FIELDS.items():
+        if key in raw and raw[key] not in accepted:
+            raise ValueError(f"{file}: {key}={raw[key]!r} is not supported (plain LoRA only); export the "
+                             f"adapter with {key}={accepted[0]!r}")
+    for key in ("r", "lora_alpha", "target_modules"):
+        if key not in raw:
+            raise ValueError(f"{file}: required field {key} is missing; re-export the adapter")
+    if not isinstance(raw["target_modules"], list):  # a bad file value, reported like every other one
+        raise ValueError(  # noqa: TRY004
+            f"{file}: target_modules={raw['target_modules']!r} must be a list of module names "
+            "(regex strings are not supported)")
+    _peft_cross_check(adapter_dir)
+    cfg = LoRAConfig(rank=raw["r"], alpha=float(raw["lora_alpha"]),
+                     dropout=float(raw.get("lora_dropout") or 0.0), targets=list(raw["target_modules"]),
+                     use_rslora=bool(raw.get("use_rslora", False)))
+    try:
+        cfg.validate()
+    except ValueError as e:
+        raise ValueError(f"{file}: {e}") from None
+    cfg.targets = [t for t in ALLOWED_TARGETS if t in cfg.targets]  # PEFT stores a set: use our order
+    return cfg
+
+
+def _peft_cross_check(adapter_dir: Path) -> None:
+    """Let peft parse the config too, when it is installed (it is optional on GPU hosts)."""
+    try:
+        from peft import LoraConfig
+    except ImportError:
+        return
+    try:
+        LoraConfig.from_pretrained(str(adapter_dir))
+    except (TypeError, ValueError, KeyError) as e:
+        raise ValueError(f"{adapter_dir / CONFIG_FILE}: peft cannot parse it: {e}") from None
+
+
+def _read_tensors(file: Path) -> dict[str, torch.Tensor]:
+    if not file.is_file():
+        raise FileNotFoundError(f"{file}: missing; an adapter directory holds {CONFIG_FILE} and "
+                                f"{WEIGHTS_FILE}")
+    try:
+        return load_file(str(file))
+    except (SafetensorError, OSError) as e:
+        raise ValueError(f"{file}: unreadable ({e}); the file is truncated or corrupt: re-export or "
+                         "re-download the adapter") from None
+
+
+def _listing(keys: list[str], limit: int = 5) -> str:
+    more = f" (+{len(keys) - limit} more)" if len(keys) > limit else ""
+    return ", ".join(sorted(keys)[:limit]) + more
+
+
+@torch.no_grad()
+def _copy_checked(model: nn.Module, tensors: dict[str, torch.Tensor], file: Path) -> None:
+    """Check keys, shapes and dtypes against the model's adapters, then copy every tensor in place."""
+    table = peft_tensors(model)
+    missing = [k for k in table if k not in tensors]
+    if missing:
+        raise ValueError(f"{file}: missing key(s) {_listing(missing)}; the adapter does not cover this "
+                         "model's LoRA modules (another model config, or other target_modules)")
+    unexpected = [k for k in tensors if k not in table]
+    if unexpected:
+        raise ValueError(f"{file}: unexpected key(s) {_listing(unexpected)}; the model has no such adapter "
+                         f"(another model config, or keys not under {PEFT_PREFIX})")
+    for key, dst in table.items():
+        src = tensors[key]
+        if src.shape != dst.shape:
+            raise ValueError(f"{file}: {key} has shape {tuple(src.shape)}, the model expects "
+                             f"{tuple(dst.shape)}; the adapter was made for another rank or model config")
+        if not src.is_floating_point():
+            raise ValueError(f"{file}: {key} has dtype {src.dtype}; adapter tensors must be floating point")
+    for key, dst in table.items():
+        dst.copy_(tensors[key])
