@@ -14,6 +14,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
 from miles_k3.model.build import ModelConfig
+from miles_k3.model.lora import LoRAConfig
 
 RECIPES_MODULE = "miles_k3.recipes"
 
@@ -31,7 +32,9 @@ class TrainConfig:
     device: str = "auto"
     """auto (cuda if available, else cpu), cpu, cuda or cuda:N."""
     model: ModelConfig = field(default_factory=ModelConfig)
-    """The policy's base model."""
+    """The policy's base model (frozen)."""
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+    """The trained LoRA adapter: rank, alpha, dropout, target module names."""
 
     def validate(self) -> None:
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
@@ -46,6 +49,8 @@ class ModelInfoConfig:
     """The model to size (computed on the meta device: no memory, any size)."""
     tp: int = 8
     """Tensor-parallel degree for the per-rank KDA state figure (also reported at tp=1)."""
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+    """The LoRA adapter whose size `adapter_params` reports."""
 
     def validate(self) -> None:
         if self.tp < 1:

@@ -7,7 +7,10 @@ full 2.78T K3 works anywhere), not from a second formula:
   lookup) and the routed experts it is not sent to (top-k of E);
 * kda_state_bytes_per_request: fp32 recurrent state of all KDA layers, per rank, at tp=1 and at the given tp
   (heads per rank = ceil(H / tp)); kda_conv_state_bytes_per_request: the conv windows, bf16, tp=1;
-* mla_kv_bytes_per_token: (kv_lora_rank + rope dims) bf16 values over all MLA layers.
+* mla_kv_bytes_per_token: (kv_lora_rank + rope dims) bf16 values over all MLA layers;
+* base_bytes: the base's tensors as stored (routed experts in `model.experts` format, MXFP4 by default: 4.25
+  bits per weight; fp32 families 4 bytes; everything else bf16), and base_bytes_bf16_experts for comparison;
+* adapter_params: trainable LoRA parameters for the `lora` section (targets, rank).
 """
 import json
 import sys
@@ -16,28 +19,42 @@ import torch
 
 from miles_k3.config import compose_config
 from miles_k3.model.build import load_k3_config
-from miles_k3.model.k3 import K3ForCausalLM
+from miles_k3.model.experts import RoutedExperts
+from miles_k3.model.k3 import FP32_PARAM_SUFFIXES, K3ForCausalLM
 from miles_k3.model.kda import KDAAttention
+from miles_k3.model.lora import adapter_num_params, apply_lora
 from miles_k3.model.mla import MLAAttention
-from miles_k3.model.moe import RoutedExperts
+
+
+def stored_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the base tensors as the checkpoint stores them: uint8 as is, fp32 families 4, others bf16."""
+    total = 0
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:  # stacked experts: few entries
+        if "lora_" in name:
+            continue
+        size = 1 if t.dtype == torch.uint8 else 4 if name.endswith(FP32_PARAM_SUFFIXES) else 2
+        total += t.numel() * size
+    return total
 
 
 def model_figures(model: K3ForCausalLM, tp: int) -> dict:
-    """Sizing figures of an instantiated K3 (any device, meta included)."""
+    """Sizing figures of an instantiated K3 (any device, meta included; LoRA tensors are not counted)."""
     layers = model.model.layers
     kda = [m for m in model.modules() if isinstance(m, KDAAttention)]
     mla = [m for m in model.modules() if isinstance(m, MLAAttention)]
     routed = [m for m in model.modules() if isinstance(m, RoutedExperts)]
-    total = sum(p.numel() for p in model.parameters())
-    skipped_experts = sum(
-        sum(p.numel() for p in m.parameters()) * (1 - model.config.num_experts_per_token / m.num_experts)
-        for m in routed)
+    dense = sum(p.numel() for n, p in model.named_parameters() if "lora_" not in n)
+    total = dense + sum(m.num_params() for m in routed if m.expert_format == "mxfp4")
+    skipped_experts = sum(m.num_params() * (1 - model.config.num_experts_per_token / m.num_experts)
+                          for m in routed)
     embed = 0 if model.config.tie_word_embeddings else model.model.embed_tokens.weight.numel()
     conv_bytes = sum(3 * m.num_heads * m.head_dim * (m.conv_size - 1) * 2 for m in kda)
     return {
         "params_total": total,
         "params_active_per_token": round(total - embed - skipped_experts),
-        "params_routed_experts": sum(p.numel() for m in routed for p in m.parameters()),
+        "params_routed_experts": sum(m.num_params() for m in routed),
+        "expert_format": routed[0].expert_format if routed else None,
+        "base_bytes": stored_bytes(model),
         "kda_state_bytes_per_request": {f"tp{d}": sum(m.state_bytes_per_request(d) for m in kda)
                                         for d in sorted({1, tp})},
         "kda_conv_state_bytes_per_request": conv_bytes,
@@ -52,9 +69,18 @@ def model_figures(model: K3ForCausalLM, tp: int) -> dict:
 def main(argv: list[str]) -> dict:
     cfg = compose_config("model_info", argv)
     k3 = load_k3_config(cfg.model)
+    fmt = "mxfp4" if cfg.model.experts == "auto" else cfg.model.experts
     with torch.device("meta"):
-        model = K3ForCausalLM(k3)
-    figures = {"model": cfg.model.path or cfg.model.name, "tp": cfg.tp, **model_figures(model, cfg.tp)}
+        model = K3ForCausalLM(k3, expert_format=fmt)
+    routed = [m for m in model.modules() if isinstance(m, RoutedExperts)]
+    expert_bytes = sum(stored_bytes(m) for m in routed)
+    figures = {"model": cfg.model.path or cfg.model.name, "tp": cfg.tp, **model_figures(model, cfg.tp),
+               "base_bytes_bf16_experts": stored_bytes(model) - expert_bytes + sum(2 * m.num_params()
+                                                                                  for m in routed)}
+    with torch.device("meta"):
+        apply_lora(model, cfg.lora)
+    figures["adapter_params"] = adapter_num_params(model)
+    figures["lora"] = {"rank": cfg.lora.rank, "targets": list(cfg.lora.targets)}
     return figures
 
 

@@ -1,7 +1,7 @@
 """`python -m miles_k3.train [recipe=aime_grpo] [overrides]`: the RL training entry point (Hydra app).
 
 It composes `recipes/train.yaml`, validates every field, and then composes the components. Today it builds the
-model and stops: the rollout engine, trainer, weight sync and eval land in their own issues, and this file grows
+model, attaches the LoRA adapters and stops: the rollout engine, trainer, weight sync and eval land in their own issues, and this file grows
 into the loop of ARCHITECTURE.md (rollout -> reward -> advantages -> train -> sync -> eval -> log).
 """
 import logging
@@ -13,7 +13,8 @@ import torch
 from omegaconf import DictConfig
 
 from miles_k3.config import ConfigFieldError, register_schemas, to_typed
-from miles_k3.model.build import build_model
+from miles_k3.model.build import build_model, num_params
+from miles_k3.model.lora import adapter_num_params, apply_lora
 from miles_k3.runtime import resolve_device, resolve_dtype
 
 log = logging.getLogger("miles_k3.train")
@@ -35,8 +36,10 @@ def main(raw: DictConfig) -> None:
     seed_everything(cfg.seed)
     device = resolve_device(cfg.device)
     model = build_model(cfg.model, device, resolve_dtype(cfg.model.dtype, device))
-    n_params = sum(p.numel() for p in model.parameters())
-    log.info("built %s (%s params) on %s", cfg.model.path or cfg.model.name, f"{n_params:,}", device)
+    apply_lora(model, cfg.lora)
+    log.info("built %s (%s params, experts %s) on %s; LoRA rank %d on %s: %s trainable params",
+             cfg.model.path or cfg.model.name, f"{num_params(model):,}", model.expert_format, device,
+             cfg.lora.rank, ",".join(cfg.lora.targets), f"{adapter_num_params(model):,}")
     log.warning("stopping after building the model: the RL loop (engine, trainer, weight sync, eval) is not "
                 "implemented yet in this version of miles_k3")
 

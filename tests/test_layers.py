@@ -5,8 +5,8 @@ from fla.ops.attnres.naive import naive_attnres
 from torch import nn
 
 from miles_k3.model.config import K3Config
-from miles_k3.model.layers import RMSNorm, SiTUMLP, attn_res_mix, situ_gate, situ_glu, situ_up
 from miles_k3.model.experts import RoutedExperts
+from miles_k3.model.layers import RMSNorm, SiTUMLP, attn_res_mix, situ_gate, situ_glu, situ_up
 from miles_k3.model.moe import LatentMoE, TopKRouter
 
 

@@ -183,6 +183,8 @@ class K3ForCausalLM(nn.Module):
         """Pretraining-style init (K3 reference / NeMo port): linears and experts N(0, std), norms 1,
         A_log = log U(1, 16), dt_bias 0, AttnRes pseudo-queries 0 (so a first mix is a uniform average)."""
         for name, p in self.named_parameters():
+            if p.is_meta or "lora_" in name:
+                continue  # meta: nothing to fill (initialising costs seconds); adapters init themselves
             if name.endswith(("_res_proj.weight", "dt_bias", "e_score_correction_bias")):
                 p.zero_()
             elif name.endswith("A_log"):
@@ -198,7 +200,9 @@ class K3ForCausalLM(nn.Module):
                 m.reset_parameters(std)
 
     def cast(self, dtype: torch.dtype) -> K3ForCausalLM:
-        """Cast to `dtype`, keeping the checkpoint's fp32 tensors (A_log, dt_bias, convs, o_norm, bias) fp32."""
+        """Cast to `dtype`, keeping the checkpoint's fp32 tensors (A_log, dt_bias, convs, o_norm, bias) and LoRA
+        adapters fp32. MXFP4 expert storage (uint8 buffers) is untouched."""
         for name, p in self.named_parameters():
-            p.data = p.data.to(torch.float32 if name.endswith(FP32_PARAM_SUFFIXES) else dtype)
+            keep_fp32 = name.endswith(FP32_PARAM_SUFFIXES) or "lora_" in name  # adapters: fp32 masters
+            p.data = p.data.to(torch.float32 if keep_fp32 else dtype)
         return self
