@@ -1,8 +1,9 @@
 """`python -m miles_k3.train [recipe=aime_grpo] [overrides]`: the RL training entry point (Hydra app).
 
-It composes `recipes/train.yaml`, validates every field, and then composes the components. Today it builds the
-model, attaches the LoRA adapters and stops: the rollout engine, trainer, weight sync and eval land in their own issues, and this file grows
-into the loop of ARCHITECTURE.md (rollout -> reward -> advantages -> train -> sync -> eval -> log).
+It composes `recipes/train.yaml`, validates every field, and then composes the components. Today it builds
+the frozen base, attaches the LoRA adapters and stops: the rollout engine, trainer, weight sync and eval land
+in their own issues, and this file grows into the loop of ARCHITECTURE.md (rollout -> reward -> advantages ->
+train -> sync -> eval -> log).
 """
 import logging
 import random
