@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
@@ -27,6 +25,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from miles_k3.atomic import atomic_directory
 from miles_k3.model.k3 import CHECKPOINT_PREFIX
 from miles_k3.model.lora import (
     ALLOWED_TARGETS,
@@ -87,52 +86,15 @@ def save_adapter(model: nn.Module, lora_cfg: LoRAConfig, path: str | os.PathLike
     if bad:
         raise ValueError(f"lora_cfg: {bad[0]}={bad[1]} but the model's LoRA has {bad[2]}; pass the "
                          "LoRAConfig the model's LoRA was built with")
-    dest = Path(path)
-    if dest.exists() and not overwrite:
-        raise FileExistsError(f"{dest}: already exists; choose a new path or pass overwrite=True")
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=f".{dest.name}.tmp-"))
-    try:
+    tensors = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in peft_tensors(model).items()}
+    with atomic_directory(path, overwrite) as tmp:
         LoraConfig(r=lora_cfg.rank, lora_alpha=lora_cfg.alpha, lora_dropout=lora_cfg.dropout,
                    target_modules=list(lora_cfg.targets), use_rslora=lora_cfg.use_rslora, bias="none",
                    modules_to_save=None, use_dora=False, fan_in_fan_out=False, init_lora_weights=True,
                    inference_mode=True, task_type="CAUSAL_LM",
                    base_model_name_or_path=base_model_name_or_path).save_pretrained(str(tmp))
-        tensors = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in peft_tensors(model).items()}
         save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
-        for name in (CONFIG_FILE, WEIGHTS_FILE):
-            _fsync(tmp / name)
-        os.chmod(tmp, 0o755)  # mkdtemp makes it 0700
-        _swap_into_place(tmp, dest)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return dest
-
-
-def _fsync(file: Path) -> None:
-    fd = os.open(file, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _swap_into_place(tmp: Path, dest: Path) -> None:
-    """Rename `tmp` to `dest`; an existing `dest` is moved aside first and deleted only after the rename."""
-    if not dest.exists():
-        os.rename(tmp, dest)
-        return
-    if not dest.is_dir():
-        raise FileExistsError(f"{dest}: exists and is not a directory; remove it or choose another path")
-    old = dest.with_name(f".{dest.name}.old-{os.getpid()}")
-    os.rename(dest, old)
-    try:
-        os.rename(tmp, dest)
-    except BaseException:
-        os.rename(old, dest)
-        raise
-    shutil.rmtree(old)
+    return Path(path)
 
 
 # ---- load --------------------------------------------------------------------------------------------

@@ -2,22 +2,20 @@
 `miles_k3.quantize` and `miles_k3.init_checkpoint`) writes shards, the index and config into a temporary
 sibling directory, fsyncs it and renames it into place only when complete, so a crash never leaves a
 half-written directory under the destination name and an existing checkpoint is replaced only by a complete
-one. Layout and validation rules are in `checkpoint.py`.
+one (`miles_k3.atomic`). Layout and validation rules are in `checkpoint.py`.
 """
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
-import tempfile
-import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import safetensors.torch
 import torch
 
+from miles_k3.atomic import publish_directory, stage_directory
 from miles_k3.model.checkpoint import (
     CONFIG_FILE,
     DEFAULT_MAX_SHARD_BYTES,
@@ -50,15 +48,10 @@ class CheckpointWriter:
         self.path = Path(path)
         if max_shard_bytes is not None and max_shard_bytes <= 0:
             raise CheckpointError(f"max_shard_bytes: must be > 0 or None, got {max_shard_bytes}")
-        if self.path.exists() or self.path.is_symlink():
-            if not overwrite:
-                raise CheckpointError(f"{self.path} already exists; pass overwrite=True (CLI: --overwrite / "
-                                      "overwrite=true) to replace it, or choose another directory")
-            if not self.path.is_dir():
-                raise CheckpointError(f"{self.path} exists and is not a directory; remove it or choose "
-                                      "another path")
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.staging = Path(tempfile.mkdtemp(prefix=f".{self.path.name}.tmp-", dir=self.path.parent))
+        try:
+            self.staging = stage_directory(self.path, overwrite)
+        except FileExistsError as e:
+            raise CheckpointError(str(e)) from None
         self.max_shard_bytes = max_shard_bytes
         self._pending: dict[str, torch.Tensor] = {}
         self._pending_bytes = 0
@@ -126,54 +119,10 @@ class CheckpointWriter:
         if n > 1:
             self.write_json(INDEX_FILE, {"metadata": {"total_size": self._total_bytes},
                                          "weight_map": dict(sorted(weight_map.items()))})
-        _apply_umask(self.staging)
-        _fsync_tree(self.staging)
-        old = None
-        if self.path.exists():
-            old = self.path.with_name(f".{self.path.name}.old-{uuid.uuid4().hex[:8]}")
-            os.rename(self.path, old)
-        try:
-            os.rename(self.staging, self.path)
-        except OSError:
-            if old is not None:
-                os.rename(old, self.path)  # put the previous checkpoint back
-            raise
-        _fsync_dir(self.path.parent)
-        if old is not None:
-            shutil.rmtree(old)
-        return self.path
+        return publish_directory(self.staging, self.path)
 
     def abort(self) -> None:
         shutil.rmtree(self.staging, ignore_errors=True)
-
-
-def _apply_umask(root: Path) -> None:
-    """Give the staged tree the permissions of a plain mkdir/open (mkdtemp, safetensors use 0o700/0o600)."""
-    umask = os.umask(0)
-    os.umask(umask)
-    for dirpath, _, filenames in os.walk(root):
-        os.chmod(dirpath, 0o777 & ~umask)
-        for name in filenames:
-            os.chmod(os.path.join(dirpath, name), 0o666 & ~umask)
-
-
-def _fsync_tree(root: Path) -> None:
-    for dirpath, _, filenames in os.walk(root):
-        for name in filenames:
-            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        _fsync_dir(Path(dirpath))
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def to_stored(name: str, t: torch.Tensor, spec: TensorSpec) -> torch.Tensor:
