@@ -19,6 +19,7 @@ import torch
 
 from miles_k3.config import compose_config
 from miles_k3.model.build import load_k3_config
+from miles_k3.model.checkpoint import meta_model
 from miles_k3.model.experts import RoutedExperts
 from miles_k3.model.k3 import FP32_PARAM_SUFFIXES, K3ForCausalLM
 from miles_k3.model.kda import KDAAttention
@@ -70,8 +71,7 @@ def main(argv: list[str]) -> dict:
     cfg = compose_config("model_info", argv)
     k3 = load_k3_config(cfg.model)
     fmt = "mxfp4" if cfg.model.experts == "auto" else cfg.model.experts
-    with torch.device("meta"):
-        model = K3ForCausalLM(k3, expert_format=fmt)
+    model = meta_model(k3, fmt)
     routed = [m for m in model.modules() if isinstance(m, RoutedExperts)]
     expert_bytes = sum(stored_bytes(m) for m in routed)
     figures = {"model": cfg.model.path or cfg.model.name, "tp": cfg.tp, **model_figures(model, cfg.tp),
