@@ -1,0 +1,248 @@
+"""CPU tests for `miles_k3.rollout.sampling`: filtering, logprob conventions, seeding and batch
+invariance, request validation and finish reasons."""
+
+import math
+
+import pytest
+import torch
+from miles_k3.rollout.sampling import (
+    FinishReason,
+    SamplingParams,
+    check_stop,
+    filtered_logprobs,
+    make_generator,
+    sample,
+)
+
+# Probabilities of a hand-built 5-token distribution (sum 1), in shuffled id order.
+PROBS = [0.10, 0.40, 0.05, 0.25, 0.20]
+
+
+def _logits(probs=PROBS) -> torch.Tensor:
+    return torch.tensor(probs, dtype=torch.float32).log()[None, :]
+
+
+def _draw(logits_1V, p: SamplingParams, num: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """`num` samples of one row, batched as `num` identical rows sharing one seeded generator."""
+    g = make_generator(seed, "cpu")
+    return sample(logits_1V.expand(num, -1), [p] * num, [g] * num)
+
+
+def test_greedy_is_argmax_with_raw_logprob():
+    torch.manual_seed(0)
+    logits_BV = torch.randn(6, 50)
+    ids, logp = sample(logits_BV, [SamplingParams(temperature=0.0, top_k=3, top_p=0.5)] * 6, [None] * 6)
+    assert torch.equal(ids, logits_BV.argmax(-1))
+    ref = torch.log_softmax(logits_BV, -1).gather(1, ids[:, None]).squeeze(1)
+    torch.testing.assert_close(logp, ref, rtol=0, atol=0)
+
+
+def test_greedy_ties_go_to_lowest_id():
+    logits = torch.tensor([[0.0, 3.0, 1.0, 3.0]])
+    ids, _ = sample(logits, [SamplingParams(temperature=0.0)], [None])
+    assert ids.tolist() == [1]
+
+
+def test_temperature_logprob_matches_hand_computed():
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
+    for t in (0.5, 1.0, 2.0):
+        ids, logp = sample(logits, [SamplingParams(temperature=t)], [make_generator(1, "cpu")])
+        z = [v / t for v in logits[0].tolist()]
+        hand = z[ids.item()] - math.log(sum(math.exp(v) for v in z))
+        assert logp.item() == pytest.approx(hand, abs=1e-6)
+
+
+def test_top_k_1_equals_greedy():
+    torch.manual_seed(1)
+    logits_BV = torch.randn(8, 100)
+    ids, logp = sample(logits_BV, [SamplingParams(temperature=1.5, top_k=1)] * 8,
+                       [make_generator(i, "cpu") for i in range(8)])
+    assert torch.equal(ids, logits_BV.argmax(-1))
+    # The filtered distribution is a point mass, so its logprob is exactly 0.
+    assert torch.all(logp == 0)
+
+
+def test_top_k_keeps_k_largest():
+    ids, logp = _draw(_logits(), SamplingParams(top_k=2), 2000)
+    assert set(ids.tolist()) == {1, 3}
+    torch.testing.assert_close(logp[ids == 1], torch.full_like(logp[ids == 1], math.log(0.40 / 0.65)))
+
+
+def test_top_p_keeps_smallest_nucleus():
+    # Sorted: 0.40 (id1), 0.25 (id3), 0.20 (id4), ... cum 0.40, 0.65, 0.85. (p=0.65 exactly is left out:
+    # equality at the boundary is decided by fp32 rounding.)
+    for top_p, nucleus in ((0.6, {1, 3}), (0.7, {1, 3, 4}), (0.3, {1}), (1.0, {0, 1, 2, 3, 4})):
+        ids, logp = _draw(_logits(), SamplingParams(top_p=top_p), 3000, seed=7)
+        assert set(ids.tolist()) == nucleus, top_p
+        mass = sum(PROBS[i] for i in nucleus)
+        expect = torch.tensor([math.log(PROBS[i] / mass) for i in ids.tolist()])
+        torch.testing.assert_close(logp, expect, rtol=0, atol=1e-5)
+
+
+def test_min_p_filters_relative_to_max():
+    # max prob 0.40: min_p=0.45 -> threshold 0.18 keeps {1, 3, 4}; min_p=0.55 -> 0.22 keeps {1, 3}.
+    # (Thresholds sit away from a token's prob: exactly-equal is decided by fp32 rounding.)
+    for min_p, kept_ids in ((0.45, {1, 3, 4}), (0.55, {1, 3}), (0.0, {0, 1, 2, 3, 4})):
+        logp_V = filtered_logprobs(_logits(), [SamplingParams(min_p=min_p)])[0]
+        assert set(torch.nonzero(torch.isfinite(logp_V)).flatten().tolist()) == kept_ids, min_p
+        ids, logp = _draw(_logits(), SamplingParams(min_p=min_p), 3000, seed=3)
+        assert set(ids.tolist()) == kept_ids, min_p
+        mass = sum(PROBS[i] for i in kept_ids)
+        expect = torch.tensor([math.log(PROBS[i] / mass) for i in ids.tolist()])
+        torch.testing.assert_close(logp, expect, rtol=0, atol=1e-5)
+
+
+def test_filter_order_temperature_then_top_p():
+    # At temperature 2 the distribution flattens, so top_p=0.6 needs more tokens than at temperature 1.
+    logp_V = filtered_logprobs(_logits(), [SamplingParams(temperature=2.0, top_p=0.6)])[0]
+    z = torch.tensor(PROBS).log() / 2.0
+    q = torch.softmax(z, -1)
+    order = torch.argsort(q, descending=True)
+    cum = torch.cumsum(q[order], 0)
+    n_keep = int((cum < 0.6).sum()) + 1
+    assert set(torch.nonzero(torch.isfinite(logp_V)).flatten().tolist()) == set(order[:n_keep].tolist())
+    assert n_keep == 3
+
+
+def test_frequencies_match_filtered_distribution():
+    num = 20_000
+    p = SamplingParams(temperature=1.0, top_k=4)  # drops id 2 (0.05)
+    ids, _ = _draw(_logits(), p, num, seed=123)
+    counts = torch.bincount(ids, minlength=5).double()
+    assert counts[2] == 0
+    expect = torch.tensor([PROBS[i] if i != 2 else 0.0 for i in range(5)], dtype=torch.float64)
+    expect = expect / expect.sum() * num
+    keep = expect > 0
+    chi2 = (((counts - expect) ** 2)[keep] / expect[keep]).sum().item()
+    # 3 degrees of freedom: P(chi2 > 16.3) ~ 0.001.
+    assert chi2 < 16.3, (counts.tolist(), expect.tolist())
+
+
+def test_seed_determinism_and_batch_independence():
+    torch.manual_seed(2)
+    V = 257
+    row_V = torch.randn(V) * 3
+    p = SamplingParams(temperature=0.8, top_p=0.9, sampling_seed=42)
+    alone = [sample(row_V[None], [p], [make_generator(42, "cpu")])[0].item() for _ in range(2)]
+    assert alone[0] == alone[1]
+    # Same row in the middle of a batch of different rows, params and generators.
+    others = torch.randn(4, V)
+    batch = torch.cat([others[:2], row_V[None], others[2:]])
+    ps = [SamplingParams(temperature=0.0), SamplingParams(top_k=5), p, SamplingParams(min_p=0.1),
+          SamplingParams(temperature=2.0)]
+    gens = [None, make_generator(7, "cpu"), make_generator(42, "cpu"), None, make_generator(9, "cpu")]
+    ids, logp = sample(batch, ps, gens)
+    alone_ids, alone_logp = sample(row_V[None], [p], [make_generator(42, "cpu")])
+    assert ids[2].item() == alone_ids.item() == alone[0]
+    assert logp[2].item() == alone_logp.item()
+    # A sequence of draws from one generator is also reproducible step by step.
+    g1, g2 = make_generator(5, "cpu"), make_generator(5, "cpu")
+    seq1 = [sample(row_V[None], [p], [g1])[0].item() for _ in range(20)]
+    seq2 = [sample(torch.stack([others[0], row_V]), [p, p], [None, g2])[0][1].item() for _ in range(20)]
+    assert seq1 == seq2
+    assert len(set(seq1)) > 1
+
+
+def test_make_generator_none_without_seed():
+    assert make_generator(None, "cpu") is None
+    a = torch.rand(3, generator=make_generator(3, "cpu"))
+    b = torch.rand(3, generator=make_generator(3, "cpu"))
+    assert torch.equal(a, b)
+
+
+def test_logprobs_fp32_for_bf16_logits():
+    logits = torch.randn(3, 64).to(torch.bfloat16)
+    ps = [SamplingParams(temperature=0.0), SamplingParams(), SamplingParams(top_p=0.5)]
+    ids, logp = sample(logits, ps, [None, make_generator(0, "cpu"), make_generator(1, "cpu")])
+    assert ids.dtype == torch.int64 and logp.dtype == torch.float32
+    ref = torch.log_softmax(logits.float(), -1)[0, ids[0]]
+    assert logp[0].item() == ref.item()
+
+
+def test_from_dict_defaults_and_normalisation():
+    p = SamplingParams.from_dict({"top_k": 0, "stop": "###", "temperature": 0}, where="request 0")
+    assert p.top_k == -1 and p.stop == ["###"] and p.greedy and p.max_new_tokens == 128
+    assert SamplingParams.from_dict(None, where="request 1") == SamplingParams()
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("temperature", -0.1),
+        ("temperature", float("inf")),
+        ("temperature", float("nan")),
+        ("top_p", 0.0),
+        ("top_p", 1.5),
+        ("top_k", -2),
+        ("top_k", 2.5),
+        ("min_p", 1.0),
+        ("min_p", -0.1),
+        ("max_new_tokens", 0),
+        ("max_new_tokens", True),
+        ("stop", [""]),
+        ("stop", [3]),
+        ("stop_token_ids", [-1]),
+        ("stop_token_ids", 5),
+        ("ignore_eos", "yes"),
+        ("sampling_seed", 1.5),
+    ],
+)
+def test_validation_errors_name_field_value_and_request(field, value):
+    with pytest.raises(ValueError) as e:
+        SamplingParams.from_dict({field: value}, where="request 3")
+    msg = str(e.value)
+    assert "request 3" in msg and f"sampling_params.{field}=" in msg and repr(value) in msg
+    assert "expected" in msg
+
+
+def test_unknown_key_rejected():
+    with pytest.raises(ValueError, match=r"request 2: unknown sampling_params key\(s\) \['temprature'\]"):
+        SamplingParams.from_dict({"temprature": 0.5}, where="request 2")
+
+
+def test_validate_stop_ids_against_vocab():
+    p = SamplingParams.from_dict({"stop_token_ids": [3, 10]}, where="request 4")
+    p.validate(vocab_size=11, where="request 4")
+    with pytest.raises(ValueError, match=r"request 4: sampling_params.stop_token_ids=\[3, 10\].*\[0, 10\)"):
+        p.validate(vocab_size=10, where="request 4")
+
+
+def test_finish_stop_token_and_eos():
+    p = SamplingParams(stop_token_ids=[7], max_new_tokens=10)
+    assert check_stop([], p) is None
+    assert check_stop([1, 2], p, eos_ids=[2]) == FinishReason("stop", 2)
+    assert check_stop([1, 7], p) == FinishReason("stop", 7)
+    assert check_stop([1, 3], p, eos_ids=[2]) is None
+    assert FinishReason("stop", 2).to_dict() == {"type": "stop", "matched": 2}
+
+
+def test_finish_ignore_eos_keeps_going_but_stop_ids_still_stop():
+    p = SamplingParams(ignore_eos=True, stop_token_ids=[7], max_new_tokens=4)
+    assert check_stop([1, 2], p, eos_ids=[2]) is None
+    assert check_stop([1, 7], p, eos_ids=[2]) == FinishReason("stop", 7)
+    assert check_stop([1, 2, 2, 2], p, eos_ids=[2]) == FinishReason("length")
+
+
+def test_finish_length_and_stop_beats_length():
+    p = SamplingParams(max_new_tokens=3)
+    assert check_stop([5, 5], p, eos_ids=[2]) is None
+    assert check_stop([5, 5, 5], p, eos_ids=[2]) == FinishReason("length", None)
+    assert check_stop([5, 5, 2], p, eos_ids=[2]) == FinishReason("stop", 2)
+    assert FinishReason("length").to_dict() == {"type": "length", "matched": None}
+
+
+def test_finish_stop_string_with_toy_detokenizer():
+    vocab = {0: "Hel", 1: "lo", 2: " wor", 3: "ld", 4: "##", 5: "#", 6: "!"}
+
+    def text_fn(ids):
+        return "".join(vocab[i] for i in ids)
+
+    p = SamplingParams(stop=["###", "world"], max_new_tokens=50)
+    assert check_stop([0, 1, 2], p, text_fn=text_fn) is None
+    # "world" is completed by token 3, which is kept; the caller stops here.
+    assert check_stop([0, 1, 2, 3], p, text_fn=text_fn) == FinishReason("stop", "world")
+    # A stop string that spans a token boundary ("##" + "#") is found too.
+    assert check_stop([0, 4], p, text_fn=text_fn) is None
+    assert check_stop([0, 4, 5], p, text_fn=text_fn) == FinishReason("stop", "###")
+    with pytest.raises(ValueError, match="detokenizer"):
+        check_stop([0], p)
