@@ -10,10 +10,10 @@ import math
 
 import pytest
 import torch
-from miles_k3.kernels import mxfp4 as kmx
-from miles_k3.kernels.mxfp4 import E2M1_VALUES, dequantize_mxfp4_reference, dequantize_mxfp4_triton
 
 from miles_k3 import mxfp4 as cmx
+from miles_k3.kernels import mxfp4 as kmx
+from miles_k3.kernels.mxfp4 import E2M1_VALUES, dequantize_mxfp4_reference, dequantize_mxfp4_triton
 from miles_k3.mxfp4 import (
     GROUP_SIZE,
     SCALE_RULES,

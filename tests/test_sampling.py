@@ -5,6 +5,7 @@ import math
 
 import pytest
 import torch
+
 from miles_k3.rollout.sampling import (
     FinishReason,
     SamplingParams,

@@ -15,6 +15,7 @@ import json
 import statistics
 
 import torch
+
 from miles_k3.kernels.mxfp4 import dequantize_mxfp4_reference, dequantize_mxfp4_triton
 
 SHAPES = [(3072, 3584), (5760, 2880)]
