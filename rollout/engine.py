@@ -1,0 +1,409 @@
+"""The embedded rollout engine: an `sglang.Engine`-shaped API over the trainer's own K3 base tensors.
+
+`RolloutEngine(model, EngineConfig(...), lora=LoRAConfig(...))` shares every base tensor of `model` (no copy)
+and holds its own LoRA buffers, one preallocated set per loaded adapter name. `generate` runs continuous
+batching on two fixed pools (`memory.py`): a KDA state slot per running request and paged MLA latents. A
+request's state always covers all its tokens but the last; each scheduler step feeds every running request its
+last token (one batched `model.step` per adapter) and samples the next (`sampling.py`). A new prompt is
+prefilled once, in chunks, then forked into its `n` samples (KDA state copied, full MLA pages shared). When
+pages run out, the youngest running request is preempted and later recomputed from its tokens (its generator
+keeps its state, so its samples do not change). A bad request gets an error entry; the others are served.
+
+Not yet here (issue 4 continues): CUDA-graph decode and the H200 benchmark; on CUDA the engine runs eagerly.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from miles_k3.model.checkpoint import meta_model
+from miles_k3.model.k3 import K3ForCausalLM
+from miles_k3.model.lora import LoRAConfig, applied_lora_config, apply_lora, lora_parameters
+from miles_k3.rollout.memory import KDAStatePool, PagedLatentCache, plan_memory, pooled_state, store_state
+from miles_k3.rollout.sampling import FinishReason, SamplingParams, check_stop, make_generator, sample
+
+log = logging.getLogger(__name__)
+
+MEMORY_TAGS = ("kv_cache",)
+
+
+@dataclass
+class EngineConfig:
+    """The rollout engine's sizes and limits."""
+
+    memory_budget_bytes: int = 256 * 2**20
+    """Bytes for the KDA state slots and MLA latent pages together (sized by `memory.plan_memory`)."""
+    page_size: int = 16
+    """Tokens per MLA latent page."""
+    max_context: int = 2048
+    """Longest prompt + completion a request may reach."""
+    prefill_chunk: int = 256
+    """Tokens per prefill forward (chunked prefill bounds activation memory)."""
+    num_slots: int | None = None
+    """Override the planned number of KDA slots (max running requests); None: from the budget."""
+    num_pages: int | None = None
+    """Override the planned number of latent pages (fewer than slots x context: preemption); None: planned."""
+    eos_token_ids: list[int] = field(default_factory=list)
+    """Token ids that end a sample unless `ignore_eos`."""
+
+    def validate(self) -> None:
+        for name in ("memory_budget_bytes", "page_size", "max_context", "prefill_chunk"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        for name in ("num_slots", "num_pages"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be >= 1 or null, got {getattr(self, name)}")
+
+
+@dataclass(eq=False)
+class _Request:
+    rid: int
+    index: int
+    prompt: list[int]
+    params: SamplingParams
+    generator: torch.Generator | None
+    lora: str | None
+    cached: int = 0  # prompt tokens reused from a forked prefill
+    output: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    slot: int | None = None
+    finish: FinishReason | None = None
+    weight_versions: set[int] = field(default_factory=set)
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.output
+
+
+class RolloutEngine:
+    """generate / load_lora_adapter_from_tensors / update_weights_from_tensor / weight_version / flush_cache /
+    pause_generation / continue_generation / release_memory_occupation / resume_memory_occupation."""
+
+    def __init__(self, model: K3ForCausalLM, config: EngineConfig | None = None, lora: LoRAConfig | None = None,
+                 tokenizer: Any = None):
+        self.config = config or EngineConfig()
+        self.config.validate()
+        self.cfg = model.config
+        self.tokenizer = tokenizer
+        self.model = _share_base(model)
+        self.lora_config = lora
+        self._adapters: dict[str | None, dict[str, torch.Tensor]] = {}
+        if lora is not None:
+            apply_lora(self.model, lora)
+            self._params = lora_parameters(self.model)
+            self._adapters[None] = {n: torch.zeros_like(p) for n, p in self._params.items()}  # base: B = 0
+        self.device = device = model.lm_head.weight.device
+        self.dtype = model.lm_head.weight.dtype
+        plan = plan_memory(self.cfg, self.config.memory_budget_bytes, self.config.page_size,
+                           self.config.max_context, self.dtype)
+        num_slots = self.config.num_slots or plan.num_slots
+        num_pages = self.config.num_pages or plan.num_pages
+        if num_pages < plan.pages_per_request:
+            raise ValueError(f"num_pages: {num_pages} pages of {self.config.page_size} tokens cannot hold one "
+                             f"request of max_context={self.config.max_context}; raise num_pages")
+        self.kda = KDAStatePool(self.cfg, num_slots, device, self.dtype)
+        self.cache = PagedLatentCache(self.cfg, num_pages, self.config.page_size, device, self.dtype)
+        log.info("rollout engine: %d slots, %d pages of %d tokens (%s)", num_slots, num_pages,
+                 self.config.page_size, plan.summary())
+        self.weight_version = 0
+        self.num_preempted = 0  # requests preempted (and later recomputed) for lack of latent pages
+        self._rids = itertools.count()
+        self._lock = threading.RLock()
+        self._unpaused = threading.Event()
+        self._unpaused.set()
+        self._released = False
+
+    # ---- public API --------------------------------------------------------------------------------
+    def generate(self, input_ids: list[list[int]] | None = None, prompts: list[str] | None = None,
+                 sampling_params: dict | list[dict] | None = None, n: int = 1, return_logprob: bool = True,
+                 lora: str | list[str | None] | None = None) -> list[dict]:
+        """Samples for every prompt: `n` per prompt, in order (prompt i's sample j at i * n + j).
+
+        Each entry: `output_ids`, `meta_info` {finish_reason, prompt_tokens, completion_tokens,
+        cached_tokens, weight_version, output_token_logprobs [(logprob, token_id)] if return_logprob}, or
+        `error` (with finish_reason {"type": "abort"}) for a request that was rejected. Sample j of a prompt
+        with `sampling_seed` s uses seed s + j, so a fork equals n separate requests with those seeds.
+        """
+        if n < 1:
+            raise ValueError(f"n: must be >= 1, got {n}")
+        if self._released:
+            raise RuntimeError("generate: memory is released; call resume_memory_occupation() first")
+        ids = self._prompt_ids(input_ids, prompts)
+        params = sampling_params if isinstance(sampling_params, list) else [sampling_params or {}] * len(ids)
+        loras = lora if isinstance(lora, list) else [lora] * len(ids)
+        if len(params) != len(ids) or len(loras) != len(ids):
+            raise ValueError(f"sampling_params ({len(params)}) and lora ({len(loras)}) lists must have one "
+                             f"entry per prompt ({len(ids)})")
+        results: list[dict | None] = [None] * (len(ids) * n)
+        groups = deque()
+        for i, (p, sp, name) in enumerate(zip(ids, params, loras)):
+            try:
+                groups.append(self._make_group(i, n, p, sp, name))
+            except ValueError as e:
+                for j in range(n):
+                    results[i * n + j] = {"error": str(e), "meta_info": {"finish_reason": {
+                        "type": "abort", "message": str(e)}}}
+        self._run(groups, results, return_logprob)
+        return results
+
+    def load_lora_adapter_from_tensors(self, name: str, tensors: dict[str, torch.Tensor],
+                                       config: LoRAConfig) -> None:
+        """Register adapter `name`: its buffers are allocated here, once, and updated in place later."""
+        if self.lora_config is None:
+            raise ValueError("this engine was built without a LoRA config (RolloutEngine(..., lora=...))")
+        if name is None or name in self._adapters:
+            raise ValueError(f"adapter name {name!r} is taken; use update_weights_from_tensor to change it")
+        self._check_adapter_config(config)
+        buffers = {n: torch.empty_like(p) for n, p in self._params.items()}
+        self._copy_checked(buffers, tensors, f"adapter {name!r}", require_all=True)
+        self._adapters[name] = buffers
+
+    def update_weights_from_tensor(self, named_tensors: dict[str, torch.Tensor] | list[tuple[str, torch.Tensor]],
+                                   lora_name: str, weight_version: int | None = None) -> None:
+        """Copy LoRA tensors in place into adapter `lora_name`'s buffers (addresses never change). Every
+        name, shape and dtype is checked before anything is copied: a bad push changes nothing."""
+        if lora_name not in self._adapters or lora_name is None:
+            raise ValueError(f"unknown adapter {lora_name!r}; load it with load_lora_adapter_from_tensors")
+        with self._lock:
+            self._copy_checked(self._adapters[lora_name], dict(named_tensors), f"adapter {lora_name!r}",
+                               require_all=False)
+            self.weight_version = self.weight_version + 1 if weight_version is None else weight_version
+
+    def flush_cache(self) -> bool:
+        """The engine keeps no cross-request prefix cache, so there is nothing to drop; like SGLang, returns
+        False while a request is being scheduled (another thread's `generate`) and True otherwise."""
+        if not self._lock.acquire(blocking=False):
+            return False
+        self._lock.release()
+        return True
+
+    def pause_generation(self) -> None:
+        """Stop scheduling after the current step (another thread's `generate` waits) until continued."""
+        self._unpaused.clear()
+
+    def continue_generation(self) -> None:
+        self._unpaused.set()
+
+    def release_memory_occupation(self, tags: list[str] | None = None) -> None:
+        """Free the pools' storage (tag `kv_cache`: KDA state slots + latent pages) while no request runs."""
+        self._check_tags(tags)
+        with self._lock:
+            self.kda.release()
+            self.cache.release()
+            self._released = True
+
+    def resume_memory_occupation(self, tags: list[str] | None = None) -> None:
+        self._check_tags(tags)
+        with self._lock:
+            self.kda.resume()
+            self.cache.resume()
+            self._released = False
+
+    # ---- requests ----------------------------------------------------------------------------------
+    def _prompt_ids(self, input_ids, prompts) -> list[list[int]]:
+        if (input_ids is None) == (prompts is None):
+            raise ValueError("generate: pass exactly one of input_ids (token id lists) or prompts (strings)")
+        if input_ids is not None:
+            return [list(map(int, p)) for p in input_ids]
+        if self.tokenizer is None:
+            raise ValueError("generate: prompts given as text but the engine has no tokenizer; pass input_ids")
+        return [self.tokenizer.encode(p) for p in prompts]
+
+    def _make_group(self, i: int, n: int, prompt: list[int], sp: dict | None, name: str | None) -> list[_Request]:
+        where = f"request {i}"
+        params = SamplingParams.from_dict(dict(sp or {}), where)
+        params.validate(self.cfg.vocab_size, where)
+        if not prompt:
+            raise ValueError(f"{where}: empty prompt; give at least one token")
+        bad = [t for t in prompt if not 0 <= t < self.cfg.vocab_size]
+        if bad:
+            raise ValueError(f"{where}: token ids {bad[:5]} outside the vocabulary [0, {self.cfg.vocab_size})")
+        if len(prompt) + params.max_new_tokens > self.config.max_context:
+            raise ValueError(f"{where}: prompt ({len(prompt)} tokens) + max_new_tokens ({params.max_new_tokens}) "
+                             f"exceeds the engine's max_context {self.config.max_context}; shorten the prompt "
+                             "or lower max_new_tokens")
+        if name not in self._adapters and not (name is None and self.lora_config is None):
+            raise ValueError(f"{where}: unknown LoRA adapter {name!r}; loaded: "
+                             f"{[a for a in self._adapters if a is not None]}")
+        if n > self.kda.num_slots:
+            raise ValueError(f"{where}: n={n} samples exceed the engine's {self.kda.num_slots} state slots")
+        seed = params.sampling_seed
+        return [_Request(next(self._rids), i * n + j, list(prompt), params,
+                         make_generator(None if seed is None else seed + j, "cpu"), name) for j in range(n)]
+
+    # ---- scheduling --------------------------------------------------------------------------------
+    def _run(self, waiting: deque, results: list, return_logprob: bool) -> None:
+        running: list[_Request] = []
+        while waiting or running:
+            self._unpaused.wait()
+            with self._lock:
+                while waiting and self._admit(waiting[0], running):
+                    waiting.popleft()
+                if not running:
+                    raise RuntimeError("rollout engine: a request cannot be admitted into empty pools "
+                                       "(memory too small for one request); raise memory_budget_bytes")
+                self._make_room(running, waiting)
+                for req in self._decode(running):
+                    running.remove(req)
+                    self._free(req)
+                    results[req.index] = self._result(req, return_logprob)
+
+    def _admit(self, group: list[_Request], running: list[_Request]) -> bool:
+        """Prefill the group's tokens but the last once, fork into its requests; False if it does not fit now."""
+        head = group[0]
+        slot = self.kda.alloc()
+        if slot is None:
+            return False
+        self.cache.new_request(head.rid)
+        head.slot = slot
+        prefix = head.tokens[:-1]
+        for start in range(0, len(prefix), self.config.prefill_chunk):
+            if not self._prefill(head, prefix[start:start + self.config.prefill_chunk]):
+                self._free(head)
+                return False
+        if len(group) > 1:
+            slots = self.kda.fork(slot, len(group) - 1)
+            if slots is None or not self.cache.fork(head.rid, [r.rid for r in group[1:]]):
+                if slots is not None:
+                    for s in slots:
+                        self.kda.free(s)
+                self._free(head)
+                return False
+            for req, s in zip(group[1:], slots):
+                req.slot, req.cached = s, len(prefix)
+        running.extend(group)
+        return True
+
+    def _prefill(self, req: _Request, chunk: list[int]) -> bool:
+        slots = torch.tensor([req.slot], device=self.device)
+        if not self.cache.reserve(req.rid, len(chunk)):
+            return False
+        self._bind(req.lora)
+        state = pooled_state(self.cfg, self.kda, slots, self.cache, [req.rid])
+        ids = torch.tensor([chunk], device=slots.device)
+        with torch.no_grad():
+            out = self.model(ids, state=state, return_state=True)
+        return store_state(self.cfg, out.state, self.kda, slots, self.cache, [req.rid])
+
+    def _make_room(self, running: list[_Request], waiting: deque) -> None:
+        """Reserve one more position per running request, preempting the youngest while pages are short."""
+        i = 0
+        while i < len(running):
+            if self.cache.reserve(running[i].rid, 1):
+                i += 1
+                continue
+            victim = running.pop()
+            self._free(victim)
+            waiting.appendleft([victim])  # recomputed from its tokens when pages free up
+            self.num_preempted += 1
+            log.info("preempted request %d (%d tokens) for lack of latent pages", victim.rid,
+                     len(victim.tokens))
+            i = min(i, len(running))
+
+    def _decode(self, running: list[_Request]) -> list[_Request]:
+        """One token for every running request (one model step per adapter); returns the finished ones."""
+        finished = []
+        by_lora: dict[str | None, list[_Request]] = {}
+        for req in running:
+            by_lora.setdefault(req.lora, []).append(req)
+        for name, reqs in by_lora.items():
+            self._bind(name)
+            slots = torch.tensor([r.slot for r in reqs], device=self.device)
+            rids = [r.rid for r in reqs]
+            state = pooled_state(self.cfg, self.kda, slots, self.cache, rids)
+            ids = torch.tensor([r.tokens[-1] for r in reqs], device=slots.device)
+            out = self.model.step(ids, state)
+            assert store_state(self.cfg, out.state, self.kda, slots, self.cache, rids)  # reserved above
+            tokens, logprobs = sample(out.logits, [r.params for r in reqs], [r.generator for r in reqs])
+            for req, t, lp in zip(reqs, tokens.tolist(), logprobs.tolist()):
+                req.output.append(t)
+                req.logprobs.append(lp)
+                req.weight_versions.add(self.weight_version)
+                req.finish = check_stop(req.output, req.params, self.config.eos_token_ids, self._text_fn)
+                if req.finish is not None:
+                    finished.append(req)
+        return finished
+
+    def _free(self, req: _Request) -> None:
+        self.kda.free(req.slot)
+        self.cache.free(req.rid)
+        req.slot = None
+
+    def _result(self, req: _Request, return_logprob: bool) -> dict:
+        meta = {"finish_reason": req.finish.to_dict(), "prompt_tokens": len(req.prompt),
+                "completion_tokens": len(req.output), "cached_tokens": req.cached,
+                "weight_version": max(req.weight_versions), "weight_versions": sorted(req.weight_versions)}
+        if return_logprob:
+            meta["output_token_logprobs"] = list(zip(req.logprobs, req.output))
+        return {"output_ids": list(req.output), "meta_info": meta}
+
+    @property
+    def _text_fn(self):
+        return None if self.tokenizer is None else self.tokenizer.decode
+
+    # ---- adapters ----------------------------------------------------------------------------------
+    def _bind(self, name: str | None) -> None:
+        """Point the LoRA parameters at adapter `name`'s buffers (base: zero B), no copy."""
+        if self.lora_config is None:
+            return
+        for pname, p in self._params.items():
+            p.data = self._adapters[name][pname]
+
+    def _check_adapter_config(self, config: LoRAConfig) -> None:
+        have = applied_lora_config(self.model)
+        for f in ("rank", "alpha", "use_rslora"):
+            if getattr(config, f) != getattr(have, f):
+                raise ValueError(f"adapter config {f}={getattr(config, f)} but the engine's LoRA buffers have "
+                                 f"{f}={getattr(have, f)}; build the engine with the trainer's LoRAConfig")
+        if sorted(config.targets) != sorted(have.targets):
+            raise ValueError(f"adapter targets {sorted(config.targets)} differ from the engine's "
+                             f"{sorted(have.targets)}")
+
+    @staticmethod
+    def _copy_checked(buffers: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor], what: str,
+                      require_all: bool) -> None:
+        unknown = sorted(set(tensors) - set(buffers))
+        missing = sorted(set(buffers) - set(tensors)) if require_all else []
+        if unknown or missing:
+            raise ValueError(f"{what}: unknown tensors {unknown[:3]}, missing tensors {missing[:3]}; names must "
+                             "be the trainer's lora_parameters() names")
+        for name, t in tensors.items():
+            if t.shape != buffers[name].shape or not t.is_floating_point():
+                raise ValueError(f"{what}: tensor {name} has {t.dtype} {tuple(t.shape)}, expected a floating "
+                                 f"tensor of shape {tuple(buffers[name].shape)}")
+            if not torch.isfinite(t).all():
+                raise ValueError(f"{what}: tensor {name} has NaN/Inf values; refusing the whole push")
+        with torch.no_grad():
+            for name, t in tensors.items():
+                buffers[name].copy_(t)
+
+    @staticmethod
+    def _check_tags(tags: list[str] | None) -> None:
+        bad = [t for t in tags or () if t not in MEMORY_TAGS]
+        if bad:
+            raise ValueError(f"memory tags {bad} are not supported; this engine has {list(MEMORY_TAGS)} "
+                             "(no CUDA graphs are captured yet, and the base weights are the trainer's)")
+
+
+def _share_base(model: K3ForCausalLM) -> K3ForCausalLM:
+    """A K3ForCausalLM whose base tensors ARE `model`'s (same Parameter / buffer objects, no copy), without
+    `model`'s adapters: the engine attaches its own LoRA buffers."""
+    twin = meta_model(model.config, model.expert_format, model.kda_backend_name)
+    tensors = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
+    for name, t in tensors:
+        if "lora_" in name:
+            continue
+        owner, _, leaf = name.rpartition(".")
+        module: nn.Module = twin.get_submodule(owner)
+        if leaf in module._parameters:
+            module._parameters[leaf] = t
+        else:
+            module._buffers[leaf] = t
+    return twin.eval()
