@@ -236,7 +236,7 @@ class RolloutEngine:
             raise ValueError(f"{where}: n={n} samples exceed the engine's {self.kda.num_slots} state slots")
         seed = params.sampling_seed
         return [_Request(next(self._rids), i * n + j, list(prompt), params,
-                         make_generator(None if seed is None else seed + j, "cpu"), name) for j in range(n)]
+                         make_generator(None if seed is None else seed + j, self.device), name) for j in range(n)]
 
     # ---- scheduling --------------------------------------------------------------------------------
     def _run(self, waiting: deque, results: list, return_logprob: bool) -> None:

@@ -1,0 +1,115 @@
+"""Rollout engine decode throughput on one GPU (k3_m, MXFP4 experts, bf16) against a plain decode loop over the
+same model and against the HBM roofline.
+
+    python benchmarks/bench_engine_gpu.py [--batches 1,64,256] [--prompt 32] [--new 64] [--grpo 64x8:512+512]
+                                          [--json out.json]
+
+* engine: `RolloutEngine.generate` of B prompts (n=1), `max_new_tokens` new tokens each, temperature 1,
+  ignore_eos; tokens/s = B * new / wall time of the call (prefill included).
+* plain loop: one batched prefill of the same prompts into a contiguous `K3State`, then `model.step` +
+  multinomial sampling in a Python loop; tokens/s measured the same way.
+* roofline: one decode step must read every weight it touches (non-expert bf16 weights except the embedding
+  table, all MXFP4 experts once B * top-k covers them, else the expected distinct experts), the KDA state of
+  every request (fp32 recurrent, read and written, plus the conv window) and its MLA latents at the mean
+  context; tokens/s = B / (bytes / 4.25 TB/s).
+* grpo: P prompts x n samples, prompt + new tokens, through the engine (group fork).
+"""
+import argparse
+import json
+import time
+
+import torch
+
+from miles_k3.model import K3Config, K3ForCausalLM
+from miles_k3.model.experts import RoutedExperts
+from miles_k3.rollout.engine import EngineConfig, RolloutEngine
+
+HBM_BYTES_PER_S = 4.25e12
+
+
+def build():
+    cfg = K3Config.from_name("k3_m")
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = K3ForCausalLM(cfg, kda_backend="fla", expert_format="mxfp4").cast(torch.bfloat16)
+    return cfg, model.eval().requires_grad_(False)
+
+
+def roofline_tokens_per_s(model: K3ForCausalLM, batch: int, context: int) -> float:
+    cfg = model.config
+    dense = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "embed_tokens" not in n)
+    experts = [m for m in model.modules() if isinstance(m, RoutedExperts)]
+    touched = 1 - (1 - cfg.num_experts_per_token / cfg.num_experts) ** batch  # expected share of experts hit
+    expert_bytes = sum(b.numel() for m in experts for b in m.buffers()) * touched
+    lac = cfg.linear_attn_config
+    kda = len(cfg.kda_layer_ids) * (2 * lac.num_heads * lac.head_dim ** 2 * 4
+                                   + 3 * lac.num_heads * lac.head_dim * (lac.short_conv_kernel_size - 1) * 2)
+    mla = len(cfg.mla_layer_ids) * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * 2 * context
+    step_bytes = dense + expert_bytes + batch * (kda + mla)
+    return batch / (step_bytes / HBM_BYTES_PER_S)
+
+
+def timed(fn) -> float:
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
+def plain_loop(model, prompts: torch.Tensor, new: int) -> None:
+    out = model(prompts[:, :-1], return_state=True)
+    state, ids = out.state, prompts[:, -1]
+    g = torch.Generator(device="cuda").manual_seed(0)
+    with torch.no_grad():
+        for _ in range(new):
+            step = model.step(ids, state)
+            state = step.state
+            ids = torch.multinomial(torch.softmax(step.logits.float(), -1), 1, generator=g)[:, 0]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batches", default="1,64,256")
+    ap.add_argument("--prompt", type=int, default=32)
+    ap.add_argument("--new", type=int, default=64)
+    ap.add_argument("--grpo", default="64x8:512+512", help="PxN:prompt+new, or 'none'")
+    ap.add_argument("--budget-gib", type=float, default=24.0)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    cfg, model = build()
+    econf = EngineConfig(memory_budget_bytes=int(args.budget_gib * 2**30), page_size=64, max_context=1088,
+                         prefill_chunk=1024)
+    engine = RolloutEngine(model, econf)
+    params = {"temperature": 1.0, "max_new_tokens": args.new, "ignore_eos": True}
+    results = {"model": "k3_m", "experts": "mxfp4", "slots": engine.kda.num_slots, "rows": []}
+    with torch.no_grad():
+        engine.generate(input_ids=[[1, 2, 3]] * 2, sampling_params={**params, "max_new_tokens": 4})  # warm up
+        plain_loop(model, torch.randint(0, cfg.vocab_size, (2, 4), device="cuda"), 4)
+        for b in map(int, args.batches.split(",")):
+            prompts = torch.randint(0, cfg.vocab_size, (b, args.prompt), device="cuda")
+            t_engine = timed(lambda p=prompts: engine.generate(input_ids=p.tolist(), sampling_params=params))
+            t_plain = timed(lambda p=prompts: plain_loop(model, p, args.new))
+            row = {"batch": b, "engine_tok_s": b * args.new / t_engine, "plain_tok_s": b * args.new / t_plain,
+                   "roofline_tok_s": roofline_tokens_per_s(model, b, args.prompt + args.new // 2)}
+            row["engine_over_plain"] = row["engine_tok_s"] / row["plain_tok_s"]
+            row["engine_over_roofline"] = row["engine_tok_s"] / row["roofline_tok_s"]
+            print(json.dumps(row), flush=True)
+            results["rows"].append(row)
+        if args.grpo != "none":
+            shape, lens = args.grpo.split(":")
+            p, n = map(int, shape.split("x"))
+            plen, new = map(int, lens.split("+"))
+            prompts = torch.randint(0, cfg.vocab_size, (p, plen)).tolist()
+            gp = {**params, "max_new_tokens": new}
+            t = timed(lambda: engine.generate(input_ids=prompts, sampling_params=gp, n=n))
+            results["grpo"] = {"prompts": p, "n": n, "prompt_len": plen, "new": new, "wall_s": t,
+                               "new_tok_s": p * n * new / t}
+            print(json.dumps(results["grpo"]), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
