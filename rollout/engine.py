@@ -119,6 +119,7 @@ class RolloutEngine:
         self._unpaused = threading.Event()
         self._unpaused.set()
         self._released = False
+        self._active = 0  # generate() calls in flight (other threads may pause, push weights, release)
 
     # ---- public API --------------------------------------------------------------------------------
     def generate(self, input_ids: list[list[int]] | None = None, prompts: list[str] | None = None,
@@ -150,7 +151,11 @@ class RolloutEngine:
                 for j in range(n):
                     results[i * n + j] = {"error": str(e), "meta_info": {"finish_reason": {
                         "type": "abort", "message": str(e)}}}
-        self._run(groups, results, return_logprob)
+        self._active += 1
+        try:
+            self._run(groups, results, return_logprob)
+        finally:
+            self._active -= 1
         return results
 
     def load_lora_adapter_from_tensors(self, name: str, tensors: dict[str, torch.Tensor],
@@ -195,6 +200,8 @@ class RolloutEngine:
         """Free the pools' storage (tag `kv_cache`: KDA state slots + latent pages) while no request runs."""
         self._check_tags(tags)
         with self._lock:
+            if self._active:
+                raise RuntimeError("release_memory_occupation: generate() is running; release when idle")
             self.kda.release()
             self.cache.release()
             self._released = True
