@@ -157,3 +157,24 @@ def test_stop_token_ends_a_sample(base):
     r = engine.generate(input_ids=[PROMPTS[1]], sampling_params={"temperature": 0, "max_new_tokens": 6})[0]
     assert r["output_ids"] == out[:3]
     assert r["meta_info"]["finish_reason"] == {"type": "stop", "matched": out[2]}
+
+
+def test_pause_blocks_scheduling_and_release_is_refused_while_generate_runs(base):
+    import threading
+
+    engine = _engine(base)
+    params = {"temperature": 0, "max_new_tokens": 3}
+    expected = engine.generate(input_ids=PROMPTS, sampling_params=params)
+    engine.pause_generation()
+    box = {}
+    worker = threading.Thread(target=lambda: box.update(r=engine.generate(input_ids=PROMPTS,
+                                                                          sampling_params=params)))
+    worker.start()
+    worker.join(timeout=1.0)
+    assert worker.is_alive() and "r" not in box  # paused: no step was scheduled
+    with pytest.raises(RuntimeError, match="generate\\(\\) is running"):
+        engine.release_memory_occupation()
+    assert engine.flush_cache()  # no step holds the scheduler now
+    engine.continue_generation()
+    worker.join(timeout=60)
+    assert box["r"] == expected
