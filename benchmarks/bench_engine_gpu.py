@@ -2,10 +2,11 @@
 same model and against the HBM roofline.
 
     python benchmarks/bench_engine_gpu.py [--batches 1,64,256] [--prompt 32] [--new 64] [--grpo 64x8:512+512]
-                                          [--json out.json]
+                                          [--decode auto|eager|static] [--json out.json]
 
 * engine: `RolloutEngine.generate` of B prompts (n=1), `max_new_tokens` new tokens each, temperature 1,
-  ignore_eos; tokens/s = B * new / wall time of the call (prefill included).
+  ignore_eos; tokens/s = B * new / wall time of the call (prefill included). Decode: CUDA graphs by default
+  (captured during the warm-up, per batch bucket), `--decode eager` for the eager engine.
 * plain loop: one batched prefill of the same prompts into a contiguous `K3State`, then `model.step` +
   multinomial sampling in a Python loop; tokens/s measured the same way.
 * roofline: one decode step must read every weight it touches (non-expert bf16 weights except the embedding
@@ -75,16 +76,19 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--grpo", default="64x8:512+512", help="PxN:prompt+new, or 'none'")
     ap.add_argument("--budget-gib", type=float, default=24.0)
+    ap.add_argument("--decode", default="auto", help="engine decode mode: auto (graph on CUDA), eager, static")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     cfg, model = build()
     econf = EngineConfig(memory_budget_bytes=int(args.budget_gib * 2**30), page_size=64, max_context=1088,
-                         prefill_chunk=1024)
+                         prefill_chunk=1024, decode=args.decode)
     engine = RolloutEngine(model, econf)
     params = {"temperature": 1.0, "max_new_tokens": args.new, "ignore_eos": True}
-    results = {"model": "k3_m", "experts": "mxfp4", "slots": engine.kda.num_slots, "rows": []}
+    results = {"model": "k3_m", "experts": "mxfp4", "slots": engine.kda.num_slots, "decode": engine.decode_mode,
+               "rows": []}
     with torch.no_grad():
-        engine.generate(input_ids=[[1, 2, 3]] * 2, sampling_params={**params, "max_new_tokens": 4})  # warm up
+        for b in map(int, args.batches.split(",")):  # warm up: kernels compiled, graphs captured per bucket
+            engine.generate(input_ids=[[1, 2, 3]] * b, sampling_params={**params, "max_new_tokens": 2})
         plain_loop(model, torch.randint(0, cfg.vocab_size, (2, 4), device="cuda"), 4)
         for b in map(int, args.batches.split(",")):
             prompts = torch.randint(0, cfg.vocab_size, (b, args.prompt), device="cuda")

@@ -9,7 +9,8 @@ prefilled once, in chunks, then forked into its `n` samples (KDA state copied, f
 pages run out, the youngest running request is preempted and later recomputed from its tokens (its generator
 keeps its state, so its samples do not change). A bad request gets an error entry; the others are served.
 
-Not yet here (issue 4 continues): CUDA-graph decode and the H200 benchmark; on CUDA the engine runs eagerly.
+Decode modes (`EngineConfig.decode`): eager (the reference: `model.step` on pooled copies), static and graph
+(`graph_decode.py`: a fixed-shape step writing the pools directly, captured per batch bucket on CUDA).
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from torch import nn
 from miles_k3.model.checkpoint import meta_model
 from miles_k3.model.k3 import K3ForCausalLM
 from miles_k3.model.lora import LoRAConfig, applied_lora_config, apply_lora, lora_parameters
+from miles_k3.rollout.graph_decode import GraphDecoder
 from miles_k3.rollout.memory import KDAStatePool, PagedLatentCache, plan_memory, pooled_state, store_state
 from miles_k3.rollout.sampling import FinishReason, SamplingParams, check_stop, make_generator, sample
 
@@ -52,11 +54,17 @@ class EngineConfig:
     """Override the planned number of latent pages (fewer than slots x context: preemption); None: planned."""
     eos_token_ids: list[int] = field(default_factory=list)
     """Token ids that end a sample unless `ignore_eos`."""
+    decode: str = "auto"
+    """Decode step: eager (model.step on pooled copies), static (fixed-shape step writing the pools directly,
+    `graph_decode.py`), graph (static, captured as CUDA graphs per batch bucket); auto = graph on CUDA, else
+    eager."""
 
     def validate(self) -> None:
         for name in ("memory_budget_bytes", "page_size", "max_context", "prefill_chunk"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        if self.decode not in ("auto", "eager", "static", "graph"):
+            raise ValueError(f"decode: '{self.decode}' is not one of auto, eager, static, graph")
         for name in ("num_slots", "num_pages"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1 or null, got {getattr(self, name)}")
@@ -110,8 +118,17 @@ class RolloutEngine:
                              f"request of max_context={self.config.max_context}; raise num_pages")
         self.kda = KDAStatePool(self.cfg, num_slots, device, self.dtype)
         self.cache = PagedLatentCache(self.cfg, num_pages, self.config.page_size, device, self.dtype)
-        log.info("rollout engine: %d slots, %d pages of %d tokens (%s)", num_slots, num_pages,
-                 self.config.page_size, plan.summary())
+        self._pages_per_request = plan.pages_per_request
+        mode = self.config.decode
+        graphable = device.type == "cuda" and self.dtype == torch.bfloat16
+        self.decode_mode = ("graph" if graphable else "eager") if mode == "auto" else mode
+        if self.decode_mode == "graph" and not graphable:
+            raise ValueError(f"decode: graph needs a bf16 CUDA model (grouped expert matmuls without host "
+                             f"syncs), got {self.dtype} on {device}; use eager or static")
+        self._graph = self._make_graph_decoder()
+        self._bound: tuple | None = None  # (adapter name, weight_version) copied into the LoRA parameters
+        log.info("rollout engine: %d slots, %d pages of %d tokens, decode=%s (%s)", num_slots, num_pages,
+                 self.config.page_size, self.decode_mode, plan.summary())
         self.weight_version = 0
         self.num_preempted = 0  # requests preempted (and later recomputed) for lack of latent pages
         self._rids = itertools.count()
@@ -180,6 +197,7 @@ class RolloutEngine:
             self._copy_checked(self._adapters[lora_name], dict(named_tensors), f"adapter {lora_name!r}",
                                require_all=False)
             self.weight_version = self.weight_version + 1 if weight_version is None else weight_version
+            self._bound = None  # the parameters may hold this adapter's old values
 
     def flush_cache(self) -> bool:
         """The engine keeps no cross-request prefix cache, so there is nothing to drop; like SGLang, returns
@@ -207,11 +225,19 @@ class RolloutEngine:
             self._released = True
 
     def resume_memory_occupation(self, tags: list[str] | None = None) -> None:
+        """Reallocate the pools (addresses may change: CUDA graphs are recaptured on next use)."""
         self._check_tags(tags)
         with self._lock:
             self.kda.resume()
             self.cache.resume()
+            self._graph = self._make_graph_decoder()
             self._released = False
+
+    def _make_graph_decoder(self) -> GraphDecoder | None:
+        if self.decode_mode == "eager":
+            return None
+        return GraphDecoder(self.model, self.kda, self.cache, self._pages_per_request,
+                            capture=self.decode_mode == "graph")
 
     # ---- requests ----------------------------------------------------------------------------------
     def _prompt_ids(self, input_ids, prompts) -> list[list[int]]:
@@ -322,13 +348,8 @@ class RolloutEngine:
             by_lora.setdefault(req.lora, []).append(req)
         for name, reqs in by_lora.items():
             self._bind(name)
-            slots = torch.tensor([r.slot for r in reqs], device=self.device)
-            rids = [r.rid for r in reqs]
-            state = pooled_state(self.cfg, self.kda, slots, self.cache, rids)
-            ids = torch.tensor([r.tokens[-1] for r in reqs], device=slots.device)
-            out = self.model.step(ids, state)
-            assert store_state(self.cfg, out.state, self.kda, slots, self.cache, rids)  # reserved above
-            tokens, logprobs = sample(out.logits, [r.params for r in reqs], [r.generator for r in reqs])
+            logits = self._step([r.rid for r in reqs], [r.slot for r in reqs], [r.tokens[-1] for r in reqs])
+            tokens, logprobs = sample(logits, [r.params for r in reqs], [r.generator for r in reqs])
             for req, t, lp in zip(reqs, tokens.tolist(), logprobs.tolist()):
                 req.output.append(t)
                 req.logprobs.append(lp)
@@ -337,6 +358,19 @@ class RolloutEngine:
                 if req.finish is not None:
                     finished.append(req)
         return finished
+
+    def _step(self, rids: list[int], slots: list[int], ids: list[int]) -> torch.Tensor:
+        """One decode token for each request (positions reserved); returns logits [B, V]."""
+        if self._graph is not None:
+            logits = self._graph.decode(ids, slots, rids)
+            for rid in rids:
+                self.cache.advance(rid, 1)
+            return logits
+        slots_t = torch.tensor(slots, device=self.device)
+        state = pooled_state(self.cfg, self.kda, slots_t, self.cache, rids)
+        out = self.model.step(torch.tensor(ids, device=self.device), state)
+        assert store_state(self.cfg, out.state, self.kda, slots_t, self.cache, rids)  # reserved by _make_room
+        return out.logits
 
     def _free(self, req: _Request) -> None:
         self.kda.free(req.slot)
@@ -356,12 +390,15 @@ class RolloutEngine:
         return None if self.tokenizer is None else self.tokenizer.decode
 
     # ---- adapters ----------------------------------------------------------------------------------
+    @torch.no_grad()
     def _bind(self, name: str | None) -> None:
-        """Point the LoRA parameters at adapter `name`'s buffers (base: zero B), no copy."""
-        if self.lora_config is None:
+        """Copy adapter `name`'s buffers (base: zero B) into the LoRA parameters, whose addresses never change
+        (captured CUDA graphs read them); skipped when that adapter at this weight version is bound already."""
+        if self.lora_config is None or self._bound == (name, self.weight_version):
             return
         for pname, p in self._params.items():
-            p.data = self._adapters[name][pname]
+            p.copy_(self._adapters[name][pname])
+        self._bound = (name, self.weight_version)
 
     def _check_adapter_config(self, config: LoRAConfig) -> None:
         have = applied_lora_config(self.model)

@@ -41,8 +41,9 @@ def _greedy_loop(model, prompt, steps):
     return out
 
 
-def test_greedy_output_and_logprobs_equal_the_full_sequence_model(base):
-    res = _engine(base).generate(input_ids=PROMPTS, sampling_params={"temperature": 0, "max_new_tokens": 6})
+@pytest.mark.parametrize("decode", ["eager", "static"])
+def test_greedy_output_and_logprobs_equal_the_full_sequence_model(base, decode):
+    res = _engine(base, decode=decode).generate(input_ids=PROMPTS, sampling_params={"temperature": 0, "max_new_tokens": 6})
     for prompt, r in zip(PROMPTS, res):
         assert r["output_ids"] == _greedy_loop(base, prompt, 6)
         with torch.no_grad():
@@ -72,18 +73,21 @@ def test_group_fork_equals_independent_requests_with_the_same_seeds(base):
     assert engine.kda.num_free == engine.kda.num_slots and engine.cache.num_free_pages == engine.cache.num_pages
 
 
-def test_preemption_under_a_tiny_page_budget_completes_every_request_unchanged(base):
+@pytest.mark.parametrize("decode", ["eager", "static"])
+def test_preemption_under_a_tiny_page_budget_completes_every_request_unchanged(base, decode):
     params = {"temperature": 0, "max_new_tokens": 8}
     roomy = _engine(base).generate(input_ids=PROMPTS, sampling_params=params, n=2)
-    tight = _engine(base, max_context=20, num_pages=6)  # 6 pages of 4 tokens for 6 requests of up to 19 tokens
+    # 6 pages of 4 tokens for 6 requests of up to 19 tokens (static decode keeps one page for padding rows)
+    tight = _engine(base, max_context=20, num_pages=6 + (decode == "static"), decode=decode)
     got = tight.generate(input_ids=PROMPTS, sampling_params=params, n=2)
     assert tight.num_preempted > 0
     assert [r["output_ids"] for r in got] == [r["output_ids"] for r in roomy]
     assert tight.cache.num_free_pages == 6
 
 
-def test_release_and_resume_leave_outputs_unchanged(base):
-    engine = _engine(base)
+@pytest.mark.parametrize("decode", ["eager", "static"])
+def test_release_and_resume_leave_outputs_unchanged(base, decode):
+    engine = _engine(base, decode=decode)
     params = {"temperature": 0.8, "max_new_tokens": 4, "sampling_seed": 3}
     before = engine.generate(input_ids=PROMPTS, sampling_params=params)
     engine.release_memory_occupation(["kv_cache"])
@@ -96,7 +100,8 @@ def test_release_and_resume_leave_outputs_unchanged(base):
         engine.release_memory_occupation(["cuda_graph"])
 
 
-def test_in_place_lora_update_gives_exactly_the_adapted_model(base):
+@pytest.mark.parametrize("decode", ["eager", "static"])
+def test_in_place_lora_update_gives_exactly_the_adapted_model(base, decode):
     params = {"temperature": 0, "max_new_tokens": 5}
     base_out = [_greedy_loop(base, p, 5) for p in PROMPTS]
     trainer = K3ForCausalLM(base.config, expert_format="mxfp4").eval()
@@ -108,7 +113,7 @@ def test_in_place_lora_update_gives_exactly_the_adapted_model(base):
         for name, p in lora_parameters(trainer).items():
             if "lora_B" in name:
                 p.copy_(torch.randn(p.shape, generator=g) * 0.3)
-    engine = _engine(trainer, lora=cfg)
+    engine = _engine(trainer, lora=cfg, decode=decode)
     engine.load_lora_adapter_from_tensors("policy", lora_state_dict(trainer), cfg)
     addresses = {n: t.data_ptr() for n, t in engine._adapters["policy"].items()}
 

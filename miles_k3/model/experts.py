@@ -14,6 +14,8 @@ width, O/In a projection's output/input width.
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
 
@@ -26,18 +28,41 @@ PROJS = ("w1", "w2", "w3")  # gate, down, up (checkpoint names)
 DEQUANT_CHUNK = 64
 
 
+_SYNC_FREE = False
+
+
+@contextlib.contextmanager
+def sync_free_experts():
+    """Within this block routed experts never copy row counts to the host (CUDA-graph capturable decode):
+    MXFP4 experts are dequantized all at once and every projection is one grouped matmul."""
+    global _SYNC_FREE
+    before, _SYNC_FREE = _SYNC_FREE, True
+    try:
+        yield
+    finally:
+        _SYNC_FREE = before
+
+
 def _use_grouped_mm(x: torch.Tensor, w: torch.Tensor) -> bool:
     """torch._grouped_mm (one kernel for all experts) for bf16 on CUDA with 16-byte aligned widths."""
     return (x.is_cuda and x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16
             and x.shape[-1] % 8 == 0 and w.shape[1] % 8 == 0)
 
 
-def grouped_linear(x_MI: torch.Tensor, counts: list[int], w_EOI: torch.Tensor) -> torch.Tensor:
+Counts = list[int] | torch.Tensor  # rows per expert (host list), or their cumulative ends (device int32 tensor)
+
+
+def grouped_linear(x_MI: torch.Tensor, counts: Counts, w_EOI: torch.Tensor) -> torch.Tensor:
     """y [M, O]: rows of x grouped by expert (counts[e] rows for expert e, in order) times w[e]^T.
 
     Ordinary autograd: differentiable in x and w. On CUDA bf16 one `torch._grouped_mm` kernel; otherwise
-    one matmul per expert that has rows (the CPU reference path).
+    one matmul per expert that has rows (the CPU reference path). `counts` may be a device tensor of
+    cumulative row ends (int32 [E], the sync-free form used by captured decode steps).
     """
+    if isinstance(counts, torch.Tensor):
+        if _use_grouped_mm(x_MI, w_EOI):
+            return torch._grouped_mm(x_MI, w_EOI.transpose(1, 2), offs=counts)
+        counts = torch.diff(counts, prepend=counts.new_zeros(1)).tolist()  # CPU: a host list is free
     assert len(counts) == w_EOI.shape[0] and sum(counts) == x_MI.shape[0], (len(counts), w_EOI.shape)
     if x_MI.shape[0] == 0:
         return x_MI.new_zeros(0, w_EOI.shape[1])
@@ -48,10 +73,14 @@ def grouped_linear(x_MI: torch.Tensor, counts: list[int], w_EOI: torch.Tensor) -
     return torch.cat(outs)
 
 
-def _mxfp4_grouped(x_MI: torch.Tensor, counts: list[int], packed: torch.Tensor, scale: torch.Tensor,
+def _mxfp4_grouped(x_MI: torch.Tensor, counts: Counts, packed: torch.Tensor, scale: torch.Tensor,
                    transpose: bool) -> torch.Tensor:
     """x @ W_e^T (or x @ W_e with `transpose`) over MXFP4 experts, dequantizing DEQUANT_CHUNK experts at a
-    time (only chunks that have rows) into x's dtype. packed [E, O, In/2], scale [E, O, In/32]."""
+    time (only chunks that have rows) into x's dtype. packed [E, O, In/2], scale [E, O, In/32]. With
+    device `counts` (sync-free decode) every expert is dequantized at once: no host-side row counts."""
+    if isinstance(counts, torch.Tensor):
+        w = dequantize_mxfp4(packed, scale, dtype=x_MI.dtype)
+        return grouped_linear(x_MI, counts, w.transpose(1, 2) if transpose else w)
     num_experts, out_rows = packed.shape[0], packed.shape[1]
     width = packed.shape[2] * 2 if transpose else out_rows
     y = x_MI.new_empty(x_MI.shape[0], width)
@@ -130,7 +159,7 @@ class RoutedExperts(nn.Module):
         return self.num_experts * sum(o * i for o, i in map(self.proj_shape, PROJS))
 
     # ---- compute -----------------------------------------------------------------------------------
-    def project(self, name: str, x_MI: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    def project(self, name: str, x_MI: torch.Tensor, counts: Counts) -> torch.Tensor:
         """Projection `name` of grouped rows: base (bf16 or MXFP4) plus the LoRA delta if attached."""
         if self.expert_format == "bf16":
             y = grouped_linear(x_MI, counts, getattr(self, name).to(x_MI.dtype))
@@ -149,7 +178,12 @@ class RoutedExperts(nn.Module):
         flat_ids = ids_NK.reshape(-1)
         order = torch.argsort(flat_ids, stable=True)
         token_of = order // top_k
-        counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()  # one host sync per layer
+        if _SYNC_FREE:  # captured decode: cumulative row ends stay on the device (bincount would sync)
+            ones = torch.ones_like(flat_ids, dtype=torch.int32)
+            counts = torch.zeros(self.num_experts, dtype=torch.int32, device=flat_ids.device)
+            counts = counts.index_add_(0, flat_ids, ones).cumsum(0, dtype=torch.int32)
+        else:
+            counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()  # one host sync per layer
         z_MI = z_ND[token_of]
         h = situ_glu(self.project("w1", z_MI, counts), self.project("w3", z_MI, counts),
                      self.beta, self.linear_beta)

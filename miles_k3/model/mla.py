@@ -90,11 +90,12 @@ class MLAAttention(nn.Module):
         return self._output(o.transpose(1, 2), x_BTD), MLALayerState(latent_BSL)
 
     # ---- absorbed form ----------------------------------------------------------------------------
-    def step(self, x_B1D: torch.Tensor, state: MLALayerState, past_lens: torch.Tensor
+    def step(self, x_B1D: torch.Tensor, state: MLALayerState, past_lens: torch.Tensor, grow: bool = True
              ) -> tuple[torch.Tensor, MLALayerState]:
-        """One decode token per request, attending over the cached latents (absorbed form)."""
+        """One decode token per request, attending over the cached latents (absorbed form). `grow=False`:
+        the caller guarantees capacity for position past_lens (no host sync: CUDA-graph capturable)."""
         q_nope, q_rope = self._queries(x_B1D)
-        latent_BSL = write_latents(state.latent_BSL, past_lens, self._latents(x_B1D))
+        latent_BSL = write_latents(state.latent_BSL, past_lens, self._latents(x_B1D), grow)
         valid_BS = torch.arange(latent_BSL.shape[1], device=x_B1D.device) <= past_lens[:, None]
         o_BHV = self.absorbed_attention(q_nope[:, 0], q_rope[:, 0], latent_BSL, valid_BS)
         return self._output(o_BHV.unsqueeze(1), x_B1D), MLALayerState(latent_BSL)
@@ -118,11 +119,13 @@ class MLAAttention(nn.Module):
         return torch.einsum("bhr,hvr->bhv", o_lat_BHR, w_uv_HVR)
 
 
-def write_latents(past_BSL: torch.Tensor, past_lens: torch.Tensor, new_BTL: torch.Tensor) -> torch.Tensor:
-    """A new latent tensor with `new_BTL[b, t]` at position past_lens[b] + t (capacity grown as needed)."""
+def write_latents(past_BSL: torch.Tensor, past_lens: torch.Tensor, new_BTL: torch.Tensor,
+                  grow: bool = True) -> torch.Tensor:
+    """A new latent tensor with `new_BTL[b, t]` at position past_lens[b] + t (capacity grown as needed, which
+    reads past_lens on the host; with `grow=False` the caller guarantees the capacity)."""
     b, t, width = new_BTL.shape
-    need = int(past_lens.max()) + t if b else t
     latent = past_BSL
+    need = (int(past_lens.max()) + t if b else t) if grow else 0
     if latent.shape[1] < need:
         latent = F.pad(latent, (0, 0, 0, need - latent.shape[1]))
     pos_BT = past_lens[:, None] + torch.arange(t, device=new_BTL.device)
