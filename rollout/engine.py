@@ -47,7 +47,9 @@ class EngineConfig:
     max_context: int = 2048
     """Longest prompt + completion a request may reach."""
     prefill_chunk: int = 256
-    """Tokens per prefill forward (chunked prefill bounds activation memory)."""
+    """Tokens per request per prefill forward (chunked prefill bounds activation memory)."""
+    max_prefill_tokens: int = 16384
+    """Tokens (rows x chunk) per batched prefill forward."""
     num_slots: int | None = None
     """Override the planned number of KDA slots (max running requests); None: from the budget."""
     num_pages: int | None = None
@@ -60,7 +62,7 @@ class EngineConfig:
     eager."""
 
     def validate(self) -> None:
-        for name in ("memory_budget_bytes", "page_size", "max_context", "prefill_chunk"):
+        for name in ("memory_budget_bytes", "page_size", "max_context", "prefill_chunk", "max_prefill_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
         if self.decode not in ("auto", "eager", "static", "graph"):
@@ -277,8 +279,9 @@ class RolloutEngine:
         while waiting or running:
             self._unpaused.wait()
             with self._lock:
-                while waiting and self._admit(waiting[0], running):
-                    waiting.popleft()
+                self._admit(waiting, running)
+                if not running and waiting:  # admitted together, the groups may have starved each other
+                    self._admit(waiting, running, max_groups=1)
                 if not running:
                     raise RuntimeError("rollout engine: a request cannot be admitted into empty pools "
                                        "(memory too small for one request); raise memory_budget_bytes")
@@ -288,42 +291,74 @@ class RolloutEngine:
                     self._free(req)
                     results[req.index] = self._result(req, return_logprob)
 
-    def _admit(self, group: list[_Request], running: list[_Request]) -> bool:
-        """Prefill the group's tokens but the last once, fork into its requests; False if it does not fit now."""
+    def _admit(self, waiting: deque, running: list[_Request], max_groups: int | None = None) -> None:
+        """Admit waiting groups in order while their slots fit: prefill every group's tokens but the last in
+        batched chunks (one forward per adapter and chunk), then fork each group into its requests. A group
+        that gets no pages goes back to the front of the queue, in order."""
+        taken, need, free = [], 0, self.kda.num_free
+        while waiting and need + len(waiting[0]) <= free and len(taken) != max_groups:
+            group = waiting.popleft()
+            need += len(group)
+            head = group[0]
+            head.slot = self.kda.alloc()
+            self.cache.new_request(head.rid)
+            taken.append(group)
+        failed = self._prefill_heads([g[0] for g in taken])
+        back = []
+        for group in taken:
+            if group[0].rid in failed or not self._fork(group):
+                self._free(group[0])
+                back.append(group)
+            else:
+                running.extend(group)
+        waiting.extendleft(reversed(back))
+
+    def _fork(self, group: list[_Request]) -> bool:
         head = group[0]
-        slot = self.kda.alloc()
-        if slot is None:
+        if len(group) == 1:
+            return True
+        slots = self.kda.fork(head.slot, len(group) - 1)
+        if slots is None or not self.cache.fork(head.rid, [r.rid for r in group[1:]]):
+            for s in slots or ():
+                self.kda.free(s)
             return False
-        self.cache.new_request(head.rid)
-        head.slot = slot
-        prefix = head.tokens[:-1]
-        for start in range(0, len(prefix), self.config.prefill_chunk):
-            if not self._prefill(head, prefix[start:start + self.config.prefill_chunk]):
-                self._free(head)
-                return False
-        if len(group) > 1:
-            slots = self.kda.fork(slot, len(group) - 1)
-            if slots is None or not self.cache.fork(head.rid, [r.rid for r in group[1:]]):
-                if slots is not None:
-                    for s in slots:
-                        self.kda.free(s)
-                self._free(head)
-                return False
-            for req, s in zip(group[1:], slots):
-                req.slot, req.cached = s, len(prefix)
-        running.extend(group)
+        for req, s in zip(group[1:], slots):
+            req.slot, req.cached = s, len(head.tokens) - 1
         return True
 
-    def _prefill(self, req: _Request, chunk: list[int]) -> bool:
-        slots = torch.tensor([req.slot], device=self.device)
-        if not self.cache.reserve(req.rid, len(chunk)):
-            return False
-        self._bind(req.lora)
-        state = pooled_state(self.cfg, self.kda, slots, self.cache, [req.rid])
-        ids = torch.tensor([chunk], device=slots.device)
+    def _prefill_heads(self, heads: list[_Request]) -> set[int]:
+        """Chunked prefill of each head's tokens but the last, batched (right-padded) per adapter; returns the
+        rids that could not reserve pages (their state is left partial: the caller frees them)."""
+        failed: set[int] = set()
+        chunk = self.config.prefill_chunk
+        rows_per_forward = max(1, self.config.max_prefill_tokens // chunk)
+        by_lora: dict[str | None, list[_Request]] = {}
+        for h in heads:
+            by_lora.setdefault(h.lora, []).append(h)
+        for name, reqs in by_lora.items():
+            longest = max(len(r.tokens) - 1 for r in reqs)
+            for start in range(0, longest, chunk):
+                rows = [r for r in reqs if len(r.tokens) - 1 > start and r.rid not in failed]
+                for r in rows:
+                    if not self.cache.reserve(r.rid, min(chunk, len(r.tokens) - 1 - start)):
+                        failed.add(r.rid)
+                rows = [r for r in rows if r.rid not in failed]
+                for i in range(0, len(rows), rows_per_forward):
+                    self._bind(name)
+                    self._prefill_rows(rows[i:i + rows_per_forward], start, chunk)
+        return failed
+
+    def _prefill_rows(self, rows: list[_Request], start: int, chunk: int) -> None:
+        pieces = [r.tokens[start:min(start + chunk, len(r.tokens) - 1)] for r in rows]
+        width = max(map(len, pieces))
+        ids = torch.tensor([p + [0] * (width - len(p)) for p in pieces], device=self.device)
+        lens = torch.tensor([len(p) for p in pieces], device=self.device)
+        slots = torch.tensor([r.slot for r in rows], device=self.device)
+        rids = [r.rid for r in rows]
+        state = pooled_state(self.cfg, self.kda, slots, self.cache, rids)
         with torch.no_grad():
-            out = self.model(ids, state=state, return_state=True)
-        return store_state(self.cfg, out.state, self.kda, slots, self.cache, [req.rid])
+            out = self.model(ids, seq_lens=lens, state=state, return_state=True, return_logits=False)
+        assert store_state(self.cfg, out.state, self.kda, slots, self.cache, rids)  # pages reserved above
 
     def _make_room(self, running: list[_Request], waiting: deque) -> None:
         """Reserve one more position per running request, preempting the youngest while pages are short."""

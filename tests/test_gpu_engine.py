@@ -45,19 +45,23 @@ def test_graph_decode_replays_the_static_step_exactly(trainer):
     assert runs["graph"] == runs["static"]  # same kernels, same inputs: bitwise equal tokens and logprobs
 
 
-def test_graph_decode_logprobs_match_the_trainer_forward(trainer):
+def test_graph_decode_matches_the_eager_engine(trainer):
+    """Graph (static shapes, full-capacity masked latents, all experts dequantized) vs the eager engine (exact
+    lengths, chunked dequant): the same bf16 math in different reduction orders. Tokens agree until a near-tie
+    flips one (then the continuations differ legitimately); logprobs agree on the common prefix."""
     model, lora = trainer
-    engine = _engine(model, lora, "auto")
-    assert engine.decode_mode == "graph"
-    res = engine.generate(input_ids=PROMPTS, sampling_params={"temperature": 1.0, "max_new_tokens": 10,
-                                                              "sampling_seed": 1}, lora="policy")
-    worst = 0.0
-    for prompt, r in zip(PROMPTS, res):
-        with torch.no_grad():
-            logits = model(torch.tensor([prompt + r["output_ids"]], device="cuda")).logits[0].float()
-        logp = torch.log_softmax(logits, -1)
-        ref = torch.tensor([logp[len(prompt) - 1 + i, t].item() for i, t in enumerate(r["output_ids"])])
-        got = torch.tensor([lp for lp, _ in r["meta_info"]["output_token_logprobs"]])
-        worst = max(worst, (got - ref).abs().max().item())
-    print(f"graph decode vs trainer forward, bf16: max |logprob diff| {worst:.2e}")
-    assert worst < 5e-2  # bf16 weights and activations, different kernels (absorbed vs naive MLA, chunk vs step)
+    params = {"temperature": 0, "max_new_tokens": 10}
+    graph = _engine(model, lora, "auto")
+    assert graph.decode_mode == "graph"
+    got = graph.generate(input_ids=PROMPTS, sampling_params=params, lora="policy")
+    ref = _engine(model, lora, "eager").generate(input_ids=PROMPTS, sampling_params=params, lora="policy")
+    common, worst = [], 0.0
+    for g, e in zip(got, ref):
+        k = next((i for i, (a, b) in enumerate(zip(g["output_ids"], e["output_ids"])) if a != b), 10)
+        common.append(k)
+        lp_g = [lp for lp, _ in g["meta_info"]["output_token_logprobs"][:k]]
+        lp_e = [lp for lp, _ in e["meta_info"]["output_token_logprobs"][:k]]
+        worst = max([worst] + [abs(a - b) for a, b in zip(lp_g, lp_e)])
+    print(f"graph vs eager engine, bf16: common prefixes {common} of 10, max |logprob diff| {worst:.2e}")
+    assert min(common) >= 1 and sum(common) >= 30, common
+    assert worst < 2e-2, worst

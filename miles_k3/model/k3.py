@@ -95,7 +95,7 @@ class K3Model(nn.Module):
 
 @dataclass
 class K3Output:
-    logits: torch.Tensor  # [B, T, V] (or [B, V] from `step`)
+    logits: torch.Tensor | None  # [B, T, V] (or [B, V] from `step`); None when not requested
     state: K3State | None
 
 
@@ -126,10 +126,12 @@ class K3ForCausalLM(nn.Module):
         return self._backends[key]
 
     def forward(self, input_ids_BT: torch.Tensor, seq_lens: torch.Tensor | None = None,
-                state: K3State | None = None, return_state: bool = False) -> K3Output:
+                state: K3State | None = None, return_state: bool = False, return_logits: bool = True
+                ) -> K3Output:
         """Full-sequence forward (training, prefill). Tokens are left-aligned; `seq_lens` [B] counts the real
         ones (default: all T). With `state`, continues each request after its `state.seq_lens` tokens.
-        Returns logits [B, T, V] and, if `return_state`, the state after each request's last real token.
+        Returns logits [B, T, V] (None with `return_logits=False`) and, if `return_state`, the state after each
+        request's last real token.
         """
         b, t = input_ids_BT.shape
         backend = self.kda_backend(input_ids_BT.device)
@@ -145,7 +147,8 @@ class K3ForCausalLM(nn.Module):
             states.append(st)
             return y
 
-        logits = self.lm_head(self.model.run(input_ids_BT, attn_fn))
+        hidden = self.model.run(input_ids_BT, attn_fn)
+        logits = self.lm_head(hidden) if return_logits else None  # prefill for a cache needs no logits
         if not return_state:
             return K3Output(logits, None)
         new_lens = torch.full((b,), t, device=input_ids_BT.device) if seq_lens is None else seq_lens
