@@ -4,10 +4,11 @@
 and holds its own LoRA buffers, one preallocated set per loaded adapter name. `generate` runs continuous
 batching on two fixed pools (`memory.py`): a KDA state slot per running request and paged MLA latents. A
 request's state always covers all its tokens but the last; each scheduler step feeds every running request its
-last token (one batched `model.step` per adapter) and samples the next (`sampling.py`). A new prompt is
-prefilled once, in chunks, then forked into its `n` samples (KDA state copied, full MLA pages shared). When
-pages run out, the youngest running request is preempted and later recomputed from its tokens (its generator
-keeps its state, so its samples do not change). A bad request gets an error entry; the others are served.
+last token (one batched step per adapter) and samples the next (`sampling.sample_keyed`: noise keyed by
+(seed, position), batch-invariant). New prompts are prefilled once, in batched chunks, then forked into their
+`n` samples (KDA state copied, full MLA pages shared). When pages run out, the youngest running request is
+preempted and later recomputed from its tokens (its noise keys do not change, so neither do its samples). A
+bad request gets an error entry; the others are served.
 
 Decode modes (`EngineConfig.decode`): eager (the reference: `model.step` on pooled copies), static and graph
 (`graph_decode.py`: a fixed-shape step writing the pools directly, captured per batch bucket on CUDA).
@@ -29,7 +30,7 @@ from miles_k3.model.k3 import K3ForCausalLM
 from miles_k3.model.lora import LoRAConfig, applied_lora_config, apply_lora, lora_parameters
 from miles_k3.rollout.graph_decode import GraphDecoder
 from miles_k3.rollout.memory import KDAStatePool, PagedLatentCache, plan_memory, pooled_state, store_state
-from miles_k3.rollout.sampling import FinishReason, SamplingParams, check_stop, make_generator, sample
+from miles_k3.rollout.sampling import FinishReason, SamplingParams, check_stop, sample_keyed
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +79,7 @@ class _Request:
     index: int
     prompt: list[int]
     params: SamplingParams
-    generator: torch.Generator | None
+    key: int  # sampling noise key: sampling_seed + sample index, or drawn from torch's global RNG
     lora: str | None
     cached: int = 0  # prompt tokens reused from a forked prefill
     output: list[int] = field(default_factory=list)
@@ -270,8 +271,9 @@ class RolloutEngine:
         if n > self.kda.num_slots:
             raise ValueError(f"{where}: n={n} samples exceed the engine's {self.kda.num_slots} state slots")
         seed = params.sampling_seed
-        return [_Request(next(self._rids), i * n + j, list(prompt), params,
-                         make_generator(None if seed is None else seed + j, self.device), name) for j in range(n)]
+        if seed is None:  # reproducible under torch.manual_seed, different per call
+            seed = int(torch.randint(0, 2**62, (1,)).item())
+        return [_Request(next(self._rids), i * n + j, list(prompt), params, seed + j, name) for j in range(n)]
 
     # ---- scheduling --------------------------------------------------------------------------------
     def _run(self, waiting: deque, results: list, return_logprob: bool) -> None:
@@ -384,7 +386,9 @@ class RolloutEngine:
         for name, reqs in by_lora.items():
             self._bind(name)
             logits = self._step([r.rid for r in reqs], [r.slot for r in reqs], [r.tokens[-1] for r in reqs])
-            tokens, logprobs = sample(logits, [r.params for r in reqs], [r.generator for r in reqs])
+            keys = torch.tensor([r.key for r in reqs])
+            positions = torch.tensor([len(r.output) for r in reqs])
+            tokens, logprobs = sample_keyed(logits, [r.params for r in reqs], keys, positions)
             for req, t, lp in zip(reqs, tokens.tolist(), logprobs.tolist()):
                 req.output.append(t)
                 req.logprobs.append(lp)

@@ -190,6 +190,45 @@ def sample(
     return ids_B, logp_B
 
 
+_M32 = 0xFFFFFFFF
+
+
+def _mix32(x: Tensor) -> Tensor:
+    """A 32-bit integer hash (xor-shift-multiply rounds) on int64 tensors holding values in [0, 2^32); every
+    product stays below 2^63, so it is exact on every device."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _M32
+    x = x ^ (x >> 15)
+    x = (x * 0x31848BAB) & _M32
+    return x ^ (x >> 16)
+
+
+def keyed_exp_noise(keys_B: Tensor, positions_B: Tensor, vocab: int) -> Tensor:
+    """fp32 [B, V] Exp(1) variates that are a pure function of (key, position, token id): counter-based, so a
+    whole batch draws in a few kernels, with no generator state, and a row never depends on the others.
+    keys_B: int64 [B] (e.g. a request's seed), positions_B: int64 [B] (its output index). 24-bit uniforms."""
+    k_B = _mix32(keys_B & _M32) ^ _mix32(((keys_B >> 32) & _M32) ^ 0x9E3779B9)
+    k_B = _mix32(k_B ^ (positions_B & _M32))
+    v_V = torch.arange(vocab, device=keys_B.device, dtype=torch.int64)
+    h_BV = _mix32((k_B[:, None] + v_V[None, :] * 0x9E3779B1) & _M32)
+    h_BV = _mix32(h_BV ^ _mix32(k_B ^ 0x85EBCA6B)[:, None])
+    u_BV = ((h_BV >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+    return -torch.log(u_BV)
+
+
+def sample_keyed(logits_BV: Tensor, params: Sequence[SamplingParams], keys_B: Tensor, positions_B: Tensor
+                 ) -> tuple[Tensor, Tensor]:
+    """`sample` with counter-based noise (`keyed_exp_noise`) instead of per-row generators: the same token for
+    the same (logits row, params, key, position) in any batch, drawn for all rows at once (the engine's hot
+    path). Returns (token ids [B] int64, logprob [B] fp32), same semantics as `sample`."""
+    logp_BV = filtered_logprobs(logits_BV, params)
+    greedy_B = torch.tensor([p.greedy for p in params], device=logp_BV.device)
+    noise_BV = keyed_exp_noise(keys_B.to(logp_BV.device), positions_B.to(logp_BV.device), logp_BV.shape[1])
+    scores_BV = torch.where(greedy_B[:, None], logp_BV, logp_BV - torch.log(noise_BV))
+    ids_B = scores_BV.argmax(dim=-1)
+    return ids_B, logp_BV.gather(1, ids_B[:, None]).squeeze(1)
+
+
 @dataclass(frozen=True)
 class FinishReason:
     """Why a request ended, shaped like SGLang's `meta_info["finish_reason"]`.
