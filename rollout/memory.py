@@ -361,10 +361,8 @@ class PagedLatentCache(_Releasable):
         """[B, num_pages] int64 page ids (default: the longest table), padded with page 0 (masked by lengths)."""
         tables = [self._tables[self._known(r)] for r in rids]
         width = max((len(t) for t in tables), default=0) if num_pages is None else num_pages
-        out = torch.zeros(len(tables), width, dtype=torch.long)
-        for i, t in enumerate(tables):
-            out[i, : len(t)] = torch.tensor(t[:width], dtype=torch.long)
-        return out.to(self.storage_MGZL.device)
+        rows = [t[:width] + [0] * (width - len(t)) for t in tables]  # one host->device copy per call
+        return torch.tensor(rows, dtype=torch.long).reshape(len(rows), width).to(self.storage_MGZL.device)
 
     def gather(self, layer_idx: int, rids: Sequence, lens: Lens | None = None
                ) -> tuple[torch.Tensor, torch.Tensor]:
