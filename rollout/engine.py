@@ -4,7 +4,7 @@
 and holds its own LoRA buffers, one preallocated set per loaded adapter name. `generate` runs continuous
 batching on two fixed pools (`memory.py`): a KDA state slot per running request and paged MLA latents. A
 request's state always covers all its tokens but the last; each scheduler step feeds every running request its
-last token (one batched step per adapter) and samples the next (`sampling.sample_keyed`: noise keyed by
+last token (one batched step per adapter) and samples the next (`sampling.sample`: noise keyed by
 (seed, position), batch-invariant). New prompts are prefilled once, in batched chunks, then forked into their
 `n` samples (KDA state copied, full MLA pages shared). When pages run out, the youngest running request is
 preempted and later recomputed from its tokens (its noise keys do not change, so neither do its samples). A
@@ -30,7 +30,7 @@ from miles_k3.model.k3 import K3ForCausalLM
 from miles_k3.model.lora import LoRAConfig, applied_lora_config, apply_lora, lora_parameters
 from miles_k3.rollout.graph_decode import GraphDecoder
 from miles_k3.rollout.memory import KDAStatePool, PagedLatentCache, plan_memory, pooled_state, store_state
-from miles_k3.rollout.sampling import FinishReason, SamplingParams, check_stop, sample_keyed
+from miles_k3.rollout.sampling import FinishReason, SamplingParams, check_stop, sample
 
 log = logging.getLogger(__name__)
 
@@ -388,7 +388,7 @@ class RolloutEngine:
             logits = self._step([r.rid for r in reqs], [r.slot for r in reqs], [r.tokens[-1] for r in reqs])
             keys = torch.tensor([r.key for r in reqs])
             positions = torch.tensor([len(r.output) for r in reqs])
-            tokens, logprobs = sample_keyed(logits, [r.params for r in reqs], keys, positions)
+            tokens, logprobs = sample(logits, [r.params for r in reqs], keys, positions)
             for req, t, lp in zip(reqs, tokens.tolist(), logprobs.tolist()):
                 req.output.append(t)
                 req.logprobs.append(lp)

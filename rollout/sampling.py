@@ -1,6 +1,6 @@
 """Per-request sampling for the rollout engine: SGLang-named `SamplingParams` validated at the request
 boundary, a batched fp32 sampler (`sample`) whose per-row result depends only on that row's logits, params
-and `torch.Generator`, and `check_stop`, which turns the tokens generated so far into an SGLang-style
+and noise key (seed, position), and `check_stop`, which turns the tokens generated so far into an SGLang-style
 finish reason. Shape legend: B = batch rows (one per running request), V = vocabulary size.
 
 Semantics, fixed here once:
@@ -17,10 +17,11 @@ Semantics, fixed here once:
   every filter is off.
 * Greedy rows (temperature == 0): token = argmax of the raw logits (ties -> lowest id); logprob =
   log-softmax of the raw logits at temperature 1, so it equals the trainer's logprob of that token.
-  Greedy rows do not advance their generator.
-* Batch invariance: a sampled row draws V Exp(1) variates from its own generator (the global RNG when it
-  has none) and takes argmax(log p - log E) (exponential race, equivalent to Gumbel-max). Nothing in a row
-  is reduced across rows, so the token for a seed is the same alone or inside any batch.
+* Noise and batch invariance: a sampled row takes argmax(log p - log E) over V Exp(1) variates E
+  (exponential race, equivalent to Gumbel-max) that are a hash of (key, position, token id)
+  (`keyed_exp_noise`): counter-based, so there is no generator state to carry, a preempted and recomputed
+  request redraws the same noise, the whole batch draws in a few kernels, and the token for a key is the same
+  alone or inside any batch.
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ class SamplingParams:
     ignore_eos: bool = False
     """Do not stop on the model's eos ids (passed to `check_stop` by the caller)."""
     sampling_seed: int | None = None
-    """Seed for this request's generator; None = the engine's global RNG (not reproducible)."""
+    """Noise key of this request (sample j of n uses seed + j); None = drawn from torch's global RNG."""
 
     @classmethod
     def from_dict(cls, d: dict | None, where: str) -> SamplingParams:
@@ -123,13 +124,6 @@ def _need(ok: bool, field: str, value: object, allowed: str, where: str) -> None
         raise ValueError(f"{where}: sampling_params.{field}={value!r} is invalid; expected {allowed}")
 
 
-def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator | None:
-    """A `torch.Generator` on `device` seeded with `seed`, or None (use the global RNG) when seed is None."""
-    if seed is None:
-        return None
-    return torch.Generator(device=device).manual_seed(seed)
-
-
 def filtered_logprobs(logits_BV: Tensor, params: Sequence[SamplingParams]) -> Tensor:
     """fp32 [B, V] log-probabilities after temperature -> top-k -> top-p -> min-p (see module docstring).
 
@@ -155,39 +149,6 @@ def filtered_logprobs(logits_BV: Tensor, params: Sequence[SamplingParams]) -> Te
     keep_BV &= probs_BV >= min_p_B[:, None] * probs_BV[:, :1]
     keep_vocab_BV = torch.zeros_like(keep_BV).scatter_(1, order_BV, keep_BV)
     return torch.log_softmax(x_BV.masked_fill(~keep_vocab_BV, -math.inf), dim=-1)
-
-
-def _exp_noise(num: int, generator: torch.Generator | None, device: torch.device) -> Tensor:
-    """fp32 [num] Exp(1) variates from `generator` (global RNG if None), clamped away from 0."""
-    e = torch.empty(num, dtype=torch.float32, device=device).exponential_(generator=generator)
-    return e.clamp_min_(torch.finfo(torch.float32).tiny)
-
-
-def sample(
-    logits_BV: Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None]
-) -> tuple[Tensor, Tensor]:
-    """Sample one token per row.
-
-    Args:
-        logits_BV: [B, V] logits, any float dtype (upcast to fp32).
-        params: B `SamplingParams`, one per row; rows may differ.
-        generators: B generators (from `make_generator`) on the logits' device, or None for the global RNG.
-    Returns:
-        (token ids [B] int64, logprob [B] fp32 of each chosen token). For sampled rows the logprob is under
-        the filtered distribution at the request's temperature; for greedy rows under the raw logits at
-        temperature 1 (module docstring). Each row depends only on its own logits, params and generator.
-    """
-    B, V = logits_BV.shape
-    assert len(params) == B and len(generators) == B, (B, len(params), len(generators))
-    logp_BV = filtered_logprobs(logits_BV, params)
-    scores_BV = logp_BV.clone()
-    for b, (p, g) in enumerate(zip(params, generators, strict=True)):
-        if not p.greedy:
-            scores_BV[b] -= torch.log(_exp_noise(V, g, logp_BV.device))
-    # argmax returns the first maximum, so greedy ties go to the lowest id.
-    ids_B = scores_BV.argmax(dim=-1)
-    logp_B = logp_BV.gather(1, ids_B[:, None]).squeeze(1)
-    return ids_B, logp_B
 
 
 _M32 = 0xFFFFFFFF
@@ -216,11 +177,15 @@ def keyed_exp_noise(keys_B: Tensor, positions_B: Tensor, vocab: int) -> Tensor:
     return -torch.log(u_BV)
 
 
-def sample_keyed(logits_BV: Tensor, params: Sequence[SamplingParams], keys_B: Tensor, positions_B: Tensor
+def sample(logits_BV: Tensor, params: Sequence[SamplingParams], keys_B: Tensor, positions_B: Tensor
                  ) -> tuple[Tensor, Tensor]:
-    """`sample` with counter-based noise (`keyed_exp_noise`) instead of per-row generators: the same token for
-    the same (logits row, params, key, position) in any batch, drawn for all rows at once (the engine's hot
-    path). Returns (token ids [B] int64, logprob [B] fp32), same semantics as `sample`."""
+    """Sample one token per row: argmax(filtered logprob + Gumbel noise keyed by (key, position)), so the same
+    (logits row, params, key, position) gives the same token in any batch, and the whole batch draws at once.
+
+    logits_BV: [B, V] any float dtype (upcast to fp32); params: B `SamplingParams`; keys_B / positions_B:
+    int64 [B] (a request's seed and its output index). Returns (token ids [B] int64, logprob [B] fp32): under
+    the filtered distribution at the request's temperature for sampled rows, under the raw logits at
+    temperature 1 for greedy rows (module docstring)."""
     logp_BV = filtered_logprobs(logits_BV, params)
     greedy_B = torch.tensor([p.greedy for p in params], device=logp_BV.device)
     noise_BV = keyed_exp_noise(keys_B.to(logp_BV.device), positions_B.to(logp_BV.device), logp_BV.shape[1])

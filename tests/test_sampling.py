@@ -11,7 +11,6 @@ from miles_k3.rollout.sampling import (
     SamplingParams,
     check_stop,
     filtered_logprobs,
-    make_generator,
     sample,
 )
 
@@ -23,16 +22,20 @@ def _logits(probs=PROBS) -> torch.Tensor:
     return torch.tensor(probs, dtype=torch.float32).log()[None, :]
 
 
+def _kp(num: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Noise keys and positions of `num` rows: one key, positions 0..num-1 (independent draws)."""
+    return torch.full((num,), seed), torch.arange(num)
+
+
 def _draw(logits_1V, p: SamplingParams, num: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """`num` samples of one row, batched as `num` identical rows sharing one seeded generator."""
-    g = make_generator(seed, "cpu")
-    return sample(logits_1V.expand(num, -1), [p] * num, [g] * num)
+    """`num` samples of one row, batched as `num` identical rows at successive positions of one key."""
+    return sample(logits_1V.expand(num, -1), [p] * num, *_kp(num, seed))
 
 
 def test_greedy_is_argmax_with_raw_logprob():
     torch.manual_seed(0)
     logits_BV = torch.randn(6, 50)
-    ids, logp = sample(logits_BV, [SamplingParams(temperature=0.0, top_k=3, top_p=0.5)] * 6, [None] * 6)
+    ids, logp = sample(logits_BV, [SamplingParams(temperature=0.0, top_k=3, top_p=0.5)] * 6, *_kp(6))
     assert torch.equal(ids, logits_BV.argmax(-1))
     ref = torch.log_softmax(logits_BV, -1).gather(1, ids[:, None]).squeeze(1)
     torch.testing.assert_close(logp, ref, rtol=0, atol=0)
@@ -40,14 +43,14 @@ def test_greedy_is_argmax_with_raw_logprob():
 
 def test_greedy_ties_go_to_lowest_id():
     logits = torch.tensor([[0.0, 3.0, 1.0, 3.0]])
-    ids, _ = sample(logits, [SamplingParams(temperature=0.0)], [None])
+    ids, _ = sample(logits, [SamplingParams(temperature=0.0)], *_kp(1))
     assert ids.tolist() == [1]
 
 
 def test_temperature_logprob_matches_hand_computed():
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
     for t in (0.5, 1.0, 2.0):
-        ids, logp = sample(logits, [SamplingParams(temperature=t)], [make_generator(1, "cpu")])
+        ids, logp = sample(logits, [SamplingParams(temperature=t)], *_kp(1, seed=1))
         z = [v / t for v in logits[0].tolist()]
         hand = z[ids.item()] - math.log(sum(math.exp(v) for v in z))
         assert logp.item() == pytest.approx(hand, abs=1e-6)
@@ -56,8 +59,8 @@ def test_temperature_logprob_matches_hand_computed():
 def test_top_k_1_equals_greedy():
     torch.manual_seed(1)
     logits_BV = torch.randn(8, 100)
-    ids, logp = sample(logits_BV, [SamplingParams(temperature=1.5, top_k=1)] * 8,
-                       [make_generator(i, "cpu") for i in range(8)])
+    ids, logp = sample(logits_BV, [SamplingParams(temperature=1.5, top_k=1)] * 8, torch.arange(8),
+                       torch.zeros(8, dtype=torch.long))
     assert torch.equal(ids, logits_BV.argmax(-1))
     # The filtered distribution is a point mass, so its logprob is exactly 0.
     assert torch.all(logp == 0)
@@ -124,37 +127,30 @@ def test_seed_determinism_and_batch_independence():
     V = 257
     row_V = torch.randn(V) * 3
     p = SamplingParams(temperature=0.8, top_p=0.9, sampling_seed=42)
-    alone = [sample(row_V[None], [p], [make_generator(42, "cpu")])[0].item() for _ in range(2)]
+    key, pos = torch.tensor([42]), torch.tensor([3])
+    alone = [sample(row_V[None], [p], key, pos)[0].item() for _ in range(2)]
     assert alone[0] == alone[1]
-    # Same row in the middle of a batch of different rows, params and generators.
+    # Same row in the middle of a batch of different rows, params and keys.
     others = torch.randn(4, V)
     batch = torch.cat([others[:2], row_V[None], others[2:]])
     ps = [SamplingParams(temperature=0.0), SamplingParams(top_k=5), p, SamplingParams(min_p=0.1),
           SamplingParams(temperature=2.0)]
-    gens = [None, make_generator(7, "cpu"), make_generator(42, "cpu"), None, make_generator(9, "cpu")]
-    ids, logp = sample(batch, ps, gens)
-    alone_ids, alone_logp = sample(row_V[None], [p], [make_generator(42, "cpu")])
+    ids, logp = sample(batch, ps, torch.tensor([1, 7, 42, 3, 9]), torch.tensor([0, 4, 3, 1, 2]))
+    alone_ids, alone_logp = sample(row_V[None], [p], key, pos)
     assert ids[2].item() == alone_ids.item() == alone[0]
     assert logp[2].item() == alone_logp.item()
-    # A sequence of draws from one generator is also reproducible step by step.
-    g1, g2 = make_generator(5, "cpu"), make_generator(5, "cpu")
-    seq1 = [sample(row_V[None], [p], [g1])[0].item() for _ in range(20)]
-    seq2 = [sample(torch.stack([others[0], row_V]), [p, p], [None, g2])[0][1].item() for _ in range(20)]
+    # A sequence of positions of one key is reproducible step by step, alone or next to another row.
+    seq1 = [sample(row_V[None], [p], key, torch.tensor([i]))[0].item() for i in range(20)]
+    pair = torch.stack([others[0], row_V])
+    seq2 = [sample(pair, [p, p], torch.tensor([5, 42]), torch.tensor([0, i]))[0][1].item() for i in range(20)]
     assert seq1 == seq2
     assert len(set(seq1)) > 1
-
-
-def test_make_generator_none_without_seed():
-    assert make_generator(None, "cpu") is None
-    a = torch.rand(3, generator=make_generator(3, "cpu"))
-    b = torch.rand(3, generator=make_generator(3, "cpu"))
-    assert torch.equal(a, b)
 
 
 def test_logprobs_fp32_for_bf16_logits():
     logits = torch.randn(3, 64).to(torch.bfloat16)
     ps = [SamplingParams(temperature=0.0), SamplingParams(), SamplingParams(top_p=0.5)]
-    ids, logp = sample(logits, ps, [None, make_generator(0, "cpu"), make_generator(1, "cpu")])
+    ids, logp = sample(logits, ps, *_kp(3))
     assert ids.dtype == torch.int64 and logp.dtype == torch.float32
     ref = torch.log_softmax(logits.float(), -1)[0, ids[0]]
     assert logp[0].item() == ref.item()
@@ -251,39 +247,39 @@ def test_finish_stop_string_with_toy_detokenizer():
 
 # ---- counter-based (keyed) sampling: the engine's batched hot path ---------------------------------------
 def test_keyed_sampling_is_batch_invariant_and_deterministic():
-    from miles_k3.rollout.sampling import sample_keyed
+    from miles_k3.rollout.sampling import sample
 
     torch.manual_seed(0)
     logits = torch.randn(6, 50)
     params = [SamplingParams(temperature=t, top_k=k) for t, k in
               [(1.0, -1), (0.7, 10), (0, -1), (1.3, 5), (1.0, -1), (0.9, -1)]]
     keys, pos = torch.tensor([11, 12, 13, 14, 11, 2**40 + 3]), torch.tensor([0, 5, 2, 9, 1, 0])
-    ids, lps = sample_keyed(logits, params, keys, pos)
+    ids, lps = sample(logits, params, keys, pos)
     for b in range(6):
-        one_id, one_lp = sample_keyed(logits[b:b + 1], params[b:b + 1], keys[b:b + 1], pos[b:b + 1])
+        one_id, one_lp = sample(logits[b:b + 1], params[b:b + 1], keys[b:b + 1], pos[b:b + 1])
         assert one_id.item() == ids[b].item() and one_lp.item() == lps[b].item()
-    again = sample_keyed(logits, params, keys, pos)
+    again = sample(logits, params, keys, pos)
     assert torch.equal(again[0], ids) and torch.equal(again[1], lps)
     assert ids[2].item() == logits[2].argmax().item()  # greedy rows ignore the noise
 
 
 def test_keyed_sampling_matches_the_distribution_and_positions_are_independent():
-    from miles_k3.rollout.sampling import sample_keyed
+    from miles_k3.rollout.sampling import sample
 
     probs = torch.tensor([0.4, 0.3, 0.15, 0.1, 0.05])
     n = 20000
     logits = probs.log().expand(n, 5)
     params = [SamplingParams(temperature=1.0)] * n
-    ids, _ = sample_keyed(logits, params, torch.full((n,), 7), torch.arange(n))
+    ids, _ = sample(logits, params, torch.full((n,), 7), torch.arange(n))
     counts = torch.bincount(ids, minlength=5).float()
     chi2 = ((counts - n * probs) ** 2 / (n * probs)).sum().item()
     assert chi2 < 18.5, chi2  # 4 degrees of freedom: p ~ 0.001
     # consecutive positions of one key: pair frequencies match the product distribution (2 x 2 cells)
     half = torch.tensor([0.5, 0.5]).log().expand(n, 2)
-    bits, _ = sample_keyed(half, params, torch.full((n,), 99), torch.arange(n))
+    bits, _ = sample(half, params, torch.full((n,), 99), torch.arange(n))
     pairs = torch.bincount(bits[:-1] * 2 + bits[1:], minlength=4).float()
     chi2_pairs = ((pairs - (n - 1) / 4) ** 2 / ((n - 1) / 4)).sum().item()
     assert chi2_pairs < 16.3, chi2_pairs  # 3 degrees of freedom: p ~ 0.001
     # different keys at the same position are different streams
-    other, _ = sample_keyed(half, params, torch.arange(n), torch.zeros(n, dtype=torch.long))
+    other, _ = sample(half, params, torch.arange(n), torch.zeros(n, dtype=torch.long))
     assert 0.47 < other.float().mean().item() < 0.53
