@@ -64,6 +64,16 @@ def _hub_id(cfg: ModelConfig) -> str:
     return cfg.path
 
 
+def _hub_module(cfg: ModelConfig):
+    """huggingface_hub, imported lazily (GPU hosts and local-only runs need not have it)."""
+    try:
+        import huggingface_hub
+    except ImportError:
+        raise ConfigError(f"model.path={cfg.path} looks like a hub id; install huggingface_hub "
+                          "or pass a local checkpoint directory") from None
+    return huggingface_hub
+
+
 def _hub_unavailable(cfg: ModelConfig, err: Exception) -> ConfigError:
     return ConfigError(f"model.path={cfg.path}: the hub id could not be fetched ({type(err).__name__}: "
                        f"{err}); HF_HUB_OFFLINE=1 or no network access is the likely cause: pass a local "
@@ -78,13 +88,9 @@ def load_k3_config(cfg: ModelConfig) -> K3Config:
     if path.is_dir():
         return K3Config.from_json_file(path / "config.json")
     repo = _hub_id(cfg)
+    hub = _hub_module(cfg)
     try:
-        from huggingface_hub import hf_hub_download
-    except ImportError:
-        raise ConfigError(f"model.path={cfg.path} looks like a hub id; install huggingface_hub "
-                          "or pass a local checkpoint directory") from None
-    try:
-        return K3Config.from_json_file(hf_hub_download(repo, "config.json"))
+        return K3Config.from_json_file(hub.hf_hub_download(repo, "config.json"))
     except (OSError, ValueError) as e:
         if isinstance(e, ConfigError):
             raise
@@ -99,15 +105,11 @@ def checkpoint_dir(cfg: ModelConfig) -> Path:
     if path.is_dir():
         return path
     repo = _hub_id(cfg)
+    hub = _hub_module(cfg)
     try:
-        from huggingface_hub import snapshot_download
-    except ImportError:
-        raise ConfigError(f"model.path={cfg.path} looks like a hub id; install huggingface_hub "
-                          "or pass a local checkpoint directory") from None
-    try:
-        local = Path(snapshot_download(repo, allow_patterns=HUB_NON_WEIGHT_PATTERNS))
+        local = Path(hub.snapshot_download(repo, allow_patterns=HUB_NON_WEIGHT_PATTERNS))
         shards = _text_weight_files(local)
-        local = Path(snapshot_download(repo, allow_patterns=HUB_NON_WEIGHT_PATTERNS + shards))
+        local = Path(hub.snapshot_download(repo, allow_patterns=HUB_NON_WEIGHT_PATTERNS + shards))
     except (OSError, ValueError) as e:
         raise _hub_unavailable(cfg, e) from None
     return local
