@@ -360,7 +360,8 @@ class RolloutEngine:
         state = pooled_state(self.cfg, self.kda, slots, self.cache, rids)
         with torch.no_grad():
             out = self.model(ids, seq_lens=lens, state=state, return_state=True, return_logits=False)
-        assert store_state(self.cfg, out.state, self.kda, slots, self.cache, rids)  # pages reserved above
+        stored = store_state(self.cfg, out.state, self.kda, slots, self.cache, rids)
+        assert stored, "pages were reserved by _prefill_heads"
 
     def _make_room(self, running: list[_Request], waiting: deque) -> None:
         """Reserve one more position per running request, preempting the youngest while pages are short."""
@@ -408,7 +409,8 @@ class RolloutEngine:
         slots_t = torch.tensor(slots, device=self.device)
         state = pooled_state(self.cfg, self.kda, slots_t, self.cache, rids)
         out = self.model.step(torch.tensor(ids, device=self.device), state)
-        assert store_state(self.cfg, out.state, self.kda, slots_t, self.cache, rids)  # reserved by _make_room
+        stored = store_state(self.cfg, out.state, self.kda, slots_t, self.cache, rids)
+        assert stored, "positions were reserved by _make_room"
         return out.logits
 
     def _free(self, req: _Request) -> None:
