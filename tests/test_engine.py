@@ -183,3 +183,20 @@ def test_pause_blocks_scheduling_and_release_is_refused_while_generate_runs(base
     engine.continue_generation()
     worker.join(timeout=60)
     assert box["r"] == expected
+
+
+def test_text_prompts_and_stop_strings_through_the_small_tokenizer(base, tmp_path):
+    from miles_k3.tokenizer import load_tokenizer, save_small_tokenizer
+
+    save_small_tokenizer(tmp_path, base.config.vocab_size)
+    tok = load_tokenizer(tmp_path)
+    engine = RolloutEngine(base, EngineConfig(memory_budget_bytes=4 * 2**20, max_context=64, page_size=4),
+                           tokenizer=tok)
+    params = {"temperature": 0, "max_new_tokens": 8}
+    free = engine.generate(prompts=["Hello, K3"], sampling_params=params)[0]
+    assert free["output_ids"] == _greedy_loop(base, tok.encode("Hello, K3"), 8)
+    stop = tok.decode(free["output_ids"][1:3])  # text that first completes at the third token
+    assert stop and stop not in tok.decode(free["output_ids"][:2])
+    stopped = engine.generate(prompts=["Hello, K3"], sampling_params={**params, "stop": [stop]})[0]
+    assert stopped["output_ids"] == free["output_ids"][:3]
+    assert stopped["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
