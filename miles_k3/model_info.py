@@ -18,13 +18,15 @@ import sys
 import torch
 
 from miles_k3.config import compose_config
-from miles_k3.model.build import load_k3_config
-from miles_k3.model.checkpoint import meta_model
+from miles_k3.model.build import load_k3_config, num_params
+from miles_k3.model.checkpoint import meta_model, stored_dtype
 from miles_k3.model.experts import RoutedExperts
-from miles_k3.model.k3 import FP32_PARAM_SUFFIXES, K3ForCausalLM
+from miles_k3.model.k3 import K3ForCausalLM
 from miles_k3.model.kda import KDAAttention
 from miles_k3.model.lora import adapter_num_params, apply_lora
 from miles_k3.model.mla import MLAAttention
+
+STORED_BYTES = {"U8": 1, "BF16": 2, "F32": 4}
 
 
 def stored_bytes(model: torch.nn.Module) -> int:
@@ -33,8 +35,7 @@ def stored_bytes(model: torch.nn.Module) -> int:
     for name, t in [*model.named_parameters(), *model.named_buffers()]:  # stacked experts: few entries
         if "lora_" in name:
             continue
-        size = 1 if t.dtype == torch.uint8 else 4 if name.endswith(FP32_PARAM_SUFFIXES) else 2
-        total += t.numel() * size
+        total += t.numel() * STORED_BYTES[stored_dtype(name, t.dtype)]
     return total
 
 
@@ -44,8 +45,7 @@ def model_figures(model: K3ForCausalLM, tp: int) -> dict:
     kda = [m for m in model.modules() if isinstance(m, KDAAttention)]
     mla = [m for m in model.modules() if isinstance(m, MLAAttention)]
     routed = [m for m in model.modules() if isinstance(m, RoutedExperts)]
-    dense = sum(p.numel() for n, p in model.named_parameters() if "lora_" not in n)
-    total = dense + sum(m.num_params() for m in routed if m.expert_format == "mxfp4")
+    total = num_params(model)
     skipped_experts = sum(m.num_params() * (1 - model.config.num_experts_per_token / m.num_experts)
                           for m in routed)
     embed = 0 if model.config.tie_word_embeddings else model.model.embed_tokens.weight.numel()

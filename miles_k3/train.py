@@ -14,7 +14,7 @@ import torch
 from omegaconf import DictConfig
 
 from miles_k3.config import ConfigFieldError, register_schemas, to_typed
-from miles_k3.model.build import build_model, num_params
+from miles_k3.model.build import build_model
 from miles_k3.model.lora import adapter_num_params, apply_lora
 from miles_k3.runtime import resolve_device, resolve_dtype
 
@@ -38,9 +38,8 @@ def main(raw: DictConfig) -> None:
     device = resolve_device(cfg.device)
     model = build_model(cfg.model, device, resolve_dtype(cfg.model.dtype, device))
     apply_lora(model, cfg.lora)
-    log.info("built %s (%s params, experts %s) on %s; LoRA rank %d on %s: %s trainable params",
-             cfg.model.path or cfg.model.name, f"{num_params(model):,}", model.expert_format, device,
-             cfg.lora.rank, ",".join(cfg.lora.targets), f"{adapter_num_params(model):,}")
+    log.info("LoRA rank %d on %s: %s trainable params (the base is frozen)", cfg.lora.rank,
+             ",".join(cfg.lora.targets), f"{adapter_num_params(model):,}")
     log.warning("stopping after building the model: the RL loop (engine, trainer, weight sync, eval) is not "
                 "implemented yet in this version of miles_k3")
 
