@@ -333,7 +333,6 @@ class RolloutEngine:
         rids that could not reserve pages (their state is left partial: the caller frees them)."""
         failed: set[int] = set()
         chunk = self.config.prefill_chunk
-        rows_per_forward = max(1, self.config.max_prefill_tokens // chunk)
         by_lora: dict[str | None, list[_Request]] = {}
         for h in heads:
             by_lora.setdefault(h.lora, []).append(h)
@@ -345,6 +344,8 @@ class RolloutEngine:
                     if not self.cache.reserve(r.rid, min(chunk, len(r.tokens) - 1 - start)):
                         failed.add(r.rid)
                 rows = [r for r in rows if r.rid not in failed]
+                width = min(chunk, longest - start)  # the padded width of this chunk's forwards
+                rows_per_forward = max(1, self.config.max_prefill_tokens // width)
                 for i in range(0, len(rows), rows_per_forward):
                     self._bind(name)
                     self._prefill_rows(rows[i:i + rows_per_forward], start, chunk)

@@ -1,16 +1,18 @@
-"""One decode step over the engine's pools with static shapes, captured as a CUDA graph per batch bucket.
+"""One decode step over the engine's pools with static shapes, captured as a CUDA graph per (batch, context)
+bucket.
 
-A step reads every input from fixed buffers (token ids, KDA slots, MLA block tables, lengths), gathers each
-request's KDA state and its pages' latents (fixed capacity: pages_per_request * page_size positions), runs
+A step reads every input from one fixed buffer (token ids, KDA slots, lengths, MLA block tables), updates each
+request's KDA rows in place (pooled `KDALayerState`: fla's kernel reads and writes the slot rows directly),
+gathers its pages' latents (fixed capacity: the page bucket times page_size positions), runs
 `model.step(..., fixed_capacity=True)` under `sync_free_experts()` (no host syncs anywhere), and writes the new
-KDA states and the new latent straight back into the pools. A batch of B requests runs in the smallest bucket
->= B; padding rows point at a scratch slot and a scratch page that no request owns. Decode on CUDA is
+latent straight back into its page. A batch of B requests runs in the smallest bucket >= B; padding rows point
+at a scratch slot and a scratch page that no request owns. Decode on CUDA is
 launch-bound in eager mode (thousands of small kernels per step); replaying a graph launches them at once.
 On CPU (or with `capture=False`) the same static step runs eagerly: that is how it is tested without a GPU.
 Graphs capture addresses: after the pools are released and resumed, or LoRA buffers are rebound, call
 `invalidate()` (the engine does) and they are recaptured on next use.
 
-Legend: B bucket rows, P pages per request, Z tokens per page, L latent width, V vocabulary.
+Legend: B bucket rows, P pages per row (the page bucket), Z tokens per page, L latent width, V vocabulary.
 """
 from __future__ import annotations
 
@@ -27,13 +29,19 @@ DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
 class GraphDecoder:
     """decode(ids, slots, rids) -> logits [B, V]; writes the step's states into the pools (not committed:
-    the caller advances the cache lengths)."""
+    the caller advances the cache lengths).
+
+    Graphs are keyed by (batch bucket, page bucket): the page bucket is the smallest power of two (or the
+    per-request maximum) covering the longest request of the batch, so a step attends over the pages the batch
+    can reach rather than the whole max_context. All graphs share one memory pool (they never run at once)."""
 
     def __init__(self, model: K3ForCausalLM, kda: KDAStatePool, cache: PagedLatentCache, pages_per_request: int,
                  buckets: tuple[int, ...] = DEFAULT_BUCKETS, capture: bool | None = None):
         self.model, self.kda, self.cache = model, kda, cache
         self.pages = pages_per_request
         self.buckets = tuple(sorted(b for b in buckets if b <= kda.num_slots)) or (kda.num_slots,)
+        self.page_buckets = tuple(sorted({min(2 ** i, pages_per_request)
+                                          for i in range(pages_per_request.bit_length() + 1)}))
         self.device = cache.storage_MGZL.device
         self.capture = self.device.type == "cuda" if capture is None else capture
         self.kda_ids = list(model.config.kda_layer_ids)
@@ -42,7 +50,8 @@ class GraphDecoder:
         cache.new_request(PAD_RID)
         if self._scratch_slot is None or not cache.reserve(PAD_RID, 1):
             raise ValueError("graph decode needs one spare KDA slot and one spare latent page for padding rows")
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph | None, dict, torch.Tensor]] = {}
+        self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph | None, torch.Tensor, torch.Tensor]] = {}
+        self._pool = torch.cuda.graph_pool_handle() if self.capture else None
 
     @property
     def scratch_page(self) -> int:
@@ -58,51 +67,46 @@ class GraphDecoder:
         bucket = next((b for b in self.buckets if b >= n), None)
         if bucket is None:
             raise ValueError(f"batch {n} exceeds the largest decode bucket {self.buckets[-1]}")
-        graph, bufs, logits = self._graph(bucket)
-        pad = bucket - n
-        table = self.cache.block_table(rids, self.pages)
-        if pad:
-            table = torch.cat([table, torch.full((pad, self.pages), self.scratch_page, dtype=torch.long,
-                                                 device=table.device)])
-        bufs["ids"].copy_(torch.tensor(ids + [0] * pad))
-        bufs["slots"].copy_(torch.tensor(slots + [self._scratch_slot] * pad))
-        bufs["lens"].copy_(torch.tensor([self.cache.seq_len(r) for r in rids] + [0] * pad))
-        bufs["table"].copy_(table)
+        lens = [self.cache.seq_len(r) for r in rids]
+        need = max(lens, default=0) // self.cache.page_size + 1  # the page holding each new position
+        width = next(p for p in self.page_buckets if p >= need)
+        graph, packed, logits = self._graph(bucket, width)  # captured (on scratch rows) before any row is set
+        scratch = self.scratch_page
+        rows = [[i, s, ln, *self.cache.page_table(r)[:width]] for i, s, ln, r in zip(ids, slots, lens, rids)]
+        rows = [row + [scratch] * (3 + width - len(row)) for row in rows]
+        rows += [[0, self._scratch_slot, 0] + [scratch] * width] * (bucket - n)
+        packed.copy_(torch.tensor(rows, dtype=torch.long))  # one host->device copy per step
         if graph is None:
-            return self._step(bufs)[:n]
+            return self._step(packed)[:n]
         graph.replay()
         return logits[:n]
 
-    def _graph(self, bucket: int):
-        if bucket not in self._graphs:
-            bufs = {"ids": torch.zeros(bucket, dtype=torch.long, device=self.device),
-                    "slots": torch.full((bucket,), self._scratch_slot, dtype=torch.long, device=self.device),
-                    "lens": torch.zeros(bucket, dtype=torch.long, device=self.device),
-                    "table": torch.full((bucket, self.pages), self.scratch_page, dtype=torch.long,
-                                        device=self.device)}
-            if not self.capture:
-                self._graphs[bucket] = (None, bufs, None)
-            else:
-                self._graphs[bucket] = self._capture(bufs)
-        return self._graphs[bucket]
+    def _graph(self, bucket: int, width: int):
+        key = (bucket, width)
+        if key not in self._graphs:
+            packed = torch.empty(bucket, 3 + width, dtype=torch.long, device=self.device)
+            packed[:, 0], packed[:, 1], packed[:, 2], packed[:, 3:] = 0, self._scratch_slot, 0, self.scratch_page
+            self._graphs[key] = self._capture(packed) if self.capture else (None, packed, None)
+        return self._graphs[key]
 
-    def _capture(self, bufs: dict):
+    def _capture(self, packed: torch.Tensor):
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(2):  # warm up: Triton autotuning and allocator pools settle before capture
-                self._step(bufs)
+                self._step(packed)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            logits = self._step(bufs)
-        return graph, bufs, logits
+        with torch.cuda.graph(graph, pool=self._pool):
+            logits = self._step(packed)
+        return graph, packed, logits
 
     @torch.no_grad()
-    def _step(self, bufs: dict) -> torch.Tensor:
-        """The static step: everything indexed by device tensors, no host syncs."""
-        slots, lens, table = bufs["slots"], bufs["lens"], bufs["table"]
-        kda_states = [KDALayerState(self.kda.conv_NCW[i][slots], self.kda.recurrent_NHKV[i][slots])
+    def _step(self, packed: torch.Tensor) -> torch.Tensor:
+        """The static step: everything indexed by device tensors, no host syncs. packed [B, 3 + P] int64:
+        token id, KDA slot, length (= the new token's position), then the request's first P pages."""
+        ids, slots, lens, table = packed[:, 0], packed[:, 1], packed[:, 2], packed[:, 3:]
+        kda_states = [KDALayerState(self.kda.conv_NCW[i], self.kda.recurrent_NHKV[i], slots)  # updated in place
                       for i in range(len(self.kda_ids))]
         storage = self.cache.storage_MGZL
         mla_states = [MLALayerState(storage[m][table].flatten(1, 2)) for m in range(len(self.mla_ids))]
@@ -112,11 +116,7 @@ class GraphDecoder:
         for m, layer_id in enumerate(self.mla_ids):
             layers[layer_id] = mla_states[m]
         with sync_free_experts():
-            out = self.model.step(bufs["ids"], K3State(lens, layers), fixed_capacity=True)
-        for i, layer_id in enumerate(self.kda_ids):
-            new = out.state.layers[layer_id]
-            self.kda.conv_NCW[i].index_copy_(0, slots, new.conv_BCW.to(self.kda.conv_NCW[i].dtype))
-            self.kda.recurrent_NHKV[i].index_copy_(0, slots, new.recurrent_BHKV)
+            out = self.model.step(ids, K3State(lens, layers), fixed_capacity=True)
         z = self.cache.page_size
         page = table.gather(1, (lens // z)[:, None])[:, 0]
         flat_pos = page * z + lens % z

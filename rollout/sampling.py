@@ -139,6 +139,8 @@ def filtered_logprobs(logits_BV: Tensor, params: Sequence[SamplingParams]) -> Te
     min_p_B = torch.tensor([0.0 if p.greedy else p.min_p for p in params], device=dev)
 
     x_BV = x_BV / temp_B[:, None]
+    if all(p.greedy or ((p.top_k <= 0 or p.top_k >= V) and p.top_p >= 1.0 and p.min_p <= 0.0) for p in params):
+        return torch.log_softmax(x_BV, dim=-1)  # nothing to filter: the sort below would keep every token
     sorted_BV, order_BV = torch.sort(x_BV, dim=-1, descending=True, stable=True)
     rank_V = torch.arange(V, device=dev)
     keep_BV = rank_V[None, :] < top_k_B[:, None]

@@ -200,3 +200,19 @@ def test_text_prompts_and_stop_strings_through_the_small_tokenizer(base, tmp_pat
     stopped = engine.generate(prompts=["Hello, K3"], sampling_params={**params, "stop": [stop]})[0]
     assert stopped["output_ids"] == free["output_ids"][:3]
     assert stopped["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+
+
+def test_prefill_packs_rows_by_the_chunk_width_and_splitting_changes_nothing(base):
+    """max_prefill_tokens bounds rows x padded width of each prefill forward: five 3-token prompts (2 tokens to
+    prefill each) fit one forward under a budget of 10 even with a 64-token chunk; a budget of 2 needs five."""
+    prompts = [[7 + i, 8, 9] for i in range(5)]
+    params = {"temperature": 0, "max_new_tokens": 3}
+    outputs = {}
+    for budget, forwards in ((10, 1), (2, 5)):
+        engine = _engine(base, prefill_chunk=64, max_prefill_tokens=budget)
+        calls = []
+        engine.model.register_forward_pre_hook(lambda m, a, kw, c=calls: c.append(a[0].shape), with_kwargs=True)
+        outputs[budget] = [r["output_ids"] for r in engine.generate(input_ids=prompts, sampling_params=params)]
+        prefills = [s for s in calls if s[1] > 1]  # decode steps go through model.step, not forward
+        assert len(prefills) == forwards and all(s[1] == 2 for s in prefills)
+    assert outputs[10] == outputs[2]

@@ -161,3 +161,34 @@ def test_kda_layer_matches_its_definition_with_fla_references():
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(got_state.recurrent_BHKV, state, rtol=1e-4, atol=1e-5)
     assert (g > -5).all() and (g < 0).all()
+
+
+def test_kda_pooled_decode_updates_slot_rows_in_place_and_equals_the_gathered_step():
+    """The engine's pooled KDA state: one decode step on pool rows `slots` gives the output of the step on the
+    gathered rows, writes the new conv window and recurrent state into those rows only, returns the pool."""
+    from miles_k3.model.kda import KDAAttention
+    from miles_k3.model.kda_ops import resolve_kda_backend
+    from miles_k3.model.state import KDALayerState
+
+    torch.manual_seed(0)
+    cfg = K3Config.from_name("k3_tiny")
+    kda = KDAAttention(cfg)
+    backend = resolve_kda_backend("torch_chunk", "cpu")
+    pool = kda.empty_state(6, "cpu", torch.float32)
+    pool.conv_BCW.normal_()
+    pool.recurrent_BHKV.normal_(0, 0.1)
+    before = KDALayerState(pool.conv_BCW.clone(), pool.recurrent_BHKV.clone())
+    slots = torch.tensor([4, 1, 3])
+    x = torch.randn(3, 1, cfg.hidden_size)
+    want, want_state = kda(x, backend, KDALayerState(before.conv_BCW[slots], before.recurrent_BHKV[slots]),
+                           decode=True)
+    got, got_state = kda(x, backend, KDALayerState(pool.conv_BCW, pool.recurrent_BHKV, slots), decode=True)
+    assert got_state.recurrent_BHKV is pool.recurrent_BHKV
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert torch.equal(pool.conv_BCW[slots], want_state.conv_BCW)
+    assert torch.equal(pool.recurrent_BHKV[slots], want_state.recurrent_BHKV)
+    for other in (0, 2, 5):
+        assert torch.equal(pool.recurrent_BHKV[other], before.recurrent_BHKV[other])
+        assert torch.equal(pool.conv_BCW[other], before.conv_BCW[other])
+    with pytest.raises(ValueError, match="only for decode"):
+        kda(torch.randn(3, 2, cfg.hidden_size), backend, KDALayerState(pool.conv_BCW, pool.recurrent_BHKV, slots))

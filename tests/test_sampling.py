@@ -283,3 +283,16 @@ def test_keyed_sampling_matches_the_distribution_and_positions_are_independent()
     # different keys at the same position are different streams
     other, _ = sample(half, params, torch.arange(n), torch.zeros(n, dtype=torch.long))
     assert 0.47 < other.float().mean().item() < 0.53
+
+
+def test_unfiltered_fast_path_equals_the_sorted_path_bitwise():
+    """Rows without top-k/top-p/min-p skip the sort; in a batch where another row filters (so every row goes
+    through the sorted path) the same rows give the same fp32 values bit for bit."""
+    torch.manual_seed(3)
+    logits_BV = torch.randn(4, 300, dtype=torch.bfloat16)
+    plain = [SamplingParams(temperature=t) for t in (1.0, 0.7, 1.3)] + [SamplingParams(temperature=0.0)]
+    fast = filtered_logprobs(logits_BV, plain)
+    sorted_path = filtered_logprobs(torch.cat([logits_BV, logits_BV[:1]]), plain + [SamplingParams(top_k=5)])
+    assert torch.equal(fast, sorted_path[:4])
+    assert torch.equal(fast[1], torch.log_softmax(logits_BV[1].float() / 0.7, -1))
+    assert torch.isinf(sorted_path[4]).sum() == 300 - 5

@@ -62,6 +62,8 @@ class KDAAttention(nn.Module):
                 seq_lens: torch.Tensor | None = None, decode: bool = False) -> tuple[torch.Tensor, KDALayerState]:
         """Full sequence (or one decode token with `decode=True`, which needs `state`).
 
+        A pooled `state` (`KDALayerState.slots_B` set; decode only) is updated in place and returned as is.
+
         `seq_lens` [B] counts the real (left-aligned) tokens among the T; None means all T are real.
         Returns y [B, T, D] and the state after each request's last real token.
         """
@@ -70,7 +72,11 @@ class KDAAttention(nn.Module):
         b, t, _ = x_BTD.shape
         if state is None:
             state = self.empty_state(b, x_BTD.device, x_BTD.dtype)
-        qkv_BTC, conv_BCW = self._short_conv(x_BTD, state.conv_BCW, seq_lens)
+        pooled = state.slots_B is not None
+        if pooled and not (decode and seq_lens is None):
+            raise ValueError("a pooled KDA state (slots_B set) is only for decode steps (decode=True, no seq_lens)")
+        conv_in = state.conv_BCW[state.slots_B] if pooled else state.conv_BCW
+        qkv_BTC, conv_BCW = self._short_conv(x_BTD, conv_in, seq_lens)
         shape = (b, t, self.num_heads, self.head_dim)
         q, k, v = (z.reshape(shape) for z in qkv_BTC.chunk(3, dim=-1))
         g_BTHK = naive_kda_lowerbound_gate(self.f_b_proj(self.f_a_proj(x_BTD)).view(shape), self.A_log,
@@ -80,6 +86,10 @@ class KDAAttention(nn.Module):
             real_BT = torch.arange(t, device=x_BTD.device) < seq_lens[:, None]
             g_BTHK = g_BTHK * real_BT[:, :, None, None]
             beta_BTH = beta_BTH * real_BT[:, :, None]
+        if pooled:  # the engine's pools: recurrent rows updated in place by the backend, conv rows scattered
+            o_BTHV = backend.decode_into(q, k, v, g_BTHK, beta_BTH, state.recurrent_BHKV, state.slots_B)
+            state.conv_BCW.index_copy_(0, state.slots_B, conv_BCW.to(state.conv_BCW.dtype))
+            return self._gated_output(o_BTHV, x_BTD), state
         if decode:
             o_BTHV, rec = backend.decode(q, k, v, g_BTHK, beta_BTH, state.recurrent_BHKV)
         else:

@@ -239,6 +239,26 @@ def _decode_fla(q, k, v, g, beta, state):
                                use_qk_l2norm_in_kernel=True)
 
 
+@torch.no_grad()
+def _decode_into_reference(decode: Callable, q, k, v, g, beta, pool_NHKV, slots_B):
+    """`decode` on the gathered rows, the new states scattered back: the reference for an in-place decode."""
+    o, new_BHKV = decode(q, k, v, g, beta, pool_NHKV.index_select(0, slots_B))
+    pool_NHKV.index_copy_(0, slots_B, new_BHKV.to(pool_NHKV.dtype))
+    return o
+
+
+@torch.no_grad()
+def _decode_into_fla(q, k, v, g, beta, pool_NHKV, slots_B):
+    """fla fused_recurrent_kda in continuous-batching form: request b's state is read from and written back to
+    pool_NHKV[slots_B[b]] inside the kernel (ssm_state_indices, in-place final state): no gathered copies."""
+    from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
+    if pool_NHKV.dtype != torch.float32 or not pool_NHKV.is_contiguous():
+        raise ValueError(f"the KDA state pool must be contiguous fp32, got {pool_NHKV.dtype}")
+    o, _ = fused_recurrent_kda_fwd(q, k, v, g.float(), beta, initial_state=pool_NHKV, inplace_final_state=True,
+                                   ssm_state_indices=slots_B, use_qk_l2norm_in_kernel=True)
+    return o
+
+
 @dataclass(frozen=True)
 class KDABackend:
     """The KDA implementation chosen once at start (`resolve_kda_backend`); logs show `name` and `reason`.
@@ -249,12 +269,20 @@ class KDABackend:
         [B, HV, K, V] fp32 (None unless output_final_state). Differentiable (training uses it).
     decode(q, k, v, g, beta, state) -> (o, new_state): one token, the same tensors with T = 1 and a required
         fp32 state; inference only (no autograd). `state` is not modified; new_state is a new fp32 tensor.
+    decode_into(q, k, v, g, beta, pool_NHKV, slots_B) -> o: the same step for requests whose states are rows
+        slots_B [B] int64 of a fp32 pool [N, HV, K, V], updated in place (the rollout engine's slot pool).
+        Rows of slots_B must be distinct, except padding rows that all point at one scratch row.
     """
 
     name: str
     reason: str
     prefill: Callable = field(repr=False, compare=False)
     decode: Callable = field(repr=False, compare=False)
+    decode_into: Callable = field(repr=False, compare=False, default=None)
+
+    def __post_init__(self):
+        if self.decode_into is None:
+            object.__setattr__(self, "decode_into", partial(_decode_into_reference, self.decode))
 
 
 def chunk_size_for_bound(gate_lower_bound: float | None) -> int:
@@ -298,4 +326,4 @@ def resolve_kda_backend(name: str, device: torch.device | str,
     if auto and name == "torch_chunk":
         what = "torch chunked form (measured fastest on CPU)"
     reason = f"{device.type}: {what}" + ("" if auto else " (requested by name)")
-    return KDABackend(name, reason, prefill, decode)
+    return KDABackend(name, reason, prefill, decode, _decode_into_fla if name == "fla" else None)

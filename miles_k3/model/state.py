@@ -13,10 +13,15 @@ import torch
 
 @dataclass
 class KDALayerState:
-    """conv_BCW: the last W-1 pre-conv q|k|v projections (activation dtype); recurrent_BHKV: S, fp32."""
+    """conv_BCW: the last W-1 pre-conv q|k|v projections (activation dtype); recurrent_BHKV: S, fp32.
+
+    Pooled form (the rollout engine's decode): with `slots_B` set, the two tensors are whole pools [N, ...] and
+    request b owns row slots_B[b]; a decode step reads and updates those rows in place (no gathered copies).
+    """
 
     conv_BCW: torch.Tensor
     recurrent_BHKV: torch.Tensor
+    slots_B: torch.Tensor | None = None
 
 
 @dataclass
