@@ -88,7 +88,7 @@ def main() -> None:
                "rows": []}
     with torch.no_grad():
         for b in map(int, args.batches.split(",")):  # warm up: kernels compiled, graphs captured per bucket
-            engine.generate(input_ids=[[1, 2, 3]] * b, sampling_params={**params, "max_new_tokens": 2})
+            engine.generate(input_ids=[[1] * args.prompt] * b, sampling_params=params)
         plain_loop(model, torch.randint(0, cfg.vocab_size, (2, 4), device="cuda"), 4)
         for b in map(int, args.batches.split(",")):
             prompts = torch.randint(0, cfg.vocab_size, (b, args.prompt), device="cuda")
@@ -106,6 +106,7 @@ def main() -> None:
             plen, new = map(int, lens.split("+"))
             prompts = torch.randint(0, cfg.vocab_size, (p, plen)).tolist()
             gp = {**params, "max_new_tokens": new}
+            engine.generate(input_ids=prompts, sampling_params=gp, n=n)  # warm up: graphs of every bucket it meets
             t = timed(lambda: engine.generate(input_ids=prompts, sampling_params=gp, n=n))
             results["grpo"] = {"prompts": p, "n": n, "prompt_len": plen, "new": new, "wall_s": t,
                                "new_tok_s": p * n * new / t}
