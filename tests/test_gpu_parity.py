@@ -58,12 +58,13 @@ def test_fla_in_place_pool_decode_matches_the_gathered_reference():
     bit for bit, padding rows that share one scratch slot disturb nothing else."""
     ref_b, fla_b = resolve_kda_backend("torch_chunk", "cpu"), resolve_kda_backend("fla", "cuda")
     q, k, v, g, beta, _ = _kda_inputs(b=64, t=1)
+    q, k, v = torch.cat([q, k, v], dim=-1).cuda().chunk(3, dim=-1)  # strided views, as the model passes them
     pool = torch.randn(100, 8, 128, 128, generator=torch.Generator().manual_seed(1)) * 0.1
     slots = torch.randperm(99, generator=torch.Generator().manual_seed(2))[:61]
     slots = torch.cat([slots, torch.full((3,), 99)])  # 3 padding rows on scratch slot 99
-    o_ref, s_ref = ref_b.decode(q, k, v, g, beta, pool[slots])
+    o_ref, s_ref = ref_b.decode(q.cpu(), k.cpu(), v.cpu(), g, beta, pool[slots])
     pool_cuda = pool.cuda()
-    o = fla_b.decode_into(*(x.cuda() for x in (q, k, v, g, beta)), pool_cuda, slots.cuda())
+    o = fla_b.decode_into(q, k, v, g.cuda(), beta.cuda(), pool_cuda, slots.cuda())
     got = pool_cuda.cpu()
     errs = {"o": rel(o[:61], o_ref[:61]), "state": rel(got[slots[:61]], s_ref[:61])}
     print("fla in-place pool decode vs torch decode of gathered rows:", errs)

@@ -254,7 +254,8 @@ def _decode_into_fla(q, k, v, g, beta, pool_NHKV, slots_B):
     from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
     if pool_NHKV.dtype != torch.float32 or not pool_NHKV.is_contiguous():
         raise ValueError(f"the KDA state pool must be contiguous fp32, got {pool_NHKV.dtype}")
-    o, _ = fused_recurrent_kda_fwd(q, k, v, g.float(), beta, initial_state=pool_NHKV, inplace_final_state=True,
+    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g.float(), beta))  # the kernel assumes dense rows
+    o, _ = fused_recurrent_kda_fwd(q, k, v, g, beta, initial_state=pool_NHKV, inplace_final_state=True,
                                    ssm_state_indices=slots_B, use_qk_l2norm_in_kernel=True)
     return o
 
