@@ -53,7 +53,12 @@ def main() -> None:
             engine.generate(input_ids=prompts, sampling_params=params)
             torch.cuda.synchronize()
             wall = time.perf_counter() - t0
-            row = {"batch": b, "engine_s_per_step": wall / args.new}
+            t0 = time.perf_counter()
+            engine.generate(input_ids=prompts, sampling_params={**params, "max_new_tokens": 1})
+            torch.cuda.synchronize()
+            first = time.perf_counter() - t0  # prefill + one step
+            row = {"batch": b, "engine_s_per_step": wall / args.new, "prefill_and_first_token_s": first,
+                   "engine_decode_s_per_step": (wall - first) / (args.new - 1)}
             if engine._graph is not None:
                 width = max(k[1] for k in engine._graph._graphs)  # the page bucket the run ended in
                 graph, _, _ = engine._graph._graph(next(x for x in engine._graph.buckets if x >= b), width)
