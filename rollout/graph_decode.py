@@ -109,7 +109,7 @@ class GraphDecoder:
         kda_states = [KDALayerState(self.kda.conv_NCW[i], self.kda.recurrent_NHKV[i], slots)  # updated in place
                       for i in range(len(self.kda_ids))]
         storage = self.cache.storage_MGZL
-        mla_states = [MLALayerState(storage[m][table].flatten(1, 2)) for m in range(len(self.mla_ids))]
+        mla_states = [MLALayerState(storage[m], table) for m in range(len(self.mla_ids))]  # paged, in place
         layers: list = [None] * self.model.config.num_hidden_layers
         for i, layer_id in enumerate(self.kda_ids):
             layers[layer_id] = kda_states[i]
@@ -117,11 +117,4 @@ class GraphDecoder:
             layers[layer_id] = mla_states[m]
         with sync_free_experts():
             out = self.model.step(ids, K3State(lens, layers), fixed_capacity=True)
-        z = self.cache.page_size
-        page = table.gather(1, (lens // z)[:, None])[:, 0]
-        flat_pos = page * z + lens % z
-        rows = torch.arange(lens.shape[0], device=lens.device)
-        for m, layer_id in enumerate(self.mla_ids):
-            new_BL = out.state.layers[layer_id].latent_BSL[rows, lens]
-            storage[m].view(-1, storage.shape[-1]).index_copy_(0, flat_pos, new_BL.to(storage.dtype))
         return out.logits

@@ -93,12 +93,38 @@ class MLAAttention(nn.Module):
     def step(self, x_B1D: torch.Tensor, state: MLALayerState, past_lens: torch.Tensor, grow: bool = True
              ) -> tuple[torch.Tensor, MLALayerState]:
         """One decode token per request, attending over the cached latents (absorbed form). `grow=False`:
-        the caller guarantees capacity for position past_lens (no host sync: CUDA-graph capturable)."""
+        the caller guarantees capacity for position past_lens (no host sync: CUDA-graph capturable). A paged
+        `state` (table_BT set) is updated in place and returned as is."""
+        if state.table_BT is not None:
+            return self._paged_step(x_B1D, state, past_lens)
         q_nope, q_rope = self._queries(x_B1D)
         latent_BSL = write_latents(state.latent_BSL, past_lens, self._latents(x_B1D), grow)
         valid_BS = torch.arange(latent_BSL.shape[1], device=x_B1D.device) <= past_lens[:, None]
         o_BHV = self.absorbed_attention(q_nope[:, 0], q_rope[:, 0], latent_BSL, valid_BS)
         return self._output(o_BHV.unsqueeze(1), x_B1D), MLALayerState(latent_BSL)
+
+    def _paged_step(self, x_B1D: torch.Tensor, state: MLALayerState, past_lens: torch.Tensor
+                    ) -> tuple[torch.Tensor, MLALayerState]:
+        """Decode over the paged pool: write the new latent at position past_lens[b] of its page, then attend
+        over positions 0..past_lens[b] with the paged kernel (no gathered copy of the latents)."""
+        from miles_k3.kernels.paged_mla import paged_latent_attention
+
+        q_nope, q_rope = self._queries(x_B1D)
+        pool_GZL, table_BT = state.latent_BSL, state.table_BT
+        z = pool_GZL.shape[1]
+        page_B = table_BT.gather(1, (past_lens // z)[:, None])[:, 0]
+        flat_pool = pool_GZL.view(-1, pool_GZL.shape[-1])
+        flat_pool.index_copy_(0, page_B * z + past_lens % z, self._latents(x_B1D)[:, 0].to(pool_GZL.dtype))
+        w_uk_HNR, w_uv_HVR = self._absorbed_weights()
+        q_lat_BHR = torch.einsum("bhn,hnr->bhr", q_nope[:, 0], w_uk_HNR)
+        o_lat_BHR = paged_latent_attention(q_lat_BHR, q_rope[:, 0], pool_GZL, table_BT, past_lens + 1, self.scale)
+        o_BHV = torch.einsum("bhr,hvr->bhv", o_lat_BHR.to(x_B1D.dtype), w_uv_HVR)
+        return self._output(o_BHV.unsqueeze(1), x_B1D), state
+
+    def _absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """W_UK [H, N, R] and W_UV [H, V, R]: slices of kv_b_proj's effective weight (with its LoRA delta)."""
+        w_HXR = effective_weight(self.kv_b_proj).view(self.num_heads, self.nope + self.v_dim, self.rank)
+        return w_HXR[:, : self.nope], w_HXR[:, self.nope:]
 
     def absorbed_attention(self, q_nope_BHN: torch.Tensor, q_rope_BHP: torch.Tensor,
                            latent_BSL: torch.Tensor, valid_BS: torch.Tensor) -> torch.Tensor:
@@ -107,8 +133,7 @@ class MLAAttention(nn.Module):
         Returns o [B, H, V] in the latent dtype. The engine's paged cache gathers `latent_BSL` and calls this.
         W_UK and W_UV are slices of kv_b_proj's effective weight (merged with its LoRA delta, if adapted).
         """
-        w_HXR = effective_weight(self.kv_b_proj).view(self.num_heads, self.nope + self.v_dim, self.rank)
-        w_uk_HNR, w_uv_HVR = w_HXR[:, : self.nope], w_HXR[:, self.nope:]
+        w_uk_HNR, w_uv_HVR = self._absorbed_weights()
         c_BSR, kr_BSP = latent_BSL[..., : self.rank], latent_BSL[..., self.rank:]
         q_lat_BHR = torch.einsum("bhn,hnr->bhr", q_nope_BHN, w_uk_HNR)
         scores_BHS = (torch.einsum("bhr,bsr->bhs", q_lat_BHR, c_BSR)

@@ -26,9 +26,15 @@ class KDALayerState:
 
 @dataclass
 class MLALayerState:
-    """latent_BSL: [normalised c (kv_lora_rank) | k_r (rope dims)] per past token; rows past seq_lens are junk."""
+    """latent_BSL: [normalised c (kv_lora_rank) | k_r (rope dims)] per past token; rows past seq_lens are junk.
+
+    Paged form (the rollout engine's decode): with `table_BT` set, latent_BSL is the layer's whole page pool
+    [G, Z, L] and position j of request b is row j % Z of page table_BT[b, j // Z]; a decode step writes the
+    new latent into its page in place and attends over the pages (`kernels/paged_mla.py`).
+    """
 
     latent_BSL: torch.Tensor
+    table_BT: torch.Tensor | None = None
 
 
 @dataclass
