@@ -1,11 +1,10 @@
 """One decode step over the engine's pools with static shapes, captured as a CUDA graph per (batch, context)
 bucket.
 
-A step reads every input from one fixed buffer (token ids, KDA slots, lengths, MLA block tables), updates each
-request's KDA rows in place (pooled `KDALayerState`: fla's kernel reads and writes the slot rows directly),
-gathers its pages' latents (fixed capacity: the page bucket times page_size positions), runs
-`model.step(..., fixed_capacity=True)` under `sync_free_experts()` (no host syncs anywhere), and writes the new
-latent straight back into its page. A batch of B requests runs in the smallest bucket >= B; padding rows point
+A step reads every input from one fixed buffer (token ids, KDA slots, lengths, MLA block tables) and runs
+`model.step(..., fixed_capacity=True)` under `sync_free_experts()` (no host syncs anywhere) on pooled states
+that are updated in place: each request's KDA rows (fla's kernel reads and writes the slot rows directly) and
+its MLA pages (the new latent is written into its page, then the paged kernel attends over the page bucket). A batch of B requests runs in the smallest bucket >= B; padding rows point
 at a scratch slot and a scratch page that no request owns. Decode on CUDA is
 launch-bound in eager mode (thousands of small kernels per step); replaying a graph launches them at once.
 On CPU (or with `capture=False`) the same static step runs eagerly: that is how it is tested without a GPU.
