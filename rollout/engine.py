@@ -301,10 +301,10 @@ class RolloutEngine:
         while waiting and need + len(waiting[0]) <= free and len(taken) != max_groups:
             group = waiting.popleft()
             need += len(group)
-            head = group[0]
-            head.slot = self.kda.alloc()
-            self.cache.new_request(head.rid)
+            self.cache.new_request(group[0].rid)
             taken.append(group)
+        for group, slot in zip(taken, self.kda.alloc_many(len(taken)) or ()):  # one reset for every head
+            group[0].slot = slot
         failed = self._prefill_heads([g[0] for g in taken])
         back = []
         for group in taken:

@@ -157,16 +157,21 @@ class KDAStatePool(_Releasable):
 
     def alloc(self) -> int | None:
         """A zeroed slot (the state before a request's first token), or None when all are taken."""
-        slots = self._take(1)
+        slots = self.alloc_many(1)
         return None if slots is None else slots[0]
 
-    def _take(self, n: int) -> list[int] | None:
+    def alloc_many(self, n: int) -> list[int] | None:
+        """n zeroed slots (one reset for all of them), or None (nothing taken) when fewer are free."""
+        return self._take(n, zero=True)
+
+    def _take(self, n: int, zero: bool) -> list[int] | None:
         self._check_live()
         if n > len(self._free):
             return None
         slots = [self._free.pop() for _ in range(n)]
         self._used.update(slots)
-        self.reset(torch.tensor(slots, device=self.conv_NCW[0].device))
+        if zero and slots:
+            self.reset(torch.tensor(slots, device=self.conv_NCW[0].device))
         return slots
 
     def free(self, slot: int) -> None:
@@ -179,7 +184,7 @@ class KDAStatePool(_Releasable):
         """n new slots holding copies of `src_slot`'s state; None (nothing taken) if fewer than n are free."""
         if src_slot not in self._used:
             raise ValueError(f"KDA slot {src_slot} is not allocated; cannot fork it")
-        slots = self._take(n)
+        slots = self._take(n, zero=False)  # overwritten with the source's state below
         if slots:
             idx = torch.tensor(slots, device=self.conv_NCW[0].device)
             for t in self._tensors():

@@ -98,13 +98,16 @@ def test_paged_decode_step_equals_the_contiguous_step():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (Triton kernel)")
-@pytest.mark.parametrize("b, t, splits", [(256, 17, None), (4, 64, None), (4, 64, 1)])
-def test_gpu_kernel_matches_the_reference_in_bf16_at_k3m_shapes(b, t, splits):
-    """k3_m: 8 heads, R 512, P 64, pages of 64 tokens; random lengths up to the whole table."""
-    q_lat, q_rope, storage, table = (x.cuda() for x in _case(b, 8, 512, 64, 64, 4096, t, torch.bfloat16))
-    lens = torch.randint(1, t * 64 + 1, (b,), generator=torch.Generator().manual_seed(1)).cuda()
+@pytest.mark.parametrize("b, h, r, p, z, t, splits", [(256, 8, 512, 64, 64, 17, None), (4, 8, 512, 64, 64, 64, None),
+                                                     (4, 8, 512, 64, 64, 64, 1), (4, 4, 32, 8, 16, 4, None)],
+                         ids=["k3m_b256", "k3m_long", "k3m_long_1split", "k3tiny"])
+def test_gpu_kernel_matches_the_reference_in_bf16(b, h, r, p, z, t, splits):
+    """k3_m (8 heads, R 512, P 64, pages of 64) and k3_tiny (4 heads, R 32, P 8: padded to the 16-wide dot)
+    shapes; random lengths up to the whole table."""
+    q_lat, q_rope, storage, table = (x.cuda() for x in _case(b, h, r, p, z, 4096, t, torch.bfloat16))
+    lens = torch.randint(1, t * z + 1, (b,), generator=torch.Generator().manual_seed(1)).cuda()
     ref = paged_latent_attention_reference(q_lat, q_rope, storage, table, lens, 0.07)
     got = paged_latent_attention(q_lat, q_rope, storage, table, lens, 0.07, num_splits=splits)
     err = ((got.float() - ref).norm() / ref.norm()).item()
-    print(f"paged MLA kernel bf16 vs fp32 reference, B={b} T={t} splits={splits}: rel L2 {err:.1e}")
+    print(f"paged MLA kernel bf16 vs fp32 reference, B={b} H={h} R={r} T={t} splits={splits}: rel L2 {err:.1e}")
     assert got.dtype == torch.bfloat16 and err < 2e-2
