@@ -11,9 +11,6 @@ from miles_k3.rollout.engine import EngineConfig, RolloutEngine
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [5, 6, 7], [300], list(range(40, 70))]
-# bf16 engine vs bf16 trainer forward: different kernels and reduction orders on a tiny random model with large
-# logits (LoRA B ~ N(0, 0.2)); measured on the H200, see the test's printout.
-LOGPROB_TOL_BF16 = 0.25
 
 
 @pytest.fixture(scope="module")
@@ -52,25 +49,28 @@ def test_graph_decode_replays_the_static_step_exactly(trainer):
 
 def test_engine_logprobs_match_the_trainer_forward(trainer):
     """Sampled tokens (temperature 1: the logprob is the raw model logprob) scored again by the trainer-side
-    full-sequence forward on the same bf16 weights (fla chunk kernels, naive MLA): graph decode (fp32 scores in
-    the paged MLA kernel) and the eager engine (bf16 einsums) both within LOGPROB_TOL_BF16 of it."""
+    full-sequence forward: in fp32 (the truth) and in bf16 (fla chunk kernels, naive MLA). bf16 on this tiny
+    random model (LoRA B ~ N(0, 0.2): large logits) has a real error floor, so each engine mode (graph: paged
+    MLA kernel with fp32 scores; eager: bf16 einsums) must stay within 2x the bf16 trainer's own error against
+    fp32 plus 0.05 nats on the same tokens; a wrong state or position costs whole nats."""
     model, lora = trainer
     model32 = copy.deepcopy(model).cast(torch.float32)
     params = {"temperature": 1.0, "max_new_tokens": 10, "sampling_seed": 3}
-    worst, worst32 = {}, {}
+    report = {}
     for decode in ("graph", "eager"):
         engine = _engine(model, lora, decode)
         assert engine.decode_mode == decode
         res = engine.generate(input_ids=PROMPTS, sampling_params=params, lora="policy")
-        errs, errs32 = [], []
+        engine_err = trainer_err = 0.0
         for prompt, r in zip(PROMPTS, res):
             ids = torch.tensor([prompt + r["output_ids"]], device="cuda")
             got = torch.tensor([lp for lp, _ in r["meta_info"]["output_token_logprobs"]])
-            for m, out in ((model, errs), (model32, errs32)):
-                with torch.no_grad():
-                    logp = torch.log_softmax(m(ids).logits[0].float(), -1)[len(prompt) - 1:-1]
-                out.append((got - logp.gather(1, ids[0, len(prompt):, None])[:, 0].cpu()).abs().max().item())
-        worst[decode], worst32[decode] = errs, errs32
-    print("max |engine - trainer| logprob per prompt, bf16 trainer:", worst, "fp32 trainer:", worst32)
-    assert max(worst["graph"]) < LOGPROB_TOL_BF16, worst
-    assert max(worst["eager"]) < LOGPROB_TOL_BF16, worst
+            with torch.no_grad():
+                ref32, ref16 = (torch.log_softmax(m(ids).logits[0].float(), -1)[len(prompt) - 1:-1]
+                                .gather(1, ids[0, len(prompt):, None])[:, 0].cpu() for m in (model32, model))
+            engine_err = max(engine_err, (got - ref32).abs().max().item())
+            trainer_err = max(trainer_err, (ref16 - ref32).abs().max().item())
+        report[decode] = {"engine_vs_fp32": engine_err, "bf16_trainer_vs_fp32": trainer_err}
+    print("max |logprob error| against the fp32 trainer forward:", report)
+    for decode, r in report.items():
+        assert r["engine_vs_fp32"] <= 2 * r["bf16_trainer_vs_fp32"] + 0.05, report

@@ -3,11 +3,51 @@
 Legend for tensor suffixes: B batch, T tokens, D hidden size, N number of residual sources, I MLP width.
 Precision rules (K3 reference): RMSNorm variances, SiTU nonlinearities and AttnRes mixing run in fp32; results
 are cast back to the activation dtype.
+
+Fused kernels: on CUDA, when no gradient is needed (`torch.no_grad()`/`inference_mode()`, or no input requires
+grad), `RMSNorm.forward`, `situ_glu` and `attn_res_mix` run one fused Triton kernel each
+(`miles_k3.kernels.fused`, forward only) instead of their eager fp32 chains; training and every CPU call keep the
+differentiable pure-torch references `_rms_norm_torch`, `_situ_glu_torch` and `_attn_res_mix_torch`. Force the
+references everywhere with `with reference_kernels():` or the environment variable `MILES_K3_REFERENCE_KERNELS=1`
+(read at import).
 """
 from __future__ import annotations
 
+import contextlib
+import os
+from collections.abc import Iterator
+
 import torch
 from torch import nn
+
+_FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # = miles_k3.kernels.fused.ACT_DTYPES
+_force_reference = os.environ.get("MILES_K3_REFERENCE_KERNELS", "0") not in ("", "0")
+
+
+@contextlib.contextmanager
+def reference_kernels(enabled: bool = True) -> Iterator[None]:
+    """Inside the block, RMSNorm / situ_glu / attn_res_mix use their pure-torch references on every device
+    (`enabled=False`: allow the fused kernels again). Restores the previous setting on exit; not thread-local."""
+    global _force_reference
+    prev, _force_reference = _force_reference, bool(enabled)
+    try:
+        yield
+    finally:
+        _force_reference = prev
+
+
+def fused_kernels_active() -> bool:
+    """False while `reference_kernels()` (or MILES_K3_REFERENCE_KERNELS=1) forces the torch references."""
+    return not _force_reference
+
+
+def _use_fused(x: torch.Tensor, *tensors: torch.Tensor) -> bool:
+    """Take the fused Triton path: x on CUDA, supported dtypes, no autograd needed, not forced off."""
+    if not x.is_cuda or _force_reference or x.dtype not in _FUSED_DTYPES:
+        return False
+    if any(t.dtype not in _FUSED_DTYPES for t in tensors):
+        return False
+    return not torch.is_grad_enabled() or not (x.requires_grad or any(t.requires_grad for t in tensors))
 
 
 class RMSNorm(nn.Module):
@@ -19,9 +59,17 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return normed.to(x.dtype) * self.weight.to(x.dtype)
+        if _use_fused(x, self.weight):
+            from miles_k3.kernels import fused
+            return fused.rms_norm(x, self.weight, self.eps)
+        return _rms_norm_torch(x, self.weight, self.eps)
+
+
+def _rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Reference RMSNorm: fp32 variance; `normed.to(x.dtype) * weight.to(x.dtype)`."""
+    x32 = x.float()
+    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return normed.to(x.dtype) * weight.to(x.dtype)
 
 
 def situ_gate(g: torch.Tensor, beta: float) -> torch.Tensor:
@@ -38,6 +86,14 @@ def situ_up(u: torch.Tensor, linear_beta: float | None) -> torch.Tensor:
 
 def situ_glu(gate: torch.Tensor, up: torch.Tensor, beta: float, linear_beta: float | None) -> torch.Tensor:
     """SiTU-GLU(g, u) = situ_gate(g) * situ_up(u), computed in fp32 and returned in gate's dtype."""
+    if _use_fused(gate, up) and gate.shape == up.shape:
+        from miles_k3.kernels import fused
+        return fused.situ_glu(gate, up, beta, linear_beta)
+    return _situ_glu_torch(gate, up, beta, linear_beta)
+
+
+def _situ_glu_torch(gate: torch.Tensor, up: torch.Tensor, beta: float, linear_beta: float | None) -> torch.Tensor:
+    """Reference SiTU-GLU (pure torch, differentiable)."""
     return (situ_gate(gate, beta) * situ_up(up, linear_beta)).to(gate.dtype)
 
 
@@ -63,8 +119,17 @@ def attn_res_mix(sources: list[torch.Tensor], norm: RMSNorm, proj: nn.Linear) ->
     out = sum_i alpha_i v_i. All in fp32; returns the input dtype. `sources`: N tensors [..., D];
     `proj.weight` is the pseudo-query [1, D] and `norm.weight` the RMS weight gamma [D].
     """
+    if _use_fused(sources[-1], *sources[:-1], norm.weight, proj.weight):
+        from miles_k3.kernels import fused
+        return fused.attn_res_mix(sources, norm.weight, proj.weight, norm.eps)
+    return _attn_res_mix_torch(sources, norm.weight, proj.weight, norm.eps)
+
+
+def _attn_res_mix_torch(sources: list[torch.Tensor], norm_weight: torch.Tensor, proj_weight: torch.Tensor,
+                        eps: float) -> torch.Tensor:
+    """Reference Block-AttnRes mixer (pure torch, differentiable); `proj_weight` [1, D], `norm_weight` [D]."""
     v_NBTD = torch.stack(sources).float()
-    query_D = (norm.weight.float() * proj.weight.float()[0])
-    k_NBTD = v_NBTD * torch.rsqrt(v_NBTD.pow(2).mean(-1, keepdim=True) + norm.eps)
+    query_D = (norm_weight.float() * proj_weight.float()[0])
+    k_NBTD = v_NBTD * torch.rsqrt(v_NBTD.pow(2).mean(-1, keepdim=True) + eps)
     alpha_NBT = torch.softmax(k_NBTD @ query_D, dim=0)
     return (alpha_NBT.unsqueeze(-1) * v_NBTD).sum(0).to(sources[-1].dtype)
