@@ -124,6 +124,12 @@ def _need(ok: bool, field: str, value: object, allowed: str, where: str) -> None
         raise ValueError(f"{where}: sampling_params.{field}={value!r} is invalid; expected {allowed}")
 
 
+def _no_row_filters(params: Sequence[SamplingParams], vocab: int) -> bool:
+    """True when no row filters: every row is greedy or has top-k off (or >= vocab), top-p 1 and min-p 0."""
+    return all(p.greedy or ((p.top_k <= 0 or p.top_k >= vocab) and p.top_p >= 1.0 and p.min_p <= 0.0)
+               for p in params)
+
+
 def filtered_logprobs(logits_BV: Tensor, params: Sequence[SamplingParams]) -> Tensor:
     """fp32 [B, V] log-probabilities after temperature -> top-k -> top-p -> min-p (see module docstring).
 
@@ -139,7 +145,7 @@ def filtered_logprobs(logits_BV: Tensor, params: Sequence[SamplingParams]) -> Te
     min_p_B = torch.tensor([0.0 if p.greedy else p.min_p for p in params], device=dev)
 
     x_BV = x_BV / temp_B[:, None]
-    if all(p.greedy or ((p.top_k <= 0 or p.top_k >= V) and p.top_p >= 1.0 and p.min_p <= 0.0) for p in params):
+    if _no_row_filters(params, V):
         return torch.log_softmax(x_BV, dim=-1)  # nothing to filter: the sort below would keep every token
     sorted_BV, order_BV = torch.sort(x_BV, dim=-1, descending=True, stable=True)
     rank_V = torch.arange(V, device=dev)
@@ -166,17 +172,35 @@ def _mix32(x: Tensor) -> Tensor:
     return x ^ (x >> 16)
 
 
+def noise_row_keys(keys_B: Tensor, positions_B: Tensor) -> Tensor:
+    """The per-row part of `keyed_exp_noise`: int64 [B, 2] holding (k, _mix32(k ^ 0x85EBCA6B)) per row,
+    values in [0, 2^32), where k mixes both 32-bit halves of the key with the position. keys_B / positions_B:
+    int64 [B] on any device (the result is on theirs). The fused kernel (`miles_k3.kernels.sampling`) has a
+    Triton twin of this and of `exp_noise_from_row_keys`, tested bit for bit against them."""
+    k_B = _mix32(keys_B & _M32) ^ _mix32(((keys_B >> 32) & _M32) ^ 0x9E3779B9)
+    k_B = _mix32(k_B ^ (positions_B & _M32))
+    return torch.stack([k_B, _mix32(k_B ^ 0x85EBCA6B)], dim=1)
+
+
+def exp_noise_from_row_keys(row_keys_B2: Tensor, vocab: int) -> Tensor:
+    """fp32 [B, V] Exp(1) variates of token ids 0..V-1 from `noise_row_keys` (the per-token part of
+    `keyed_exp_noise`): a hash of (row key, token id) -> a 23-bit uniform u in (0, 1) -> -log(u)."""
+    k_B, kx_B = row_keys_B2.unbind(1)
+    v_V = torch.arange(vocab, device=row_keys_B2.device, dtype=torch.int64)
+    h_BV = _mix32((k_B[:, None] + v_V[None, :] * 0x9E3779B1) & _M32)
+    h_BV = _mix32(h_BV ^ kx_B[:, None])
+    # 23-bit uniforms on the midpoints (i + 0.5) / 2^23: in [2^-24, 1 - 2^-24], all exact in fp32, so u is never
+    # 0 or 1 (a 24-bit midpoint grid rounds its top point up to 1.0: E = 0 would force that token).
+    u_BV = ((h_BV >> 9).to(torch.float32) + 0.5) * (1.0 / (1 << 23))
+    return -torch.log(u_BV)
+
+
 def keyed_exp_noise(keys_B: Tensor, positions_B: Tensor, vocab: int) -> Tensor:
     """fp32 [B, V] Exp(1) variates that are a pure function of (key, position, token id): counter-based, so a
     whole batch draws in a few kernels, with no generator state, and a row never depends on the others.
-    keys_B: int64 [B] (e.g. a request's seed), positions_B: int64 [B] (its output index). 24-bit uniforms."""
-    k_B = _mix32(keys_B & _M32) ^ _mix32(((keys_B >> 32) & _M32) ^ 0x9E3779B9)
-    k_B = _mix32(k_B ^ (positions_B & _M32))
-    v_V = torch.arange(vocab, device=keys_B.device, dtype=torch.int64)
-    h_BV = _mix32((k_B[:, None] + v_V[None, :] * 0x9E3779B1) & _M32)
-    h_BV = _mix32(h_BV ^ _mix32(k_B ^ 0x85EBCA6B)[:, None])
-    u_BV = ((h_BV >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
-    return -torch.log(u_BV)
+    keys_B: int64 [B] (e.g. a request's seed), positions_B: int64 [B] (its output index). 23-bit uniforms.
+    This is the reference definition; `miles_k3.kernels.sampling` reproduces it bit for bit."""
+    return exp_noise_from_row_keys(noise_row_keys(keys_B, positions_B), vocab)
 
 
 def sample(logits_BV: Tensor, params: Sequence[SamplingParams], keys_B: Tensor, positions_B: Tensor
@@ -187,7 +211,19 @@ def sample(logits_BV: Tensor, params: Sequence[SamplingParams], keys_B: Tensor, 
     logits_BV: [B, V] any float dtype (upcast to fp32); params: B `SamplingParams`; keys_B / positions_B:
     int64 [B] (a request's seed and its output index). Returns (token ids [B] int64, logprob [B] fp32): under
     the filtered distribution at the request's temperature for sampled rows, under the raw logits at
-    temperature 1 for greedy rows (module docstring)."""
+    temperature 1 for greedy rows (module docstring).
+
+    On CUDA, when no row filters (`_no_row_filters`), one fused Triton kernel
+    (`miles_k3.kernels.sampling.sample_unfiltered`) does the whole step instead of the dozen [B, V] kernels
+    below; it draws the same noise and returns the same tokens except on rounding near-ties of the scores (a
+    few ulp; see that module's docstring), and logprobs equal to ~1e-6."""
+    if logits_BV.is_cuda and _no_row_filters(params, logits_BV.shape[-1]):
+        from miles_k3.kernels.sampling import sample_unfiltered
+
+        dev = logits_BV.device
+        temp_B = torch.tensor([0.0 if p.greedy else p.temperature for p in params], dtype=torch.float32,
+                              device=dev)  # 0 = greedy
+        return sample_unfiltered(logits_BV, temp_B, keys_B.to(dev), positions_B.to(dev))
     logp_BV = filtered_logprobs(logits_BV, params)
     greedy_B = torch.tensor([p.greedy for p in params], device=logp_BV.device)
     noise_BV = keyed_exp_noise(keys_B.to(logp_BV.device), positions_B.to(logp_BV.device), logp_BV.shape[1])

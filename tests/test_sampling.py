@@ -296,3 +296,15 @@ def test_unfiltered_fast_path_equals_the_sorted_path_bitwise():
     assert torch.equal(fast, sorted_path[:4])
     assert torch.equal(fast[1], torch.log_softmax(logits_BV[1].float() / 0.7, -1))
     assert torch.isinf(sorted_path[4]).sum() == 300 - 5
+
+
+def test_keyed_noise_is_strictly_positive_and_finite():
+    """u lives on 23-bit midpoints in [2^-24, 1 - 2^-24]: E = -log(u) is never 0 (which would force a token,
+    whatever its probability) nor inf. Over 2^22 draws the extremes of the grid are reached closely."""
+    from miles_k3.rollout.sampling import keyed_exp_noise
+
+    e = keyed_exp_noise(torch.arange(128), torch.zeros(128, dtype=torch.long), 32768)
+    assert (e > 0).all() and torch.isfinite(e).all()
+    assert e.min() < 1e-5 and e.max() > 12  # both tails of Exp(1) are sampled
+    e48 = keyed_exp_noise(torch.tensor([48]), torch.tensor([16]), 110)[0, 109]  # the top of the hash range
+    assert 0 < e48 < 1e-6
