@@ -229,6 +229,6 @@ def test_gpu_noise_bits():
     noise_kernel[(B,)](keys, pos, row_keys, out, V, BLOCK=1024)
     assert torch.equal(row_keys, noise_row_keys(keys, pos))
     ref = keyed_exp_noise(keys, pos, V).log()
-    assert out[0, E_ZERO[2]].item() == float("-inf")
+    assert -17.0 < out[0, E_ZERO[2]].item() < -16.0  # the top of the hash range: u = 1 - 2^-24, E ~ 6e-8 > 0
     diff = out.view(torch.int32) != ref.view(torch.int32)
     assert not bool(diff.any()), f"{int(diff.sum())} of {diff.numel()} log-noise values differ in bits"
