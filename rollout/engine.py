@@ -34,7 +34,7 @@ from miles_k3.rollout.sampling import FinishReason, SamplingParams, check_stop, 
 
 log = logging.getLogger(__name__)
 
-MEMORY_TAGS = ("kv_cache",)
+MEMORY_TAGS = ("kv_cache", "cuda_graph")
 
 
 @dataclass
@@ -138,7 +138,7 @@ class RolloutEngine:
         self._lock = threading.RLock()
         self._unpaused = threading.Event()
         self._unpaused.set()
-        self._released = False
+        self._released: set[str] = set()  # memory tags released and not resumed yet
         self._active = 0  # generate() calls in flight (other threads may pause, push weights, release)
 
     # ---- public API --------------------------------------------------------------------------------
@@ -155,7 +155,8 @@ class RolloutEngine:
         if n < 1:
             raise ValueError(f"n: must be >= 1, got {n}")
         if self._released:
-            raise RuntimeError("generate: memory is released; call resume_memory_occupation() first")
+            raise RuntimeError(f"generate: memory {sorted(self._released)} is released; call "
+                               f"resume_memory_occupation() first")
         ids = self._prompt_ids(input_ids, prompts)
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params or {}] * len(ids)
         loras = lora if isinstance(lora, list) else [lora] * len(ids)
@@ -218,23 +219,30 @@ class RolloutEngine:
         self._unpaused.set()
 
     def release_memory_occupation(self, tags: list[str] | None = None) -> None:
-        """Free the pools' storage (tag `kv_cache`: KDA state slots + latent pages) while no request runs."""
-        self._check_tags(tags)
+        """Free memory while no request runs (SGLang tags; None = all): `kv_cache` the pools' storage (KDA state
+        slots + latent pages, requests dropped), `cuda_graph` the captured decode graphs and their memory pool.
+        `generate` refuses until every released tag is resumed."""
+        tags = self._check_tags(tags)
         with self._lock:
             if self._active:
                 raise RuntimeError("release_memory_occupation: generate() is running; release when idle")
-            self.kda.release()
-            self.cache.release()
-            self._released = True
+            if "kv_cache" in tags:
+                self.kda.release()
+                self.cache.release()
+            if self._graph is not None and ("cuda_graph" in tags or "kv_cache" in tags):
+                self._graph.release_graphs()  # graphs hold the pools' addresses: never replay them after a move
+            self._released |= set(tags)
 
     def resume_memory_occupation(self, tags: list[str] | None = None) -> None:
-        """Reallocate the pools (addresses may change: CUDA graphs are recaptured on next use)."""
-        self._check_tags(tags)
+        """Reallocate what `tags` released (None = all): `kv_cache` zeroed pools (addresses may change),
+        `cuda_graph` lets decode graphs be captured again (lazily, on their next use)."""
+        tags = self._check_tags(tags)
         with self._lock:
-            self.kda.resume()
-            self.cache.resume()
-            self._graph = self._make_graph_decoder()
-            self._released = False
+            if "kv_cache" in tags and "kv_cache" in self._released:
+                self.kda.resume()
+                self.cache.resume()
+                self._graph = self._make_graph_decoder()
+            self._released -= set(tags)
 
     def _make_graph_decoder(self) -> GraphDecoder | None:
         if self.decode_mode == "eager":
@@ -471,11 +479,15 @@ class RolloutEngine:
                 buffers[name].copy_(t)
 
     @staticmethod
-    def _check_tags(tags: list[str] | None) -> None:
-        bad = [t for t in tags or () if t not in MEMORY_TAGS]
+    def _check_tags(tags: list[str] | None) -> list[str]:
+        """The tags to act on (None = all); unknown tags are an error naming the supported ones."""
+        if tags is None:
+            return list(MEMORY_TAGS)
+        bad = [t for t in tags if t not in MEMORY_TAGS]
         if bad:
             raise ValueError(f"memory tags {bad} are not supported; this engine has {list(MEMORY_TAGS)} "
-                             "(no CUDA graphs are captured yet, and the base weights are the trainer's)")
+                             "(the base weights are the trainer's: it owns their memory)")
+        return list(tags)
 
 
 def _share_base(model: K3ForCausalLM) -> K3ForCausalLM:

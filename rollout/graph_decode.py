@@ -8,8 +8,9 @@ its MLA pages (the new latent is written into its page, then the paged kernel at
 at a scratch slot and a scratch page that no request owns. Decode on CUDA is
 launch-bound in eager mode (thousands of small kernels per step); replaying a graph launches them at once.
 On CPU (or with `capture=False`) the same static step runs eagerly: that is how it is tested without a GPU.
-Graphs capture addresses: after the pools are released and resumed, or LoRA buffers are rebound, call
-`invalidate()` (the engine does) and they are recaptured on next use.
+Graphs capture addresses: the LoRA buffers never move (adapters are copied into them), and when the pools are
+released the engine drops the graphs (`release_graphs`) and builds a new decoder over the resumed pools; graphs
+are captured again on their next use.
 
 Legend: B bucket rows, P pages per row (the page bucket), Z tokens per page, L latent width, V vocabulary.
 """
@@ -56,9 +57,15 @@ class GraphDecoder:
     def scratch_page(self) -> int:
         return self.cache.page_table(PAD_RID)[0]
 
-    def invalidate(self) -> None:
-        """Drop captured graphs (pool storage or bound LoRA buffers moved); recaptured on next use."""
+    def release_graphs(self) -> None:
+        """Drop every graph and their shared memory pool, returning its blocks to the device (the engine's
+        `cuda_graph` memory tag); graphs are captured again, into a new pool, on their next use."""
         self._graphs.clear()
+        if self.capture:
+            self._pool = None
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()  # the pool's blocks are free once no graph holds them
+            self._pool = torch.cuda.graph_pool_handle()
 
     def decode(self, ids: list[int], slots: list[int], rids: list) -> torch.Tensor:
         """Logits [B, V] of one step for requests `rids` (their next position must be reserved)."""

@@ -85,6 +85,14 @@ def test_preemption_under_a_tiny_page_budget_completes_every_request_unchanged(b
     assert tight.cache.num_free_pages == 6
 
 
+def _assert_same_samples(got: list[dict], want: list[dict]) -> None:
+    for g, w in zip(got, want, strict=True):
+        assert g["output_ids"] == w["output_ids"]
+        lp_g = [lp for lp, _ in g["meta_info"]["output_token_logprobs"]]
+        lp_w = [lp for lp, _ in w["meta_info"]["output_token_logprobs"]]
+        assert max(abs(a - b) for a, b in zip(lp_g, lp_w)) < LOGPROB_ATOL
+
+
 @pytest.mark.parametrize("decode", ["eager", "static"])
 def test_release_and_resume_leave_outputs_unchanged(base, decode):
     engine = _engine(base, decode=decode)
@@ -96,8 +104,25 @@ def test_release_and_resume_leave_outputs_unchanged(base, decode):
         engine.generate(input_ids=PROMPTS, sampling_params=params)
     engine.resume_memory_occupation(["kv_cache"])
     assert engine.generate(input_ids=PROMPTS, sampling_params=params) == before
-    with pytest.raises(ValueError, match="cuda_graph"):
-        engine.release_memory_occupation(["cuda_graph"])
+    # cuda_graph: the step graphs (static buffers here, captured graphs on CUDA) are dropped, rebuilt on use.
+    # The pools now hold the previous requests' data (and the padding rows' scratch state): tokens repeat
+    # exactly, logprobs to LOGPROB_ATOL (on CPU the expert matmuls' shapes follow the padding rows' routing).
+    engine.release_memory_occupation(["cuda_graph"])
+    if decode == "static":
+        assert not engine._graph._graphs
+    with pytest.raises(RuntimeError, match=r"\['cuda_graph'\] is released"):
+        engine.generate(input_ids=PROMPTS, sampling_params=params)
+    engine.resume_memory_occupation(["cuda_graph"])
+    _assert_same_samples(engine.generate(input_ids=PROMPTS, sampling_params=params), before)
+    # no tags = every tag, as in SGLang; resuming only one of them still refuses to serve
+    engine.release_memory_occupation()
+    engine.resume_memory_occupation(["cuda_graph"])
+    with pytest.raises(RuntimeError, match=r"\['kv_cache'\] is released"):
+        engine.generate(input_ids=PROMPTS, sampling_params=params)
+    engine.resume_memory_occupation()
+    assert engine.generate(input_ids=PROMPTS, sampling_params=params) == before  # fresh pools: bitwise
+    with pytest.raises(ValueError, match=r"weights.*supported.*\['kv_cache', 'cuda_graph'\]"):
+        engine.release_memory_occupation(["weights"])
 
 
 @pytest.mark.parametrize("decode", ["eager", "static"])
