@@ -53,21 +53,28 @@ def test_fla_decode_matches_torch_decode():
 
 
 def test_fla_in_place_pool_decode_matches_the_gathered_reference():
-    """The engine's decode: fla reads and writes rows slots[b] of a state pool in place (ssm_state_indices).
-    Against the torch decode of gathered rows: outputs and updated rows agree, rows no request owns are left
-    bit for bit, padding rows that share one scratch slot disturb nothing else."""
+    """The engine's decode: fla reads and writes rows slots[b] of a state pool in place (ssm_state_indices) and
+    computes the lower-bound gate and sigmoid(beta) from the raw projections inside its kernel. Against the
+    reference (fla's naive gate in torch, torch decode of the gathered rows): outputs and updated rows agree,
+    rows no request owns are left bit for bit, padding rows that share one scratch slot disturb nothing else."""
     ref_b, fla_b = resolve_kda_backend("torch_chunk", "cpu"), resolve_kda_backend("fla", "cuda")
-    q, k, v, g, beta, _ = _kda_inputs(b=64, t=1)
+    gen = torch.Generator().manual_seed(2)
+    q, k, v, _, _, _ = _kda_inputs(b=64, t=1)
     q, k, v = torch.cat([q, k, v], dim=-1).cuda().chunk(3, dim=-1)  # strided views, as the model passes them
-    pool = torch.randn(100, 8, 128, 128, generator=torch.Generator().manual_seed(1)) * 0.1
-    slots = torch.randperm(99, generator=torch.Generator().manual_seed(2))[:61]
+    f = torch.randn(64, 1, 8, 128, generator=gen).to(torch.bfloat16)  # f_b_proj output (activation dtype)
+    beta_logit = torch.randn(64, 1, 8, generator=gen).to(torch.bfloat16)  # b_proj output
+    a_log, dt_bias = torch.rand(8, generator=gen).add(1).log(), torch.randn(8 * 128, generator=gen) * 0.1
+    pool = torch.randn(100, 8, 128, 128, generator=gen) * 0.1
+    slots = torch.randperm(99, generator=gen)[:61]
     slots = torch.cat([slots, torch.full((3,), 99)])  # 3 padding rows on scratch slot 99
-    o_ref, s_ref = ref_b.decode(q.cpu(), k.cpu(), v.cpu(), g, beta, pool[slots])
+    ref_pool = pool.clone()
+    o_ref = ref_b.decode_into(q.cpu(), k.cpu(), v.cpu(), f, beta_logit, a_log, dt_bias, -5.0, ref_pool, slots)
     pool_cuda = pool.cuda()
-    o = fla_b.decode_into(q, k, v, g.cuda(), beta.cuda(), pool_cuda, slots.cuda())
+    o = fla_b.decode_into(q, k, v, f.cuda(), beta_logit.cuda(), a_log.cuda(), dt_bias.cuda(), -5.0, pool_cuda,
+                          slots.cuda())
     got = pool_cuda.cpu()
-    errs = {"o": rel(o[:61], o_ref[:61]), "state": rel(got[slots[:61]], s_ref[:61])}
-    print("fla in-place pool decode vs torch decode of gathered rows:", errs)
+    errs = {"o": rel(o[:61], o_ref[:61]), "state": rel(got[slots[:61]], ref_pool[slots[:61]])}
+    print("fla in-place pool decode (in-kernel gate) vs torch reference of gathered rows:", errs)
     assert max(errs.values()) < 1e-5, errs
     untouched = torch.ones(100, dtype=torch.bool)
     untouched[slots] = False

@@ -72,11 +72,12 @@ class KDAAttention(nn.Module):
         b, t, _ = x_BTD.shape
         if state is None:
             state = self.empty_state(b, x_BTD.device, x_BTD.dtype)
-        pooled = state.slots_B is not None
-        if pooled and not (decode and seq_lens is None):
-            raise ValueError("a pooled KDA state (slots_B set) is only for decode steps (decode=True, no seq_lens)")
-        conv_in = state.conv_BCW[state.slots_B] if pooled else state.conv_BCW
-        qkv_BTC, conv_BCW = self._short_conv(x_BTD, conv_in, seq_lens)
+        if state.slots_B is not None:
+            if not (decode and seq_lens is None):
+                raise ValueError("a pooled KDA state (slots_B set) is only for decode steps (decode=True, no "
+                                 "seq_lens)")
+            return self._pooled_step(x_BTD, backend, state), state
+        qkv_BTC, conv_BCW = self._short_conv(x_BTD, state.conv_BCW, seq_lens)
         shape = (b, t, self.num_heads, self.head_dim)
         q, k, v = (z.reshape(shape) for z in qkv_BTC.chunk(3, dim=-1))
         g_BTHK = naive_kda_lowerbound_gate(self.f_b_proj(self.f_a_proj(x_BTD)).view(shape), self.A_log,
@@ -86,16 +87,25 @@ class KDAAttention(nn.Module):
             real_BT = torch.arange(t, device=x_BTD.device) < seq_lens[:, None]
             g_BTHK = g_BTHK * real_BT[:, :, None, None]
             beta_BTH = beta_BTH * real_BT[:, :, None]
-        if pooled:  # the engine's pools: recurrent rows updated in place by the backend, conv rows scattered
-            o_BTHV = backend.decode_into(q, k, v, g_BTHK, beta_BTH, state.recurrent_BHKV, state.slots_B)
-            state.conv_BCW.index_copy_(0, state.slots_B, conv_BCW.to(state.conv_BCW.dtype))
-            return self._gated_output(o_BTHV, x_BTD), state
         if decode:
             o_BTHV, rec = backend.decode(q, k, v, g_BTHK, beta_BTH, state.recurrent_BHKV)
         else:
             o_BTHV, rec = backend.prefill(q, k, v, g_BTHK, beta_BTH, initial_state=state.recurrent_BHKV,
                                           output_final_state=True)
         return self._gated_output(o_BTHV, x_BTD), KDALayerState(conv_BCW, rec)
+
+    def _pooled_step(self, x_B1D: torch.Tensor, backend: KDABackend, state: KDALayerState) -> torch.Tensor:
+        """One decode token on the engine's pools: conv windows gathered and scattered back by slot, recurrent
+        rows updated in place by `backend.decode_into`, which also applies the decay gate and beta's sigmoid
+        (fla: inside its kernel) to the raw projections. q, k, v come out of one copy, each dense."""
+        b = x_B1D.shape[0]
+        qkv_B1C, conv_BCW = self._short_conv(x_B1D, state.conv_BCW[state.slots_B], None)
+        state.conv_BCW.index_copy_(0, state.slots_B, conv_BCW.to(state.conv_BCW.dtype))
+        qkv = qkv_B1C.view(b, 1, 3, self.num_heads, self.head_dim).permute(2, 0, 1, 3, 4).contiguous()
+        f_B1HK = self.f_b_proj(self.f_a_proj(x_B1D)).view(b, 1, self.num_heads, self.head_dim)
+        o_B1HV = backend.decode_into(*qkv.unbind(0), f_B1HK, self.b_proj(x_B1D), self.A_log, self.dt_bias,
+                                     self.lower_bound, state.recurrent_BHKV, state.slots_B)
+        return self._gated_output(o_B1HV, x_B1D)
 
     def _short_conv(self, x_BTD: torch.Tensor, conv_BCW: torch.Tensor, seq_lens: torch.Tensor | None
                     ) -> tuple[torch.Tensor, torch.Tensor]:

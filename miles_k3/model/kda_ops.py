@@ -240,23 +240,31 @@ def _decode_fla(q, k, v, g, beta, state):
 
 
 @torch.no_grad()
-def _decode_into_reference(decode: Callable, q, k, v, g, beta, pool_NHKV, slots_B):
-    """`decode` on the gathered rows, the new states scattered back: the reference for an in-place decode."""
-    o, new_BHKV = decode(q, k, v, g, beta, pool_NHKV.index_select(0, slots_B))
+def _decode_into_reference(decode: Callable, q, k, v, f, beta_logit, A_log, dt_bias, lower_bound, pool_NHKV,
+                           slots_B):
+    """The reference for an in-place decode: the lower-bound gate and sigmoid(beta) in torch (fla's naive gate),
+    `decode` on the gathered rows, the new states scattered back."""
+    from fla.ops.kda.gate import naive_kda_lowerbound_gate
+    g = naive_kda_lowerbound_gate(f, A_log, dt_bias, lower_bound=lower_bound)
+    o, new_BHKV = decode(q, k, v, g, torch.sigmoid(beta_logit.float()), pool_NHKV.index_select(0, slots_B))
     pool_NHKV.index_copy_(0, slots_B, new_BHKV.to(pool_NHKV.dtype))
     return o
 
 
 @torch.no_grad()
-def _decode_into_fla(q, k, v, g, beta, pool_NHKV, slots_B):
+def _decode_into_fla(q, k, v, f, beta_logit, A_log, dt_bias, lower_bound, pool_NHKV, slots_B):
     """fla fused_recurrent_kda in continuous-batching form: request b's state is read from and written back to
-    pool_NHKV[slots_B[b]] inside the kernel (ssm_state_indices, in-place final state): no gathered copies."""
+    pool_NHKV[slots_B[b]] inside the kernel (ssm_state_indices, in-place final state), and the kernel computes
+    the gate lower_bound * sigmoid(exp(A_log) * (f + dt_bias)) and sigmoid(beta_logit) itself: no gathered
+    copies, no separate gate kernels."""
     from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
     if pool_NHKV.dtype != torch.float32 or not pool_NHKV.is_contiguous():
         raise ValueError(f"the KDA state pool must be contiguous fp32, got {pool_NHKV.dtype}")
-    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g.float(), beta))  # the kernel assumes dense rows
-    o, _ = fused_recurrent_kda_fwd(q, k, v, g, beta, initial_state=pool_NHKV, inplace_final_state=True,
-                                   ssm_state_indices=slots_B, use_qk_l2norm_in_kernel=True)
+    q, k, v, f, beta_logit = (x.contiguous() for x in (q, k, v, f, beta_logit))  # the kernel assumes dense rows
+    o, _ = fused_recurrent_kda_fwd(q, k, v, f, beta_logit, A_log=A_log, dt_bias=dt_bias, initial_state=pool_NHKV,
+                                   inplace_final_state=True, ssm_state_indices=slots_B,
+                                   use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                                   use_beta_sigmoid_in_kernel=True, lower_bound=lower_bound)
     return o
 
 
@@ -270,9 +278,11 @@ class KDABackend:
         [B, HV, K, V] fp32 (None unless output_final_state). Differentiable (training uses it).
     decode(q, k, v, g, beta, state) -> (o, new_state): one token, the same tensors with T = 1 and a required
         fp32 state; inference only (no autograd). `state` is not modified; new_state is a new fp32 tensor.
-    decode_into(q, k, v, g, beta, pool_NHKV, slots_B) -> o: the same step for requests whose states are rows
-        slots_B [B] int64 of a fp32 pool [N, HV, K, V], updated in place (the rollout engine's slot pool).
-        Rows of slots_B must be distinct, except padding rows that all point at one scratch row.
+    decode_into(q, k, v, f, beta_logit, A_log, dt_bias, lower_bound, pool_NHKV, slots_B) -> o: one decode
+        step for requests whose states are rows slots_B [B] int64 of a fp32 pool [N, HV, K, V], updated in
+        place (the rollout engine's slot pool), from the RAW gate input f [B, 1, HV, K] (g = lower_bound *
+        sigmoid(exp(A_log) * (f + dt_bias))) and beta logits [B, 1, HV]. Rows of slots_B must be distinct,
+        except padding rows that all point at one scratch row.
     """
 
     name: str
