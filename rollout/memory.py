@@ -336,12 +336,6 @@ class PagedLatentCache(_Releasable):
             table[page_pos] = fresh[0]
 
     # ---- data -----------------------------------------------------------------------------------------
-    def _flat_index(self, rid, start: int, n: int) -> torch.Tensor:
-        """Row indices into storage[m].view(G * Z, L) of positions start .. start + n - 1 of `rid`."""
-        table = torch.tensor(self._tables[rid], dtype=torch.long)
-        pos = torch.arange(start, start + n)
-        return table[pos // self.page_size] * self.page_size + pos % self.page_size
-
     def write(self, layer_idx: int, rids: Sequence, start: Lens, latents_BTL: torch.Tensor,
               lens: Lens | None = None) -> None:
         """Write latents_BTL[b, t] at position start[b] + t of request rids[b], for t < lens[b] (default T),
@@ -349,7 +343,6 @@ class PagedLatentCache(_Releasable):
         self._check_live()
         b, t, _ = latents_BTL.shape
         start, lens = _ints(start), _ints(lens) if lens is not None else [t] * b
-        index, rows = [], []
         for i, rid in enumerate(rids):
             end = start[i] + lens[i]
             if end > len(self._tables[self._known(rid)]) * self.page_size:
@@ -357,10 +350,25 @@ class PagedLatentCache(_Releasable):
             first = start[i] // self.page_size
             for page_pos in range(first, max(first, -(-end // self.page_size))):
                 self._make_private(rid, page_pos)
-            index.append(self._flat_index(rid, start[i], lens[i]))
-            rows.append(latents_BTL[i, : lens[i]])
+        dest, src = self._write_index(rids, start, lens, t)
         flat = self.storage_MGZL[layer_idx].view(-1, self.storage_MGZL.shape[-1])
-        flat.index_copy_(0, torch.cat(index).to(flat.device), torch.cat(rows).to(flat.dtype))
+        rows = latents_BTL.reshape(b * t, -1).index_select(0, src.to(latents_BTL.device))
+        flat.index_copy_(0, dest.to(flat.device), rows.to(flat.dtype))
+
+    def _write_index(self, rids: Sequence, start: list[int], lens: list[int], t: int
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Host int64 (dest, src): rows of storage[m].view(G * Z, L) and of latents.view(B * T, L) for every
+        written token, built for the whole batch at once (no per-request tensors)."""
+        lens_B = torch.tensor(lens, dtype=torch.long)
+        row_N = torch.repeat_interleave(torch.arange(len(rids)), lens_B)
+        t_N = torch.arange(int(lens_B.sum())) - torch.repeat_interleave(lens_B.cumsum(0) - lens_B, lens_B)
+        pos_N = torch.tensor(start, dtype=torch.long)[row_N] + t_N
+        tables = [self._tables[r] for r in rids]
+        width = max(map(len, tables), default=0)
+        table_BP = torch.tensor([tb + [0] * (width - len(tb)) for tb in tables], dtype=torch.long)
+        table_BP = table_BP.reshape(len(rids), width)
+        dest_N = table_BP[row_N, pos_N // self.page_size] * self.page_size + pos_N % self.page_size
+        return dest_N, row_N * t + t_N
 
     def block_table(self, rids: Sequence, num_pages: int | None = None) -> torch.Tensor:
         """[B, num_pages] int64 page ids (default: the longest table), padded with page 0 (masked by lengths)."""
