@@ -43,6 +43,13 @@ def sync_free_experts():
         _SYNC_FREE = before
 
 
+def _use_routing_kernel(flat_ids: torch.Tensor) -> bool:
+    """Sync-free decode with ids on CUDA groups the routed rows with one Triton launch
+    (`miles_k3.kernels.moe_routing.group_by_expert`, equal to argsort + index_add + cumsum bit for bit);
+    everywhere else (CPU, training, prefill) the torch ops below."""
+    return _SYNC_FREE and flat_ids.is_cuda
+
+
 def _use_grouped_mm(x: torch.Tensor, w: torch.Tensor) -> bool:
     """torch._grouped_mm (one kernel for all experts) for bf16 on CUDA with 16-byte aligned widths."""
     return (x.is_cuda and x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16
@@ -176,14 +183,18 @@ class RoutedExperts(nn.Module):
         if n_tok == 0:
             return torch.zeros_like(z_ND)
         flat_ids = ids_NK.reshape(-1)
-        order = torch.argsort(flat_ids, stable=True)
-        token_of = order // top_k
-        if _SYNC_FREE:  # captured decode: cumulative row ends stay on the device (bincount would sync)
-            ones = torch.ones_like(flat_ids, dtype=torch.int32)
-            counts = torch.zeros(self.num_experts, dtype=torch.int32, device=flat_ids.device)
-            counts = counts.index_add_(0, flat_ids, ones).cumsum(0, dtype=torch.int32)
+        if _use_routing_kernel(flat_ids):  # captured decode on CUDA: the grouping in one launch
+            from miles_k3.kernels.moe_routing import group_by_expert
+            order, token_of, counts = group_by_expert(flat_ids, self.num_experts, top_k)
         else:
-            counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()  # one host sync per layer
+            order = torch.argsort(flat_ids, stable=True)
+            token_of = order // top_k
+            if _SYNC_FREE:  # captured decode: cumulative row ends stay on the device (bincount would sync)
+                ones = torch.ones_like(flat_ids, dtype=torch.int32)
+                counts = torch.zeros(self.num_experts, dtype=torch.int32, device=flat_ids.device)
+                counts = counts.index_add_(0, flat_ids, ones).cumsum(0, dtype=torch.int32)
+            else:
+                counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()  # one host sync per layer
         z_MI = z_ND[token_of]
         h = situ_glu(self.project("w1", z_MI, counts), self.project("w3", z_MI, counts),
                      self.beta, self.linear_beta)
