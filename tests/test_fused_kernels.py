@@ -21,13 +21,11 @@ where 1 ulp of the output is not the right unit:
 """
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
+from kernel_testing import gpu_test, print_results, results_of, ulps16
 from torch import nn
 
 from miles_k3.model import layers
@@ -45,28 +43,13 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 BITS16 = {torch.bfloat16, torch.float16}
 
 
-def gpu_test(fn):
-    """Marks a test `gpu` and skips it without CUDA."""
-    return pytest.mark.gpu(pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")(fn))
-
-
 # ---- comparison helpers ---------------------------------------------------------------------------------------
-def _ordered(t: torch.Tensor) -> torch.Tensor:
-    """16-bit floats as integers that count ulps across zero (+0 and -0 both map to 0)."""
-    i = t.view(torch.int16).to(torch.int32)
-    return torch.where(i < 0, -(i & 0x7FFF), i)
-
-
-def _ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    return (_ordered(a) - _ordered(b)).abs()
-
-
-def _assert_ulps(got: torch.Tensor, ref: torch.Tensor, max_ulps: int = 1, ref32: torch.Tensor | None = None,
+def _assertulps16(got: torch.Tensor, ref: torch.Tensor, max_ulps: int = 1, ref32: torch.Tensor | None = None,
                  floor: float = 0.0, what: str = "") -> None:
     """16-bit `got` within `max_ulps` of `ref`, except elements within `floor` of the fp32 value `ref32`."""
     assert got.dtype == ref.dtype and got.shape == ref.shape, (got.dtype, ref.dtype, got.shape, ref.shape)
     assert not bool(got.isnan().any()), f"{what}: NaN in output"
-    d = _ulps(got, ref)
+    d = ulps16(got, ref)
     bad = d > max_ulps
     if ref32 is not None:
         bad &= (got.float() - ref32).abs() > floor
@@ -111,9 +94,9 @@ def check_rms_norm(device: str, dtype: torch.dtype, shape: tuple[int, ...], eps:
         return
     ones = torch.ones(d, device=device, dtype=weight_dtype)
     n_got = fused.rms_norm(x, ones, eps, block_d=block_d)
-    _assert_ulps(n_got, _rms_norm_torch(x, ones, eps), 1, what=what + " (weight 1)")
+    _assertulps16(n_got, _rms_norm_torch(x, ones, eps), 1, what=what + " (weight 1)")
     assert torch.equal(got, n_got * w.to(dtype)), f"{what}: weight multiply is not x.dtype's rounded product"
-    _assert_ulps(got, ref, 2, what=what)  # follows from the two lines above; kept as an end-to-end bound
+    _assertulps16(got, ref, 2, what=what)  # follows from the two lines above; kept as an end-to-end bound
 
 
 def check_attn_res_mix(device: str, dtype: torch.dtype, shape: tuple[int, ...], n: int, eps: float = 1e-5,
@@ -133,7 +116,7 @@ def check_attn_res_mix(device: str, dtype: torch.dtype, shape: tuple[int, ...], 
     if dtype == torch.float32:
         _assert_fp32(got, _attn_res_mix_torch(sources, nw, pw, eps), atol=floor, what=what)
     else:
-        _assert_ulps(got, _attn_res_mix_torch(sources, nw, pw, eps), 1, ref32=ref32, floor=floor, what=what)
+        _assertulps16(got, _attn_res_mix_torch(sources, nw, pw, eps), 1, ref32=ref32, floor=floor, what=what)
 
 
 SITU_SPECIALS = [1e4, -1e4, 3e3, -3e3, 200.0, -200.0, 100.0, -100.0, 88.0, -88.0, 40.0, -40.0, 1.2, -1.2, 0.6,
@@ -161,7 +144,7 @@ def check_situ_glu(device: str, dtype: torch.dtype, shape: tuple[int, ...], line
     if dtype == torch.float32:
         _assert_fp32(got, ref, atol=1e-30, what=what)  # floor: subnormal products (the GPU flushes them)
     else:
-        _assert_ulps(got, ref, 1, ref32=_situ_glu_torch(g.float(), u.float(), beta, linear_beta), floor=1e-30,
+        _assertulps16(got, ref, 1, ref32=_situ_glu_torch(g.float(), u.float(), beta, linear_beta), floor=1e-30,
                      what=what)
 
 
@@ -193,27 +176,9 @@ INTERPRETER_CASES["situ_glu-bf16-gate-fp32-up"] = (check_situ_glu, {"dtype": BF1
                                                                     "up_dtype": F32, "seed": 3})
 
 
-def _run_interpreter_cases() -> dict[str, str]:
-    """Run in the subprocess (TRITON_INTERPRET=1): every case on CPU; 'ok' or the failure per case."""
-    assert os.environ.get("TRITON_INTERPRET") == "1"
-    out = {}
-    for name, (fn, kw) in INTERPRETER_CASES.items():
-        try:
-            fn("cpu", **kw)
-            out[name] = "ok"
-        except Exception as e:  # noqa: BLE001 - reported per case by the parent test
-            out[name] = f"{type(e).__name__}: {e}"
-    return out
-
-
 @pytest.fixture(scope="module")
 def interpreter_results() -> dict[str, str]:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.run([sys.executable, __file__], check=False, env=env, capture_output=True, text=True,
-                          timeout=600)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULTS ")]
-    assert proc.returncode == 0 and lines, f"interpreter run failed (rc {proc.returncode}):\n{proc.stderr[-4000:]}"
-    return json.loads(lines[-1][len("RESULTS "):])
+    return results_of(__file__)
 
 
 @pytest.mark.parametrize("case", list(INTERPRETER_CASES))
@@ -428,4 +393,4 @@ def test_gpu_fused_calls_capture_in_a_cuda_graph():
 
 
 if __name__ == "__main__":  # the interpreter subprocess of `interpreter_results`
-    print("RESULTS " + json.dumps(_run_interpreter_cases()), flush=True)
+    print_results(INTERPRETER_CASES)

@@ -18,6 +18,7 @@ from torch import nn
 
 from miles_k3.model.config import K3Config
 from miles_k3.model.kda_ops import KDABackend
+from miles_k3.model.layers import use_fused_kernels
 from miles_k3.model.state import KDALayerState
 
 
@@ -95,17 +96,33 @@ class KDAAttention(nn.Module):
         return self._gated_output(o_BTHV, x_BTD), KDALayerState(conv_BCW, rec)
 
     def _pooled_step(self, x_B1D: torch.Tensor, backend: KDABackend, state: KDALayerState) -> torch.Tensor:
-        """One decode token on the engine's pools: conv windows gathered and scattered back by slot, recurrent
-        rows updated in place by `backend.decode_into`, which also applies the decay gate and beta's sigmoid
-        (fla: inside its kernel) to the raw projections. q, k, v come out of one copy, each dense."""
+        """One decode token on the engine's pools: each request's conv window row is read and shifted in place,
+        its recurrent row updated in place by `backend.decode_into`, which also applies the decay gate and beta's
+        sigmoid (fla: inside its kernel) to the raw projections. On CUDA without autograd the short conv and the
+        gated head norm are one fused kernel each (`miles_k3.kernels.kda_decode`); otherwise the torch code.
+        q, k, v come out of one copy, each dense."""
         b = x_B1D.shape[0]
-        qkv_B1C, conv_BCW = self._short_conv(x_B1D, state.conv_BCW[state.slots_B], None)
-        state.conv_BCW.index_copy_(0, state.slots_B, conv_BCW.to(state.conv_BCW.dtype))
-        qkv = qkv_B1C.view(b, 1, 3, self.num_heads, self.head_dim).permute(2, 0, 1, 3, 4).contiguous()
+        convs = (self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight)
+        fused = use_fused_kernels(x_B1D, *convs, self.o_norm.weight)
+        if fused:
+            from miles_k3.kernels.kda_decode import short_conv_step
+            act_B1C = short_conv_step(self._qkv(x_B1D)[:, 0], state.conv_BCW, state.slots_B, convs)[:, None]
+        else:
+            act_B1C, conv_BCW = self._short_conv(x_B1D, state.conv_BCW[state.slots_B], None)
+            state.conv_BCW.index_copy_(0, state.slots_B, conv_BCW.to(state.conv_BCW.dtype))
+        qkv = act_B1C.view(b, 1, 3, self.num_heads, self.head_dim).permute(2, 0, 1, 3, 4).contiguous()
         f_B1HK = self.f_b_proj(self.f_a_proj(x_B1D)).view(b, 1, self.num_heads, self.head_dim)
         o_B1HV = backend.decode_into(*qkv.unbind(0), f_B1HK, self.b_proj(x_B1D), self.A_log, self.dt_bias,
                                      self.lower_bound, state.recurrent_BHKV, state.slots_B)
+        if fused:
+            from miles_k3.kernels.kda_decode import gated_head_norm
+            return self.o_proj(gated_head_norm(o_B1HV, self.g_proj(x_B1D), self.o_norm.weight, self.norm_eps,
+                                               x_B1D.dtype))
         return self._gated_output(o_B1HV, x_B1D)
+
+    def _qkv(self, x_BTD: torch.Tensor) -> torch.Tensor:
+        """The q|k|v projections before the short conv, [B, T, C]."""
+        return torch.cat([self.q_proj(x_BTD), self.k_proj(x_BTD), self.v_proj(x_BTD)], dim=-1)
 
     def _short_conv(self, x_BTD: torch.Tensor, conv_BCW: torch.Tensor, seq_lens: torch.Tensor | None
                     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -113,7 +130,7 @@ class KDAAttention(nn.Module):
 
         Returns the activations [B, T, C] (input dtype) and the new window: the last W-1 real inputs.
         """
-        qkv_BTC = torch.cat([self.q_proj(x_BTD), self.k_proj(x_BTD), self.v_proj(x_BTD)], dim=-1)
+        qkv_BTC = self._qkv(x_BTD)
         seq_BCX = torch.cat([conv_BCW.to(qkv_BTC.dtype), qkv_BTC.transpose(1, 2)], dim=2)  # X = W-1+T
         weight = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight]).float()
         act_BCT = F.silu(F.conv1d(seq_BCX.float(), weight, groups=weight.shape[0]))

@@ -41,7 +41,7 @@ def fused_kernels_active() -> bool:
     return not _force_reference
 
 
-def _use_fused(x: torch.Tensor, *tensors: torch.Tensor) -> bool:
+def use_fused_kernels(x: torch.Tensor, *tensors: torch.Tensor) -> bool:
     """Take the fused Triton path: x on CUDA, supported dtypes, no autograd needed, not forced off."""
     if not x.is_cuda or _force_reference or x.dtype not in _FUSED_DTYPES:
         return False
@@ -59,7 +59,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if _use_fused(x, self.weight):
+        if use_fused_kernels(x, self.weight):
             from miles_k3.kernels import fused
             return fused.rms_norm(x, self.weight, self.eps)
         return _rms_norm_torch(x, self.weight, self.eps)
@@ -86,7 +86,7 @@ def situ_up(u: torch.Tensor, linear_beta: float | None) -> torch.Tensor:
 
 def situ_glu(gate: torch.Tensor, up: torch.Tensor, beta: float, linear_beta: float | None) -> torch.Tensor:
     """SiTU-GLU(g, u) = situ_gate(g) * situ_up(u), computed in fp32 and returned in gate's dtype."""
-    if _use_fused(gate, up) and gate.shape == up.shape:
+    if use_fused_kernels(gate, up) and gate.shape == up.shape:
         from miles_k3.kernels import fused
         return fused.situ_glu(gate, up, beta, linear_beta)
     return _situ_glu_torch(gate, up, beta, linear_beta)
@@ -119,7 +119,7 @@ def attn_res_mix(sources: list[torch.Tensor], norm: RMSNorm, proj: nn.Linear) ->
     out = sum_i alpha_i v_i. All in fp32; returns the input dtype. `sources`: N tensors [..., D];
     `proj.weight` is the pseudo-query [1, D] and `norm.weight` the RMS weight gamma [D].
     """
-    if _use_fused(sources[-1], *sources[:-1], norm.weight, proj.weight):
+    if use_fused_kernels(sources[-1], *sources[:-1], norm.weight, proj.weight):
         from miles_k3.kernels import fused
         return fused.attn_res_mix(sources, norm.weight, proj.weight, norm.eps)
     return _attn_res_mix_torch(sources, norm.weight, proj.weight, norm.eps)

@@ -1,0 +1,58 @@
+"""Shared helpers of the kernel tests (`kernels/`): running Triton kernels on CPU under the Triton interpreter,
+the `gpu` marker, and ulp distances of 16-bit floats.
+
+TRITON_INTERPRET=1 must be set before a kernel module is imported, so a test file runs its cases in a subprocess
+of itself: the file defines INTERPRETER_CASES {name: (check_fn, kwargs)} and ends with
+`if __name__ == "__main__": print_results(INTERPRETER_CASES)`; its module-scoped fixture calls
+`results_of(__file__)`, and one parametrized test per case asserts `results[case] == "ok"`.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+_PREFIX = "RESULTS "
+
+
+def print_results(cases: dict) -> None:
+    """In the subprocess: run every case on CPU (each `check_fn("cpu", **kwargs)`), print 'ok' or the failure."""
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+    out = {}
+    for name, (fn, kw) in cases.items():
+        try:
+            fn("cpu", **kw)
+            out[name] = "ok"
+        except Exception as e:  # noqa: BLE001 - reported per case by the parent test
+            out[name] = f"{type(e).__name__}: {e}"
+    print(_PREFIX + json.dumps(out), flush=True)
+
+
+def results_of(test_file: str, timeout: int = 600) -> dict[str, str]:
+    """Run `test_file` as a script under the interpreter; the per-case results it printed."""
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run([sys.executable, test_file], check=False, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(_PREFIX)]
+    assert proc.returncode == 0 and lines, f"interpreter run failed (rc {proc.returncode}):\n{proc.stderr[-4000:]}"
+    return json.loads(lines[-1][len(_PREFIX):])
+
+
+def gpu_test(fn):
+    """Marks a test `gpu` and skips it without CUDA."""
+    return pytest.mark.gpu(pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")(fn))
+
+
+def ordered16(t: torch.Tensor) -> torch.Tensor:
+    """16-bit floats as integers that count ulps across zero (+0 and -0 both map to 0)."""
+    i = t.view(torch.int16).to(torch.int32)
+    return torch.where(i < 0, -(i & 0x7FFF), i)
+
+
+def ulps16(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """|a - b| in ulps, elementwise, for two 16-bit float tensors of one dtype."""
+    return (ordered16(a) - ordered16(b)).abs()
