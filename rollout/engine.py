@@ -92,6 +92,11 @@ class _Request:
     def tokens(self) -> list[int]:
         return self.prompt + self.output
 
+    @property
+    def last_token(self) -> int:
+        """The newest token (what the next decode step feeds), without copying `tokens`."""
+        return self.output[-1] if self.output else self.prompt[-1]
+
 
 class RolloutEngine:
     """generate / load_lora_adapter_from_tensors / update_weights_from_tensor / weight_version / flush_cache /
@@ -395,7 +400,7 @@ class RolloutEngine:
             by_lora.setdefault(req.lora, []).append(req)
         for name, reqs in by_lora.items():
             self._bind(name)
-            logits = self._step([r.rid for r in reqs], [r.slot for r in reqs], [r.tokens[-1] for r in reqs])
+            logits = self._step([r.rid for r in reqs], [r.slot for r in reqs], [r.last_token for r in reqs])
             keys = torch.tensor([r.key for r in reqs])
             positions = torch.tensor([len(r.output) for r in reqs])
             tokens, logprobs = sample(logits, [r.params for r in reqs], keys, positions)

@@ -78,8 +78,7 @@ class GraphDecoder:
         width = next(p for p in self.page_buckets if p >= need)
         graph, packed, logits = self._graph(bucket, width)  # captured (on scratch rows) before any row is set
         scratch = self.scratch_page
-        rows = [[i, s, ln, *self.cache.page_table(r)[:width]] for i, s, ln, r in zip(ids, slots, lens, rids)]
-        rows = [row + [scratch] * (3 + width - len(row)) for row in rows]
+        rows = [[i, s, ln, *self.cache.table_row(r, width, scratch)] for i, s, ln, r in zip(ids, slots, lens, rids)]
         rows += [[0, self._scratch_slot, 0] + [scratch] * width] * (bucket - n)
         packed.copy_(torch.tensor(rows, dtype=torch.long))  # one host->device copy per step
         if graph is None:

@@ -251,6 +251,11 @@ class PagedLatentCache(_Releasable):
     def page_table(self, rid) -> list[int]:
         return list(self._tables[self._known(rid)])
 
+    def table_row(self, rid, width: int, fill: int) -> list[int]:
+        """The first `width` page ids of `rid`, padded with `fill` (a new list; one per decode row)."""
+        table = self._tables[self._known(rid)]
+        return table[:width] + [fill] * (width - len(table))
+
     def refcount(self, page: int) -> int:
         return self._refs[page]
 
@@ -283,7 +288,9 @@ class PagedLatentCache(_Releasable):
         """Ensure pages for seq_len + num_tokens tokens; False (nothing taken) if not enough are free."""
         table = self._tables[self._known(rid)]
         need = -(-(self._lens[rid] + num_tokens) // self.page_size) - len(table)
-        pages = self._take(max(need, 0))
+        if need <= 0:
+            return True  # the common decode step: the last page still has room
+        pages = self._take(need)
         if pages is None:
             return False
         table.extend(pages)
