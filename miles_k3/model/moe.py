@@ -15,7 +15,9 @@ from torch import nn
 
 from miles_k3.model.config import K3Config
 from miles_k3.model.experts import RoutedExperts
-from miles_k3.model.layers import RMSNorm, SiTUMLP
+from miles_k3.model.layers import RMSNorm, SiTUMLP, use_fused_kernels
+
+ROUTER_KERNEL_MAX_WEIGHT = 2**20  # gate weights up to this many elements use the fused router kernel
 
 
 class TopKRouter(nn.Module):
@@ -29,7 +31,19 @@ class TopKRouter(nn.Module):
         self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts), requires_grad=False)
 
     def forward(self, x_ND: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns (expert ids [N, K] int64, routing weights [N, K] fp32)."""
+        """Returns (expert ids [N, K] int64, routing weights [N, K] fp32).
+
+        On CUDA when no gradient is needed (and not under `reference_kernels()`), for gate weights of at most
+        ROUTER_KERNEL_MAX_WEIGHT elements, one Triton launch (`miles_k3.kernels.router.topk_route`): the same
+        set of ids (up to near-ties of the biased scores) and the same weights up to fp32 rounding, ids in
+        descending biased-score order; otherwise this torch code (`topk_route_reference` is a copy of it).
+        The kernel reads the whole gate weight once per 16 tokens on one SM: right for small gates (k3_m:
+        64 x 768), slower than cuBLAS for K3's 896 x 7168, which keeps the torch path."""
+        if (self.weight.numel() <= ROUTER_KERNEL_MAX_WEIGHT
+                and use_fused_kernels(x_ND, self.weight, self.e_score_correction_bias)):
+            from miles_k3.kernels.router import topk_route
+            return topk_route(x_ND, self.weight, self.e_score_correction_bias, self.top_k, self.renormalize,
+                              self.scaling)
         scores_NE = torch.sigmoid(x_ND.float() @ self.weight.float().t())
         biased_NE = scores_NE.detach() + self.e_score_correction_bias.float()
         ids_NK = torch.topk(biased_NE, self.top_k, dim=-1, sorted=False).indices
