@@ -23,11 +23,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch import nn
 
-from miles_k3.model.checkpoint import meta_model
 from miles_k3.model.k3 import K3ForCausalLM
-from miles_k3.model.lora import LoRAConfig, applied_lora_config, apply_lora, lora_parameters
+from miles_k3.model.lora import LoRAConfig
+from miles_k3.rollout.adapters import AdapterBank, share_base
 from miles_k3.rollout.graph_decode import GraphDecoder
 from miles_k3.rollout.memory import KDAStatePool, PagedLatentCache, plan_memory, pooled_state, store_state
 from miles_k3.rollout.sampling import FinishReason, SamplingParams, check_stop, sample
@@ -108,13 +107,9 @@ class RolloutEngine:
         self.config.validate()
         self.cfg = model.config
         self.tokenizer = tokenizer
-        self.model = _share_base(model)
+        self.model = share_base(model)
         self.lora_config = lora
-        self._adapters: dict[str | None, dict[str, torch.Tensor]] = {}
-        if lora is not None:
-            apply_lora(self.model, lora)
-            self._params = lora_parameters(self.model)
-            self._adapters[None] = {n: torch.zeros_like(p) for n, p in self._params.items()}  # base: B = 0
+        self.adapters = AdapterBank(self.model, lora)
         self.device = device = model.lm_head.weight.device
         self.dtype = model.lm_head.weight.dtype
         plan = plan_memory(self.cfg, self.config.memory_budget_bytes, self.config.page_size,
@@ -134,7 +129,6 @@ class RolloutEngine:
             raise ValueError(f"decode: graph needs a bf16 CUDA model (grouped expert matmuls without host "
                              f"syncs), got {self.dtype} on {device}; use eager or static")
         self._graph = self._make_graph_decoder()
-        self._bound: tuple | None = None  # (adapter name, weight_version) copied into the LoRA parameters
         log.info("rollout engine: %d slots, %d pages of %d tokens, decode=%s (%s)", num_slots, num_pages,
                  self.config.page_size, self.decode_mode, plan.summary())
         self.weight_version = 0
@@ -187,26 +181,16 @@ class RolloutEngine:
     def load_lora_adapter_from_tensors(self, name: str, tensors: dict[str, torch.Tensor],
                                        config: LoRAConfig) -> None:
         """Register adapter `name`: its buffers are allocated here, once, and updated in place later."""
-        if self.lora_config is None:
-            raise ValueError("this engine was built without a LoRA config (RolloutEngine(..., lora=...))")
-        if name is None or name in self._adapters:
-            raise ValueError(f"adapter name {name!r} is taken; use update_weights_from_tensor to change it")
-        self._check_adapter_config(config)
-        buffers = {n: torch.empty_like(p) for n, p in self._params.items()}
-        self._copy_checked(buffers, tensors, f"adapter {name!r}", require_all=True)
-        self._adapters[name] = buffers
+        with self._lock:
+            self.adapters.load(name, tensors, config)
 
     def update_weights_from_tensor(self, named_tensors: dict[str, torch.Tensor] | list[tuple[str, torch.Tensor]],
                                    lora_name: str, weight_version: int | None = None) -> None:
         """Copy LoRA tensors in place into adapter `lora_name`'s buffers (addresses never change). Every
         name, shape and dtype is checked before anything is copied: a bad push changes nothing."""
-        if lora_name not in self._adapters or lora_name is None:
-            raise ValueError(f"unknown adapter {lora_name!r}; load it with load_lora_adapter_from_tensors")
         with self._lock:
-            self._copy_checked(self._adapters[lora_name], dict(named_tensors), f"adapter {lora_name!r}",
-                               require_all=False)
+            self.adapters.update(lora_name, dict(named_tensors))
             self.weight_version = self.weight_version + 1 if weight_version is None else weight_version
-            self._bound = None  # the parameters may hold this adapter's old values
 
     def flush_cache(self) -> bool:
         """The engine keeps no cross-request prefix cache, so there is nothing to drop; like SGLang, returns
@@ -278,9 +262,8 @@ class RolloutEngine:
             raise ValueError(f"{where}: prompt ({len(prompt)} tokens) + max_new_tokens ({params.max_new_tokens}) "
                              f"exceeds the engine's max_context {self.config.max_context}; shorten the prompt "
                              "or lower max_new_tokens")
-        if name not in self._adapters and not (name is None and self.lora_config is None):
-            raise ValueError(f"{where}: unknown LoRA adapter {name!r}; loaded: "
-                             f"{[a for a in self._adapters if a is not None]}")
+        if not self.adapters.serves(name):
+            raise ValueError(f"{where}: unknown LoRA adapter {name!r}; loaded: {self.adapters.names()}")
         if n > self.kda.num_slots:
             raise ValueError(f"{where}: n={n} samples exceed the engine's {self.kda.num_slots} state slots")
         seed = params.sampling_seed
@@ -360,7 +343,7 @@ class RolloutEngine:
                 width = min(chunk, longest - start)  # the padded width of this chunk's forwards
                 rows_per_forward = max(1, self.config.max_prefill_tokens // width)
                 for i in range(0, len(rows), rows_per_forward):
-                    self._bind(name)
+                    self.adapters.bind(name, self.weight_version)
                     self._prefill_rows(rows[i:i + rows_per_forward], start, chunk)
         return failed
 
@@ -399,7 +382,7 @@ class RolloutEngine:
         for req in running:
             by_lora.setdefault(req.lora, []).append(req)
         for name, reqs in by_lora.items():
-            self._bind(name)
+            self.adapters.bind(name, self.weight_version)
             logits = self._step([r.rid for r in reqs], [r.slot for r in reqs], [r.last_token for r in reqs])
             keys = torch.tensor([r.key for r in reqs])
             positions = torch.tensor([len(r.output) for r in reqs])
@@ -444,45 +427,6 @@ class RolloutEngine:
     def _text_fn(self):
         return None if self.tokenizer is None else self.tokenizer.decode
 
-    # ---- adapters ----------------------------------------------------------------------------------
-    @torch.no_grad()
-    def _bind(self, name: str | None) -> None:
-        """Copy adapter `name`'s buffers (base: zero B) into the LoRA parameters, whose addresses never change
-        (captured CUDA graphs read them); skipped when that adapter at this weight version is bound already."""
-        if self.lora_config is None or self._bound == (name, self.weight_version):
-            return
-        for pname, p in self._params.items():
-            p.copy_(self._adapters[name][pname])
-        self._bound = (name, self.weight_version)
-
-    def _check_adapter_config(self, config: LoRAConfig) -> None:
-        have = applied_lora_config(self.model)
-        for f in ("rank", "alpha", "use_rslora"):
-            if getattr(config, f) != getattr(have, f):
-                raise ValueError(f"adapter config {f}={getattr(config, f)} but the engine's LoRA buffers have "
-                                 f"{f}={getattr(have, f)}; build the engine with the trainer's LoRAConfig")
-        if sorted(config.targets) != sorted(have.targets):
-            raise ValueError(f"adapter targets {sorted(config.targets)} differ from the engine's "
-                             f"{sorted(have.targets)}")
-
-    @staticmethod
-    def _copy_checked(buffers: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor], what: str,
-                      require_all: bool) -> None:
-        unknown = sorted(set(tensors) - set(buffers))
-        missing = sorted(set(buffers) - set(tensors)) if require_all else []
-        if unknown or missing:
-            raise ValueError(f"{what}: unknown tensors {unknown[:3]}, missing tensors {missing[:3]}; names must "
-                             "be the trainer's lora_parameters() names")
-        for name, t in tensors.items():
-            if t.shape != buffers[name].shape or not t.is_floating_point():
-                raise ValueError(f"{what}: tensor {name} has {t.dtype} {tuple(t.shape)}, expected a floating "
-                                 f"tensor of shape {tuple(buffers[name].shape)}")
-            if not torch.isfinite(t).all():
-                raise ValueError(f"{what}: tensor {name} has NaN/Inf values; refusing the whole push")
-        with torch.no_grad():
-            for name, t in tensors.items():
-                buffers[name].copy_(t)
-
     @staticmethod
     def _check_tags(tags: list[str] | None) -> list[str]:
         """The tags to act on (None = all); unknown tags are an error naming the supported ones."""
@@ -493,20 +437,3 @@ class RolloutEngine:
             raise ValueError(f"memory tags {bad} are not supported; this engine has {list(MEMORY_TAGS)} "
                              "(the base weights are the trainer's: it owns their memory)")
         return list(tags)
-
-
-def _share_base(model: K3ForCausalLM) -> K3ForCausalLM:
-    """A K3ForCausalLM whose base tensors ARE `model`'s (same Parameter / buffer objects, no copy), without
-    `model`'s adapters: the engine attaches its own LoRA buffers."""
-    twin = meta_model(model.config, model.expert_format, model.kda_backend_name)
-    tensors = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
-    for name, t in tensors:
-        if "lora_" in name:
-            continue
-        owner, _, leaf = name.rpartition(".")
-        module: nn.Module = twin.get_submodule(owner)
-        if leaf in module._parameters:
-            module._parameters[leaf] = t
-        else:
-            module._buffers[leaf] = t
-    return twin.eval()

@@ -140,7 +140,7 @@ def test_in_place_lora_update_gives_exactly_the_adapted_model(base, decode):
                 p.copy_(torch.randn(p.shape, generator=g) * 0.3)
     engine = _engine(trainer, lora=cfg, decode=decode)
     engine.load_lora_adapter_from_tensors("policy", lora_state_dict(trainer), cfg)
-    addresses = {n: t.data_ptr() for n, t in engine._adapters["policy"].items()}
+    addresses = {n: t.data_ptr() for n, t in engine.adapters.buffers("policy").items()}
 
     def outputs(name):
         return [r["output_ids"] for r in engine.generate(input_ids=PROMPTS, sampling_params=params, lora=name)]
@@ -155,7 +155,7 @@ def test_in_place_lora_update_gives_exactly_the_adapted_model(base, decode):
     second = outputs("policy")
     assert second == [_greedy_loop(trainer, p, 5) for p in PROMPTS] and second != first
     assert engine.weight_version == 1
-    assert {n: t.data_ptr() for n, t in engine._adapters["policy"].items()} == addresses
+    assert {n: t.data_ptr() for n, t in engine.adapters.buffers("policy").items()} == addresses
     # a bad push (one NaN tensor among good ones) changes nothing
     bad = {n: t.clone() for n, t in lora_state_dict(trainer).items()}
     key = next(iter(bad))
