@@ -56,3 +56,18 @@ def ordered16(t: torch.Tensor) -> torch.Tensor:
 def ulps16(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """|a - b| in ulps, elementwise, for two 16-bit float tensors of one dtype."""
     return (ordered16(a) - ordered16(b)).abs()
+
+
+def capture(step, warmups: int = 1):
+    """Run `step()` `warmups` times on a side stream (kernels compile, allocations settle), then capture one call
+    in a CUDA graph; returns (graph, the captured call's outputs). Call under torch.no_grad() as needed."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmups):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = step()
+    return graph, outs

@@ -25,7 +25,7 @@ import os
 
 import pytest
 import torch
-from kernel_testing import gpu_test, print_results, results_of, ulps16
+from kernel_testing import capture, gpu_test, print_results, results_of, ulps16
 from torch import nn
 
 from miles_k3.model import layers
@@ -376,14 +376,7 @@ def test_gpu_fused_calls_capture_in_a_cuda_graph():
         return norm(h), situ_glu(g, u, 4.0, 25.0)
 
     with torch.no_grad():
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            step()  # compile before capture
-        torch.cuda.current_stream().wait_stream(s)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            outs = step()
+        graph, outs = capture(step)
         for t in [x, g, u, *srcs]:
             t.copy_(torch.randn_like(t))
         graph.replay()

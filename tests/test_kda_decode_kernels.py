@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_testing import gpu_test, print_results, results_of, ulps16
+from kernel_testing import capture, gpu_test, print_results, results_of, ulps16
 from torch import nn
 
 from miles_k3.kernels.kda_decode import gated_head_norm_reference, short_conv_step_reference
@@ -407,14 +407,7 @@ def test_gpu_cuda_graph_capture_and_replay():
         return short_conv_step(x, pool, slots, weights), gated_head_norm(o, gate, nw, 1e-5, BF16)
 
     with torch.no_grad():
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            step()  # compile before capture (this step's pool update is just one more step)
-        torch.cuda.current_stream().wait_stream(s)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            outs = step()
+        graph, outs = capture(step)  # the warm-up's pool update is just one more step
         g = _gen(9)
         for _ in range(3):
             for t, scale in ((x, 2.0), (o, 1.0), (gate, 4.0)):

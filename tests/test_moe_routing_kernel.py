@@ -18,6 +18,7 @@ import sys
 
 import pytest
 import torch
+from kernel_testing import capture
 
 import miles_k3.model.experts as experts_mod
 from miles_k3.kernels.moe_routing import group_by_expert, group_by_expert_reference
@@ -254,14 +255,7 @@ def test_gpu_several_blocks_equal_reference(monkeypatch, m, max_block):
 def test_gpu_kernel_replays_in_a_cuda_graph():
     num_experts, n_tok, top_k = 384, 512, 8
     static_ids = _topk_ids(n_tok, num_experts, top_k, seed=0).reshape(-1).cuda()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        group_by_expert(static_ids, num_experts, top_k)  # compile before capture
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = group_by_expert(static_ids, num_experts, top_k)
+    graph, outs = capture(lambda: group_by_expert(static_ids, num_experts, top_k))
     for seed in (1, 2, 3):
         new = _topk_ids(n_tok, num_experts, top_k, seed=seed, skip=(seed, 100 + seed)).reshape(-1)
         static_ids.copy_(new)
@@ -334,15 +328,7 @@ def test_gpu_routed_experts_sync_free_capture_in_a_cuda_graph(fmt):
     w = torch.full((n_tok, top_k), 1.0 / top_k, device="cuda")
     z = torch.randn(n_tok, 256, device="cuda", dtype=torch.bfloat16)
     with torch.no_grad(), sync_free_experts():
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                m(z, ids, w)  # compile / settle before capture
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = m(z, ids, w)
+        graph, out = capture(lambda: m(z, ids, w), warmups=2)
     for seed in (1, 2):
         g = torch.Generator().manual_seed(seed)
         ids.copy_(_topk_ids(n_tok, num_experts, top_k, seed=seed, skip=(seed, 40 + seed)))

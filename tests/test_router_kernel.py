@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_testing import gpu_test, print_results, results_of
+from kernel_testing import capture, gpu_test, print_results, results_of
 from torch import nn
 
 from miles_k3.kernels.router import topk_route_reference
@@ -429,14 +429,7 @@ def test_gpu_cuda_graph_capture_and_replay(shape):
         return topk_route(x, w, b, k, True, 2.5), router(x)
 
     with torch.no_grad():
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            step()  # compile before capture
-        torch.cuda.current_stream().wait_stream(s)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            outs = step()
+        graph, outs = capture(step)
         g = _gen(5)
         for _ in range(3):
             x.copy_(torch.randn(n, d, generator=g).to(BF16))
