@@ -3,8 +3,9 @@ the `gpu` marker, and ulp distances of 16-bit floats.
 
 TRITON_INTERPRET=1 must be set before a kernel module is imported, so a test file runs its cases in a subprocess
 of itself: the file defines INTERPRETER_CASES {name: (check_fn, kwargs)} and ends with
-`if __name__ == "__main__": print_results(INTERPRETER_CASES)`; its module-scoped fixture calls
-`results_of(__file__)`, and one parametrized test per case asserts `results[case] == "ok"`.
+`if __name__ == "__main__": print_results(INTERPRETER_CASES)`; the `interpreter_results` fixture (conftest.py)
+runs it through `results_of`, and one parametrized test per case asserts `results[case] == "ok"`. Single-script
+checks call `interpreted(code)` directly.
 """
 from __future__ import annotations
 
@@ -32,13 +33,24 @@ def print_results(cases: dict) -> None:
     print(_PREFIX + json.dumps(out), flush=True)
 
 
+def interpreted(code: str, timeout: int = 600) -> str:
+    """Run python `code` in a subprocess under the Triton interpreter (tests/ importable); its stdout. Fails
+    the calling test, with the subprocess's stderr tail, when the code exits non-zero."""
+    tests_dir = os.path.dirname(os.path.abspath(__file__))
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONWARNINGS": "ignore",
+           "PYTHONPATH": os.pathsep.join([tests_dir, os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-c", code], check=False, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+    assert proc.returncode == 0, f"interpreter run failed (rc {proc.returncode}):\n{proc.stdout[-2000:]}" \
+                                 f"{proc.stderr[-4000:]}"
+    return proc.stdout
+
+
 def results_of(test_file: str, timeout: int = 600) -> dict[str, str]:
     """Run `test_file` as a script under the interpreter; the per-case results it printed."""
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.run([sys.executable, test_file], check=False, env=env, capture_output=True, text=True,
-                          timeout=timeout)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(_PREFIX)]
-    assert proc.returncode == 0 and lines, f"interpreter run failed (rc {proc.returncode}):\n{proc.stderr[-4000:]}"
+    code = f"import runpy; runpy.run_path({test_file!r}, run_name='__main__')"
+    lines = [ln for ln in interpreted(code, timeout).splitlines() if ln.startswith(_PREFIX)]
+    assert lines, f"{test_file} printed no {_PREFIX.strip()} line"
     return json.loads(lines[-1][len(_PREFIX):])
 
 

@@ -25,7 +25,7 @@ import os
 
 import pytest
 import torch
-from kernel_testing import capture, gpu_test, print_results, results_of, ulps16
+from kernel_testing import capture, gpu_test, print_results, ulps16
 from torch import nn
 
 from miles_k3.model import layers
@@ -174,11 +174,6 @@ INTERPRETER_CASES["situ_glu-fp16-lin25"] = (check_situ_glu, {"dtype": torch.floa
 INTERPRETER_CASES["situ_glu-bf16-gate-fp32-up"] = (check_situ_glu, {"dtype": BF16, "shape": (3, 70),
                                                                     "linear_beta": 25.0, "beta": 2.5,
                                                                     "up_dtype": F32, "seed": 3})
-
-
-@pytest.fixture(scope="module")
-def interpreter_results() -> dict[str, str]:
-    return results_of(__file__)
 
 
 @pytest.mark.parametrize("case", list(INTERPRETER_CASES))

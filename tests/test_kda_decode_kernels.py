@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_testing import capture, gpu_test, print_results, results_of, ulps16
+from kernel_testing import capture, gpu_test, print_results, ulps16
 from torch import nn
 
 from miles_k3.kernels.kda_decode import gated_head_norm_reference, short_conv_step_reference
@@ -194,11 +194,6 @@ INTERPRETER_CASES |= {
     "norm-bf16-H8-V128-blockh": (check_gated_norm, {"o_dtype": BF16, "lead": (2, 1), "h": 8, "v": 128,
                                                     "block_h": 4, "seed": 4}),
 }
-
-
-@pytest.fixture(scope="module")
-def interpreter_results() -> dict[str, str]:
-    return results_of(__file__)
 
 
 @pytest.mark.parametrize("case", list(INTERPRETER_CASES))

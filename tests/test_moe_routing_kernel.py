@@ -13,12 +13,10 @@ GPU (`python -m pytest -m gpu tests/test_moe_routing_kernel.py`): decode shapes 
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
-from kernel_testing import capture
+from kernel_testing import capture, interpreted
 
 import miles_k3.model.experts as experts_mod
 from miles_k3.kernels.moe_routing import group_by_expert, group_by_expert_reference
@@ -188,12 +186,8 @@ print("ok")
 '''
 
 
-def test_kernel_equals_reference_under_interpreter(tmp_path):
-    path = tmp_path / "interpreter_check.py"
-    path.write_text(_INTERPRETER_SCRIPT)
-    res = subprocess.run([sys.executable, str(path)], env={**os.environ, "TRITON_INTERPRET": "1"},
-                         capture_output=True, text=True, timeout=300, check=False)
-    assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stdout + res.stderr
+def test_kernel_equals_reference_under_interpreter():
+    assert interpreted(_INTERPRETER_SCRIPT, timeout=300).strip().endswith("ok")
 
 
 # ---- GPU ------------------------------------------------------------------------------------------------------

@@ -8,13 +8,11 @@ softmax weights are rounded to fp16 before the value product, as in the kernel's
 relative L2 (8 mantissa bits: the model's own bf16 path differs by as much). The interpreter does not run bf16
 dots correctly (it handles fp32 and fp16), so bf16 is checked on the GPU only.
 """
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
+from kernel_testing import interpreted
 
 from miles_k3.kernels.paged_mla import paged_latent_attention, paged_latent_attention_reference
 from miles_k3.model import K3Config
@@ -69,11 +67,7 @@ _INTERPRETED = textwrap.dedent("""
 def test_kernel_matches_the_reference_under_the_triton_interpreter():
     """fp32 and fp16; heads fewer than and more than one 16-head block; 1, 2 and 3 position splits (one split
     empty when a request is short); pages in random order; lengths 1, across pages, and the full table."""
-    env = {**os.environ, "TRITON_INTERPRET": "1",
-           "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")])}
-    run = subprocess.run([sys.executable, "-c", _INTERPRETED], check=False, env=env, capture_output=True, text=True,
-                         timeout=300)
-    assert run.returncode == 0, run.stdout + run.stderr[-3000:]
+    interpreted(_INTERPRETED, timeout=300)  # the script asserts its own tolerances
 
 
 def test_paged_decode_step_equals_the_contiguous_step():

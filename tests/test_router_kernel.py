@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_testing import capture, gpu_test, print_results, results_of
+from kernel_testing import capture, gpu_test, print_results
 from torch import nn
 
 from miles_k3.kernels.router import topk_route_reference
@@ -233,11 +233,6 @@ INTERPRETER_CASES |= {
     "special-values-fp16": (check_special_values, {"dtype": F16}),
     "router-module-branch": (check_router_module_branch, {}),
 }
-
-
-@pytest.fixture(scope="module")
-def interpreter_results() -> dict[str, str]:
-    return results_of(__file__)
 
 
 @pytest.mark.parametrize("case", list(INTERPRETER_CASES))

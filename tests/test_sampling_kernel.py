@@ -8,11 +8,10 @@ vocabulary), batch invariance, and the noise's log(E) bit for bit against torch 
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
+from kernel_testing import interpreted
 
 from miles_k3.rollout.sampling import SamplingParams, keyed_exp_noise, noise_row_keys, sample
 
@@ -105,12 +104,9 @@ print("ok")
 '''
 
 
-def test_kernel_matches_torch_sample_under_interpreter(tmp_path):
-    script = tmp_path / "interpreter_check.py"
-    script.write_text(_INTERPRETER_SCRIPT.replace("__E_ZERO__", repr(E_ZERO)))
-    res = subprocess.run([sys.executable, str(script)], env={**os.environ, "TRITON_INTERPRET": "1"},
-                         capture_output=True, text=True, timeout=300, check=False)
-    assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stdout + res.stderr
+def test_kernel_matches_torch_sample_under_interpreter():
+    out = interpreted(_INTERPRETER_SCRIPT.replace("__E_ZERO__", repr(E_ZERO)), timeout=300)
+    assert out.strip().endswith("ok")
 
 
 def test_input_validation():
