@@ -2,7 +2,7 @@
 bucket.
 
 A step reads every input from one fixed buffer (token ids, KDA slots, lengths, MLA block tables) and runs
-`model.step(..., fixed_capacity=True)` under `sync_free_experts()` (no host syncs anywhere) on pooled states
+`model.step` under `sync_free_experts()` (no host syncs anywhere) on pooled states
 that are updated in place: each request's KDA rows (fla's kernel reads and writes the slot rows directly) and
 its MLA pages (the new latent is written into its page, then the paged kernel attends over the page bucket). A batch of B requests runs in the smallest bucket >= B; padding rows point
 at a scratch slot and a scratch page that no request owns. Decode on CUDA is
@@ -121,5 +121,5 @@ class GraphDecoder:
         for m, layer_id in enumerate(self.mla_ids):
             layers[layer_id] = mla_states[m]
         with sync_free_experts():
-            out = self.model.step(ids, K3State(lens, layers), fixed_capacity=True)
+            out = self.model.step(ids, K3State(lens, layers))
         return out.logits

@@ -83,7 +83,7 @@ def test_paged_decode_step_equals_the_contiguous_step():
     x = torch.randn(2, 1, cfg.hidden_size)
     contiguous = MLALayerState(pool[table].flatten(1, 2).clone())
     with torch.no_grad():
-        want, want_state = mla.step(x, contiguous, past, grow=False)
+        want, want_state = mla.step(x, contiguous, past)
         got, got_state = mla.step(x, MLALayerState(pool, table), past)
     assert got_state.latent_BSL is pool
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)

@@ -156,17 +156,17 @@ class K3ForCausalLM(nn.Module):
         return K3Output(logits, K3State(total.long(), states))
 
     @torch.no_grad()
-    def step(self, input_ids_B: torch.Tensor, state: K3State, fixed_capacity: bool = False) -> K3Output:
+    def step(self, input_ids_B: torch.Tensor, state: K3State) -> K3Output:
         """One decode token per request: logits [B, V] and the advanced state (KDA recurrent, MLA absorbed).
-        `fixed_capacity`: the MLA latents already have room for the new token (no host sync, so the step
-        can be captured in a CUDA graph together with `experts.sync_free_experts`)."""
+        With pooled layer states (KDA slots_B, MLA table_BT) the step updates the pools in place and reads
+        nothing on the host, so it can be captured in a CUDA graph together with `experts.sync_free_experts`."""
         backend = self.kda_backend(input_ids_B.device)
         states: list = []
 
         def attn_fn(layer: K3DecoderLayer, x: torch.Tensor) -> torch.Tensor:
             prev = state.layers[layer.layer_id]
             if layer.is_mla:
-                y, st = layer.self_attn.step(x, prev, state.seq_lens, grow=not fixed_capacity)
+                y, st = layer.self_attn.step(x, prev, state.seq_lens)
             else:
                 y, st = layer.self_attn(x, backend, prev, decode=True)
             states.append(st)

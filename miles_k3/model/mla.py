@@ -90,15 +90,15 @@ class MLAAttention(nn.Module):
         return self._output(o.transpose(1, 2), x_BTD), MLALayerState(latent_BSL)
 
     # ---- absorbed form ----------------------------------------------------------------------------
-    def step(self, x_B1D: torch.Tensor, state: MLALayerState, past_lens: torch.Tensor, grow: bool = True
+    def step(self, x_B1D: torch.Tensor, state: MLALayerState, past_lens: torch.Tensor
              ) -> tuple[torch.Tensor, MLALayerState]:
-        """One decode token per request, attending over the cached latents (absorbed form). `grow=False`:
-        the caller guarantees capacity for position past_lens (no host sync: CUDA-graph capturable). A paged
-        `state` (table_BT set) is updated in place and returned as is."""
+        """One decode token per request, attending over the cached latents (absorbed form). A contiguous
+        `state` grows as needed (reads past_lens on the host); a paged `state` (table_BT set: the engine's
+        static / graph step, no host sync) is updated in place and returned as is."""
         if state.table_BT is not None:
             return self._paged_step(x_B1D, state, past_lens)
         q_nope, q_rope = self._queries(x_B1D)
-        latent_BSL = write_latents(state.latent_BSL, past_lens, self._latents(x_B1D), grow)
+        latent_BSL = write_latents(state.latent_BSL, past_lens, self._latents(x_B1D))
         valid_BS = torch.arange(latent_BSL.shape[1], device=x_B1D.device) <= past_lens[:, None]
         o_BHV = self.absorbed_attention(q_nope[:, 0], q_rope[:, 0], latent_BSL, valid_BS)
         return self._output(o_BHV.unsqueeze(1), x_B1D), MLALayerState(latent_BSL)
@@ -130,7 +130,8 @@ class MLAAttention(nn.Module):
                            latent_BSL: torch.Tensor, valid_BS: torch.Tensor) -> torch.Tensor:
         """MQA over latents: q_lat = W_UK^T q_nope; softmax (fp32) over valid positions; o = W_UV (p . c).
 
-        Returns o [B, H, V] in the latent dtype. The engine's paged cache gathers `latent_BSL` and calls this.
+        Returns o [B, H, V] in the latent dtype. The eager engine gathers `latent_BSL` from its pages and calls
+        this; its static / graph step attends over the pages directly (`_paged_step`).
         W_UK and W_UV are slices of kv_b_proj's effective weight (merged with its LoRA delta, if adapted).
         """
         w_uk_HNR, w_uv_HVR = self._absorbed_weights()
@@ -144,13 +145,12 @@ class MLAAttention(nn.Module):
         return torch.einsum("bhr,hvr->bhv", o_lat_BHR, w_uv_HVR)
 
 
-def write_latents(past_BSL: torch.Tensor, past_lens: torch.Tensor, new_BTL: torch.Tensor,
-                  grow: bool = True) -> torch.Tensor:
+def write_latents(past_BSL: torch.Tensor, past_lens: torch.Tensor, new_BTL: torch.Tensor) -> torch.Tensor:
     """A new latent tensor with `new_BTL[b, t]` at position past_lens[b] + t (capacity grown as needed, which
-    reads past_lens on the host; with `grow=False` the caller guarantees the capacity)."""
+    reads past_lens on the host)."""
     b, t, width = new_BTL.shape
     latent = past_BSL
-    need = (int(past_lens.max()) + t if b else t) if grow else 0
+    need = int(past_lens.max()) + t if b else t
     if latent.shape[1] < need:
         latent = F.pad(latent, (0, 0, 0, need - latent.shape[1]))
     pos_BT = past_lens[:, None] + torch.arange(t, device=new_BTL.device)
