@@ -390,10 +390,12 @@ def _cuda_kernels(fn) -> list[str]:
 @pytest.mark.parametrize("shape", ["k3m", "K2"])
 @gpu_test
 def test_gpu_one_launch(shape):
-    """torch.profiler: a topk_route call, and TopKRouter under no_grad, are exactly one kernel; the torch path
-    (reference_kernels()) is several."""
+    """torch.profiler: a topk_route call is exactly one kernel at both shapes. TopKRouter under no_grad is that one
+    kernel for a gate within ROUTER_KERNEL_MAX_WEIGHT (k3m) and the torch path (several kernels, no router
+    kernel) for a larger one (K2's 384 x 7168), as for reference_kernels()."""
     from miles_k3.kernels.router import topk_route
     from miles_k3.model.layers import reference_kernels
+    from miles_k3.model.moe import ROUTER_KERNEL_MAX_WEIGHT
 
     dims = {"k3m": K3M, "K2": K2}[shape]
     x, w, b = (t.cuda() for t in _inputs(64, dims["d"], dims["e"], BF16))
@@ -402,7 +404,12 @@ def test_gpu_one_launch(shape):
     router = _router(BF16, True, 2.5, e=dims["e"], k=dims["k"], d=dims["d"]).cuda()
     with torch.no_grad():
         kernels = _cuda_kernels(lambda: router(x))
-        assert len(kernels) == 1 and "_topk_route_kernel" in kernels[0], kernels
+        if router.weight.numel() <= ROUTER_KERNEL_MAX_WEIGHT:
+            assert shape == "k3m"
+            assert len(kernels) == 1 and "_topk_route_kernel" in kernels[0], kernels
+        else:
+            assert shape == "K2"
+            assert len(kernels) >= 5 and not any("_topk_route_kernel" in k for k in kernels), kernels
         with reference_kernels():
             torch_kernels = _cuda_kernels(lambda: router(x))
     assert len(torch_kernels) >= 5 and not any("_topk_route_kernel" in k for k in torch_kernels), torch_kernels
@@ -411,9 +418,12 @@ def test_gpu_one_launch(shape):
 @pytest.mark.parametrize("shape", ["k3m", "K3"])
 @gpu_test
 def test_gpu_cuda_graph_capture_and_replay(shape):
-    """topk_route (and TopKRouter) captured in one graph; replays with new inputs give what eager calls give,
-    bit for bit, and pass the reference check."""
+    """topk_route (and TopKRouter) captured in one graph; replays with new inputs pass the reference check, and
+    the kernel's outputs equal what eager calls give, bit for bit. K3's gate is past ROUTER_KERNEL_MAX_WEIGHT,
+    so its TopKRouter runs the torch path (cuBLAS may pick another algorithm under capture, and topk's order is
+    unspecified): checked against the reference only."""
     from miles_k3.kernels.router import topk_route
+    from miles_k3.model.moe import ROUTER_KERNEL_MAX_WEIGHT
 
     dims = {"k3m": K3M, "K3": K3}[shape]
     n, d, e, k = 96, dims["d"], dims["e"], dims["k"]
@@ -433,7 +443,9 @@ def test_gpu_cuda_graph_capture_and_replay(shape):
             torch.cuda.synchronize()
             got = [t.clone() for pair in outs for t in pair]
             want = [t for pair in step() for t in pair]
-            for a, c in zip(got, want):
+            bitwise = 4 if router.weight.numel() <= ROUTER_KERNEL_MAX_WEIGHT else 2
+            assert (bitwise == 4) == (shape == "k3m")
+            for a, c in zip(got[:bitwise], want[:bitwise]):
                 assert torch.equal(a, c)
             compare_route(got[0], got[1], x, w, b, k, True, 2.5, 1e-5, 1e-5, "graph replay topk_route")
             compare_route(got[2], got[3], x, router.weight, router.e_score_correction_bias, k, True, 1.0, 1e-5,
