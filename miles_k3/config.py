@@ -15,6 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from miles_k3.model.build import ModelConfig
 from miles_k3.model.lora import LoRAConfig
+from miles_k3.weight_sync.config import WeightSyncConfig
 
 RECIPES_MODULE = "miles_k3.recipes"
 
@@ -35,6 +36,8 @@ class TrainConfig:
     """The policy's base model (frozen)."""
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     """The trained LoRA adapter: rank, alpha, dropout, target module names."""
+    sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
+    """The weight-sync channel from the trainer to the rollout engine, and the staleness bound."""
 
     def validate(self) -> None:
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):

@@ -101,18 +101,27 @@ class AdapterBank:
 
 def _copy_checked(buffers: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor], what: str,
                   require_all: bool) -> None:
-    """Check every name, shape, dtype kind and value, then copy; on any error nothing is copied."""
+    """Check every name, shape, dtype kind and value, then copy; on any error nothing is copied. The value check
+    is one batched pass (one host sync for the whole push) and the copy a multi-tensor copy (a few launches)."""
     unknown = sorted(set(tensors) - set(buffers))
     missing = sorted(set(buffers) - set(tensors)) if require_all else []
     if unknown or missing:
         raise ValueError(f"{what}: unknown tensors {unknown[:3]}, missing tensors {missing[:3]}; names must "
                          "be the trainer's lora_parameters() names")
-    for name, t in tensors.items():
+    names = list(tensors)
+    for name in names:
+        t = tensors[name]
         if t.shape != buffers[name].shape or not t.is_floating_point():
             raise ValueError(f"{what}: tensor {name} has {t.dtype} {tuple(t.shape)}, expected a floating "
                              f"tensor of shape {tuple(buffers[name].shape)}")
-        if not torch.isfinite(t).all():
-            raise ValueError(f"{what}: tensor {name} has NaN/Inf values; refusing the whole push")
+    if not names:
+        return
+    dst = [buffers[n] for n in names]
+    src = [tensors[n].to(device=b.device) for n, b in zip(names, dst)]
     with torch.no_grad():
-        for name, t in tensors.items():
-            buffers[name].copy_(t)
+        amax = torch.stack([m.float() for m in torch._foreach_norm(src, float("inf"))])  # NaN propagates
+        bad = ~torch.isfinite(amax)
+        if bool(bad.any()):
+            name = names[int(bad.nonzero()[0, 0])]
+            raise ValueError(f"{what}: tensor {name} has NaN/Inf values; refusing the whole push")
+        torch._foreach_copy_(dst, src)

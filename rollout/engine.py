@@ -187,8 +187,12 @@ class RolloutEngine:
     def update_weights_from_tensor(self, named_tensors: dict[str, torch.Tensor] | list[tuple[str, torch.Tensor]],
                                    lora_name: str, weight_version: int | None = None) -> None:
         """Copy LoRA tensors in place into adapter `lora_name`'s buffers (addresses never change). Every
-        name, shape and dtype is checked before anything is copied: a bad push changes nothing."""
+        name, shape, dtype and value is checked before anything is copied: a bad push changes nothing. The
+        engine's `weight_version` becomes `weight_version` (default: one more); versions only move forward."""
         with self._lock:
+            if weight_version is not None and weight_version <= self.weight_version:
+                raise ValueError(f"weight_version: versions only move forward; the engine serves version "
+                                 f"{self.weight_version}, the push has {weight_version}")
             self.adapters.update(lora_name, dict(named_tensors))
             self.weight_version = self.weight_version + 1 if weight_version is None else weight_version
 

@@ -36,6 +36,8 @@ def test_default_and_aime_recipe_values():
     assert (aime.model.name, aime.model.path) == ("k3", "moonshotai/Kimi-K3")
     overridden = compose_config("train", ["recipe=aime_grpo", "model.path=/ckpt/k3", "seed=7"])
     assert (overridden.model.path, overridden.seed) == ("/ckpt/k3", 7)
+    synced = compose_config("train", ["sync.transport=ipc", "sync.buffer_mb=64", "sync.max_staleness=2"])
+    assert (synced.sync.transport, synced.sync.buffer_bytes, synced.sync.max_staleness) == ("ipc", 64 * 2**20, 2)
 
 
 @pytest.mark.parametrize("override, field", [
@@ -43,6 +45,12 @@ def test_default_and_aime_recipe_values():
     ("model.kda_backend=cuda_magic", "model.kda_backend"),
     ("model.name=k4", "model.name"),
     ("device=tpu", "device"),
+    ("sync.transport=carrier_pigeon", "sync.transport"),
+    ("sync.buffer_mb=0", "sync.buffer_mb"),
+    ("sync.max_staleness=-1", "sync.max_staleness"),
+    ("sync.stale_policy=ignore", "sync.stale_policy"),
+    ("sync.downweight=1.5", "sync.downweight"),
+    ("sync.timeout_s=0", "sync.timeout_s"),
 ])
 def test_bad_values_fail_naming_the_field(override, field):
     with pytest.raises(ConfigFieldError, match=rf"^{field}: "):

@@ -1,0 +1,58 @@
+"""The `local` transport: trainer and engine in the same process (colocated). A push copies the trainer's tensors
+straight into the engine's adapter buffers (one multi-tensor copy, cast to the buffers' dtype where it differs):
+no transfer buffer and no staging copy. All-or-nothing comes from checking everything first (names, shapes,
+dtypes, finite values: `RolloutEngine.update_weights_from_tensor`), since nothing can corrupt bytes between two
+tensors of one process, so no checksum is computed (the report's checksum_match is None). `readback=True` (debug)
+compares every byte of the engine's buffers with the trainer's tensors after the push.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+
+import torch
+
+from miles_k3.weight_sync.protocol import PushReport, SyncError
+
+
+class LocalChannel:
+    """Sender and receiver in one: `push(tensors, version)` into `engine`'s adapter `adapter`."""
+
+    transport = "local"
+
+    def __init__(self, engine, adapter: str, readback: bool = False):
+        self.engine, self.adapter, self.readback = engine, adapter, readback
+        self.engine.adapters.buffers(adapter)  # an unknown adapter fails here, naming the loaded ones
+
+    def push(self, tensors: Mapping[str, torch.Tensor], version: int) -> PushReport:
+        """Copy `tensors` (the adapter's lora_parameters() names -> tensors) in place and serve them as
+        `version` (> the engine's current version). Raises SyncError (nothing applied) on any mismatch."""
+        if not tensors:
+            raise SyncError("empty push: no tensors given (a push must carry the whole adapter)")
+        sync = _device_sync(tensors)
+        sync()
+        t0 = time.perf_counter()
+        try:
+            self.engine.update_weights_from_tensor(tensors, lora_name=self.adapter, weight_version=version)
+        except ValueError as e:
+            raise SyncError(f"push of version {version} refused: {e}",
+                            next((n for n in tensors if n in str(e)), None)) from None
+        sync()
+        seconds = time.perf_counter() - t0
+        readback = None
+        if self.readback:
+            bufs = self.engine.adapters.buffers(self.adapter)
+            readback = all(torch.equal(bufs[n], t.to(bufs[n].dtype)) for n, t in tensors.items())
+        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        return PushReport(version, self.transport, nbytes, seconds, len(tensors), 1, None, readback)
+
+    def close(self) -> None:
+        pass
+
+
+def _device_sync(tensors: Mapping[str, torch.Tensor]):
+    """A function that waits for the CUDA work on the tensors' device (timing covers the copy itself)."""
+    dev = next(iter(tensors.values())).device
+    if dev.type == "cuda":
+        return lambda: torch.cuda.synchronize(dev)
+    return lambda: None

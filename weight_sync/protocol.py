@@ -1,0 +1,226 @@
+"""The weight-sync transaction, independent of how bytes travel: manifest, payload packing, checksums, and the
+receiver that stages, verifies and applies a push all-or-nothing.
+
+A push of adapter version v is one transaction: `begin(v, manifest)` -> payload bytes (in chunks through a
+bounded transfer buffer) -> `commit(v, checksums)`. The payload is the manifest's tensors laid out back to back,
+each starting at a multiple of ALIGN bytes (zero padding between them), in the sender's dtypes. The receiver
+(`Receiver`, in the engine's process) checks the manifest against the engine's adapter buffers when the push
+begins (names, shapes, floating dtypes: the error names the tensor), copies the chunks into a persistent staging
+buffer, and at commit checks that every byte arrived, that every tensor's checksum matches and that every value is
+finite; only then does it copy the tensors in place into the engine's buffers (cast to their dtype) and set the
+engine's `weight_version`. Any failure discards the staging contents: the engine keeps serving the old version.
+Versions only move forward.
+
+Checksum (`block_sums`, `tensor_checksums`): a two-sum Fletcher-style code over the payload read as 16-bit words,
+computed with torch on the payload's device (no host copy of the data): for each ALIGN-byte block, s1 = sum of
+its words and s2 = sum of word x (position in block + 1); a tensor's checksum combines its blocks' sums with the
+block index (see `tensor_checksums`). All sums are exact in int64 (no overflow for tensors under 2^31 blocks). It detects any corrupted
+16-bit word, and reordered words or blocks; it is an integrity check, not a cryptographic one.
+
+Legend: B payload bytes, W 16-bit words, N blocks.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+
+import torch
+
+ALIGN = 512  # bytes: every tensor starts at a multiple of this in the payload; the checksum block size
+_WORDS = ALIGN // 2
+_MOD = 65521  # largest prime below 2^16: the block-index weight, kept small so sums stay exact in int64
+_CHECKSUM_SLICE = 64 * 2**20  # bytes per block-sum pass (bounds the int64 temporaries to 4x this)
+
+
+class SyncError(RuntimeError):
+    """A push was refused; nothing was applied and the engine still serves its previous version. `tensor` names
+    the offending tensor when there is one."""
+
+    def __init__(self, message: str, tensor: str | None = None):
+        super().__init__(message)
+        self.tensor = tensor
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One tensor of a push: its name, shape, dtype name (e.g. "float32") and byte range in the payload."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    offset: int
+    nbytes: int
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
+
+    @property
+    def blocks(self) -> range:
+        """The checksum blocks this tensor occupies (its padding included)."""
+        return range(self.offset // ALIGN, (self.offset + self.nbytes + ALIGN - 1) // ALIGN)
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """The layout of a push's payload: tensors in order, each at an ALIGN-aligned offset."""
+
+    specs: tuple[TensorSpec, ...]
+    total_bytes: int  # a multiple of ALIGN
+
+    @classmethod
+    def of(cls, tensors: Mapping[str, torch.Tensor]) -> Manifest:
+        """The manifest for `tensors` (name -> tensor), grouped by dtype (one contiguous run per dtype, so
+        finiteness is one check per dtype) and otherwise in the mapping's order."""
+        if not tensors:
+            raise SyncError("empty push: no tensors given (a push must carry the whole adapter)")
+        order = sorted(tensors, key=lambda n: str(tensors[n].dtype))  # stable: mapping order within a dtype
+        specs, offset = [], 0
+        for name in order:
+            t = tensors[name]
+            if not isinstance(t, torch.Tensor):
+                raise SyncError(f"tensor {name}: expected a torch.Tensor, got {type(t).__name__}", name)
+            nbytes = t.numel() * t.element_size()
+            specs.append(TensorSpec(name, tuple(t.shape), str(t.dtype).removeprefix("torch."), offset, nbytes))
+            offset += _round_up(nbytes)
+        return cls(tuple(specs), offset)
+
+    def to_wire(self) -> list[tuple]:
+        """Plain tuples (picklable by any transport without importing this module)."""
+        return [(s.name, list(s.shape), s.dtype, s.offset, s.nbytes) for s in self.specs]
+
+    @classmethod
+    def from_wire(cls, rows: list) -> Manifest:
+        specs = tuple(TensorSpec(str(n), tuple(int(d) for d in shape), str(dt), int(o), int(b))
+                      for n, shape, dt, o, b in rows)
+        total = max((_round_up(s.offset + s.nbytes) for s in specs), default=0)
+        return cls(specs, total)
+
+
+def _round_up(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def byte_view(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's bytes as a flat uint8 view (no copy); non-contiguous tensors are copied first."""
+    t = t.detach()
+    if not t.is_contiguous():
+        t = t.contiguous()
+    return t.reshape(-1).view(torch.uint8)
+
+
+def pack_range(manifest: Manifest, tensors: Mapping[str, torch.Tensor], dst_u8: torch.Tensor, start: int) -> None:
+    """Write payload bytes [start, start + len(dst_u8)) into dst_u8: the tensors' bytes at their offsets, zeros
+    in the padding. `start` and len(dst_u8) are multiples of ALIGN (except a final partial chunk's length)."""
+    end = start + dst_u8.numel()
+    dst_u8.zero_()
+    for s in manifest.specs:
+        lo, hi = max(s.offset, start), min(s.offset + s.nbytes, end)
+        if lo >= hi:
+            continue
+        src = byte_view(tensors[s.name])
+        dst_u8[lo - start:hi - start].copy_(src[lo - s.offset:hi - s.offset])
+
+
+# ---- checksums ---------------------------------------------------------------------------------------------
+def block_sums(payload_u8: torch.Tensor) -> torch.Tensor:
+    """payload_u8 [B] (B a multiple of ALIGN) -> sums_N2 [N, 2] int64: per ALIGN-byte block, (s1, s2) over its
+    16-bit words w_j (j = 0.._WORDS-1, unsigned): s1 = sum w_j, s2 = sum w_j * (j + 1)."""
+    if payload_u8.numel() % ALIGN:
+        raise ValueError(f"block_sums: {payload_u8.numel()} bytes is not a multiple of {ALIGN}")
+    n = payload_u8.numel() // ALIGN
+    out = torch.empty(n, 2, dtype=torch.int64, device=payload_u8.device)
+    pos = torch.arange(1, _WORDS + 1, dtype=torch.int64, device=payload_u8.device)
+    step = _CHECKSUM_SLICE // ALIGN
+    for b0 in range(0, n, step):
+        b1 = min(n, b0 + step)
+        w = payload_u8[b0 * ALIGN:b1 * ALIGN].view(torch.int16).view(b1 - b0, _WORDS).to(torch.int64) & 0xFFFF
+        out[b0:b1, 0] = w.sum(1)
+        out[b0:b1, 1] = (w * pos).sum(1)
+    return out
+
+
+def tensor_checksums(manifest: Manifest, sums_N2: torch.Tensor) -> list[int]:
+    """Per tensor of the manifest, from the payload's block sums: S1 | (S2 << 64) where S1 = sum of its blocks'
+    s1 (< 2^63) and S2 = sum over its blocks i (counted from the tensor's first) of s2_i + ((i + 1) mod 65521) * s1_i."""
+    n = sums_N2.shape[0]
+    block = torch.arange(n, dtype=torch.int64, device=sums_N2.device)
+    first = torch.zeros(n, dtype=torch.int64, device=sums_N2.device)
+    starts = [s.blocks.start for s in manifest.specs]
+    if starts:
+        idx = torch.tensor(starts, dtype=torch.int64, device=sums_N2.device)
+        first.scatter_(0, idx, idx)
+        first = torch.cummax(first, 0).values  # each block's tensor start block (blocks are in tensor order)
+    weighted = sums_N2[:, 1] + ((block - first + 1) % _MOD) * sums_N2[:, 0]
+    cum = torch.cumsum(torch.stack([sums_N2[:, 0], weighted], 1), 0)
+    cum = torch.cat([torch.zeros(1, 2, dtype=torch.int64, device=cum.device), cum]).cpu()
+    out = []
+    for s in manifest.specs:
+        r = s.blocks
+        s1, s2 = (cum[r.stop] - cum[r.start]).tolist()
+        out.append(s1 | (s2 << 64))
+    return out
+
+
+def payload_checksums(manifest: Manifest, payload_u8: torch.Tensor) -> list[int]:
+    """tensor_checksums of a whole payload held in one buffer."""
+    return tensor_checksums(manifest, block_sums(payload_u8[:manifest.total_bytes]))
+
+
+class PayloadWriter:
+    """Sender side: packs a push's tensors chunk by chunk into a bounded transfer buffer and computes the
+    per-tensor checksums of exactly the bytes it packed (on the buffer's device)."""
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor], checksum: bool = True):
+        self.tensors = dict(tensors)
+        self.manifest = Manifest.of(self.tensors)
+        self._sums: list[torch.Tensor] | None = [] if checksum else None
+
+    def chunks(self, buffer_u8: torch.Tensor) -> Iterator[tuple[int, int]]:
+        """For each chunk: packs payload bytes [offset, offset + nbytes) into buffer_u8[:nbytes] and yields
+        (offset, nbytes); the buffer may be reused once the consumer has taken the chunk. len(buffer_u8) must
+        be a multiple of ALIGN."""
+        size = buffer_u8.numel()
+        if size < ALIGN or size % ALIGN:
+            raise ValueError(f"transfer buffer: {size} bytes is not a positive multiple of {ALIGN}")
+        for start in range(0, self.manifest.total_bytes, size):
+            n = min(size, self.manifest.total_bytes - start)
+            pack_range(self.manifest, self.tensors, buffer_u8[:n], start)
+            if self._sums is not None:
+                self._sums.append(block_sums(buffer_u8[:n]))
+            yield start, n
+
+    def checksums(self) -> list[int] | None:
+        """Per-tensor checksums of everything `chunks` packed (None when checksums are off)."""
+        if self._sums is None:
+            return None
+        return tensor_checksums(self.manifest, torch.cat([s.cpu() for s in self._sums]))
+
+
+# ---- reports -----------------------------------------------------------------------------------------------
+@dataclass
+class PushReport:
+    """What one push did (logged under `sync/`)."""
+
+    version: int
+    transport: str
+    bytes: int
+    seconds: float
+    num_tensors: int
+    num_chunks: int
+    checksum_match: bool | None  # None: nothing crossed a wire (local), so there was nothing to checksum
+    readback_match: bool | None = None  # the debug readback: every engine byte equals the trainer's
+
+    @property
+    def gbps(self) -> float:
+        return self.bytes / self.seconds / 1e9 if self.seconds > 0 else math.inf
+
+    def metrics(self) -> dict[str, float]:
+        m = {"sync/version": self.version, "sync/bytes": self.bytes, "sync/seconds": self.seconds,
+             "sync/gbps": self.gbps, "sync/num_tensors": self.num_tensors, "sync/num_chunks": self.num_chunks}
+        if self.checksum_match is not None:
+            m["sync/checksum_match"] = float(self.checksum_match)
+        if self.readback_match is not None:
+            m["sync/readback_match"] = float(self.readback_match)
+        return m

@@ -1,0 +1,176 @@
+"""The engine side of a push (`Receiver`), shared by every transport that moves bytes (ipc, dist).
+
+A transport calls `begin(version, manifest)`, then writes each chunk either with `write(offset, data_u8)` or by
+filling `chunk_view(offset, nbytes)` itself (e.g. a broadcast straight into staging) and calling
+`mark_received`, then `commit(version, checksums)`. Chunks arrive in payload order. The staging buffer is
+allocated once (grown only when a larger push arrives) on the engine's device. See `protocol` for the checks.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from miles_k3.weight_sync.protocol import ALIGN, Manifest, SyncError, payload_checksums
+
+log = logging.getLogger("miles_k3.weight_sync")
+
+
+@dataclass
+class _Txn:
+    version: int
+    manifest: Manifest
+    received: int = 0
+    started: float = 0.0
+
+
+class Receiver:
+    """Stages, verifies and applies pushes into one adapter of a RolloutEngine (`engine.adapters` buffers and
+    `engine.update_weights_from_tensor`). `last_error` holds the reason of the last refused or aborted push."""
+
+    def __init__(self, engine, adapter: str, readback: bool = False):
+        self.engine, self.adapter, self.readback = engine, adapter, readback
+        self.expected = {n: (tuple(t.shape), t.dtype) for n, t in engine.adapters.buffers(adapter).items()}
+        self.device = next(iter(engine.adapters.buffers(adapter).values())).device
+        self._staging: torch.Tensor | None = None
+        self._txn: _Txn | None = None
+        self.last_error: str | None = None
+        self.last_version: int = engine.weight_version
+
+    # ---- transaction -------------------------------------------------------------------------------------
+    def begin(self, version: int, manifest: Manifest) -> None:
+        """Open a push of `version`; refuses (SyncError naming the tensor) a manifest that does not match the
+        adapter's buffers, or a version that does not move forward. An open push is aborted first."""
+        if self._txn is not None:
+            self.abort(f"version {self._txn.version} superseded by a new push before its commit")
+        try:
+            self._check_version(version)
+            self._check_manifest(manifest)
+        except SyncError as e:
+            self.last_error = str(e)
+            raise
+        if self._staging is None or self._staging.numel() < manifest.total_bytes:
+            self._staging = None  # free the old one before allocating the larger one
+            self._staging = torch.empty(manifest.total_bytes, dtype=torch.uint8, device=self.device)
+        self._txn = _Txn(version, manifest, 0, time.perf_counter())
+
+    def chunk_view(self, offset: int, nbytes: int) -> torch.Tensor:
+        """The staging bytes [offset, offset + nbytes) of the open push: chunks must arrive in order."""
+        txn = self._need_txn()
+        if offset != txn.received or nbytes < 0 or offset + nbytes > txn.manifest.total_bytes:
+            raise self._fail(f"chunk [{offset}, {offset + nbytes}) out of order or out of range: "
+                             f"{txn.received} of {txn.manifest.total_bytes} payload bytes received so far")
+        return self._staging[offset:offset + nbytes]
+
+    def mark_received(self, offset: int, nbytes: int) -> None:
+        self.chunk_view(offset, nbytes)  # same checks
+        self._txn.received = offset + nbytes
+
+    def write(self, offset: int, data_u8: torch.Tensor) -> None:
+        """Copy one chunk (uint8, any device) into staging."""
+        self.chunk_view(offset, data_u8.numel()).copy_(data_u8)
+        self.mark_received(offset, data_u8.numel())
+
+    def commit(self, version: int, checksums: list[int] | None) -> dict:
+        """Verify the open push (all bytes, per-tensor checksums when given, finite values), apply it in place and
+        set the engine's weight_version. Returns {"version", "bytes", "seconds", "checksum_match",
+        "readback_match"}. On any failure raises SyncError; nothing is applied."""
+        txn = self._need_txn()
+        m = txn.manifest
+        if version != txn.version:
+            raise self._fail(f"commit of version {version} but the open push is version {txn.version}")
+        if txn.received != m.total_bytes:
+            missing = next(s.name for s in m.specs if s.offset + s.nbytes > txn.received)
+            raise self._fail(f"incomplete push: {txn.received} of {m.total_bytes} payload bytes arrived; "
+                             f"tensor {missing} is missing", missing)
+        staging = self._staging[:m.total_bytes]
+        match = None
+        if checksums is not None:
+            if len(checksums) != len(m.specs):
+                raise self._fail(f"commit carries {len(checksums)} checksums for {len(m.specs)} tensors")
+            got = payload_checksums(m, staging)
+            bad = [s.name for s, a, b in zip(m.specs, got, checksums) if a != b]
+            if bad:
+                raise self._fail(f"checksum mismatch in tensor {bad[0]} ({len(bad)} tensor(s) differ): the bytes "
+                                 f"were corrupted in transit", bad[0])
+            match = True
+        views = {s.name: staging[s.offset:s.offset + s.nbytes].view(s.torch_dtype).view(s.shape) for s in m.specs}
+        try:
+            self.engine.update_weights_from_tensor(views, lora_name=self.adapter, weight_version=version)
+        except ValueError as e:
+            bad = next((n for n in views if n in str(e)), None)
+            raise self._fail(f"engine refused the push: {e}", bad) from None
+        readback = self._readback(views) if self.readback else None
+        self._txn = None
+        self.last_version = version
+        return {"version": version, "bytes": m.total_bytes, "seconds": time.perf_counter() - txn.started,
+                "checksum_match": match, "readback_match": readback}
+
+    def abort(self, reason: str) -> None:
+        """Drop the open push (if any): the engine keeps its current version."""
+        if self._txn is not None:
+            log.warning("weight sync: push of version %d aborted: %s", self._txn.version, reason)
+        self._txn = None
+        self.last_error = reason
+
+    @property
+    def open_version(self) -> int | None:
+        return None if self._txn is None else self._txn.version
+
+    # ---- checks ------------------------------------------------------------------------------------------
+    def _check_version(self, version: int) -> None:
+        current = max(self.engine.weight_version, self.last_version)
+        if version <= current:
+            raise SyncError(f"version {version}: versions only move forward; the engine serves version "
+                            f"{current}")
+
+    def _check_manifest(self, m: Manifest) -> None:
+        names = [s.name for s in m.specs]
+        if len(set(names)) != len(names):
+            dup = next(n for n in names if names.count(n) > 1)
+            raise SyncError(f"tensor {dup} appears twice in the push", dup)
+        unknown = [n for n in names if n not in self.expected]
+        if unknown:
+            raise SyncError(f"tensor {unknown[0]} is not a buffer of adapter {self.adapter!r} "
+                            f"({len(unknown)} unknown); names must be the trainer's lora_parameters() names",
+                            unknown[0])
+        missing = [n for n in self.expected if n not in set(names)]
+        if missing:
+            raise SyncError(f"tensor {missing[0]} is missing from the push ({len(missing)} missing): a push "
+                            f"carries the whole adapter", missing[0])
+        end = 0
+        for s in m.specs:
+            shape, _ = self.expected[s.name]
+            try:
+                dtype = s.torch_dtype
+            except AttributeError:
+                dtype = None
+            if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+                raise SyncError(f"tensor {s.name}: dtype {s.dtype} is not a floating dtype", s.name)
+            if s.shape != shape:
+                raise SyncError(f"tensor {s.name}: shape {list(s.shape)} but the engine's buffer is "
+                                f"{list(shape)}", s.name)
+            numel = 1
+            for d in s.shape:
+                numel *= d
+            if s.nbytes != numel * dtype.itemsize or s.offset < end or s.offset % ALIGN:
+                raise SyncError(f"tensor {s.name}: byte range [{s.offset}, {s.offset + s.nbytes}) is not a valid "
+                                f"aligned, non-overlapping range for {s.dtype} {list(s.shape)}", s.name)
+            end = s.offset + s.nbytes
+
+    def _readback(self, views: dict[str, torch.Tensor]) -> bool:
+        """Debug: every byte of the engine's buffers equals the staged tensors cast to the buffers' dtypes."""
+        bufs = self.engine.adapters.buffers(self.adapter)
+        return all(torch.equal(bufs[n], v.to(bufs[n].dtype)) for n, v in views.items())
+
+    def _need_txn(self) -> _Txn:
+        if self._txn is None:
+            raise SyncError("no push is open: begin(version, manifest) first")
+        return self._txn
+
+    def _fail(self, message: str, tensor: str | None = None) -> SyncError:
+        version = self._txn.version if self._txn is not None else None
+        self.abort(message)
+        return SyncError(f"push of version {version} refused: {message}", tensor)
