@@ -109,19 +109,30 @@ def _copy_checked(buffers: dict[str, torch.Tensor], tensors: dict[str, torch.Ten
         raise ValueError(f"{what}: unknown tensors {unknown[:3]}, missing tensors {missing[:3]}; names must "
                          "be the trainer's lora_parameters() names")
     names = list(tensors)
-    for name in names:
-        t = tensors[name]
-        if t.shape != buffers[name].shape or not t.is_floating_point():
-            raise ValueError(f"{what}: tensor {name} has {t.dtype} {tuple(t.shape)}, expected a floating "
-                             f"tensor of shape {tuple(buffers[name].shape)}")
+    src, dst = list(tensors.values()), [buffers[n] for n in names]
+    ok = [s.shape == d.shape and s.is_floating_point() for s, d in zip(src, dst)]
+    if not all(ok):
+        name, t = names[ok.index(False)], src[ok.index(False)]
+        raise ValueError(f"{what}: tensor {name} has {t.dtype} {tuple(t.shape)}, expected a floating "
+                         f"tensor of shape {tuple(buffers[name].shape)}")
     if not names:
         return
-    dst = [buffers[n] for n in names]
-    src = [tensors[n].to(device=b.device) for n, b in zip(names, dst)]
+    device = dst[0].device
+    src = [s if s.device == device else s.to(device) for s in src]
     with torch.no_grad():
-        amax = torch.stack([m.float() for m in torch._foreach_norm(src, float("inf"))])  # NaN propagates
-        bad = ~torch.isfinite(amax)
-        if bool(bad.any()):
-            name = names[int(bad.nonzero()[0, 0])]
-            raise ValueError(f"{what}: tensor {name} has NaN/Inf values; refusing the whole push")
+        bad = _first_non_finite(src)
+        if bad is not None:
+            raise ValueError(f"{what}: tensor {names[bad]} has NaN/Inf values; refusing the whole push")
         torch._foreach_copy_(dst, src)
+
+
+def _first_non_finite(tensors: list[torch.Tensor]) -> int | None:
+    """Index of the first tensor holding a NaN/Inf, or None, with one host sync. On CUDA one multi-tensor
+    max-abs pass; on CPU per-tensor sums (6x faster than max-abs there; NaN/Inf propagate into a sum), where a
+    non-finite sum is confirmed with isfinite (a sum of huge finite values may overflow)."""
+    if tensors[0].is_cuda:
+        stat = torch.stack(torch._foreach_norm(tensors, float("inf")))
+    else:
+        stat = torch.stack([t.sum(dtype=torch.float32) for t in tensors])
+    suspects = (~torch.isfinite(stat)).nonzero().flatten().tolist()
+    return next((i for i in suspects if not bool(torch.isfinite(tensors[i]).all())), None)

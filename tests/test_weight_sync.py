@@ -20,9 +20,9 @@ def base_out(engine):
     return sh.engine_outputs(engine, None)
 
 
-def _payload(tensors, buffer_bytes=1024):
-    """The whole payload a PayloadWriter produces through a small buffer, and its checksums."""
-    w = PayloadWriter(tensors)
+def _payload(tensors, buffer_bytes=1024, algo=None):
+    """The whole payload a PayloadWriter produces through a small buffer, and its (algorithm, checksums)."""
+    w = PayloadWriter(tensors, algo=algo)
     buf = torch.empty(buffer_bytes, dtype=torch.uint8)
     payload = torch.empty(w.manifest.total_bytes, dtype=torch.uint8)
     chunks = 0
@@ -33,11 +33,13 @@ def _payload(tensors, buffer_bytes=1024):
 
 
 # ---- manifest, payload, checksum ---------------------------------------------------------------------------
-def test_payload_layout_is_aligned_grouped_by_dtype_and_round_trips():
+@pytest.mark.parametrize("algo", ["crc32", "block16"])
+def test_payload_layout_is_aligned_grouped_by_dtype_and_round_trips(algo):
     g = torch.Generator().manual_seed(0)
     ts = {"a": torch.randn(3, 5, generator=g), "b": torch.randn(100, generator=g).bfloat16(),
           "c": torch.randn(300, 7, generator=g)[:, ::2], "d": torch.randn(7, generator=g).half()}
-    m, payload, sums, chunks = _payload(ts)
+    m, payload, (name, sums), chunks = _payload(ts, algo=algo)
+    assert name == algo and len(sums) == len(ts)
     assert [s.dtype for s in m.specs] == ["bfloat16", "float16", "float32", "float32"]
     assert all(s.offset % ALIGN == 0 for s in m.specs) and m.total_bytes % ALIGN == 0
     assert chunks == -(-m.total_bytes // 1024) > 1
@@ -45,25 +47,26 @@ def test_payload_layout_is_aligned_grouped_by_dtype_and_round_trips():
         got = payload[s.offset:s.offset + s.nbytes].view(s.torch_dtype).view(s.shape)
         assert torch.equal(got, ts[s.name])
         assert not payload[s.offset + s.nbytes:s.offset + (len(s.blocks)) * ALIGN].any()
-    assert sums == payload_checksums(m, payload)  # chunked sums = sums over the whole payload
+    assert sums == payload_checksums(m, payload, algo)  # chunked sums = sums over the whole payload
     assert Manifest.from_wire(m.to_wire()) == m
 
 
-def test_checksum_names_exactly_the_tensor_with_a_changed_word_or_swapped_blocks():
+@pytest.mark.parametrize("algo", ["crc32", "block16"])
+def test_checksum_names_exactly_the_tensor_with_a_changed_word_or_swapped_blocks(algo):
     g = torch.Generator().manual_seed(1)
     ts = {f"t{i}": torch.randn(int(n), generator=g) for i, n in enumerate([5, 700, 128, 1000])}
-    m, payload, sums, _ = _payload(ts)
+    m, payload, (_, sums), _ = _payload(ts, algo=algo)
     for s in m.specs:
         for pos in (s.offset, s.offset + s.nbytes - 1):  # first and last byte of each tensor
             bad = payload.clone()
             bad[pos] ^= 0x10
-            diff = [a != b for a, b in zip(sums, payload_checksums(m, bad))]
+            diff = [a != b for a, b in zip(sums, payload_checksums(m, bad, algo))]
             assert diff == [x.name == s.name for x in m.specs]
     s = m.specs[1]  # t1: 2800 bytes = 6 blocks; swap its first two blocks (same words, other order)
     bad = payload.clone()
     bad[s.offset:s.offset + ALIGN], bad[s.offset + ALIGN:s.offset + 2 * ALIGN] = (
         payload[s.offset + ALIGN:s.offset + 2 * ALIGN].clone(), payload[s.offset:s.offset + ALIGN].clone())
-    assert [a != b for a, b in zip(sums, payload_checksums(m, bad))] == [x.name == "t1" for x in m.specs]
+    assert [a != b for a, b in zip(sums, payload_checksums(m, bad, algo))] == [x.name == "t1" for x in m.specs]
 
 
 def test_bad_pushes_are_refused_before_any_byte_moves():
@@ -71,11 +74,14 @@ def test_bad_pushes_are_refused_before_any_byte_moves():
         Manifest.of({})
     with pytest.raises(ValueError, match="multiple of 512"):
         next(PayloadWriter({"a": torch.ones(3)}).chunks(torch.empty(1000, dtype=torch.uint8)))
+    with pytest.raises(ValueError, match="not one of crc32, block16"):
+        PayloadWriter({"a": torch.ones(3)}, algo="md5")
+    assert PayloadWriter({"a": torch.ones(3)}, checksum=False).checksums() is None
 
 
 # ---- the Receiver, in process --------------------------------------------------------------------------------
-def _push(receiver, tensors, version, corrupt=None, chunks=None):
-    m, payload, sums, _ = _payload(tensors)
+def _push(receiver, tensors, version, corrupt=None, chunks=None, algo="crc32"):
+    m, payload, sums, _ = _payload(tensors, algo=algo)
     if corrupt is not None:
         payload[corrupt] ^= 1
     receiver.begin(version, m)
@@ -90,7 +96,7 @@ def test_receiver_applies_only_whole_verified_pushes(engine, base_out):
     r = Receiver(engine, sh.ADAPTER, readback=True)
     v0 = engine.weight_version
     good = sh.adapter_tensors(trainer)
-    res = _push(r, good, v0 + 1)
+    res = _push(r, good, v0 + 1, algo="block16")  # the GPU algorithm, here on CPU
     assert res["checksum_match"] is True and res["readback_match"] is True and res["version"] == v0 + 1
     want = _expected(1)
     assert sh.engine_outputs(engine) == want != base_out and engine.weight_version == v0 + 1

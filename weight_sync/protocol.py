@@ -11,17 +11,22 @@ finite; only then does it copy the tensors in place into the engine's buffers (c
 engine's `weight_version`. Any failure discards the staging contents: the engine keeps serving the old version.
 Versions only move forward.
 
-Checksum (`block_sums`, `tensor_checksums`): a two-sum Fletcher-style code over the payload read as 16-bit words,
-computed with torch on the payload's device (no host copy of the data): for each ALIGN-byte block, s1 = sum of
-its words and s2 = sum of word x (position in block + 1); a tensor's checksum combines its blocks' sums with the
-block index (see `tensor_checksums`). All sums are exact in int64 (no overflow for tensors under 2^31 blocks). It detects any corrupted
-16-bit word, and reordered words or blocks; it is an integrity check, not a cryptographic one.
+Checksums (per tensor; the sender names the algorithm in its commit, the receiver recomputes with it):
+* `crc32` (payloads packed in host memory): zlib's CRC-32 of the tensor's bytes (padding excluded), computed
+  chunk by chunk as the bytes are packed; ~2.4 GB/s on one core, where the torch code below is ~10x slower.
+* `block16` (payloads packed on a GPU): a two-sum Fletcher-style code over the payload read as 16-bit words,
+  computed with torch on the payload's device (no host copy of the data): for each ALIGN-byte block, s1 = sum of
+  its words and s2 = sum of word x (position in block + 1); a tensor's checksum combines its blocks' sums with
+  the block index (see `tensor_checksums`). All sums are exact in int64 (no overflow for tensors under 2^31
+  blocks). It detects any corrupted 16-bit word, and reordered words or blocks.
+Both are integrity checks against transport faults, not cryptographic ones.
 
 Legend: B payload bytes, W 16-bit words, N blocks.
 """
 from __future__ import annotations
 
 import math
+import zlib
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
@@ -31,6 +36,7 @@ ALIGN = 512  # bytes: every tensor starts at a multiple of this in the payload; 
 _WORDS = ALIGN // 2
 _MOD = 65521  # largest prime below 2^16: the block-index weight, kept small so sums stay exact in int64
 _CHECKSUM_SLICE = 64 * 2**20  # bytes per block-sum pass (bounds the int64 temporaries to 4x this)
+CHECKSUM_ALGOS = ("crc32", "block16")
 
 
 class SyncError(RuntimeError):
@@ -163,19 +169,33 @@ def tensor_checksums(manifest: Manifest, sums_N2: torch.Tensor) -> list[int]:
     return out
 
 
-def payload_checksums(manifest: Manifest, payload_u8: torch.Tensor) -> list[int]:
-    """tensor_checksums of a whole payload held in one buffer."""
-    return tensor_checksums(manifest, block_sums(payload_u8[:manifest.total_bytes]))
+def payload_checksums(manifest: Manifest, payload_u8: torch.Tensor, algo: str) -> list[int]:
+    """Per-tensor checksums (`algo`, one of CHECKSUM_ALGOS) of a whole payload held in one buffer."""
+    if algo == "block16":
+        return tensor_checksums(manifest, block_sums(payload_u8[:manifest.total_bytes]))
+    if algo == "crc32":
+        host = payload_u8[:manifest.total_bytes].cpu()
+        return [_crc32(host[s.offset:s.offset + s.nbytes]) for s in manifest.specs]
+    raise ValueError(f"checksum algorithm {algo!r} is not one of {', '.join(CHECKSUM_ALGOS)}")
+
+
+def _crc32(host_u8: torch.Tensor, value: int = 0) -> int:
+    return zlib.crc32(memoryview(host_u8.numpy()), value) if host_u8.numel() else value
 
 
 class PayloadWriter:
     """Sender side: packs a push's tensors chunk by chunk into a bounded transfer buffer and computes the
-    per-tensor checksums of exactly the bytes it packed (on the buffer's device)."""
+    per-tensor checksums of exactly the bytes it packed: `crc32` for a host buffer, `block16` (on the device)
+    for a GPU buffer, unless `algo` forces one; `checksum=False` computes none."""
 
-    def __init__(self, tensors: Mapping[str, torch.Tensor], checksum: bool = True):
+    def __init__(self, tensors: Mapping[str, torch.Tensor], checksum: bool = True, algo: str | None = None):
         self.tensors = dict(tensors)
         self.manifest = Manifest.of(self.tensors)
-        self._sums: list[torch.Tensor] | None = [] if checksum else None
+        if algo is not None and algo not in CHECKSUM_ALGOS:
+            raise ValueError(f"checksum algorithm {algo!r} is not one of {', '.join(CHECKSUM_ALGOS)}")
+        self.checksum, self.algo = checksum, algo
+        self._sums: list[torch.Tensor] = []
+        self._crcs = [0] * len(self.manifest.specs)
 
     def chunks(self, buffer_u8: torch.Tensor) -> Iterator[tuple[int, int]]:
         """For each chunk: packs payload bytes [offset, offset + nbytes) into buffer_u8[:nbytes] and yields
@@ -184,18 +204,33 @@ class PayloadWriter:
         size = buffer_u8.numel()
         if size < ALIGN or size % ALIGN:
             raise ValueError(f"transfer buffer: {size} bytes is not a positive multiple of {ALIGN}")
+        if self.algo is None:
+            self.algo = "block16" if buffer_u8.is_cuda else "crc32"
         for start in range(0, self.manifest.total_bytes, size):
             n = min(size, self.manifest.total_bytes - start)
             pack_range(self.manifest, self.tensors, buffer_u8[:n], start)
-            if self._sums is not None:
-                self._sums.append(block_sums(buffer_u8[:n]))
+            if self.checksum:
+                self._add_checksums(buffer_u8[:n], start)
             yield start, n
 
-    def checksums(self) -> list[int] | None:
-        """Per-tensor checksums of everything `chunks` packed (None when checksums are off)."""
-        if self._sums is None:
+    def _add_checksums(self, chunk_u8: torch.Tensor, start: int) -> None:
+        if self.algo == "block16":
+            self._sums.append(block_sums(chunk_u8))
+            return
+        host = chunk_u8.cpu()
+        end = start + chunk_u8.numel()
+        for i, s in enumerate(self.manifest.specs):
+            lo, hi = max(s.offset, start), min(s.offset + s.nbytes, end)
+            if lo < hi:
+                self._crcs[i] = _crc32(host[lo - start:hi - start], self._crcs[i])
+
+    def checksums(self) -> tuple[str, list[int]] | None:
+        """(algorithm, per-tensor checksums) of everything `chunks` packed (None when checksums are off)."""
+        if not self.checksum:
             return None
-        return tensor_checksums(self.manifest, torch.cat([s.cpu() for s in self._sums]))
+        if self.algo == "block16":
+            return "block16", tensor_checksums(self.manifest, torch.cat([s.cpu() for s in self._sums]))
+        return "crc32", list(self._crcs)
 
 
 # ---- reports -----------------------------------------------------------------------------------------------

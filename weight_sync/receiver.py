@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from miles_k3.weight_sync.protocol import ALIGN, Manifest, SyncError, payload_checksums
+from miles_k3.weight_sync.protocol import ALIGN, CHECKSUM_ALGOS, Manifest, SyncError, payload_checksums
 
 log = logging.getLogger("miles_k3.weight_sync")
 
@@ -73,8 +73,9 @@ class Receiver:
         self.chunk_view(offset, data_u8.numel()).copy_(data_u8)
         self.mark_received(offset, data_u8.numel())
 
-    def commit(self, version: int, checksums: list[int] | None) -> dict:
-        """Verify the open push (all bytes, per-tensor checksums when given, finite values), apply it in place and
+    def commit(self, version: int, checksums: tuple[str, list[int]] | None) -> dict:
+        """Verify the open push (all bytes, per-tensor checksums when given as (algorithm, values), finite values),
+        apply it in place and
         set the engine's weight_version. Returns {"version", "bytes", "seconds", "checksum_match",
         "readback_match"}. On any failure raises SyncError; nothing is applied."""
         txn = self._need_txn()
@@ -88,10 +89,11 @@ class Receiver:
         staging = self._staging[:m.total_bytes]
         match = None
         if checksums is not None:
-            if len(checksums) != len(m.specs):
-                raise self._fail(f"commit carries {len(checksums)} checksums for {len(m.specs)} tensors")
-            got = payload_checksums(m, staging)
-            bad = [s.name for s, a, b in zip(m.specs, got, checksums) if a != b]
+            algo, sums = checksums
+            if algo not in CHECKSUM_ALGOS or len(sums) != len(m.specs):
+                raise self._fail(f"commit carries {len(sums)} {algo!r} checksums for {len(m.specs)} tensors")
+            got = payload_checksums(m, staging, algo)
+            bad = [s.name for s, a, b in zip(m.specs, got, sums) if a != b]
             if bad:
                 raise self._fail(f"checksum mismatch in tensor {bad[0]} ({len(bad)} tensor(s) differ): the bytes "
                                  f"were corrupted in transit", bad[0])
