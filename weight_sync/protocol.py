@@ -17,15 +17,17 @@ Checksums (per tensor; the sender names the algorithm in its commit, the receive
 * `block16` (payloads packed on a GPU): a two-sum Fletcher-style code over the payload read as 16-bit words,
   computed with torch on the payload's device (no host copy of the data): for each ALIGN-byte block, s1 = sum of
   its words and s2 = sum of word x (position in block + 1); a tensor's checksum combines its blocks' sums with
-  the block index (see `tensor_checksums`). All sums are exact in int64 (no overflow for tensors under 2^31
-  blocks). It detects any corrupted 16-bit word, and reordered words or blocks.
+  the block index (see `tensor_checksums`). All sums are exact in int64 for payloads up to ~4 GiB (beyond,
+  the running sums wrap modulo 2^64, identically on both sides). It detects any corrupted 16-bit word, and reordered words or blocks.
 Both are integrity checks against transport faults, not cryptographic ones.
 
 Legend: B payload bytes, W 16-bit words, N blocks.
 """
 from __future__ import annotations
 
+import functools
 import math
+import operator
 import zlib
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -118,15 +120,39 @@ def byte_view(t: torch.Tensor) -> torch.Tensor:
 
 def pack_range(manifest: Manifest, tensors: Mapping[str, torch.Tensor], dst_u8: torch.Tensor, start: int) -> None:
     """Write payload bytes [start, start + len(dst_u8)) into dst_u8: the tensors' bytes at their offsets, zeros
-    in the padding. `start` and len(dst_u8) are multiples of ALIGN (except a final partial chunk's length)."""
-    end = start + dst_u8.numel()
-    dst_u8.zero_()
-    for s in manifest.specs:
-        lo, hi = max(s.offset, start), min(s.offset + s.nbytes, end)
-        if lo >= hi:
-            continue
-        src = byte_view(tensors[s.name])
-        dst_u8[lo - start:hi - start].copy_(src[lo - s.offset:hi - s.offset])
+    in the padding. `start` and len(dst_u8) are multiples of ALIGN (except a final partial chunk's length).
+    One multi-tensor copy; the byte views are cached for a repeated pack of the same tensors (same objects at the
+    same addresses) into the same buffer range, whose padding is then still zero and is not written again."""
+    key = (dst_u8.data_ptr(), dst_u8.numel(), dst_u8.device, start)
+    vals = [tensors[sp.name] for sp in manifest.specs]
+    plan = _PACK_PLANS.get(key)
+    if plan is None or not plan.holds(vals):
+        plan = _PackPlan(manifest, vals, dst_u8, start)
+        _PACK_PLANS.clear()  # one buffer layout at a time: another pack may have overwritten this one's padding
+        _PACK_PLANS[key] = plan
+        dst_u8.zero_()
+    if plan.dst:
+        torch._foreach_copy_(plan.dst, plan.src)
+
+
+class _PackPlan:
+    """The byte views one pack_range copies: src slices of the tensors, dst slices of the buffer."""
+
+    def __init__(self, manifest: Manifest, vals: list[torch.Tensor], dst_u8: torch.Tensor, start: int):
+        end = start + dst_u8.numel()
+        self.vals, self.ptrs, self.src, self.dst = vals, [t.data_ptr() for t in vals], [], []
+        for sp, t in zip(manifest.specs, vals):
+            lo, hi = max(sp.offset, start), min(sp.offset + sp.nbytes, end)
+            if lo < hi:
+                self.src.append(byte_view(t)[lo - sp.offset:hi - sp.offset])
+                self.dst.append(dst_u8[lo - start:hi - start])
+
+    def holds(self, vals: list[torch.Tensor]) -> bool:
+        return (len(vals) == len(self.vals) and all(map(operator.is_, vals, self.vals))
+                and [t.data_ptr() for t in vals] == self.ptrs and all(t.is_contiguous() for t in vals))
+
+
+_PACK_PLANS: dict[tuple, _PackPlan] = {}
 
 
 # ---- checksums ---------------------------------------------------------------------------------------------
@@ -150,23 +176,31 @@ def block_sums(payload_u8: torch.Tensor) -> torch.Tensor:
 def tensor_checksums(manifest: Manifest, sums_N2: torch.Tensor) -> list[int]:
     """Per tensor of the manifest, from the payload's block sums: S1 | (S2 << 64) where S1 = sum of its blocks'
     s1 (< 2^63) and S2 = sum over its blocks i (counted from the tensor's first) of s2_i + ((i + 1) mod 65521) * s1_i."""
-    n = sums_N2.shape[0]
-    block = torch.arange(n, dtype=torch.int64, device=sums_N2.device)
-    first = torch.zeros(n, dtype=torch.int64, device=sums_N2.device)
-    starts = [s.blocks.start for s in manifest.specs]
-    if starts:
-        idx = torch.tensor(starts, dtype=torch.int64, device=sums_N2.device)
-        first.scatter_(0, idx, idx)
-        first = torch.cummax(first, 0).values  # each block's tensor start block (blocks are in tensor order)
-    weighted = sums_N2[:, 1] + ((block - first + 1) % _MOD) * sums_N2[:, 0]
+    idx = _checksum_index(manifest, sums_N2.shape[0], sums_N2.device)
+    weighted = sums_N2[:, 1] + idx.rel * sums_N2[:, 0]
     cum = torch.cumsum(torch.stack([sums_N2[:, 0], weighted], 1), 0)
-    cum = torch.cat([torch.zeros(1, 2, dtype=torch.int64, device=cum.device), cum]).cpu()
-    out = []
-    for s in manifest.specs:
-        r = s.blocks
-        s1, s2 = (cum[r.stop] - cum[r.start]).tolist()
-        out.append(s1 | (s2 << 64))
-    return out
+    cum = torch.cat([torch.zeros(1, 2, dtype=torch.int64, device=cum.device), cum])
+    return [s1 | (s2 << 64) for s1, s2 in (cum[idx.stops] - cum[idx.starts]).tolist()]  # [tensors, 2] to host
+
+
+@dataclass(frozen=True)
+class _ChecksumIndex:
+    rel: torch.Tensor  # [N] int64: (block index within its tensor + 1) mod 65521
+    starts: torch.Tensor  # [tensors] first block of each tensor
+    stops: torch.Tensor  # [tensors] one past its last block
+
+
+@functools.lru_cache(maxsize=8)
+def _checksum_index(manifest: Manifest, n: int, device: torch.device) -> _ChecksumIndex:
+    """Per manifest, built once on the host and moved to `device` (repeated pushes reuse it)."""
+    starts = torch.tensor([s.blocks.start for s in manifest.specs], dtype=torch.int64)
+    stops = torch.tensor([s.blocks.stop for s in manifest.specs], dtype=torch.int64)
+    first = torch.zeros(n, dtype=torch.int64)
+    if len(starts):
+        first.scatter_(0, starts, starts)
+        first = torch.cummax(first, 0).values  # each block's tensor start block (blocks are in tensor order)
+    rel = (torch.arange(n) - first + 1) % _MOD
+    return _ChecksumIndex(rel.to(device), starts.to(device), stops.to(device))
 
 
 def payload_checksums(manifest: Manifest, payload_u8: torch.Tensor, algo: str) -> list[int]:

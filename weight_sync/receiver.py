@@ -38,6 +38,9 @@ class Receiver:
         self._txn: _Txn | None = None
         self.last_error: str | None = None
         self.last_version: int = engine.weight_version
+        self._checked: Manifest | None = None  # the last manifest that passed _check_manifest
+        self._view_key: tuple | None = None
+        self._view_cache: dict[str, torch.Tensor] = {}
 
     # ---- transaction -------------------------------------------------------------------------------------
     def begin(self, version: int, manifest: Manifest) -> None:
@@ -47,12 +50,14 @@ class Receiver:
             self.abort(f"version {self._txn.version} superseded by a new push before its commit")
         try:
             self._check_version(version)
-            self._check_manifest(manifest)
+            if manifest != self._checked:  # a trainer pushes one layout over and over: check it once
+                self._check_manifest(manifest)
+                self._checked = manifest
         except SyncError as e:
             self.last_error = str(e)
             raise
         if self._staging is None or self._staging.numel() < manifest.total_bytes:
-            self._staging = None  # free the old one before allocating the larger one
+            self._staging = self._view_cache = self._view_key = None  # free the old staging first
             self._staging = torch.empty(manifest.total_bytes, dtype=torch.uint8, device=self.device)
         self._txn = _Txn(version, manifest, 0, time.perf_counter())
 
@@ -98,7 +103,7 @@ class Receiver:
                 raise self._fail(f"checksum mismatch in tensor {bad[0]} ({len(bad)} tensor(s) differ): the bytes "
                                  f"were corrupted in transit", bad[0])
             match = True
-        views = {s.name: staging[s.offset:s.offset + s.nbytes].view(s.torch_dtype).view(s.shape) for s in m.specs}
+        views = self._views(m, staging)
         try:
             self.engine.update_weights_from_tensor(views, lora_name=self.adapter, weight_version=version)
         except ValueError as e:
@@ -161,6 +166,16 @@ class Receiver:
                 raise SyncError(f"tensor {s.name}: byte range [{s.offset}, {s.offset + s.nbytes}) is not a valid "
                                 f"aligned, non-overlapping range for {s.dtype} {list(s.shape)}", s.name)
             end = s.offset + s.nbytes
+
+    def _views(self, m: Manifest, staging: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The pushed tensors as views of staging; the same view objects for a repeated layout (so the engine's
+        copy recognises them and skips its per-tensor checks)."""
+        key = (m, staging.data_ptr())
+        if self._view_key != key:
+            self._view_key = key
+            self._view_cache = {s.name: staging[s.offset:s.offset + s.nbytes].view(s.torch_dtype).view(s.shape)
+                                for s in m.specs}
+        return self._view_cache
 
     def _readback(self, views: dict[str, torch.Tensor]) -> bool:
         """Debug: every byte of the engine's buffers equals the staged tensors cast to the buffers' dtypes."""
