@@ -178,8 +178,9 @@ def tensor_checksums(manifest: Manifest, sums_N2: torch.Tensor) -> list[int]:
     s1 (< 2^63) and S2 = sum over its blocks i (counted from the tensor's first) of s2_i + ((i + 1) mod 65521) * s1_i."""
     idx = _checksum_index(manifest, sums_N2.shape[0], sums_N2.device)
     weighted = sums_N2[:, 1] + idx.rel * sums_N2[:, 0]
-    cum = torch.cumsum(torch.stack([sums_N2[:, 0], weighted], 1), 0)
-    cum = torch.cat([torch.zeros(1, 2, dtype=torch.int64, device=cum.device), cum])
+    zero = torch.zeros(1, dtype=torch.int64, device=sums_N2.device)
+    # two 1-D scans: a scan along dim 0 of an [N, 2] tensor runs one thread per column on CUDA (~45 ms at N=466k)
+    cum = torch.stack([torch.cat([zero, torch.cumsum(col.contiguous(), 0)]) for col in (sums_N2[:, 0], weighted)], 1)
     return [s1 | (s2 << 64) for s1, s2 in (cum[idx.stops] - cum[idx.starts]).tolist()]  # [tensors, 2] to host
 
 
