@@ -216,3 +216,38 @@ def test_engine_samples_carry_the_version_they_were_sampled_with(engine):
     out = engine.generate(input_ids=sh.PROMPTS, sampling_params=sh.GREEDY, lora=sh.ADAPTER)
     assert {sample_version(r) for r in out} == {v}
     assert account(out, v + 2, 1).weights == [0.0] * len(out)
+
+
+# ---- the config-selected channel -----------------------------------------------------------------------------
+def test_config_selects_the_transport_and_both_sides_work(engine):
+    import secrets
+
+    from miles_k3.weight_sync.channel import open_receiver, open_sender
+    from miles_k3.weight_sync.config import WeightSyncConfig
+    from miles_k3.weight_sync.ipc import socket_address
+
+    tensors = sh.adapter_tensors(sh.trainer_model(seed=8))
+    local = open_sender(WeightSyncConfig(readback=True), engine=engine)
+    v = engine.weight_version + 1
+    assert local.transport == "local" and local.push(tensors, v).readback_match is True
+    cfg = WeightSyncConfig(transport="ipc", buffer_mb=1, readback=True, timeout_s=30)
+    address, key = socket_address("cfg"), secrets.token_bytes(16)
+    server = open_receiver(cfg, engine, address=address, authkey=key)  # in this process, on its own thread
+    try:
+        sender = open_sender(cfg, address=address, authkey=key)
+        tensors = sh.adapter_tensors(sh.trainer_model(seed=9))
+        rep = sender.push(tensors, v + 1)
+        assert (sender.transport, rep.checksum_match, rep.readback_match, rep.version) == ("ipc", True, True, v + 1)
+        assert rep.num_chunks == 1 and engine.weight_version == v + 1
+        assert sh.engine_outputs(engine) == _expected(9)
+        sender.close()
+    finally:
+        server.stop()
+    with pytest.raises(ValueError, match="pass engine="):
+        open_sender(WeightSyncConfig())
+    with pytest.raises(ValueError, match="address= and the shared authkey="):
+        open_sender(WeightSyncConfig(transport="ipc"))
+    with pytest.raises(ValueError, match="no receiver side"):
+        open_receiver(WeightSyncConfig(), engine)
+    with pytest.raises(ValueError, match="transport: 'smoke'"):
+        open_sender(WeightSyncConfig(transport="smoke"), engine=engine)
