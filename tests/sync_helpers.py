@@ -45,10 +45,12 @@ def adapter_tensors(model) -> dict[str, torch.Tensor]:
     return lora_state_dict(model)
 
 
-def engine_with_adapter(decode: str = "eager") -> RolloutEngine:
-    """An engine over the base, adapter "policy" registered with all-zero tensors (serves the base model)."""
+def engine_with_adapter(decode: str = "eager", device: str | torch.device = "cpu") -> RolloutEngine:
+    """An engine over the base (built on the CPU as everywhere, then moved to `device`), adapter "policy"
+    registered with all-zero tensors (serves the base model)."""
     trainer = base_model()
     apply_lora(trainer, LORA)  # lora_B = 0: the adapter starts as the identity
+    trainer = trainer.to(device)
     engine = RolloutEngine(trainer, EngineConfig(memory_budget_bytes=4 * 2**20, max_context=64, page_size=4,
                                                  prefill_chunk=4, decode=decode), lora=LORA)
     engine.load_lora_adapter_from_tensors(ADAPTER, {n: torch.zeros_like(t) for n, t in

@@ -341,26 +341,12 @@ def _nccl_trainer(res: dict, dump) -> None:
     dist.destroy_process_group()
 
 
-def _engine_on(device: torch.device, h):
-    """sync_helpers.engine_with_adapter on `device` (the base built on CPU, as on the trainer, then moved)."""
-    from miles_k3.model.lora import apply_lora
-    from miles_k3.rollout.engine import EngineConfig, RolloutEngine
-    model = h.base_model()
-    apply_lora(model, h.LORA)
-    model = model.to(device)
-    engine = RolloutEngine(model, EngineConfig(memory_budget_bytes=4 * 2**20, max_context=64, page_size=4,
-                                               prefill_chunk=4, decode="eager"), lora=h.LORA)
-    engine.load_lora_adapter_from_tensors(h.ADAPTER, {n: torch.zeros_like(t) for n, t in
-                                                      h.adapter_tensors(model).items()}, h.LORA)
-    return engine
-
-
 def _nccl_engine(res: dict, dump) -> None:
     from miles_k3.weight_sync.dist import DistReceiver
     from miles_k3.weight_sync.local import LocalChannel
     h = _helpers()
     device = torch.device("cuda", 1) if dist.get_backend() == "nccl" else torch.device("cpu")
-    engine = _engine_on(device, h)
+    engine = h.engine_with_adapter(device=device)
     res["base"] = h.engine_outputs(engine)
     recv = DistReceiver(engine, h.ADAPTER, src=0, readback=True)
     res["direct"] = recv.direct
@@ -368,7 +354,7 @@ def _nccl_engine(res: dict, dump) -> None:
     res["closed"], res["last_error"], res["version"] = recv.closed, recv.last_error, engine.weight_version
     res["digest"] = _digest(engine.adapters.buffers(h.ADAPTER))
     res["outputs"] = h.engine_outputs(engine)
-    ref = _engine_on(device, h)  # the same adapter pushed in-process: the same kernels on the same device
+    ref = h.engine_with_adapter(device=device)  # the same adapter pushed in-process: the same kernels on the same device
     LocalChannel(ref, h.ADAPTER).push({n: t.to(device) for n, t in h.adapter_tensors(h.trainer_model(1)).items()}, 1)
     res["reference"] = h.engine_outputs(ref)
     dist.destroy_process_group()

@@ -45,28 +45,13 @@ def _digest(tensors: dict) -> str:
     return h.hexdigest()
 
 
-def _build_engine(device: str):
-    if device == "cpu":
-        return sh.engine_with_adapter()
-    from miles_k3.model.lora import apply_lora
-    from miles_k3.rollout.engine import EngineConfig, RolloutEngine
-    model = sh.base_model()
-    apply_lora(model, sh.LORA)
-    model = model.to(device)
-    engine = RolloutEngine(model, EngineConfig(memory_budget_bytes=4 * 2**20, max_context=64, page_size=4,
-                                               prefill_chunk=4, decode="eager"), lora=sh.LORA)
-    engine.load_lora_adapter_from_tensors(sh.ADAPTER, {n: torch.zeros_like(t) for n, t in
-                                                       sh.adapter_tensors(model).items()}, sh.LORA)
-    return engine
-
-
 def _engine_main(conn, address: str, device: str, timeout_s: float) -> None:
     """The engine process: serves pushes over ipc and answers the test's commands ("generate", "state", "stop")
     on `conn` with ("ok", value) or ("error", traceback)."""
     _child_setup()
     import traceback
     try:
-        engine = _build_engine(device)
+        engine = sh.engine_with_adapter(device=device)
         server = IPCReceiverServer(engine, sh.ADAPTER, address, AUTHKEY, readback=True, timeout_s=timeout_s).start()
         conn.send(("ok", sh.engine_outputs(engine, None)))  # base outputs (also warms the engine up)
         while True:
@@ -364,7 +349,7 @@ def test_cuda_ipc_buffer_is_exported_once_and_pushes_apply():
     bytes and generates what a reference engine in this process generates with the same tensors pushed locally
     (same kernels, same device: the same tokens; a CPU-vs-CUDA comparison would test numerics, not transport)."""
     engine = EngineProc(device="cuda", timeout_s=30.0)
-    reference = _build_engine("cuda")
+    reference = sh.engine_with_adapter(device="cuda")
     try:
         trainer = sh.trainer_model(seed=1).to("cuda")
         with IPCSender(engine.address, AUTHKEY, buffer_bytes=BUFFER, device="cuda") as sender:

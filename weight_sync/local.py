@@ -58,7 +58,7 @@ class LocalChannel:
         return self._bytes
 
     def close(self) -> None:
-        pass
+        """Nothing to release: a local channel holds no buffer and no connection."""
 
 
 def _device_sync(tensors: Mapping[str, torch.Tensor]):
