@@ -42,7 +42,14 @@ from collections.abc import Mapping
 import torch
 import torch.distributed as dist
 
-from miles_k3.weight_sync.protocol import ALIGN, Manifest, PayloadWriter, PushReport, SyncError
+from miles_k3.weight_sync.protocol import (
+    ALIGN,
+    Manifest,
+    PayloadWriter,
+    PushReport,
+    SyncError,
+    clear_pack_cache,
+)
 from miles_k3.weight_sync.receiver import Receiver
 
 DEFAULT_BUFFER_BYTES = 64 * 2**20
@@ -176,6 +183,7 @@ class DistSender:
         if not self.closed and self.broken is None:
             self.peers.bcast_object(("close",))
         self.closed = True
+        clear_pack_cache()
 
     # ---- steps -------------------------------------------------------------------------------------------
     def _transact(self, writer: PayloadWriter, chunks: list[tuple[int, int]], version: int) -> list:

@@ -47,7 +47,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from miles_k3.weight_sync.protocol import ALIGN, Manifest, PayloadWriter, PushReport, SyncError
+from miles_k3.weight_sync.protocol import (
+    ALIGN,
+    Manifest,
+    PayloadWriter,
+    PushReport,
+    SyncError,
+    clear_pack_cache,
+)
 from miles_k3.weight_sync.receiver import Receiver
 
 if TYPE_CHECKING:
@@ -74,6 +81,7 @@ class _Resources:
 def _release(res: _Resources) -> None:
     """Say bye, close the connection, drop the buffer, close and unlink the shared memory. Never raises."""
     _drop_connection(res, say_bye=True)
+    clear_pack_cache()  # its views of the buffer would keep the shared memory mapped
     res.buffer = None  # the frombuffer view holds an export of shm.buf: drop it before shm.close()
     shm, res.shm = res.shm, None
     if shm is not None:

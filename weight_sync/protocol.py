@@ -155,6 +155,12 @@ class _PackPlan:
 _PACK_PLANS: dict[tuple, _PackPlan] = {}
 
 
+def clear_pack_cache() -> None:
+    """Drop the cached pack views (they hold the last buffer and tensors alive): a sender's close() calls it
+    before it releases its transfer buffer."""
+    _PACK_PLANS.clear()
+
+
 # ---- checksums ---------------------------------------------------------------------------------------------
 def block_sums(payload_u8: torch.Tensor) -> torch.Tensor:
     """payload_u8 [B] (B a multiple of ALIGN) -> sums_N2 [N, 2] int64: per ALIGN-byte block, (s1, s2) over its
