@@ -142,6 +142,11 @@ def test_receiver_refuses_out_of_order_chunks_and_a_commit_of_another_version(en
     tensors = sh.adapter_tensors(sh.trainer_model(seed=3))
     m, payload, sums, _ = _payload(tensors)
     v = engine.weight_version + 1
+    gap = [list(row) for row in m.to_wire()]  # a manifest with a 1 TB hole: refused before any allocation
+    gap[-1][3] += 2**40
+    with pytest.raises(SyncError, match="not the next aligned range") as e:
+        r.begin(v, Manifest.from_wire(gap))
+    assert e.value.tensor == gap[-1][0] and r._staging is None
     r.begin(v, m)
     with pytest.raises(SyncError, match="out of order"):
         r.write(1024, payload[1024:2048])

@@ -58,7 +58,11 @@ class Receiver:
             raise
         if self._staging is None or self._staging.numel() < manifest.total_bytes:
             self._staging = self._view_cache = self._view_key = None  # free the old staging first
-            self._staging = torch.empty(manifest.total_bytes, dtype=torch.uint8, device=self.device)
+            try:
+                self._staging = torch.empty(manifest.total_bytes, dtype=torch.uint8, device=self.device)
+            except RuntimeError as e:  # out of memory: refuse this push, keep serving
+                self.last_error = f"staging buffer of {manifest.total_bytes} bytes on {self.device}: {e}"
+                raise SyncError(f"push of version {version} refused: {self.last_error}") from None
         self._txn = _Txn(version, manifest, 0, time.perf_counter())
 
     def chunk_view(self, offset: int, nbytes: int) -> torch.Tensor:
@@ -162,9 +166,10 @@ class Receiver:
             numel = 1
             for d in s.shape:
                 numel *= d
-            if s.nbytes != numel * dtype.itemsize or s.offset < end or s.offset % ALIGN:
-                raise SyncError(f"tensor {s.name}: byte range [{s.offset}, {s.offset + s.nbytes}) is not a valid "
-                                f"aligned, non-overlapping range for {s.dtype} {list(s.shape)}", s.name)
+            if s.nbytes != numel * dtype.itemsize or s.offset != (end + ALIGN - 1) // ALIGN * ALIGN:
+                raise SyncError(f"tensor {s.name}: byte range [{s.offset}, {s.offset + s.nbytes}) is not the next "
+                                f"aligned range for {s.dtype} {list(s.shape)} (payloads are packed back to back, "
+                                f"as Manifest.of lays them out)", s.name)
             end = s.offset + s.nbytes
 
     def _views(self, m: Manifest, staging: torch.Tensor) -> dict[str, torch.Tensor]:
