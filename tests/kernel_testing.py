@@ -70,6 +70,19 @@ def ulps16(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (ordered16(a) - ordered16(b)).abs()
 
 
+def cuda_kernels(fn) -> list[str]:
+    """Names of the CUDA kernels one call of `fn` launches (torch.profiler); a first call, outside the profile,
+    compiles / warms up."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
 def capture(step, warmups: int = 1):
     """Run `step()` `warmups` times on a side stream (kernels compile, allocations settle), then capture one call
     in a CUDA graph; returns (graph, the captured call's outputs). Call under torch.no_grad() as needed."""

@@ -25,7 +25,7 @@ import os
 
 import pytest
 import torch
-from kernel_testing import capture, gpu_test, print_results, ulps16
+from kernel_testing import capture, cuda_kernels, gpu_test, print_results, ulps16
 from torch import nn
 
 from miles_k3.model import layers
@@ -339,8 +339,6 @@ def test_gpu_layers_dispatch_to_fused(monkeypatch):
 @gpu_test
 def test_gpu_fused_path_launch_counts():
     """torch.profiler: the fused RMSNorm and SiTU-GLU are one kernel, AttnRes two (stack + mix)."""
-    from torch.profiler import ProfilerActivity, profile
-
     norm, mix_norm, proj, x, srcs, g, u = _k3m_modules(torch.bfloat16)
     calls = {"rms_norm": lambda: norm(x), "attn_res_mix": lambda: attn_res_mix(srcs, mix_norm, proj),
              "situ_glu": lambda: situ_glu(g, u, 4.0, 25.0)}
@@ -348,12 +346,7 @@ def test_gpu_fused_path_launch_counts():
 
     def kernels(fn, reference: bool) -> list[str]:
         with torch.no_grad(), reference_kernels(reference):
-            fn()  # compile / warm up outside the profile
-            torch.cuda.synchronize()
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                fn()
-                torch.cuda.synchronize()
-        return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+            return cuda_kernels(fn)
 
     for name, fn in calls.items():
         got, ref = kernels(fn, False), kernels(fn, True)

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_testing import capture, gpu_test, print_results, ulps16
+from kernel_testing import capture, cuda_kernels, gpu_test, print_results, ulps16
 from torch import nn
 
 from miles_k3.kernels.kda_decode import gated_head_norm_reference, short_conv_step_reference
@@ -369,8 +369,6 @@ def _k3m_step_inputs(b: int, n_pad: int, act: torch.dtype = BF16, seed: int = 0)
 @gpu_test
 def test_gpu_one_launch_each():
     """torch.profiler: each call is exactly one kernel (today's torch code is ~10 each)."""
-    from torch.profiler import ProfilerActivity, profile
-
     from miles_k3.kernels.kda_decode import gated_head_norm, short_conv_step
 
     slots, pool, weights, x, o, gate, nw = _k3m_step_inputs(64, 0)
@@ -378,12 +376,7 @@ def test_gpu_one_launch_each():
              "_gated_head_norm_kernel": lambda: gated_head_norm(o, gate, nw, 1e-5, BF16)}
     with torch.no_grad():
         for name, fn in calls.items():
-            fn()  # compile outside the profile
-            torch.cuda.synchronize()
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                fn()
-                torch.cuda.synchronize()
-            kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+            kernels = cuda_kernels(fn)
             assert len(kernels) == 1 and name in kernels[0], (name, kernels)
 
 

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_testing import capture, gpu_test, print_results
+from kernel_testing import capture, cuda_kernels, gpu_test, print_results
 from torch import nn
 
 from miles_k3.kernels.router import topk_route_reference
@@ -376,17 +376,6 @@ def test_gpu_special_values():
     check_special_values("cuda", BF16)
 
 
-def _cuda_kernels(fn) -> list[str]:
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()  # compile / warm up outside the profile
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-
-
 @pytest.mark.parametrize("shape", ["k3m", "K2"])
 @gpu_test
 def test_gpu_one_launch(shape):
@@ -399,11 +388,11 @@ def test_gpu_one_launch(shape):
 
     dims = {"k3m": K3M, "K2": K2}[shape]
     x, w, b = (t.cuda() for t in _inputs(64, dims["d"], dims["e"], BF16))
-    kernels = _cuda_kernels(lambda: topk_route(x, w, b, dims["k"], True, 2.5))
+    kernels = cuda_kernels(lambda: topk_route(x, w, b, dims["k"], True, 2.5))
     assert len(kernels) == 1 and "_topk_route_kernel" in kernels[0], kernels
     router = _router(BF16, True, 2.5, e=dims["e"], k=dims["k"], d=dims["d"]).cuda()
     with torch.no_grad():
-        kernels = _cuda_kernels(lambda: router(x))
+        kernels = cuda_kernels(lambda: router(x))
         if router.weight.numel() <= ROUTER_KERNEL_MAX_WEIGHT:
             assert shape == "k3m"
             assert len(kernels) == 1 and "_topk_route_kernel" in kernels[0], kernels
@@ -411,7 +400,7 @@ def test_gpu_one_launch(shape):
             assert shape == "K2"
             assert len(kernels) >= 5 and not any("_topk_route_kernel" in k for k in kernels), kernels
         with reference_kernels():
-            torch_kernels = _cuda_kernels(lambda: router(x))
+            torch_kernels = cuda_kernels(lambda: router(x))
     assert len(torch_kernels) >= 5 and not any("_topk_route_kernel" in k for k in torch_kernels), torch_kernels
 
 
