@@ -39,23 +39,19 @@ from miles_k3.rollout.engine import EngineConfig, RolloutEngine
 from miles_k3.weight_sync.dist import DistReceiver, DistSender
 from miles_k3.weight_sync.ipc import IPCReceiverServer, IPCSender, socket_address
 from miles_k3.weight_sync.local import LocalChannel
+from miles_k3.weight_sync.protocol import sync_devices
 
 BUFFER_BYTES = 512 * 2**20  # the default sync.buffer_mb
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def median_s(fn, repeats: int, device: torch.device) -> float:
     fn()  # warm-up
     times = []
     for _ in range(repeats):
-        sync(device)
+        sync_devices({device})
         t0 = time.perf_counter()
         fn()
-        sync(device)
+        sync_devices({device})
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
 

@@ -49,6 +49,7 @@ from miles_k3.weight_sync.protocol import (
     PushReport,
     SyncError,
     clear_pack_cache,
+    sync_devices,
 )
 from miles_k3.weight_sync.receiver import Receiver
 
@@ -86,11 +87,6 @@ def _byte_buffer(nbytes: int, device: torch.device) -> torch.Tensor:
 
 def _chunks(total: int, chunk_bytes: int) -> list[tuple[int, int]]:
     return [(off, min(chunk_bytes, total - off)) for off in range(0, total, chunk_bytes)]
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 class _Peers:
@@ -171,7 +167,7 @@ class DistSender:
             self.broken = f"{type(e).__name__}: {e}"
             raise SyncError(f"dist push of version {version} failed: the process group broke ({self.broken}); "
                             f"receivers may not have applied it; a new group is needed") from e
-        _sync(self.device)
+        sync_devices({self.device})
         seconds = time.perf_counter() - self._t0
         results = [s[1] for rank, s in statuses if rank != self.peers.src]
         return PushReport(version, self.transport, writer.manifest.total_bytes, seconds,

@@ -54,6 +54,7 @@ from miles_k3.weight_sync.protocol import (
     PushReport,
     SyncError,
     clear_pack_cache,
+    sync_devices,
 )
 from miles_k3.weight_sync.receiver import Receiver
 
@@ -145,13 +146,13 @@ class IPCSender:
             raise SyncError("ipc sender is closed")
         writer = PayloadWriter(tensors, self.checksum)
         self._connect()
-        _sync_cuda({t.device for t in writer.tensors.values()} | {self.device})  # pending trainer work: not timed
+        sync_devices({t.device for t in writer.tensors.values()} | {self.device})  # pending trainer work: not timed
         t0 = time.perf_counter()
         self._request(("begin", version, writer.manifest.to_wire()), "ok", f"begin of version {version}")
         chunks = 0
         try:
             for offset, nbytes in writer.chunks(self._res.buffer):
-                _sync_cuda({self.device})  # the chunk is packed (cross-device copies too) before it is read
+                sync_devices({self.device})  # the chunk is packed (cross-device copies too) before it is read
                 self._request(("chunk", offset, nbytes), "ack", f"chunk {chunks} of version {version}")
                 chunks += 1
             checksums = writer.checksums()
@@ -274,13 +275,6 @@ def _open_connection(address: str, authkey: bytes, timeout_s: float) -> Connecti
         conn.close()
         raise
     return conn
-
-
-def _sync_cuda(devices) -> None:
-    """Wait for the current stream of every CUDA device in `devices` (CPU devices are skipped)."""
-    for d in devices:
-        if d.type == "cuda":
-            torch.cuda.current_stream(d).synchronize()
 
 
 # ---- the receiver (engine process) -----------------------------------------------------------------------------
@@ -477,7 +471,7 @@ class IPCReceiverServer:
         if not 0 < nbytes <= a.buffer.numel():
             raise SyncError(f"chunk of {nbytes} bytes does not fit the {a.buffer.numel()}-byte transfer buffer")
         self.receiver.write(offset, a.buffer[:nbytes])
-        _sync_cuda({a.buffer.device, self.receiver.device})  # copied before the sender reuses the buffer
+        sync_devices({a.buffer.device, self.receiver.device})  # copied before the sender reuses the buffer
         return ("ack",)
 
 

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 
 import torch
 
-from miles_k3.weight_sync.protocol import PushReport, SyncError
+from miles_k3.weight_sync.protocol import PushReport, SyncError, readback_matches, sync_devices
 
 
 class LocalChannel:
@@ -33,20 +33,19 @@ class LocalChannel:
         `version` (> the engine's current version). Raises SyncError (nothing applied) on any mismatch."""
         if not tensors:
             raise SyncError("empty push: no tensors given (a push must carry the whole adapter)")
-        sync = _device_sync(tensors)
-        sync()
+        devices = {next(iter(tensors.values())).device}
+        sync_devices(devices)  # pending trainer work is not the push's time
         t0 = time.perf_counter()
         try:
             self.engine.update_weights_from_tensor(tensors, lora_name=self.adapter, weight_version=version)
         except ValueError as e:
             raise SyncError(f"push of version {version} refused: {e}",
                             next((n for n in tensors if n in str(e)), None)) from None
-        sync()
+        sync_devices(devices)
         seconds = time.perf_counter() - t0
         readback = None
         if self.readback:
-            bufs = self.engine.adapters.buffers(self.adapter)
-            readback = all(torch.equal(bufs[n], t.to(bufs[n].dtype)) for n, t in tensors.items())
+            readback = readback_matches(self.engine.adapters.buffers(self.adapter), tensors)
         return PushReport(version, self.transport, self._nbytes(tensors), seconds, len(tensors), 1, None, readback)
 
     def _nbytes(self, tensors: Mapping[str, torch.Tensor]) -> int:
@@ -59,11 +58,3 @@ class LocalChannel:
 
     def close(self) -> None:
         """Nothing to release: a local channel holds no buffer and no connection."""
-
-
-def _device_sync(tensors: Mapping[str, torch.Tensor]):
-    """A function that waits for the CUDA work on the tensors' device (timing covers the copy itself)."""
-    dev = next(iter(tensors.values())).device
-    if dev.type == "cuda":
-        return lambda: torch.cuda.synchronize(dev)
-    return lambda: None

@@ -274,6 +274,18 @@ class PayloadWriter:
         return "crc32", list(self._crcs)
 
 
+def readback_matches(buffers: Mapping[str, torch.Tensor], tensors: Mapping[str, torch.Tensor]) -> bool:
+    """Debug readback: every byte of the engine's `buffers` equals `tensors` cast to the buffers' dtypes."""
+    return all(torch.equal(buffers[n], t.to(buffers[n].dtype)) for n, t in tensors.items())
+
+
+def sync_devices(devices) -> None:
+    """Wait for the current stream of every CUDA device in `devices` (CPU devices need no wait)."""
+    for d in devices:
+        if d.type == "cuda":
+            torch.cuda.current_stream(d).synchronize()
+
+
 # ---- reports -----------------------------------------------------------------------------------------------
 @dataclass
 class PushReport:

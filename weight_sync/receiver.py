@@ -8,12 +8,20 @@ allocated once (grown only when a larger push arrives) on the engine's device. S
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass
 
 import torch
 
-from miles_k3.weight_sync.protocol import ALIGN, CHECKSUM_ALGOS, Manifest, SyncError, payload_checksums
+from miles_k3.weight_sync.protocol import (
+    ALIGN,
+    CHECKSUM_ALGOS,
+    Manifest,
+    SyncError,
+    payload_checksums,
+    readback_matches,
+)
 
 log = logging.getLogger("miles_k3.weight_sync")
 
@@ -37,7 +45,6 @@ class Receiver:
         self._staging: torch.Tensor | None = None
         self._txn: _Txn | None = None
         self.last_error: str | None = None
-        self.last_version: int = engine.weight_version
         self._checked: Manifest | None = None  # the last manifest that passed _check_manifest
         self._view_key: tuple | None = None
         self._view_cache: dict[str, torch.Tensor] = {}
@@ -113,9 +120,8 @@ class Receiver:
         except ValueError as e:
             bad = next((n for n in views if n in str(e)), None)
             raise self._fail(f"engine refused the push: {e}", bad) from None
-        readback = self._readback(views) if self.readback else None
+        readback = readback_matches(self.engine.adapters.buffers(self.adapter), views) if self.readback else None
         self._txn = None
-        self.last_version = version
         return {"version": version, "bytes": m.total_bytes, "seconds": time.perf_counter() - txn.started,
                 "checksum_match": match, "readback_match": readback}
 
@@ -132,7 +138,7 @@ class Receiver:
 
     # ---- checks ------------------------------------------------------------------------------------------
     def _check_version(self, version: int) -> None:
-        current = max(self.engine.weight_version, self.last_version)
+        current = self.engine.weight_version
         if version <= current:
             raise SyncError(f"version {version}: versions only move forward; the engine serves version "
                             f"{current}")
@@ -163,10 +169,7 @@ class Receiver:
             if s.shape != shape:
                 raise SyncError(f"tensor {s.name}: shape {list(s.shape)} but the engine's buffer is "
                                 f"{list(shape)}", s.name)
-            numel = 1
-            for d in s.shape:
-                numel *= d
-            if s.nbytes != numel * dtype.itemsize or s.offset != (end + ALIGN - 1) // ALIGN * ALIGN:
+            if s.nbytes != math.prod(s.shape) * dtype.itemsize or s.offset != (end + ALIGN - 1) // ALIGN * ALIGN:
                 raise SyncError(f"tensor {s.name}: byte range [{s.offset}, {s.offset + s.nbytes}) is not the next "
                                 f"aligned range for {s.dtype} {list(s.shape)} (payloads are packed back to back, "
                                 f"as Manifest.of lays them out)", s.name)
@@ -181,11 +184,6 @@ class Receiver:
             self._view_cache = {s.name: staging[s.offset:s.offset + s.nbytes].view(s.torch_dtype).view(s.shape)
                                 for s in m.specs}
         return self._view_cache
-
-    def _readback(self, views: dict[str, torch.Tensor]) -> bool:
-        """Debug: every byte of the engine's buffers equals the staged tensors cast to the buffers' dtypes."""
-        bufs = self.engine.adapters.buffers(self.adapter)
-        return all(torch.equal(bufs[n], v.to(bufs[n].dtype)) for n, v in views.items())
 
     def _need_txn(self) -> _Txn:
         if self._txn is None:
