@@ -50,7 +50,7 @@ from miles_k3.kernels.fused import _ROUND_KIND, ACT_DTYPES, _interpreting, _on_d
 
 SLOT_DTYPES = (torch.int32, torch.int64)
 
-MAX_CONV_BLOCK_C = 64  # channels per short-conv program: on the H200 (B = 256, C = 3072) 64 takes 14.5 us, 512 takes 20
+MAX_CONV_BLOCK_C = 64  # channels per program; H200, B=256, C=3072: 14.5 us vs 20 at 512 (benchmarks/micro_decode_gpu.py)
 MAX_NORM_TILE = 4096  # fp32 values per gated-norm program (heads x head dim); K3 / k3_m: 8 heads x 128 = 1024
 MAX_HEAD_DIM = 8192  # a head must fit one program's tile
 
