@@ -1,5 +1,5 @@
-"""PushCopier: repeated pushes of the same tensors skip the per-tensor checks (CPU, CUDA) and run as two captured
-CUDA graphs (GPU), yet every push is still value-checked and all-or-nothing."""
+"""PushCopier: repeated pushes of the same tensors skip the per-tensor checks (CPU, CUDA) and run as one captured
+CUDA graph (GPU), yet every push is still value-checked and all-or-nothing."""
 import pytest
 import torch
 from kernel_testing import gpu_test
@@ -33,7 +33,7 @@ def _check(device, monkeypatch, graphs: bool):
         cp.copy(src)
         assert all(torch.equal(buffers[n], t) for n, t in src.items()), step
     assert len(calls) == 1  # validated once: the same objects at the same addresses afterwards
-    assert (cp._graphs is not None) == graphs
+    assert (cp._graph is not None) == graphs
     before = {n: b.clone() for n, b in buffers.items()}
     name = "t17"
     with torch.no_grad():
@@ -47,11 +47,11 @@ def _check(device, monkeypatch, graphs: bool):
         src[name].nan_to_num_(0.0)
     views = {n: t.detach() for n, t in src.items()}  # new objects over the same storage: re-checked once
     cp.copy(views)
-    assert len(calls) == 2 and (cp._graphs is not None) == graphs
+    assert len(calls) == 2 and (cp._graph is not None) == graphs
     assert all(torch.equal(buffers[n], t) for n, t in src.items())
     moved = {n: t.clone() + 1 for n, t in src.items()}  # new storage: re-checked, graphs dropped
     cp.copy(moved)
-    assert len(calls) == 3 and cp._graphs is None
+    assert len(calls) == 3 and cp._graph is None
     assert all(torch.equal(buffers[n], t) for n, t in moved.items())
     with pytest.raises(ValueError, match="tensor t5 has"):
         cp.copy({**moved, "t5": moved["t5"].t().contiguous()} if moved["t5"].shape[0] != moved["t5"].shape[1]
@@ -64,5 +64,5 @@ def test_cpu_repeated_pushes_skip_the_checks_but_not_the_values(monkeypatch):
 
 
 @gpu_test
-def test_gpu_repeated_pushes_replay_two_graphs_and_stay_all_or_nothing(monkeypatch):
+def test_gpu_repeated_pushes_replay_one_graph_and_stay_all_or_nothing(monkeypatch):
     _check("cuda", monkeypatch, graphs=True)
