@@ -51,6 +51,27 @@ def test_payload_layout_is_aligned_grouped_by_dtype_and_round_trips(algo):
     assert Manifest.from_wire(m.to_wire()) == m
 
 
+def test_manifest_is_reused_only_for_the_same_names_shapes_and_dtypes():
+    ts = {"a": torch.zeros(3, 4), "b": torch.zeros(5, dtype=torch.bfloat16)}
+    m = Manifest.of(ts)
+    assert Manifest.of({"a": torch.ones(3, 4), "b": torch.ones(5, dtype=torch.bfloat16)}) is m  # new values
+    for changed in ({"a": torch.zeros(4, 3), "b": ts["b"]}, {"a": ts["a"], "b": torch.zeros(5)},
+                    {"a": ts["a"], "c": ts["b"]}):
+        m2 = Manifest.of(changed)
+        assert m2 is not m and m2 != m
+        assert [(s.name, s.shape, s.dtype) for s in m2.specs] == sorted(
+            ((n, tuple(t.shape), str(t.dtype).removeprefix("torch.")) for n, t in changed.items()),
+            key=lambda x: x[2])
+    wire = Manifest.of(ts).to_wire()
+    assert Manifest.from_wire(list(wire)) is Manifest.from_wire(list(wire))  # a receiver's repeated layout
+    moved = [(n, shape, dt, off + ALIGN, nb) for n, shape, dt, off, nb in wire]
+    assert [s.offset for s in Manifest.from_wire(moved).specs] == [off + ALIGN for _, _, _, off, _ in wire]
+    with pytest.raises(SyncError, match="tensor b: expected a torch.Tensor, got list"):
+        Manifest.of({"a": ts["a"], "b": [1.0]})
+    with pytest.raises(SyncError, match="tensor b: expected a torch.Tensor, got ndarray"):
+        Manifest.of({"a": ts["a"], "b": ts["a"].numpy()})
+
+
 @pytest.mark.parametrize("algo", ["crc32", "block16"])
 def test_checksum_names_exactly_the_tensor_with_a_changed_word_or_swapped_blocks(algo):
     g = torch.Generator().manual_seed(1)

@@ -1,8 +1,9 @@
 """The `local` transport: trainer and engine in the same process (colocated). A push copies the trainer's tensors
 straight into the engine's adapter buffers (one multi-tensor copy, cast to the buffers' dtype where it differs):
 no transfer buffer and no staging copy. Repeated pushes of the same tensors (the trainer's LoRA parameters)
-skip the per-tensor checks and, on CUDA, run as two captured graphs (`miles_k3.rollout.push_copy`). All-or-nothing comes from checking everything first (names, shapes,
-dtypes, finite values: `RolloutEngine.update_weights_from_tensor`), since nothing can corrupt bytes between two
+skip the per-tensor checks and, on CUDA, run as one captured graph of a checked copy (`miles_k3.rollout.push_copy`,
+`miles_k3.kernels.checked_copy`). All-or-nothing comes from checking everything before any byte moves (names,
+shapes, dtypes, finite values: `RolloutEngine.update_weights_from_tensor`), since nothing can corrupt bytes between two
 tensors of one process, so no checksum is computed (the report's checksum_match is None). `readback=True` (debug)
 compares every byte of the engine's buffers with the trainer's tensors after the push.
 """

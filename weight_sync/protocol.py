@@ -87,15 +87,16 @@ class Manifest:
         vals = list(tensors.values())
         try:
             key = (tuple(tensors), tuple(t.shape for t in vals), tuple(t.dtype for t in vals))
-        except AttributeError:  # not a tensor: the loop below names it
-            key = None
-        if key is not None and _LAST_MANIFEST and _LAST_MANIFEST[0] == key:
+        except AttributeError:  # not a tensor
+            name, t = next((n, t) for n, t in tensors.items() if not isinstance(t, torch.Tensor))
+            raise SyncError(f"tensor {name}: expected a torch.Tensor, got {type(t).__name__}", name) from None
+        if _LAST_MANIFEST and _LAST_MANIFEST[0] == key:
             return _LAST_MANIFEST[1]
         order = sorted(tensors, key=lambda n: str(tensors[n].dtype))  # stable: mapping order within a dtype
         specs, offset = [], 0
         for name in order:
             t = tensors[name]
-            if not isinstance(t, torch.Tensor):
+            if not isinstance(t, torch.Tensor):  # e.g. a numpy array (it has a shape and a dtype)
                 raise SyncError(f"tensor {name}: expected a torch.Tensor, got {type(t).__name__}", name)
             nbytes = t.numel() * t.element_size()
             specs.append(TensorSpec(name, tuple(t.shape), str(t.dtype).removeprefix("torch."), offset, nbytes))
