@@ -1,0 +1,453 @@
+"""Evaluation and training problems (id, problem text, gold answer) loaded through Hugging Face `datasets`.
+
+`load_problems(DatasetConfig)` reads a hub dataset (`HuggingFaceH4/aime_2024`, ...), a local `.jsonl`, `.json`
+(a list of objects, or JSON Lines) or `.parquet` file, or a directory written by `Dataset.save_to_disk`, and
+returns `Problem`s whose answers keep the form they have in the data ("033" stays "033"; graders normalise).
+Input is checked where it enters: every failure is a `DatasetError` naming the file (or hub id), the row, the
+field and the fix. JSON files are scanned by us before `datasets` reads them, so that a malformed line is named
+by its number and a column holding both strings and numbers (which `datasets` would turn into a JSON column,
+reading the string "033" back as the number 33) is rejected instead of silently losing the answer's form.
+Hub datasets users evaluate on are registered as presets (`register_preset`): their split and columns; no
+data is shipped. `datasets` is imported inside the functions that need it (GPU hosts may lack it).
+"""
+from __future__ import annotations
+
+import json
+import math
+import re
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+LOCAL_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+"""Local file suffix -> the `datasets` builder that reads it."""
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
+_SHOWN = 60
+
+
+@dataclass
+class DatasetConfig:
+    """Where the problems come from and which columns hold the problem, the gold answer and the id."""
+
+    source: str = "HuggingFaceH4/aime_2024"
+    """A hub dataset id (owner/name), or a local .jsonl / .json / .parquet file, or a directory saved by
+    `datasets` (save_to_disk)."""
+    split: str | None = None
+    """The split to read; None: the preset's split for a known hub id (e.g. "test" for math-ai/aime25), else
+    "train". A local file has only the split "train"."""
+    problem_field: str | None = None
+    """The column with the problem text; None: "problem" if the data has it, else "question"."""
+    answer_field: str = "answer"
+    """The column with the gold answer (a string keeps its form; a number becomes its str(), 33 -> "33")."""
+    id_field: str | None = None
+    """The column with a unique problem id; None: "id" if the data has it, else the row index ("0", "1", ...)."""
+    limit: int | None = None
+    """Use only the first `limit` rows (None: all)."""
+    revision: str | None = None
+    """Hub revision (branch, tag or commit) of a hub dataset; None: the default branch."""
+
+    def validate(self) -> None:
+        if not isinstance(self.source, str) or not self.source.strip():
+            raise ValueError(f"source: must be a hub id (owner/name) or a path to a .jsonl/.json/.parquet file, "
+                             f"got {self.source!r}")
+        for name in ("split", "problem_field", "id_field", "revision"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value.strip()):
+                raise ValueError(f"{name}: must be a non-empty string or None (unset), got {value!r}")
+        if not isinstance(self.answer_field, str) or not self.answer_field.strip():
+            raise ValueError(f"answer_field: must name the column holding the gold answer, got "
+                             f"{self.answer_field!r}")
+        if self.limit is not None and (isinstance(self.limit, bool) or not isinstance(self.limit, int)
+                                       or self.limit < 1):
+            raise ValueError(f"limit: must be >= 1 (or None for all rows), got {self.limit!r}")
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One problem: a unique `id`, the `problem` text and the gold `answer` as a string in its data form."""
+
+    id: str
+    problem: str
+    answer: str
+
+
+class DatasetError(ValueError):
+    """The data cannot be used: the message names the file or hub id, the row and field, and the fix."""
+
+
+# ---- hub presets ----------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class HubPreset:
+    """A hub dataset we know: the split to read by default and its columns (for messages and tests)."""
+
+    split: str
+    columns: tuple[str, ...]
+
+
+PRESETS: dict[str, HubPreset] = {}
+
+
+def register_preset(hub_id: str, split: str, columns: tuple[str, ...]) -> None:
+    """Make `hub_id` known: DatasetConfig(source=hub_id) reads `split` when no split is set."""
+    PRESETS[hub_id] = HubPreset(split, tuple(columns))
+
+
+register_preset("HuggingFaceH4/aime_2024", "train", ("id", "problem", "solution", "answer", "url", "year"))
+register_preset("math-ai/aime25", "test", ("problem", "answer", "id"))
+register_preset("AI-MO/aimo-validation-aime", "train", ("id", "problem", "solution", "answer", "url"))
+
+
+def default_split(source: str) -> str:
+    """The split read when DatasetConfig.split is None: the preset's for a known hub id, else "train"."""
+    preset = PRESETS.get(source)
+    return preset.split if preset is not None else "train"
+
+
+# ---- loading ----------------------------------------------------------------------------------------------------
+@dataclass
+class _Table:
+    """A loaded dataset and how to name its rows in messages. `raw` and `lines`: the JSON rows as parsed by
+    us (to tell a missing key from a null) and their line numbers (None where unknown)."""
+
+    label: str
+    ds: Any
+    raw: list[dict] | None = None
+    lines: list[int | None] | None = None
+
+    def row(self, i: int) -> str:
+        """"row i", with its line number when known: "row 3 (line 5)"."""
+        line = self.lines[i] if self.lines is not None else None
+        return f"row {i}" + (f" (line {line})" if line is not None else "")
+
+    def where(self, i: int) -> str:
+        return f"{self.label} {self.row(i)}"
+
+
+def load_problems(cfg: DatasetConfig) -> list[Problem]:
+    """The problems of `cfg.source` in data order (the first `cfg.limit` rows when set).
+
+    Rows are counted from 0 in messages (as the ids made from row indexes are). Raises DatasetError for any
+    problem with the data, ValueError (from `cfg.validate()`) for a bad config value.
+    """
+    cfg.validate()
+    table = _load_table(cfg)
+    if len(table.ds) == 0:
+        raise DatasetError(f"{table.label} has no rows; point data.source at a dataset with problems")
+    fields = _resolve_fields(table, cfg)
+    if cfg.limit is not None and cfg.limit < len(table.ds):
+        table.ds = table.ds.select(range(cfg.limit))
+    problems = _rows_to_problems(table, *fields)
+    _check_unique_ids(table, problems, fields[2])
+    return problems
+
+
+def _load_table(cfg: DatasetConfig) -> _Table:
+    path = Path(cfg.source).expanduser()
+    if path.exists():
+        return _load_local(path, cfg)
+    if _looks_like_path(cfg.source):
+        raise DatasetError(f"data.source: no such file {path} (working directory {Path.cwd()}); fix the path, or "
+                           "give a hub id such as HuggingFaceH4/aime_2024")
+    return _load_hub(cfg)
+
+
+def _looks_like_path(source: str) -> bool:
+    """A source that cannot be a hub id: a known file suffix, an absolute/relative/home path, or several '/'."""
+    return (Path(source).suffix.lower() in LOCAL_FORMATS or source.startswith(("/", ".", "~"))
+            or "\\" in source or not _HUB_ID.match(source))
+
+
+def _load_local(path: Path, cfg: DatasetConfig) -> _Table:
+    if path.is_dir():
+        return _load_saved(path, cfg)
+    fmt = path.suffix.lower()
+    if fmt not in LOCAL_FORMATS:
+        raise DatasetError(f"data.source {path}: unsupported file type '{path.suffix}'; use a .jsonl, .json or "
+                           ".parquet file, or a directory written by datasets' save_to_disk")
+    if cfg.split not in (None, "train"):
+        raise DatasetError(f"data.split={cfg.split!r}: a local file has one split, 'train'; unset data.split "
+                           f"(for {path})")
+    raw, lines = _scan_json(path, fmt, cfg) if fmt != ".parquet" else _scan_parquet(path)
+    ds = _read_file(path, LOCAL_FORMATS[fmt], fmt.lstrip("."))
+    if raw is not None and len(raw) != len(ds):
+        raw, lines = None, None  # datasets read the rows differently from us: name rows without line numbers
+    return _Table(str(path), ds, raw, lines)
+
+
+def _read_file(path: Path, builder: str, kind: str):
+    import datasets
+
+    with _quiet_progress():
+        try:
+            return datasets.load_dataset(builder, data_files=str(path), split="train")
+        except Exception as e:  # datasets and pyarrow raise many types; the cause is what the user needs
+            raise DatasetError(f"data file {path} could not be read as {kind}: {_cause(e)}") from e
+
+
+def _load_saved(path: Path, cfg: DatasetConfig) -> _Table:
+    import datasets
+
+    if not ((path / "state.json").is_file() or (path / "dataset_dict.json").is_file()):
+        raise DatasetError(f"data.source {path} is a directory but not one written by datasets' save_to_disk "
+                           "(no state.json or dataset_dict.json in it); point data.source at a .jsonl, .json "
+                           "or .parquet file")
+    try:
+        loaded = datasets.load_from_disk(str(path))
+    except Exception as e:
+        raise DatasetError(f"data directory {path} could not be read by datasets.load_from_disk: {_cause(e)}") from e
+    if not isinstance(loaded, datasets.DatasetDict):
+        if cfg.split not in (None, "train"):
+            raise DatasetError(f"data.split={cfg.split!r}: {path} holds one dataset, not splits; unset data.split")
+        return _Table(str(path), loaded)
+    split = cfg.split or "train"
+    if split not in loaded:
+        raise DatasetError(f"data directory {path} has no split {split!r} (splits: {', '.join(loaded)}); set "
+                           "data.split to one of them")
+    return _Table(f"{path} [{split}]", loaded[split])
+
+
+def _load_hub(cfg: DatasetConfig) -> _Table:
+    import datasets
+
+    split = cfg.split or default_split(cfg.source)
+    rev = f" at revision {cfg.revision!r}" if cfg.revision else ""
+    try:
+        ds = datasets.load_dataset(cfg.source, split=split, revision=cfg.revision)
+    except Exception as e:
+        if isinstance(e, ValueError) and ("Unknown split" in str(e) or "Bad split" in str(e)):
+            raise DatasetError(f"data.split: hub dataset {cfg.source!r}{rev} has no split {split!r} ({e}); set "
+                               "data.split to one of its splits") from e
+        raise DatasetError(
+            f"data.source: could not load hub dataset {cfg.source!r} split {split!r}{rev}: {_cause(e)}. Reading "
+            "it needs network access to the Hugging Face hub (or a copy in the local datasets cache); without "
+            "it, copy the data here and use a local copy: data.source=/path/file.jsonl (no local file named "
+            f"{cfg.source!r} exists either)") from e
+    return _Table(f"hub dataset {cfg.source} [{split}]", ds)
+
+
+def _cause(e: BaseException) -> str:
+    """The innermost explicit cause's message (datasets wraps pyarrow errors in generic ones)."""
+    while e.__cause__ is not None:
+        e = e.__cause__
+    text = str(e).strip() or type(e).__name__
+    return text if len(text) <= 500 else text[:500] + "..."
+
+
+@contextmanager
+def _quiet_progress():
+    """No "Generating train split" progress bars while a local file is read; the previous state is restored."""
+    import datasets
+
+    was_disabled = datasets.are_progress_bars_disabled()
+    datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        if not was_disabled:
+            datasets.enable_progress_bars()
+
+
+def _scan_parquet(path: Path) -> tuple[None, None]:
+    """Check the file is parquet with rows (datasets fails obscurely on an empty one)."""
+    import pyarrow.parquet as pq
+
+    try:
+        num_rows = pq.ParquetFile(path).metadata.num_rows
+    except Exception as e:
+        raise DatasetError(f"data file {path} could not be read as parquet: {_cause(e)}") from e
+    if num_rows == 0:
+        raise DatasetError(f"{path} has no rows; point data.source at a dataset with problems")
+    return None, None
+
+
+# ---- our scan of JSON files ------------------------------------------------------------------------------------
+def _scan_json(path: Path, fmt: str, cfg: DatasetConfig) -> tuple[list[dict], list[int | None]]:
+    """The rows of a .jsonl / .json file and their line numbers, after checking the file parses, every row is
+    an object, and the columns that may be mapped do not mix JSON types."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise DatasetError(f"data file {path} could not be read as {fmt.lstrip('.')}: {e}") from e
+    if fmt == ".json" and text.lstrip().startswith("["):
+        rows, lines = _scan_json_list(path, text), None
+    elif fmt == ".json" and _is_multiline_object(text):
+        raise DatasetError(f"{path}: holds a single JSON object; expected a list of objects [{{...}}, ...] or "
+                           "one object per line")
+    else:
+        rows, lines = _scan_json_lines(path, text)
+    if not rows:
+        raise DatasetError(f"{path} has no rows; write one JSON object per problem")
+    _check_kinds(path, rows, lines, _candidate_fields(cfg))
+    return rows, lines or [None] * len(rows)
+
+
+def _scan_json_lines(path: Path, text: str) -> tuple[list[dict], list[int]]:
+    rows, lines = [], []
+    for num, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DatasetError(f"{path} line {num}: not valid JSON ({e.msg} at column {e.colno}); write one "
+                               "JSON object per line") from None
+        if not isinstance(row, dict):
+            raise DatasetError(f"{path} line {num}: expected a JSON object, got {type(row).__name__} "
+                               f"{_show(row)}")
+        rows.append(row)
+        lines.append(num)
+    return rows, lines
+
+
+def _scan_json_list(path: Path, text: str) -> list[dict]:
+    try:
+        rows = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise DatasetError(f"{path} line {e.lineno}: not valid JSON ({e.msg} at column {e.colno}); a .json "
+                           "file holds a list of objects, or one object per line") from None
+    if not isinstance(rows, list):
+        raise DatasetError(f"{path}: expected a list of objects, got {type(rows).__name__}")
+    bad = next((i for i, r in enumerate(rows) if not isinstance(r, dict)), None)
+    if bad is not None:
+        raise DatasetError(f"{path} row {bad}: expected a JSON object, got {type(rows[bad]).__name__} "
+                           f"{_show(rows[bad])}")
+    return rows
+
+
+def _is_multiline_object(text: str) -> bool:
+    try:
+        return isinstance(json.loads(text), dict) and "\n" in text.strip()
+    except json.JSONDecodeError:
+        return False
+
+
+def _candidate_fields(cfg: DatasetConfig) -> list[str]:
+    """The keys that may become the problem, answer or id columns."""
+    problem = [cfg.problem_field] if cfg.problem_field else ["problem", "question"]
+    return [*problem, cfg.answer_field, cfg.id_field or "id"]
+
+
+def _json_kind(value: Any) -> str | None:
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, (int, float)):
+        return "number"
+    return {str: "string", list: "array", dict: "object"}[type(value)]
+
+
+def _check_kinds(path: Path, rows: list[dict], lines: list[int] | None, fields: list[str]) -> None:
+    for name in dict.fromkeys(fields):
+        first: tuple[str, int] | None = None
+        for i, row in enumerate(rows):
+            kind = _json_kind(row.get(name))
+            if kind is None:
+                continue
+            if first is None:
+                first = (kind, i)
+            elif kind != first[0]:
+                raise DatasetError(
+                    f"{path} {_at(lines, i)}: field {name!r} is a {kind} but a {first[0]} at "
+                    f"{_at(lines, first[1])}; a field must have one type in every row (datasets would read "
+                    f"\"033\" back as 33): write every {name!r} as a string")
+
+
+def _at(lines: list[int] | None, i: int) -> str:
+    return f"line {lines[i]}" if lines else f"row {i}"
+
+
+# ---- rows -> problems --------------------------------------------------------------------------------------------
+def _resolve_fields(table: _Table, cfg: DatasetConfig) -> tuple[str, str, str | None]:
+    """(problem column, answer column, id column or None for row indexes), each checked to be a column."""
+    cols = list(table.ds.column_names)
+    problem = cfg.problem_field or ("problem" if "problem" in cols else "question")
+    id_field = cfg.id_field or ("id" if "id" in cols else None)
+    for option, name in (("problem_field", problem), ("answer_field", cfg.answer_field), ("id_field", id_field)):
+        if name is not None and name not in cols:
+            hint = ("no 'problem' or 'question' column; " if option == "problem_field" and not cfg.problem_field
+                    else f"no column {name!r}; ")
+            raise DatasetError(f"{table.label}: {hint}the columns are {', '.join(cols)}; set data.{option}= "
+                               "to the column that holds it")
+    return problem, cfg.answer_field, id_field
+
+
+def _rows_to_problems(table: _Table, problem_f: str, answer_f: str, id_f: str | None) -> list[Problem]:
+    ds = table.ds.select_columns([c for c in dict.fromkeys((problem_f, answer_f, id_f)) if c is not None])
+    problems = []
+    options = {"problem_field": problem_f, "answer_field": answer_f, "id_field": id_f}
+    for i, row in enumerate(ds):
+        for option, name in options.items():
+            if name is not None:
+                _check_present(table, i, name, option)
+        problems.append(Problem(id=_id_text(table, i, id_f, row), problem=_problem_text(table, i, problem_f, row),
+                                answer=_answer_text(table, i, answer_f, row)))
+    return problems
+
+
+def _check_present(table: _Table, i: int, name: str, option: str) -> None:
+    """A JSON row without the key at all (datasets fills it with null): say so, listing the keys it has."""
+    if table.raw is not None and name not in table.raw[i]:
+        raise DatasetError(f"{table.where(i)}: missing field {name!r} (fields present: "
+                           f"{', '.join(table.raw[i]) or 'none'}); add it, or set data.{option}= to the field "
+                           "that holds it")
+
+
+def _problem_text(table: _Table, i: int, name: str, row: dict) -> str:
+    value = row[name]
+    if value is None or (isinstance(value, str) and not value.strip()):
+        raise DatasetError(f"{table.where(i)}: field {name!r} (the problem) is {_emptiness(value)}; every row "
+                           "needs the problem text: fill it in or drop the row")
+    if not isinstance(value, str):
+        raise DatasetError(f"{table.where(i)}: field {name!r} (the problem) must be text, got "
+                           f"{type(value).__name__} {_show(value)}; set data.problem_field= to the text column")
+    return value
+
+
+def _answer_text(table: _Table, i: int, name: str, row: dict) -> str:
+    """The gold answer as a string in its data form: strings as they are, numbers as str() (33 -> "33")."""
+    value = row[name]
+    if value is None or (isinstance(value, str) and not value.strip()) or _is_nan(value):
+        raise DatasetError(f"{table.where(i)}: field {name!r} (the gold answer) is {_emptiness(value)}; every "
+                           "row needs a gold answer: fill it in or drop the row")
+    if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+        raise DatasetError(f"{table.where(i)}: field {name!r} (the gold answer) must be a string or a number, "
+                           f"got {type(value).__name__} {_show(value)}; set data.answer_field= to the answer column")
+    return value if isinstance(value, str) else str(value)
+
+
+def _id_text(table: _Table, i: int, name: str | None, row: dict) -> str:
+    if name is None:
+        return str(i)
+    value = row[name]
+    if value is None or (isinstance(value, str) and not value.strip()) or _is_nan(value):
+        raise DatasetError(f"{table.where(i)}: field {name!r} (the id) is {_emptiness(value)}; give every row "
+                           "an id, or unset data.id_field and drop the 'id' column to number rows from 0")
+    if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+        raise DatasetError(f"{table.where(i)}: field {name!r} (the id) must be a string or a number, got "
+                           f"{type(value).__name__} {_show(value)}; set data.id_field= to an id column")
+    return str(value)
+
+
+def _check_unique_ids(table: _Table, problems: list[Problem], id_f: str | None) -> None:
+    seen: dict[str, int] = {}
+    for i, p in enumerate(problems):
+        if p.id in seen:
+            raise DatasetError(f"{table.label}: duplicate id {p.id!r} in {table.row(seen[p.id])} and "
+                               f"{table.row(i)} (field {id_f!r}); ids must be unique: fix the data, or set "
+                               "data.id_field= to a unique column")
+        seen[p.id] = i
+
+
+def _is_nan(value: Any) -> bool:
+    return isinstance(value, float) and math.isnan(value)
+
+
+def _emptiness(value: Any) -> str:
+    return "null" if value is None else "NaN" if _is_nan(value) else "empty"
+
+
+def _show(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= _SHOWN else text[:_SHOWN] + "..."
