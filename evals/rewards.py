@@ -1,0 +1,130 @@
+"""Training rewards: a named reward turns a batch of rollout responses and their gold answers into scores.
+
+`build_reward(cfg)` returns the reward registered as `cfg.name` (`register_reward`, `reward_names`), a callable
+`(responses, golds) -> list[RewardResult]` with an optional `close()`. The built-ins `aime` and `math` grade in a
+`GradingPool` with the grader of the same name (the one the evals use, so reward and eval cannot disagree):
+1.0 for a correct answer, 0.0 otherwise, plus `cfg.format_bonus` when the answer was written in a box.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+from miles_k3.evals.answers import RESPONSE_CHANNELS
+from miles_k3.evals.graders import MAX_RESPONSE_CHARS, Grade
+from miles_k3.evals.grading_pool import GradingPool
+
+
+@dataclass
+class RewardConfig:
+    """The reward of the RL loop: which one, its format bonus, and how its grading runs."""
+
+    name: str = "aime"
+    """A registered reward: aime (integer answers 0..999), math (math-verify), or one added by register_reward."""
+    format_bonus: float = 0.0
+    """Added when the final answer was written in \\boxed{} (correct or not); 0 = off."""
+    timeout_s: float = 5.0
+    """Grading time limit per response (a response over it scores 0, reason 'timeout')."""
+    workers: int = 1
+    """Grading worker processes."""
+    channel: str = "auto"
+    """The part of a response graded: auto, none (all), k3 (after <|open|>response<|sep|>), think (after </think>)."""
+    max_chars: int = MAX_RESPONSE_CHARS
+    """A longer final segment is graded on its last max_chars characters."""
+
+    def validate(self) -> None:
+        if self.name not in _REWARDS:
+            raise ValueError(f"name: '{self.name}' is not a registered reward; registered: "
+                             f"{', '.join(reward_names())}")
+        if not (math.isfinite(self.format_bonus) and self.format_bonus >= 0):
+            raise ValueError(f"format_bonus: must be a finite number >= 0, got {self.format_bonus}")
+        if not (math.isfinite(self.timeout_s) and self.timeout_s > 0):
+            raise ValueError(f"timeout_s: must be a finite number of seconds > 0, got {self.timeout_s}")
+        if self.workers < 1:
+            raise ValueError(f"workers: must be >= 1, got {self.workers}")
+        if self.channel not in RESPONSE_CHANNELS:
+            raise ValueError(f"channel: '{self.channel}' is not one of {', '.join(RESPONSE_CHANNELS)}")
+        if self.max_chars < 1:
+            raise ValueError(f"max_chars: must be >= 1, got {self.max_chars}")
+
+
+@dataclass(frozen=True)
+class RewardResult:
+    """One response's reward: `score` (what the RL loop optimises), whether the answer was `correct`, and
+    `reasons` for logging: {"grade": the grader's reason, "extracted": the answer found, "format": boxed?}."""
+
+    score: float
+    correct: bool
+    reasons: dict
+
+
+class RewardFn(Protocol):
+    """`(responses, golds) -> one RewardResult per response, in order`; may have `close()` (call it when done)."""
+
+    def __call__(self, responses: list[str], golds: list[str]) -> list[RewardResult]: ...
+
+
+RewardFactory = Callable[[RewardConfig], RewardFn]
+_REWARDS: dict[str, RewardFactory] = {}
+
+
+def register_reward(name: str) -> Callable[[RewardFactory], RewardFactory]:
+    """Decorator: register `factory(cfg: RewardConfig) -> RewardFn` as reward `name` (one factory per name; the
+    same function registering again, e.g. its module imported twice, is fine)."""
+    def deco(factory: RewardFactory) -> RewardFactory:
+        old = _REWARDS.get(name)
+        if old is not None and _qualname(old) != _qualname(factory):
+            raise ValueError(f"reward '{name}' is already registered (by {_qualname(old)}); pick another name")
+        _REWARDS[name] = factory
+        return factory
+    return deco
+
+
+def _qualname(fn) -> str:
+    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', fn)}"
+
+
+def reward_names() -> list[str]:
+    """The registered reward names, sorted."""
+    return sorted(_REWARDS)
+
+
+def build_reward(cfg: RewardConfig) -> RewardFn:
+    """The reward `cfg` describes (validated first: a bad field raises ValueError naming it)."""
+    cfg.validate()
+    return _REWARDS[cfg.name](cfg)
+
+
+def reward_from_grade(grade: Grade, format_bonus: float) -> RewardResult:
+    """1.0 for a fully correct grade, else 0.0, plus `format_bonus` when the answer came from a box."""
+    correct = grade.score >= 1.0
+    boxed = grade.how == "boxed"
+    score = (1.0 if correct else 0.0) + (format_bonus if boxed else 0.0)
+    return RewardResult(score, correct, {"grade": grade.reason, "extracted": grade.extracted, "format": boxed})
+
+
+class GraderReward:
+    """A reward that grades in a `GradingPool` with grader `grader` (workers start on the first call)."""
+
+    def __init__(self, grader: str, cfg: RewardConfig):
+        self.format_bonus = cfg.format_bonus
+        self.pool = GradingPool(grader, timeout_s=cfg.timeout_s, workers=cfg.workers, channel=cfg.channel,
+                                max_chars=cfg.max_chars)
+
+    def __call__(self, responses: list[str], golds: list[str]) -> list[RewardResult]:
+        return [reward_from_grade(g, self.format_bonus) for g in self.pool.grade(responses, golds)]
+
+    def close(self) -> None:
+        self.pool.close()
+
+
+@register_reward("aime")
+def aime_reward(cfg: RewardConfig) -> RewardFn:
+    return GraderReward("aime", cfg)
+
+
+@register_reward("math")
+def math_reward(cfg: RewardConfig) -> RewardFn:
+    return GraderReward("math", cfg)
