@@ -1,7 +1,7 @@
 """Atomic directory writes: build a directory under a temporary sibling name, then rename it into place.
 
 Checkpoints, adapters and (later) trainer states are directories of several files that must appear whole or
-not at all. `atomic_directory(dest, overwrite)` yields a staging directory `.NAME.tmp-*` next to `dest`; on
+not at all (`atomic_write_text` does the same for one file). `atomic_directory(dest, overwrite)` yields a staging directory `.NAME.tmp-*` next to `dest`; on
 success it gives the tree plain-mkdir permissions, fsyncs every file and directory, moves an existing `dest`
 aside, renames the staging directory to `dest` and only then deletes the old one; on any error it deletes the
 staging directory and leaves `dest` as it was. A crash leaves at most a hidden `.NAME.tmp-*` sibling behind.
@@ -65,6 +65,28 @@ def atomic_directory(dest: str | os.PathLike, overwrite: bool = False) -> Iterat
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+
+
+def atomic_write_text(dest: str | os.PathLike, text: str) -> Path:
+    """Write one file atomically: a temporary sibling, fsync, rename over `dest` (readers see the old file or
+    the new one, never a part), then fsync the directory. Returns `dest`."""
+    dest = Path(dest)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.tmp-", dir=dest.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
+        os.replace(tmp, dest)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    _fsync_dir(dest.parent)
+    return dest
 
 
 def _apply_umask(root: Path) -> None:

@@ -13,8 +13,11 @@ from hydra import compose, initialize_config_module
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
+from miles_k3.evals.harness import EvalConfig
 from miles_k3.model.build import ModelConfig
 from miles_k3.model.lora import LoRAConfig
+from miles_k3.rollout.engine import EngineConfig
+from miles_k3.tracking import TrackingConfig
 from miles_k3.weight_sync.config import WeightSyncConfig
 
 RECIPES_MODULE = "miles_k3.recipes"
@@ -60,9 +63,36 @@ class ModelInfoConfig:
             raise ValueError(f"tp: must be >= 1, got {self.tp}")
 
 
+@dataclass
+class EvalRunConfig:
+    """`python -m miles_k3.eval`: a model (and adapter) evaluated on a dataset through the rollout engine."""
+
+    seed: int = 0
+    """Seed for torch's RNG (sampling seeds come from eval.seed)."""
+    device: str = "auto"
+    """auto (cuda if available, else cpu), cpu, cuda or cuda:N."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """The base model."""
+    adapter: str | None = None
+    """A PEFT LoRA adapter directory (save_adapter / a training run's adapter) evaluated on the base; None: the
+    base alone."""
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    """The rollout engine's sizes (max_context must hold the longest prompt + eval.max_new_tokens)."""
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    """Dataset, template, sampling, grading and metrics."""
+    output_dir: str | None = None
+    """Where results.jsonl and summary.json go; None: runs/eval-<date>-<time>."""
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    """W&B (tracking.logger=wandb) besides the output directory's metrics.jsonl."""
+
+    def validate(self) -> None:
+        TrainConfig.validate(self)  # the same device rule
+
+
 def register_schemas() -> None:
     store = ConfigStore.instance()
     store.store(name="train_schema", node=TrainConfig)
+    store.store(name="eval_schema", node=EvalRunConfig)
     store.store(name="model_info_schema", node=ModelInfoConfig)
 
 

@@ -83,6 +83,30 @@ def save_small_tokenizer(directory: str | Path, vocab_size: int) -> None:
     _write_json(directory / "generation_config.json", gen_config)
 
 
+def small_tokenizer(vocab_size: int) -> Any:
+    """The small byte-level tokenizer as a `transformers.PreTrainedTokenizerFast`: what `load_tokenizer` returns
+    for a directory written by `save_small_tokenizer`, built in memory (models without a checkpoint)."""
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast(tokenizer_object=build_small_tokenizer(vocab_size), bos_token=BOS,
+                                   eos_token=EOS, pad_token=PAD, additional_special_tokens=[END_OF_MSG],
+                                   clean_up_tokenization_spaces=False)
+
+
+def stop_token_ids(tokenizer: Any, model_dir: str | Path | None = None) -> list[int]:
+    """Token ids that end a sample: `generation_config.json`'s eos_token_id in `model_dir` when it has one
+    (K3 stops at its end-of-message token), else the tokenizer's eos and `<|end_of_msg|>` when it knows it."""
+    if model_dir is not None and (Path(model_dir) / "generation_config.json").is_file():
+        eos = json.loads((Path(model_dir) / "generation_config.json").read_text()).get("eos_token_id")
+        if eos is not None:
+            return sorted({int(e) for e in (eos if isinstance(eos, list) else [eos])})
+    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    end = tokenizer.convert_tokens_to_ids(END_OF_MSG)
+    if isinstance(end, int) and end != tokenizer.unk_token_id:
+        ids.add(end)
+    return sorted(ids)
+
+
 def load_tokenizer(path: str | Path, trust_remote_code: bool = False) -> Any:
     """The tokenizer of a model directory, as a transformers tokenizer (encode / decode / convert ids).
 

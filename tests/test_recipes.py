@@ -8,25 +8,38 @@ import pytest
 from hydra.errors import ConfigCompositionException
 from omegaconf.errors import ConfigKeyError, ValidationError
 
-from miles_k3.config import ConfigFieldError, TrainConfig, compose_config
+from miles_k3.config import ConfigFieldError, EvalRunConfig, TrainConfig, compose_config
 from miles_k3.model.build import ModelConfig
 
 RECIPES = sorted(p.name.removesuffix(".yaml")
                  for p in resources.files("miles_k3.recipes").joinpath("recipe").iterdir()
                  if p.name.endswith(".yaml"))
+APPS = {"train": TrainConfig, "eval": EvalRunConfig}  # entry point -> its config (recipes/<app>.yaml)
 
 
 def test_recipes_are_found():
-    assert {"quickstart", "aime_grpo"} <= set(RECIPES)
+    assert {"quickstart", "aime_grpo", "aime_eval"} <= set(RECIPES)
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_every_recipe_composes_and_starts_with_its_command(recipe):
-    cfg = compose_config("train", [f"recipe={recipe}"])
-    assert isinstance(cfg, TrainConfig) and isinstance(cfg.model, ModelConfig)
     text = resources.files("miles_k3.recipes").joinpath(f"recipe/{recipe}.yaml").read_text()
     commands = [line for line in text.splitlines() if line.startswith("# python -m miles_k3.")]
     assert commands, f"recipe/{recipe}.yaml must start with the command that runs it"
+    app = commands[0].split()[3].removeprefix("miles_k3.")
+    assert app in APPS, f"recipe/{recipe}.yaml runs miles_k3.{app}, which has no recipes/{app}.yaml"
+    cfg = compose_config(app, [f"recipe={recipe}"])
+    assert isinstance(cfg, APPS[app]) and isinstance(cfg.model, ModelConfig)
+
+
+def test_aime_eval_recipe_values():
+    cfg = compose_config("eval", ["recipe=aime_eval", "adapter=/runs/x/adapter"])
+    assert (cfg.model.path, cfg.adapter, cfg.eval.data.source) == ("moonshotai/Kimi-K3", "/runs/x/adapter",
+                                                                    "HuggingFaceH4/aime_2024")
+    assert (cfg.eval.samples, cfg.eval.channel, cfg.eval.grader) == (16, "k3", "aime")
+    assert cfg.engine.max_context >= cfg.eval.max_new_tokens + 1024
+    default = compose_config("eval")
+    assert (default.model.name, default.adapter, default.eval.template) == ("k3_tiny", None, "boxed")
 
 
 def test_default_and_aime_recipe_values():

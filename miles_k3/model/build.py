@@ -153,3 +153,16 @@ def build_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> K
     log.info("model=%s: %s parameters, experts %s", cfg.path or cfg.name, f"{num_params(model):,}",
              model.expert_format)
     return model
+
+
+def build_tokenizer(cfg: ModelConfig, vocab_size: int):
+    """(tokenizer, stop token ids) of the model `cfg` describes: the checkpoint directory's tokenizer and its
+    generation_config eos ids with `path`, else the small byte-level tokenizer (shipped configs, random init)."""
+    from miles_k3.tokenizer import load_tokenizer, small_tokenizer, stop_token_ids
+
+    if cfg.path is None:
+        tok = small_tokenizer(vocab_size)
+        return tok, stop_token_ids(tok)
+    directory = checkpoint_dir(cfg)
+    tok = load_tokenizer(directory, trust_remote_code=cfg.trust_remote_code)
+    return tok, stop_token_ids(tok, directory)

@@ -1,0 +1,240 @@
+"""The eval harness: problems -> prompts -> the rollout engine (n samples each) -> graded -> metrics and reports.
+
+`evaluate(engine, tokenizer, problems, cfg)` renders every problem with a named template, generates
+`cfg.samples` completions per problem through the engine's public `generate` (so an adapter the trainer pushed
+is what gets scored), grades them in a `GradingPool` (worker processes with timeouts: the same graders as the
+training reward), and returns an `EvalResult`: per-sample records and the `metrics.summarize` summary (avg@n,
+unbiased pass@k, maj@k with standard errors, truncation rate, mean response length). `write_reports` writes
+`results.jsonl` (one row per sample: id, sample, response, extracted answer, score, reason, ...) and
+`summary.json`; `log_eval` sends `eval/*` metrics and a table of sampled completions to a tracker.
+`EvalHook` runs all of it every N training steps (`eval.every_n_steps`).
+
+Samples are reproducible: problem i's sample j uses sampling seed `cfg.seed + i * cfg.samples + j`, whatever
+the batching.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from miles_k3.evals.datasets import DatasetConfig, Problem
+from miles_k3.evals.graders import MAX_RESPONSE_CHARS, Grade, grader_names
+from miles_k3.evals.grading_pool import GradingPool
+from miles_k3.evals.metrics import SampleOutcome, summarize
+from miles_k3.evals.templates import render_prompt, template_names
+
+log = logging.getLogger("miles_k3.evals")
+
+
+@dataclass
+class EvalConfig:
+    """What to evaluate and how to sample and grade it."""
+
+    data: DatasetConfig = field(default_factory=DatasetConfig)
+    """The problems (a hub id such as HuggingFaceH4/aime_2024, or a local jsonl/json/parquet file)."""
+    template: str = "boxed"
+    """Prompt template: boxed (step by step, answer in \\boxed{}), plain, chat (the tokenizer's chat template)."""
+    samples: int = 16
+    """Completions per problem (n): avg@n, pass@k and maj@k for k <= n."""
+    ks: list[int] | None = None
+    """The k of pass@k / maj@k; None: powers of two below n, and n."""
+    max_new_tokens: int = 1024
+    """Generation cap per completion (a completion that reaches it counts as truncated)."""
+    temperature: float = 0.6
+    """Sampling temperature (0 = greedy)."""
+    top_p: float = 0.95
+    """Nucleus sampling mass."""
+    top_k: int = -1
+    """Top-k sampling (-1 = off)."""
+    seed: int = 0
+    """Problem i's sample j uses sampling seed seed + i * samples + j."""
+    grader: str = "aime"
+    """aime (integer answer 0..999) or math (math-verify), or a registered grader."""
+    channel: str = "auto"
+    """The part of a response graded: auto, none (all), k3 (after <|open|>response<|sep|>), think (after </think>)."""
+    timeout_s: float = 5.0
+    """Grading time limit per response (a response over it scores 0, reason 'timeout')."""
+    grading_workers: int = 1
+    """Grading worker processes."""
+    max_chars: int = MAX_RESPONSE_CHARS
+    """A longer response is graded on its last max_chars characters."""
+    batch_problems: int = 32
+    """Problems per engine.generate call (each with `samples` completions)."""
+    every_n_steps: int = 0
+    """During training: evaluate every N optimizer steps (0 = never; also at the end when > 0)."""
+    table_rows: int = 32
+    """Sampled completions logged as a table (W&B and tables/eval_samples.jsonl)."""
+
+    def validate(self) -> None:
+        for name in ("samples", "max_new_tokens", "batch_problems", "grading_workers"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        for name in ("every_n_steps", "table_rows"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}")
+        if self.template not in template_names():
+            raise ValueError(f"template: '{self.template}' is not one of {', '.join(template_names())}")
+        if self.grader not in grader_names():
+            raise ValueError(f"grader: '{self.grader}' is not one of {', '.join(grader_names())}")
+        if self.ks is not None and not all(1 <= k <= self.samples for k in self.ks):
+            raise ValueError(f"ks: every k must be in 1..samples ({self.samples}), got {self.ks}")
+        if not (self.temperature >= 0 and 0 < self.top_p <= 1 and self.timeout_s > 0 and self.max_chars > 0):
+            raise ValueError(f"temperature/top_p/timeout_s/max_chars: need temperature >= 0, 0 < top_p <= 1, "
+                             f"timeout_s > 0, max_chars > 0; got {self.temperature}, {self.top_p}, "
+                             f"{self.timeout_s}, {self.max_chars}")
+
+
+@dataclass
+class SampleRecord:
+    """One graded completion (a row of results.jsonl)."""
+
+    id: str
+    sample: int
+    prompt: str
+    response: str
+    extracted: str | None
+    normalized: str | None
+    gold: str
+    score: float
+    reason: str
+    finish_reason: str
+    num_tokens: int
+    weight_version: int | None
+
+
+@dataclass
+class EvalResult:
+    records: list[SampleRecord]
+    summary: dict[str, Any]
+
+    def metrics(self, prefix: str = "eval/") -> dict[str, float]:
+        """The summary's numbers as namespaced metrics (e.g. eval/avg@16, eval/pass@4_se)."""
+        return {prefix + k: v for k, v in self.summary.items() if isinstance(v, (int, float))}
+
+
+def evaluate(engine, tokenizer, problems: list[Problem], cfg: EvalConfig, lora: str | None = None,
+             progress: bool = True) -> EvalResult:
+    """Generate cfg.samples completions per problem with adapter `lora` (None: the base) and grade them."""
+    if not problems:
+        raise ValueError("evaluate: no problems to evaluate")
+    t0 = time.perf_counter()
+    prompts = [render_prompt(cfg.template, p.problem, tokenizer) for p in problems]
+    prompt_ids = [tokenizer.encode(text, add_special_tokens=False) for text in prompts]
+    _check_lengths(problems, prompt_ids, cfg, engine.config.max_context)
+    outputs = _generate(engine, prompt_ids, cfg, lora, progress)
+    responses = [tokenizer.decode(o["output_ids"], skip_special_tokens=False) for o in outputs]
+    golds = [p.answer for p in problems for _ in range(cfg.samples)]
+    with GradingPool(cfg.grader, timeout_s=cfg.timeout_s, workers=cfg.grading_workers, channel=cfg.channel,
+                     max_chars=cfg.max_chars) as pool:
+        grades = pool.grade(responses, golds)
+    records = [_record(problems[i // cfg.samples], i % cfg.samples, prompts[i // cfg.samples], r, g, o)
+               for i, (r, g, o) in enumerate(zip(responses, grades, outputs))]
+    summary = summarize(outcomes_by_problem(records), ks=cfg.ks)
+    summary.update(seconds=time.perf_counter() - t0, grader=cfg.grader, template=cfg.template,
+                   temperature=cfg.temperature, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens)
+    return EvalResult(records, summary)
+
+
+def _check_lengths(problems, prompt_ids, cfg: EvalConfig, max_context: int) -> None:
+    for p, ids in zip(problems, prompt_ids):
+        if len(ids) + cfg.max_new_tokens > max_context:
+            raise ValueError(f"problem {p.id}: its prompt is {len(ids)} tokens, and with eval.max_new_tokens="
+                             f"{cfg.max_new_tokens} that exceeds the engine's max_context={max_context}; raise "
+                             "engine.max_context or lower eval.max_new_tokens")
+
+
+def _generate(engine, prompt_ids: list[list[int]], cfg: EvalConfig, lora: str | None, progress: bool) -> list[dict]:
+    from tqdm.auto import tqdm
+
+    outputs: list[dict] = []
+    bar = tqdm(total=len(prompt_ids) * cfg.samples, desc="eval samples", unit="sample", disable=not progress)
+    for start in range(0, len(prompt_ids), cfg.batch_problems):
+        batch = prompt_ids[start:start + cfg.batch_problems]
+        params = [{"max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature, "top_p": cfg.top_p,
+                   "top_k": cfg.top_k, "sampling_seed": cfg.seed + (start + i) * cfg.samples}
+                  for i in range(len(batch))]
+        got = engine.generate(input_ids=batch, sampling_params=params, n=cfg.samples, return_logprob=False,
+                              lora=lora)
+        bad = next((o for o in got if "error" in o), None)
+        if bad is not None:
+            raise RuntimeError(f"eval: the engine rejected a request: {bad['error']}")
+        outputs.extend(got)
+        bar.update(len(got))
+    bar.close()
+    return outputs
+
+
+def _record(p: Problem, j: int, prompt: str, response: str, g: Grade, out: dict) -> SampleRecord:
+    meta = out.get("meta_info", {})
+    finish = meta.get("finish_reason") or {}
+    return SampleRecord(p.id, j, prompt, response, g.extracted, g.normalized, p.answer, g.score, g.reason,
+                        finish.get("type", "unknown"), len(out["output_ids"]), meta.get("weight_version"))
+
+
+def outcomes_by_problem(records: list[SampleRecord]) -> dict[str, list[SampleOutcome]]:
+    """The records as `metrics.summarize` takes them: per problem id, its samples' outcomes in order."""
+    out: dict[str, list[SampleOutcome]] = {}
+    for r in records:
+        out.setdefault(r.id, []).append(SampleOutcome(score=r.score, answer=r.normalized,
+                                                      truncated=r.finish_reason == "length",
+                                                      num_tokens=r.num_tokens))
+    return out
+
+
+# ---- reports -------------------------------------------------------------------------------------------------
+def write_reports(result: EvalResult, out_dir: str | Path, extra: dict | None = None) -> Path:
+    """`results.jsonl` (one row per sample) and `summary.json` (the summary, plus `extra`) in out_dir, each
+    written to a temporary file and renamed into place; returns out_dir."""
+    from miles_k3.atomic import atomic_write_text
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    lines = "".join(json.dumps(asdict(r), ensure_ascii=False) + "\n" for r in result.records)
+    atomic_write_text(out / "results.jsonl", lines)
+    atomic_write_text(out / "summary.json", json.dumps({**result.summary, **(extra or {})}, indent=2) + "\n")
+    return out
+
+
+TABLE_COLUMNS = ["id", "sample", "response", "extracted", "gold", "score", "reason"]
+
+
+def log_eval(tracker, result: EvalResult, rows: int, step: int | None = None) -> None:
+    """`eval/*` metrics and the first `rows` samples as the table eval/samples."""
+    tracker.log(result.metrics(), step=step)
+    if rows:
+        table = [[r.id, r.sample, r.response, r.extracted, r.gold, r.score, r.reason] for r in result.records[:rows]]
+        tracker.log_table("eval/samples", TABLE_COLUMNS, table, step=step)
+
+
+class EvalHook:
+    """The training loop's eval: `maybe_run(step, lora)` evaluates when step is a multiple of
+    cfg.every_n_steps (or `force`), writes reports into `<run_dir>/eval/step_<step>`, logs to the tracker and
+    returns the eval/ metrics (None when it did not run)."""
+
+    def __init__(self, cfg: EvalConfig, engine, tokenizer, problems: list[Problem], run_dir: str | Path,
+                 tracker=None):
+        self.cfg, self.engine, self.tokenizer, self.problems = cfg, engine, tokenizer, problems
+        self.run_dir, self.tracker = Path(run_dir), tracker
+
+    def due(self, step: int) -> bool:
+        return self.cfg.every_n_steps > 0 and step % self.cfg.every_n_steps == 0
+
+    def maybe_run(self, step: int, lora: str | None, force: bool = False) -> dict[str, float] | None:
+        if not (force or self.due(step)):
+            return None
+        result = evaluate(self.engine, self.tokenizer, self.problems, self.cfg, lora=lora, progress=False)
+        write_reports(result, self.run_dir / "eval" / f"step_{step:06d}", {"step": step})
+        if self.tracker is not None:
+            log_eval(self.tracker, result, self.cfg.table_rows, step=step)
+        log.info("eval at step %d: %s", step, _headline(result.summary))
+        return result.metrics()
+
+
+def _headline(summary: dict) -> str:
+    n = summary.get("samples_per_problem")
+    keys = [f"avg@{n}", f"pass@{n}", f"maj@{n}", "truncation_rate"]
+    return ", ".join(f"{k} {summary[k]:.4f}" for k in keys if k in summary)
