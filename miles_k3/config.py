@@ -14,6 +14,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
 from miles_k3.evals.harness import EvalConfig
+from miles_k3.evals.rewards import RewardConfig
 from miles_k3.model.build import ModelConfig
 from miles_k3.model.lora import LoRAConfig
 from miles_k3.rollout.engine import EngineConfig
@@ -41,6 +42,8 @@ class TrainConfig:
     """The trained LoRA adapter: rank, alpha, dropout, target module names."""
     sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
     """The weight-sync channel from the trainer to the rollout engine, and the staleness bound."""
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    """The verifiable reward of the rollouts (reward=aime | math, by name; format bonus; grading timeouts)."""
 
     def validate(self) -> None:
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):

@@ -49,6 +49,9 @@ def test_default_and_aime_recipe_values():
     assert (aime.model.name, aime.model.path) == ("k3", "moonshotai/Kimi-K3")
     overridden = compose_config("train", ["recipe=aime_grpo", "model.path=/ckpt/k3", "seed=7"])
     assert (overridden.model.path, overridden.seed) == ("/ckpt/k3", 7)
+    assert (default.reward.name, default.reward.format_bonus) == ("aime", 0.0)
+    rewarded = compose_config("train", ["reward=math", "reward.format_bonus=0.1", "reward.channel=k3"])
+    assert (rewarded.reward.name, rewarded.reward.format_bonus, rewarded.reward.channel) == ("math", 0.1, "k3")
     synced = compose_config("train", ["sync.transport=ipc", "sync.buffer_mb=64", "sync.max_staleness=2"])
     assert (synced.sync.transport, synced.sync.buffer_bytes, synced.sync.max_staleness) == ("ipc", 64 * 2**20, 2)
 
@@ -64,6 +67,9 @@ def test_default_and_aime_recipe_values():
     ("sync.stale_policy=ignore", "sync.stale_policy"),
     ("sync.downweight=1.5", "sync.downweight"),
     ("sync.timeout_s=0", "sync.timeout_s"),
+    ("reward.name=vibes", "reward.name"),
+    ("reward.format_bonus=-1", "reward.format_bonus"),
+    ("reward.channel=telepathy", "reward.channel"),
 ])
 def test_bad_values_fail_naming_the_field(override, field):
     with pytest.raises(ConfigFieldError, match=rf"^{field}: "):
@@ -77,6 +83,8 @@ def test_unknown_keys_and_bad_types_fail_while_composing():
         compose_config("train", ["seed=abc"])
     with pytest.raises(ConfigCompositionException, match="recipe"):
         compose_config("train", ["recipe=no_such_recipe"])
+    with pytest.raises(ConfigCompositionException, match="reward"):
+        compose_config("train", ["reward=no_such_reward"])
     with pytest.raises((ConfigKeyError, ConfigCompositionException), match="tp"):
         compose_config("model_info", ["tp=two"])
     with pytest.raises(ConfigFieldError, match="^tp: "):
