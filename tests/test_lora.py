@@ -289,3 +289,26 @@ def test_adapter_num_params_on_the_meta_device():
     want = sum(4 * (m.in_features + m.out_features) for m in linears)
     want += sum(e.num_experts * 4 * sum(e.proj_shape(n)) for e in experts for n in PROJS)
     assert adapter_num_params(model) == want == 1_083_264 // 4
+
+
+def test_adapters_disabled_gives_the_base_model_exactly_and_restores():
+    from miles_k3.model.lora import adapters_disabled
+
+    torch.manual_seed(0)
+    cfg = K3Config.from_name("k3_tiny")
+    model = K3ForCausalLM(cfg, expert_format="mxfp4").eval().requires_grad_(False)
+    ids = torch.randint(0, cfg.vocab_size, (2, 9))
+    with torch.no_grad():
+        base = model(ids).logits
+        apply_lora(model, LoRAConfig(rank=4, alpha=8.0, targets=list(ALLOWED_TARGETS)))
+        for p in lora_parameters(model).values():
+            p.normal_(0, 0.2)
+        adapted = model(ids).logits
+        with adapters_disabled(model):
+            off = model(ids).logits
+        again = model(ids).logits
+    assert not torch.equal(adapted, base)
+    assert torch.equal(off, base) and torch.equal(again, adapted)
+    with pytest.raises(RuntimeError, match="boom"), adapters_disabled(model):
+        raise RuntimeError("boom")
+    assert all(m.enabled for m in model.modules() if hasattr(m, "enabled"))

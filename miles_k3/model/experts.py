@@ -173,7 +173,7 @@ class RoutedExperts(nn.Module):
         else:
             y = MXFP4GroupedLinear.apply(x_MI, counts, getattr(self, f"{name}_packed"),
                                          getattr(self, f"{name}_scale"))
-        if self.lora is not None and name in self.lora:
+        if self.lora is not None and name in self.lora and self.lora[name].enabled:
             y = y + self.lora[name](x_MI, counts).to(y.dtype)
         return y
 

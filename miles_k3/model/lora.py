@@ -14,7 +14,9 @@ Legend: M routed rows (token-expert pairs), E experts, r rank, In/Out a projecti
 """
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -101,6 +103,7 @@ class LoRALinear(nn.Linear):
         self.lora_B = nn.Linear(rank, base.out_features, bias=False, device=device, dtype=torch.float32)
         nn.init.kaiming_uniform_(self.lora_A.weight, a=math.sqrt(5))
         nn.init.zeros_(self.lora_B.weight)
+        self.enabled = True  # False inside `adapters_disabled`: the base alone (the reference policy)
 
     @property
     def dropout_p(self) -> float:
@@ -108,6 +111,8 @@ class LoRALinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.weight, self.bias)
+        if not self.enabled:
+            return y
         a, b = self.lora_A.weight.to(x.dtype), self.lora_B.weight.to(x.dtype)
         return y + F.linear(F.linear(self.lora_dropout(x), a), b) * self.scale
 
@@ -126,7 +131,7 @@ class LoRALinear(nn.Linear):
 def effective_weight(linear: nn.Linear) -> torch.Tensor:
     """The weight `linear` applies: the merged W + s * B @ A for a LoRALinear, else its weight (for code that
     reads a projection's weight directly, such as MLA's absorbed decode)."""
-    return linear.merged_weight() if isinstance(linear, LoRALinear) else linear.weight
+    return linear.merged_weight() if isinstance(linear, LoRALinear) and linear.enabled else linear.weight
 
 
 class ExpertLoRA(nn.Module):
@@ -146,6 +151,7 @@ class ExpertLoRA(nn.Module):
         a_ERI = torch.empty(num_experts, rank, in_features, **fp32).uniform_(-bound, bound)
         self.lora_A = nn.Parameter(a_ERI)
         self.lora_B = nn.Parameter(torch.zeros(num_experts, out_features, rank, **fp32))
+        self.enabled = True  # False inside `adapters_disabled` (the caller then skips the delta)
 
     @property
     def dropout_p(self) -> float:
@@ -229,6 +235,21 @@ def applied_lora_config(model: nn.Module) -> LoRAConfig | None:
     names = {name for name, _ in mods}
     return LoRAConfig(rank=rank, alpha=alpha, dropout=dropout, use_rslora=use_rslora,
                       targets=[t for t in ALLOWED_TARGETS if t in names])
+
+
+@contextlib.contextmanager
+def adapters_disabled(model: nn.Module) -> Iterator[None]:
+    """Within the block every LoRA delta of `model` is skipped: the model computes the frozen base alone (the
+    reference policy of a KL term, without a second copy of the model). Restored on exit, also on error."""
+    modules = [m for m in model.modules() if isinstance(m, (LoRALinear, ExpertLoRA))]
+    before = [m.enabled for m in modules]
+    for m in modules:
+        m.enabled = False
+    try:
+        yield
+    finally:
+        for m, was in zip(modules, before):
+            m.enabled = was
 
 
 def lora_parameters(model: nn.Module) -> dict[str, nn.Parameter]:

@@ -1,0 +1,105 @@
+"""Rollout samples as training tensors: padded token batches with a response mask, and micro-batches by token
+budget.
+
+A `Sample` is one completion of one prompt (its prompt and response token ids, the engine's per-token logprobs,
+its reward and advantage). `pack(samples, pad_id)` lays them out left-aligned in [B, T] with T the longest
+prompt + response - 1: row b holds tokens x_0 .. x_{L_b - 2} of its sequence (prompt then response), and
+`targets_BT[b, t] = x_{t+1}`, so the logits at position t score the target at t. `mask_BT` is 1 exactly where
+the target is a response token. `micro_batches(samples, max_tokens)` splits a step's samples into groups whose
+padded size (rows x longest row) stays within the budget, in their original order.
+
+Legend: B samples, T positions (longest sequence - 1), V vocabulary.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class Sample:
+    """One rollout completion and what the trainer needs of it."""
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    rollout_logprobs: list[float] = field(default_factory=list)  # the engine's, one per response token
+    reward: float = 0.0
+    advantage: float = 0.0
+    weight_version: int = 0  # the engine's weight version when it was sampled
+    truncated: bool = False  # stopped by max_new_tokens
+    group: int = 0  # the index of its prompt in the step (GRPO group)
+
+    @property
+    def length(self) -> int:
+        return len(self.prompt_ids) + len(self.response_ids)
+
+
+@dataclass
+class TrainBatch:
+    input_ids_BT: torch.Tensor  # int64
+    seq_lens_B: torch.Tensor  # int64: real positions per row (length - 1)
+    targets_BT: torch.Tensor  # int64: the next token at each position (pad where none)
+    mask_BT: torch.Tensor  # float32: 1 where the target is a response token
+    rollout_logp_BT: torch.Tensor  # float32: the engine's logprob of each response target (0 elsewhere)
+    adv_B: torch.Tensor  # float32
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.mask_BT.sum().item())
+
+    def to(self, device: torch.device) -> TrainBatch:
+        return TrainBatch(*(getattr(self, f).to(device) for f in self.__dataclass_fields__))
+
+
+def pack(samples: list[Sample], pad_id: int) -> TrainBatch:
+    """The samples as one left-aligned, right-padded batch (see the module docstring)."""
+    if not samples:
+        raise ValueError("pack: no samples")
+    for i, s in enumerate(samples):
+        _check_sample(i, s)
+    t = max(s.length for s in samples) - 1
+    b = len(samples)
+    ids = torch.full((b, t), pad_id, dtype=torch.int64)
+    targets = torch.full((b, t), pad_id, dtype=torch.int64)
+    mask = torch.zeros(b, t)
+    rollout = torch.zeros(b, t)
+    for row, s in enumerate(samples):
+        seq = torch.tensor(s.prompt_ids + s.response_ids, dtype=torch.int64)
+        n, p = len(seq) - 1, len(s.prompt_ids)
+        ids[row, :n], targets[row, :n] = seq[:-1], seq[1:]
+        mask[row, p - 1:n] = 1.0  # position p - 1 scores the first response token
+        if s.rollout_logprobs:
+            rollout[row, p - 1:n] = torch.tensor(s.rollout_logprobs, dtype=torch.float32)
+    lens = torch.tensor([s.length - 1 for s in samples], dtype=torch.int64)
+    adv = torch.tensor([s.advantage for s in samples], dtype=torch.float32)
+    return TrainBatch(ids, lens, targets, mask, rollout, adv)
+
+
+def _check_sample(i: int, s: Sample) -> None:
+    if not s.prompt_ids or not s.response_ids:
+        raise ValueError(f"sample {i}: needs a non-empty prompt and response, got {len(s.prompt_ids)} prompt and "
+                         f"{len(s.response_ids)} response tokens")
+    if s.rollout_logprobs and len(s.rollout_logprobs) != len(s.response_ids):
+        raise ValueError(f"sample {i}: {len(s.rollout_logprobs)} rollout logprobs for {len(s.response_ids)} "
+                         "response tokens (the engine returns one per generated token)")
+
+
+def micro_batches(samples: list[Sample], max_tokens: int) -> list[list[int]]:
+    """Indices of `samples` split in order into micro-batches of padded size (rows x longest row) <= max_tokens;
+    a sample longer than the budget alone is a micro-batch of its own."""
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens: must be >= 1, got {max_tokens}")
+    groups: list[list[int]] = []
+    current: list[int] = []
+    longest = 0
+    for i, s in enumerate(samples):
+        grown = max(longest, s.length - 1)
+        if current and grown * (len(current) + 1) > max_tokens:
+            groups.append(current)
+            current, grown = [], s.length - 1
+        current.append(i)
+        longest = grown
+    if current:
+        groups.append(current)
+    return groups
