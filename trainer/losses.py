@@ -1,0 +1,419 @@
+"""GRPO-family policy losses: the PPO clipped surrogate with asymmetric (DAPO clip-higher) bounds, token- or
+sequence-level (GSPO) ratios, optional dual clip, truncated importance sampling (TIS) against the rollout engine's
+log-probs, a KL penalty to a reference policy (k1 / k2 / k3), an entropy bonus, three aggregations over tokens,
+and the chunked per-token log-prob and entropy of logits that feed them.
+
+`policy_loss` works on one micro-batch of right-padded rows; `mask_BT` marks the response tokens that count and
+every value outside it is ignored (it may be anything, even non-finite). The loss is micro-batch additive: when
+each call gets the step's totals (`num_tokens` for token_mean, `num_seqs` for seq_mean and seq_sum_norm), the
+losses (and gradients) of the micro-batches sum to the loss of the whole step computed in one call. Under data
+parallelism with gradient averaging, pass each rank's share of the global totals (global / world size).
+Computation is float32 (float64 when logp_BT is float64); old, rollout and reference log-probs and advantages
+are constants (detached).
+
+Legend: B sequences (rows), T token positions, V vocabulary, C the positions of one chunk; a trailing 1 is a
+broadcast dimension (adv_B1 is [B, 1]).
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+from torch.autograd.function import once_differentiable
+
+RATIO_LEVELS = ("token", "sequence")
+AGGREGATIONS = ("token_mean", "seq_mean", "seq_sum_norm")
+KL_ESTIMATORS = ("k1", "k2", "k3")
+TIS_MODES = ("none", "token_truncate", "seq_mask")
+CHUNK = 256  # token positions per chunk in token_logprobs / token_entropy
+
+
+@dataclass
+class LossConfig:
+    """The policy loss (`policy_loss`): clipping, ratio level, aggregation, KL, entropy and TIS."""
+
+    eps_low: float = 0.2
+    """Lower clip: the ratio is clipped below at 1 - eps_low (binds for A < 0); in [0, 1)."""
+    eps_high: float = 0.28
+    """Upper clip: the ratio is clipped above at 1 + eps_high (binds for A > 0); DAPO clip-higher uses 0.28
+    against eps_low 0.2; >= 0."""
+    ratio_level: str = "token"
+    """token: ratio exp(logp - old_logp) per token; sequence (GSPO): s_i = exp(mean over the sequence's masked
+    tokens of (logp - old_logp)) used for every token of sequence i."""
+    aggregation: str = "token_mean"
+    """How the masked per-token losses L_it reduce to a scalar. token_mean (DAPO): sum_it L_it / num_tokens;
+    seq_mean (original GRPO): sum_i (mean_t L_it) / num_seqs; seq_sum_norm (Dr. GRPO): sum_it L_it /
+    (num_seqs * seq_sum_norm_len)."""
+    seq_sum_norm_len: int = 1024
+    """The constant per-sequence denominator of seq_sum_norm (normally the generation cap); >= 1."""
+    entropy_coef: float = 0.0
+    """Entropy bonus: the loss gets - entropy_coef * (entropy aggregated like the policy term); >= 0."""
+    kl_coef: float = 0.0
+    """KL penalty: the loss gets + kl_coef * (KL estimate aggregated like the policy term); >= 0; > 0 needs
+    ref_logp_BT."""
+    kl_estimator: str = "k3"
+    """Per-token KL estimate from d = logp - ref_logp: k1 = d, k2 = d^2 / 2, k3 = exp(-d) + d - 1."""
+    tis: str = "none"
+    """Rollout-mismatch correction (needs rollout_logp_BT), a constant weight on the policy term only: none;
+    token_truncate: w_it = min(exp(old_logp - rollout_logp), tis_clip); seq_mask: w_i = 1 when the sequence
+    ratio exp(sum_t (old_logp - rollout_logp)) is in [1 / tis_clip, tis_clip], else 0."""
+    tis_clip: float = 2.0
+    """The truncation bound of token_truncate and the range bound of seq_mask; >= 1."""
+    dual_clip_c: float | None = None
+    """Dual clip: for A < 0 the per-token loss is capped at -c * A (so at most c * |A|); None: off; > 1."""
+
+    def validate(self) -> None:
+        if not (math.isfinite(self.eps_low) and 0.0 <= self.eps_low < 1.0):
+            raise ValueError(f"eps_low: must be in [0, 1), got {self.eps_low}")
+        if not (math.isfinite(self.eps_high) and self.eps_high >= 0.0):
+            raise ValueError(f"eps_high: must be finite and >= 0, got {self.eps_high}")
+        _check_choice("ratio_level", self.ratio_level, RATIO_LEVELS)
+        _check_choice("aggregation", self.aggregation, AGGREGATIONS)
+        if isinstance(self.seq_sum_norm_len, bool) or not isinstance(self.seq_sum_norm_len, int) \
+                or self.seq_sum_norm_len < 1:
+            raise ValueError(f"seq_sum_norm_len: must be an int >= 1, got {self.seq_sum_norm_len!r}")
+        if not (math.isfinite(self.entropy_coef) and self.entropy_coef >= 0.0):
+            raise ValueError(f"entropy_coef: must be finite and >= 0, got {self.entropy_coef}")
+        if not (math.isfinite(self.kl_coef) and self.kl_coef >= 0.0):
+            raise ValueError(f"kl_coef: must be finite and >= 0, got {self.kl_coef}")
+        _check_choice("kl_estimator", self.kl_estimator, KL_ESTIMATORS)
+        _check_choice("tis", self.tis, TIS_MODES)
+        if not (math.isfinite(self.tis_clip) and self.tis_clip >= 1.0):
+            raise ValueError(f"tis_clip: must be finite and >= 1, got {self.tis_clip}")
+        c = self.dual_clip_c
+        if c is not None and not (math.isfinite(c) and c > 1.0):
+            raise ValueError(f"dual_clip_c: must be None or finite and > 1, got {c}")
+
+
+def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name}: '{value}' is not one of {', '.join(choices)}")
+
+
+# ---------------------------------------------------------------------------------------------------- loss
+
+
+def policy_loss(
+    logp_BT: Tensor,
+    old_logp_BT: Tensor,
+    adv_B: Tensor,
+    mask_BT: Tensor,
+    cfg: LossConfig,
+    rollout_logp_BT: Tensor | None = None,
+    ref_logp_BT: Tensor | None = None,
+    entropy_BT: Tensor | None = None,
+    num_tokens: float | None = None,
+    num_seqs: float | None = None,
+) -> tuple[Tensor, dict[str, float]]:
+    """The scalar loss of one micro-batch (differentiable wrt logp_BT and entropy_BT) and its metrics.
+
+    Per masked token: L_it = -min(r_it * A_i, clip(r_it, 1 - eps_low, 1 + eps_high) * A_i), with r the token
+    or sequence (GSPO) ratio; dual clip caps it at -c * A_i for A_i < 0; the TIS weight (no gradient)
+    multiplies it (the KL and entropy terms are not weighted, and TIS-masked rows still count in the
+    denominators). loss = agg(L) + kl_coef * agg(k(logp - ref_logp)) - entropy_coef * agg(entropy), with agg
+    the configured aggregation, whose denominators are:
+      token_mean: num_tokens (default: this call's masked-token count);
+      seq_mean: num_seqs (default: B, so an all-masked row counts as a sequence with loss 0);
+      seq_sum_norm: num_seqs * seq_sum_norm_len (num_seqs default B).
+    Pass the whole optimizer step's totals to make micro-batch losses add up to the step's loss. A row with no
+    masked token contributes 0 (no NaN).
+
+    Shapes: [B, T] for logp_BT, old_logp_BT, mask_BT and the optional rollout_logp_BT (needed when cfg.tis is
+    not none), ref_logp_BT (needed when kl_coef > 0; without it no KL) and entropy_BT (needed when
+    entropy_coef > 0); adv_B [B]. Floating dtypes; mask bool or 0/1 of any dtype. Raises ValueError naming the
+    argument on bad input (TypeError for a non-tensor).
+
+    Returns (loss [] float32, or float64 when logp_BT is; metrics as python floats):
+      train/pg_loss: the policy term, same denominator as the loss (adds up over micro-batches like the loss);
+      means over this call's masked tokens (0.0 when there is none):
+      train/clip_frac: the clip binds (the clipped surrogate is the smaller; the token gets no gradient);
+      train/ratio_mean, train/ratio_max: the ratio used (the sequence ratio under GSPO);
+      train/kl (with ref_logp_BT), train/entropy (with entropy_BT);
+      train/rollout_logprob_abs_diff: |old_logp - rollout_logp| (with rollout_logp_BT);
+      train/tis_weight_mean (tis not none), train/dual_clip_frac (dual clip on);
+      train/tis_masked_frac (seq_mask): the fraction of rows with tokens whose weight is 0.
+    """
+    cfg.validate()
+    _check_inputs(logp_BT, old_logp_BT, adv_B, mask_BT, cfg, rollout_logp_BT, ref_logp_BT, entropy_BT)
+    dt = torch.float64 if logp_BT.dtype == torch.float64 else torch.float32
+    _check_count("num_tokens", num_tokens)
+    _check_count("num_seqs", num_seqs)
+    m_BT = mask_BT.bool()
+    n_tok = m_BT.sum()
+    logp_BT = logp_BT.to(dt)
+    old_BT = old_logp_BT.detach().to(dt)
+
+    def agg(x_BT: Tensor) -> Tensor:
+        return _aggregate(x_BT, m_BT, cfg, num_tokens, num_seqs)
+
+    def token_mean(x_BT: Tensor) -> Tensor:
+        return _masked(x_BT, m_BT).sum() / n_tok.clamp(min=1)
+
+    ratio_BT = _ratio(_masked(logp_BT - old_BT, m_BT), m_BT, cfg.ratio_level)
+    adv_B1 = adv_B.detach().to(dt)[:, None]
+    pg_BT, clipped_BT, dual_BT = _clipped_surrogate(ratio_BT, adv_B1, cfg)
+    stats: dict[str, Tensor] = {
+        "train/clip_frac": token_mean(clipped_BT.to(dt)),
+        "train/ratio_mean": token_mean(ratio_BT.detach()),
+        "train/ratio_max": _masked_max(ratio_BT.detach(), m_BT),
+    }
+    if dual_BT is not None:
+        stats["train/dual_clip_frac"] = token_mean(dual_BT.to(dt))
+    if rollout_logp_BT is not None:
+        diff_BT = old_BT - rollout_logp_BT.detach().to(dt)
+        stats["train/rollout_logprob_abs_diff"] = token_mean(diff_BT.abs())
+        weight_BT = _tis_weights(_masked(diff_BT, m_BT), m_BT, cfg, stats, token_mean)
+        if weight_BT is not None:
+            pg_BT = pg_BT * weight_BT
+    pg_loss = agg(pg_BT)
+    stats["train/pg_loss"] = pg_loss.detach()
+    loss = pg_loss
+    if ref_logp_BT is not None:
+        kl_BT = _kl(_masked(logp_BT - ref_logp_BT.detach().to(dt), m_BT), cfg.kl_estimator)
+        stats["train/kl"] = token_mean(kl_BT.detach())
+        if cfg.kl_coef > 0:
+            loss = loss + cfg.kl_coef * agg(kl_BT)
+    if entropy_BT is not None:
+        ent_BT = entropy_BT.to(dt)
+        stats["train/entropy"] = token_mean(ent_BT.detach())
+        if cfg.entropy_coef > 0:
+            loss = loss - cfg.entropy_coef * agg(ent_BT)
+    values = torch.stack(list(stats.values())).tolist()  # one device sync for all metrics
+    return loss, dict(zip(stats, values))
+
+
+def _masked(x_BT: Tensor, m_BT: Tensor) -> Tensor:
+    """x where the mask is set, 0 elsewhere (also when x is non-finite there; its gradient there is 0)."""
+    return torch.where(m_BT, x_BT, torch.zeros((), dtype=x_BT.dtype, device=x_BT.device))
+
+
+def _masked_max(x_BT: Tensor, m_BT: Tensor) -> Tensor:
+    """The max of x over masked entries; 0 when there is none."""
+    zero = torch.zeros((), dtype=x_BT.dtype, device=x_BT.device)
+    if x_BT.numel() == 0:
+        return zero
+    return torch.where(m_BT.any(), torch.where(m_BT, x_BT, -math.inf).amax(), zero)
+
+
+def _ratio(log_ratio_BT: Tensor, m_BT: Tensor, level: str) -> Tensor:
+    """[B, T] importance ratio from masked log-ratios (0 outside the mask): per token, or GSPO's sequence ratio
+    exp(sum_t log r_it / |o_i|) broadcast over the row (1 for a row without tokens)."""
+    if level == "token":
+        return torch.exp(log_ratio_BT)
+    n_B = m_BT.sum(dim=1).clamp(min=1)
+    seq_B = torch.exp(log_ratio_BT.sum(dim=1) / n_B)
+    return seq_B[:, None].expand_as(log_ratio_BT)
+
+
+def _clipped_surrogate(ratio_BT: Tensor, adv_B1: Tensor, cfg: LossConfig) -> tuple[Tensor, Tensor, Tensor | None]:
+    """Per-token loss [B, T], where the clip binds (bool [B, T]) and, with dual clip, where the cap binds."""
+    surr_BT = ratio_BT * adv_B1
+    clipped_surr_BT = ratio_BT.clamp(1.0 - cfg.eps_low, 1.0 + cfg.eps_high) * adv_B1
+    loss_BT = -torch.minimum(surr_BT, clipped_surr_BT)
+    clipped_BT = (clipped_surr_BT < surr_BT).detach()
+    if cfg.dual_clip_c is None:
+        return loss_BT, clipped_BT, None
+    cap_B1 = -cfg.dual_clip_c * adv_B1
+    dual_BT = ((adv_B1 < 0) & (loss_BT > cap_B1)).detach()
+    return torch.where(dual_BT, cap_B1.expand_as(loss_BT), loss_BT), clipped_BT, dual_BT
+
+
+def _tis_weights(
+    diff_BT: Tensor, m_BT: Tensor, cfg: LossConfig, stats: dict[str, Tensor], token_mean: Callable[[Tensor], Tensor]
+) -> Tensor | None:
+    """The TIS weights [B, T] from masked old - rollout log-prob differences (None for tis=none); adds their
+    metrics to `stats`."""
+    if cfg.tis == "none":
+        return None
+    if cfg.tis == "token_truncate":
+        weight_BT = torch.exp(diff_BT).clamp(max=cfg.tis_clip)
+    else:
+        keep_B = diff_BT.sum(dim=1).abs() <= math.log(cfg.tis_clip)  # ratio in [1/c, c], in log space
+        weight_BT = keep_B.to(diff_BT.dtype)[:, None].expand_as(diff_BT)
+        has_B = m_BT.any(dim=1)
+        stats["train/tis_masked_frac"] = (has_B & ~keep_B).sum().to(diff_BT.dtype) / has_B.sum().clamp(min=1)
+    stats["train/tis_weight_mean"] = token_mean(weight_BT)
+    return weight_BT
+
+
+def _kl(delta_BT: Tensor, estimator: str) -> Tensor:
+    """Per-token KL estimate [B, T] from d = logp - ref_logp: k1 d, k2 d^2 / 2, k3 exp(-d) + d - 1."""
+    if estimator == "k1":
+        return delta_BT
+    if estimator == "k2":
+        return 0.5 * delta_BT.square()
+    return torch.expm1(-delta_BT) + delta_BT
+
+
+def _aggregate(x_BT: Tensor, m_BT: Tensor, cfg: LossConfig, num_tokens: float | None,
+               num_seqs: float | None) -> Tensor:
+    """The masked per-token values reduced to a scalar by cfg.aggregation (denominators: see policy_loss)."""
+    x_BT = _masked(x_BT, m_BT)
+    seqs = num_seqs if num_seqs is not None else max(m_BT.shape[0], 1)
+    if cfg.aggregation == "token_mean":
+        tokens = num_tokens if num_tokens is not None else m_BT.sum().clamp(min=1)
+        return x_BT.sum() / tokens
+    if cfg.aggregation == "seq_mean":
+        return (x_BT.sum(dim=1) / m_BT.sum(dim=1).clamp(min=1)).sum() / seqs
+    return x_BT.sum() / (seqs * cfg.seq_sum_norm_len)
+
+
+def _check_count(name: str, value: float | None) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{name}: must be None or a finite number > 0, got {value!r}")
+
+
+def _check_inputs(logp_BT: Tensor, old_logp_BT: Tensor, adv_B: Tensor, mask_BT: Tensor, cfg: LossConfig,
+                  rollout_logp_BT: Tensor | None, ref_logp_BT: Tensor | None, entropy_BT: Tensor | None) -> None:
+    _check_float("logp_BT", logp_BT, 2)
+    shape = tuple(logp_BT.shape)
+    _check_float("old_logp_BT", old_logp_BT, 2, shape)
+    _check_float("adv_B", adv_B, 1, shape[:1])
+    _check_mask(mask_BT, shape)
+    optional = (  # (name, tensor, the setting that requires it or None)
+        ("rollout_logp_BT", rollout_logp_BT, f"cfg.tis={cfg.tis}" if cfg.tis != "none" else None),
+        ("ref_logp_BT", ref_logp_BT, f"cfg.kl_coef={cfg.kl_coef}" if cfg.kl_coef > 0 else None),
+        ("entropy_BT", entropy_BT, f"cfg.entropy_coef={cfg.entropy_coef}" if cfg.entropy_coef > 0 else None),
+    )
+    for name, x, required_by in optional:
+        if x is not None:
+            _check_float(name, x, 2, shape)
+        elif required_by is not None:
+            raise ValueError(f"{name}: required with {required_by}")
+
+
+def _check_float(name: str, x: Tensor, ndim: int, shape: tuple[int, ...] | None = None) -> None:
+    if not isinstance(x, Tensor):
+        raise TypeError(f"{name}: must be a tensor, got {type(x).__name__}")
+    if x.dim() != ndim or (shape is not None and tuple(x.shape) != shape):
+        want = f"{ndim}-D" if shape is None else f"shape {shape}"
+        raise ValueError(f"{name}: must have {want}, got {tuple(x.shape)}")
+    if not x.is_floating_point():
+        raise ValueError(f"{name}: must be a floating dtype, got {x.dtype}")
+
+
+def _check_mask(mask_BT: Tensor, shape: tuple[int, ...]) -> None:
+    if not isinstance(mask_BT, Tensor) or tuple(mask_BT.shape) != shape:
+        got = tuple(mask_BT.shape) if isinstance(mask_BT, Tensor) else type(mask_BT).__name__
+        raise ValueError(f"mask_BT: must have shape {shape}, got {got}")
+    if mask_BT.dtype != torch.bool and not bool(((mask_BT == 0) | (mask_BT == 1)).all()):
+        raise ValueError("mask_BT: values must be 0 or 1 (or a bool tensor)")
+
+
+# ---------------------------------------------------------------------------------------------- logits
+
+
+def token_logprobs(logits_BTV: Tensor, tokens_BT: Tensor, chunk_size: int = CHUNK) -> Tensor:
+    """log softmax(logits)[token] per position: float32 [B, T] (float64 for float64 logits), differentiable
+    wrt logits_BTV.
+
+    Works `chunk_size` positions at a time in forward and backward, so the float32 copy of the logits exists
+    one chunk ([B, chunk_size, V]) at a time; autograd saves only the logits themselves and a [B, T] logsumexp.
+    tokens_BT: integer ids in [0, V)."""
+    _check_logits(logits_BTV, chunk_size)
+    _check_tokens(tokens_BT, logits_BTV.shape)
+    return _TokenLogprobs.apply(logits_BTV, tokens_BT.long(), chunk_size)
+
+
+def token_entropy(logits_BTV: Tensor, chunk_size: int = CHUNK) -> Tensor:
+    """Entropy of softmax(logits) per position, -sum_v p_v log p_v from log_softmax (stable; -inf logits allowed):
+    float32 [B, T] (float64 for float64 logits), differentiable wrt logits_BTV, chunked like token_logprobs."""
+    _check_logits(logits_BTV, chunk_size)
+    return _TokenEntropy.apply(logits_BTV, chunk_size)
+
+
+def _compute_dtype(logits_BTV: Tensor) -> torch.dtype:
+    return torch.float64 if logits_BTV.dtype == torch.float64 else torch.float32
+
+
+def _chunks(t: int, chunk_size: int) -> list[slice]:
+    return [slice(s, min(s + chunk_size, t)) for s in range(0, t, chunk_size)]
+
+
+class _TokenLogprobs(torch.autograd.Function):
+    """logp_t = z_t[y_t] - logsumexp(z_t); d logp_t / d z_t = onehot(y_t) - softmax(z_t)."""
+
+    @staticmethod
+    def forward(ctx, logits_BTV: Tensor, tokens_BT: Tensor, chunk_size: int) -> Tensor:
+        dt = _compute_dtype(logits_BTV)
+        b, t, _ = logits_BTV.shape
+        logp_BT = torch.empty(b, t, dtype=dt, device=logits_BTV.device)
+        lse_BT = torch.empty_like(logp_BT)
+        for c in _chunks(t, chunk_size):
+            z_BCV = logits_BTV[:, c].to(dt)
+            lse_BT[:, c] = torch.logsumexp(z_BCV, dim=-1)
+            logp_BT[:, c] = z_BCV.gather(-1, tokens_BT[:, c, None])[..., 0] - lse_BT[:, c]
+        ctx.save_for_backward(logits_BTV, tokens_BT, lse_BT)
+        ctx.chunk_size = chunk_size
+        return logp_BT
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_BT: Tensor) -> tuple[Tensor, None, None]:
+        logits_BTV, tokens_BT, lse_BT = ctx.saved_tensors
+        grad_BTV = torch.empty_like(logits_BTV)
+        for c in _chunks(logits_BTV.shape[1], ctx.chunk_size):
+            g_BC1 = grad_BT[:, c, None].to(lse_BT.dtype)
+            g_BCV = torch.exp(logits_BTV[:, c].to(lse_BT.dtype) - lse_BT[:, c, None]) * -g_BC1
+            g_BCV.scatter_add_(-1, tokens_BT[:, c, None], g_BC1)
+            grad_BTV[:, c] = g_BCV
+        return grad_BTV, None, None
+
+
+class _TokenEntropy(torch.autograd.Function):
+    """H_t = -sum_v p_v log p_v; dH_t / dz_v = -p_v (log p_v + H_t) (0 where p_v = 0)."""
+
+    @staticmethod
+    def forward(ctx, logits_BTV: Tensor, chunk_size: int) -> Tensor:
+        dt = _compute_dtype(logits_BTV)
+        b, t, _ = logits_BTV.shape
+        ent_BT = torch.empty(b, t, dtype=dt, device=logits_BTV.device)
+        for c in _chunks(t, chunk_size):
+            logp_BCV = torch.log_softmax(logits_BTV[:, c].to(dt), dim=-1)
+            ent_BT[:, c] = -_p_times(logp_BCV, logp_BCV).sum(dim=-1)
+        ctx.save_for_backward(logits_BTV, ent_BT)
+        ctx.chunk_size = chunk_size
+        return ent_BT
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_BT: Tensor) -> tuple[Tensor, None]:
+        logits_BTV, ent_BT = ctx.saved_tensors
+        grad_BTV = torch.empty_like(logits_BTV)
+        for c in _chunks(logits_BTV.shape[1], ctx.chunk_size):
+            logp_BCV = torch.log_softmax(logits_BTV[:, c].to(ent_BT.dtype), dim=-1)
+            g_BCV = -_p_times(logp_BCV, logp_BCV + ent_BT[:, c, None]) * grad_BT[:, c, None].to(ent_BT.dtype)
+            grad_BTV[:, c] = g_BCV
+        return grad_BTV, None
+
+
+def _p_times(logp_BCV: Tensor, x_BCV: Tensor) -> Tensor:
+    """exp(logp) * x, 0 where the probability is 0 (so a -inf logit gives 0, not 0 * inf = NaN)."""
+    p_BCV = torch.exp(logp_BCV)
+    return torch.where(p_BCV > 0, p_BCV * x_BCV, torch.zeros((), dtype=p_BCV.dtype, device=p_BCV.device))
+
+
+def _check_logits(logits_BTV: Tensor, chunk_size: int) -> None:
+    if not isinstance(logits_BTV, Tensor) or logits_BTV.dim() != 3 or not logits_BTV.is_floating_point():
+        got = f"{tuple(logits_BTV.shape)} {logits_BTV.dtype}" if isinstance(logits_BTV, Tensor) else "no tensor"
+        raise ValueError(f"logits_BTV: must be a floating 3-D tensor [B, T, V], got {got}")
+    if logits_BTV.shape[2] == 0:
+        raise ValueError("logits_BTV: the vocabulary dimension is empty")
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size: must be an int >= 1, got {chunk_size!r}")
+
+
+def _check_tokens(tokens_BT: Tensor, shape_BTV: torch.Size) -> None:
+    if not isinstance(tokens_BT, Tensor) or tuple(tokens_BT.shape) != tuple(shape_BTV[:2]):
+        got = tuple(tokens_BT.shape) if isinstance(tokens_BT, Tensor) else type(tokens_BT).__name__
+        raise ValueError(f"tokens_BT: must have shape {tuple(shape_BTV[:2])}, got {got}")
+    if tokens_BT.dtype not in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8):
+        raise ValueError(f"tokens_BT: must be an integer dtype, got {tokens_BT.dtype}")
+    if tokens_BT.numel() and not (0 <= int(tokens_BT.min()) and int(tokens_BT.max()) < shape_BTV[2]):
+        raise ValueError(f"tokens_BT: ids must be in [0, {shape_BTV[2]}), got [{int(tokens_BT.min())}, "
+                         f"{int(tokens_BT.max())}]")
