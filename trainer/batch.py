@@ -5,7 +5,7 @@ A `Sample` is one completion of one prompt (its prompt and response token ids, t
 its reward and advantage). `pack(samples, pad_id)` lays them out left-aligned in [B, T] with T the longest
 prompt + response - 1: row b holds tokens x_0 .. x_{L_b - 2} of its sequence (prompt then response), and
 `targets_BT[b, t] = x_{t+1}`, so the logits at position t score the target at t. `mask_BT` is 1 exactly where
-the target is a response token. `micro_batches(samples, max_tokens)` splits a step's samples into groups whose
+the target is a response token (of a sample that is `in_loss`). `micro_batches(samples, max_tokens)` splits a step's samples into groups whose
 padded size (rows x longest row) stays within the budget, in their original order.
 
 Legend: B samples, T positions (longest sequence - 1), V vocabulary.
@@ -29,6 +29,7 @@ class Sample:
     weight_version: int = 0  # the engine's weight version when it was sampled
     truncated: bool = False  # stopped by max_new_tokens
     group: int = 0  # the index of its prompt in the step (GRPO group)
+    in_loss: bool = True  # False: kept for the group's statistics but masked out of the loss (overlong=mask)
 
     @property
     def length(self) -> int:
@@ -68,7 +69,7 @@ def pack(samples: list[Sample], pad_id: int) -> TrainBatch:
         seq = torch.tensor(s.prompt_ids + s.response_ids, dtype=torch.int64)
         n, p = len(seq) - 1, len(s.prompt_ids)
         ids[row, :n], targets[row, :n] = seq[:-1], seq[1:]
-        mask[row, p - 1:n] = 1.0  # position p - 1 scores the first response token
+        mask[row, p - 1:n] = 1.0 if s.in_loss else 0.0  # position p - 1 scores the first response token
         if s.rollout_logprobs:
             rollout[row, p - 1:n] = torch.tensor(s.rollout_logprobs, dtype=torch.float32)
     lens = torch.tensor([s.length - 1 for s in samples], dtype=torch.int64)

@@ -1,0 +1,180 @@
+"""One step's rollouts: prompts from a resumable stream, G samples each through the engine's public `generate`,
+rewards, group advantages, dynamic sampling and overlong handling -> `Sample`s for the trainer.
+
+`PromptStream` walks a problem list in a seeded order, reshuffled every epoch; its `state()` (epoch, position)
+goes into checkpoints so a resumed run draws the same prompts. `collect_rollouts` asks the engine for
+`group_size` samples of each prompt with sampling seed `seed + draw * group_size + j` (draw = the prompt's
+index in the stream since the run began), so a resumed run also samples the same tokens. With
+`dynamic_sampling`, groups whose rewards are all equal (no gradient) are dropped and more prompts are drawn, up to
+`max_sampling_rounds` rounds, until `prompts_per_step` groups are kept. Overlong completions (stopped by
+max_new_tokens) are kept as they are (`overlong=none`), left out of the loss (`mask`), or rewarded with DAPO's
+soft penalty (`penalty`: 0 up to max_new_tokens - overlong_buffer tokens, then falling linearly to -1 at
+max_new_tokens).
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import torch
+
+from miles_k3.evals.datasets import Problem
+from miles_k3.evals.templates import render_prompt, template_names
+from miles_k3.trainer.advantages import ADVANTAGE_ESTIMATORS, group_advantages, zero_variance_groups
+from miles_k3.trainer.batch import Sample
+
+OVERLONG_MODES = ("none", "mask", "penalty")
+
+
+@dataclass
+class RolloutConfig:
+    """How a step's rollouts are sampled, rewarded and filtered."""
+
+    prompts_per_step: int = 8
+    """Prompts (GRPO groups) trained on per optimizer step."""
+    group_size: int = 8
+    """Samples per prompt (G)."""
+    max_new_tokens: int = 512
+    """Generation cap per sample."""
+    temperature: float = 1.0
+    """Sampling temperature of the rollouts."""
+    top_p: float = 1.0
+    """Nucleus sampling mass."""
+    top_k: int = -1
+    """Top-k (-1 = off)."""
+    template: str = "boxed"
+    """Prompt template (evals.templates): boxed, plain or chat."""
+    advantage: str = "grpo"
+    """grpo (group mean/std), dr_grpo (no std), rloo (leave-one-out mean)."""
+    dynamic_sampling: bool = False
+    """Drop groups whose rewards are all equal and draw more prompts to refill (DAPO)."""
+    max_sampling_rounds: int = 4
+    """Draw rounds per step with dynamic_sampling; after them the step trains on the groups it has."""
+    overlong: str = "none"
+    """Samples stopped by max_new_tokens: none (kept), mask (no loss), penalty (DAPO soft penalty)."""
+    overlong_buffer: int = 0
+    """The penalty's ramp length in tokens (penalty mode)."""
+    seed: int = 0
+    """Prompt order and sampling seeds."""
+
+    def validate(self) -> None:
+        for name in ("prompts_per_step", "group_size", "max_new_tokens", "max_sampling_rounds"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        if self.advantage not in ADVANTAGE_ESTIMATORS:
+            raise ValueError(f"advantage: '{self.advantage}' is not one of {', '.join(ADVANTAGE_ESTIMATORS)}")
+        if self.advantage == "rloo" and self.group_size < 2:
+            raise ValueError("group_size: rloo needs at least 2 samples per prompt")
+        if self.overlong not in OVERLONG_MODES:
+            raise ValueError(f"overlong: '{self.overlong}' is not one of {', '.join(OVERLONG_MODES)}")
+        if not 0 <= self.overlong_buffer < self.max_new_tokens:
+            raise ValueError(f"overlong_buffer: must be in [0, max_new_tokens), got {self.overlong_buffer}")
+        if self.template not in template_names():
+            raise ValueError(f"template: '{self.template}' is not one of {', '.join(template_names())}")
+        if not (self.temperature >= 0 and 0 < self.top_p <= 1):
+            raise ValueError(f"temperature/top_p: need temperature >= 0 and 0 < top_p <= 1, got "
+                             f"{self.temperature}, {self.top_p}")
+
+
+class PromptStream:
+    """Problems in a seeded order, reshuffled each epoch; `take(k)` the next k; `state()` / `load_state()`."""
+
+    def __init__(self, problems: list[Problem], seed: int):
+        if not problems:
+            raise ValueError("PromptStream: no problems to train on")
+        self.problems, self.seed = problems, seed
+        self.epoch, self.pos, self.drawn = 0, 0, 0
+        self._order = self._shuffled(0)
+
+    def _shuffled(self, epoch: int) -> list[int]:
+        order = list(range(len(self.problems)))
+        random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
+        return order
+
+    def take(self, k: int) -> list[tuple[int, Problem]]:
+        """The next k problems, each with its draw index (counting from the start of the run)."""
+        out = []
+        for _ in range(k):
+            if self.pos == len(self._order):
+                self.epoch, self.pos = self.epoch + 1, 0
+                self._order = self._shuffled(self.epoch)
+            out.append((self.drawn, self.problems[self._order[self.pos]]))
+            self.pos, self.drawn = self.pos + 1, self.drawn + 1
+        return out
+
+    def state(self) -> dict:
+        return {"epoch": self.epoch, "pos": self.pos, "drawn": self.drawn}
+
+    def load_state(self, state: dict) -> None:
+        self.epoch, self.pos, self.drawn = int(state["epoch"]), int(state["pos"]), int(state["drawn"])
+        self._order = self._shuffled(self.epoch)
+
+
+def collect_rollouts(engine, tokenizer, stream: PromptStream, reward_fn, cfg: RolloutConfig,
+                     lora: str | None) -> tuple[list[Sample], dict[str, float]]:
+    """`prompts_per_step` groups of `group_size` samples (fewer when dynamic sampling ran out of rounds), with
+    rewards and advantages; metrics under rollout/."""
+    kept: list[list[Sample]] = []
+    seen: list[list[Sample]] = []
+    rounds = num_flat = 0
+    while len(kept) < cfg.prompts_per_step and rounds < (cfg.max_sampling_rounds if cfg.dynamic_sampling else 1):
+        groups = _sample_groups(engine, tokenizer, stream.take(cfg.prompts_per_step - len(kept)), reward_fn, cfg,
+                                lora)
+        seen += groups
+        rewards = torch.tensor([s.reward for g in groups for s in g])
+        flat = zero_variance_groups(rewards, cfg.group_size).tolist()
+        num_flat += sum(flat)
+        kept += [g for g, flat_g in zip(groups, flat) if not (cfg.dynamic_sampling and flat_g)]
+        rounds += 1
+    for gi, g in enumerate(kept):
+        adv = group_advantages(torch.tensor([s.reward for s in g]), cfg.group_size, cfg.advantage)
+        for s, a in zip(g, adv.tolist()):
+            s.advantage, s.group = a, gi
+    samples = [s for g in kept for s in g]
+    return samples, {**_metrics(seen, kept, rounds), "rollout/frac_zero_std": num_flat / len(seen)}
+
+
+def _sample_groups(engine, tokenizer, drawn, reward_fn, cfg: RolloutConfig, lora) -> list[list[Sample]]:
+    prompts = [tokenizer.encode(render_prompt(cfg.template, p.problem, tokenizer), add_special_tokens=False)
+               for _, p in drawn]
+    params = [{"max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature, "top_p": cfg.top_p,
+               "top_k": cfg.top_k, "sampling_seed": cfg.seed * 1_000_003 + d * cfg.group_size} for d, _ in drawn]
+    outs = engine.generate(input_ids=prompts, sampling_params=params, n=cfg.group_size, return_logprob=True,
+                           lora=lora)
+    bad = next((o for o in outs if "error" in o), None)
+    if bad is not None:
+        raise RuntimeError(f"rollout: the engine rejected a request: {bad['error']}")
+    texts = [tokenizer.decode(o["output_ids"], skip_special_tokens=False) for o in outs]
+    golds = [p.answer for _, p in drawn for _ in range(cfg.group_size)]
+    results = reward_fn(texts, golds)
+    samples = [_sample(prompts[i // cfg.group_size], o, r.score, cfg) for i, (o, r) in enumerate(zip(outs, results))]
+    return [samples[i:i + cfg.group_size] for i in range(0, len(samples), cfg.group_size)]
+
+
+def _sample(prompt: list[int], out: dict, reward: float, cfg: RolloutConfig) -> Sample:
+    meta = out["meta_info"]
+    truncated = (meta.get("finish_reason") or {}).get("type") == "length"
+    ids = list(out["output_ids"])
+    if truncated and cfg.overlong == "penalty":
+        reward += _overlong_penalty(len(ids), cfg)
+    return Sample(list(prompt), ids, [lp for lp, _ in meta.get("output_token_logprobs", [])], reward,
+                  weight_version=meta.get("weight_version", 0), truncated=truncated,
+                  in_loss=not (truncated and cfg.overlong == "mask"))
+
+
+def _overlong_penalty(length: int, cfg: RolloutConfig) -> float:
+    """DAPO's soft overlong penalty: 0 up to L_max - L_buf tokens, then linear down to -1 at L_max."""
+    free = cfg.max_new_tokens - cfg.overlong_buffer
+    if length <= free:
+        return 0.0
+    return -1.0 if cfg.overlong_buffer == 0 else max(-1.0, (free - length) / cfg.overlong_buffer)
+
+
+def _metrics(seen: list[list[Sample]], kept: list[list[Sample]], rounds: int) -> dict:
+    flat = [s for g in seen for s in g]
+    lens = [len(s.response_ids) for s in flat]
+    return {"rollout/reward_mean": sum(s.reward for s in flat) / len(flat),
+            "rollout/response_len_mean": sum(lens) / len(lens),
+            "rollout/truncated_frac": sum(s.truncated for s in flat) / len(flat),
+            "rollout/groups_kept": float(len(kept)), "rollout/groups_drawn": float(len(seen)),
+            "rollout/sampling_rounds": float(rounds)}
