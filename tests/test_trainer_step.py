@@ -1,0 +1,107 @@
+"""One policy update (`miles_k3.trainer.step.train_step`) on k3_tiny with LoRA: the adapter moves and the base
+does not, micro-batching does not change the update, a non-finite loss skips it, the KL reference is the
+adapter-off base, and the trainer's log-probs of engine rollouts match the engine's own."""
+import pytest
+import torch
+
+from miles_k3.model import K3Config, K3ForCausalLM
+from miles_k3.model.lora import LoRAConfig, apply_lora, lora_parameters, lora_state_dict
+from miles_k3.trainer.batch import Sample
+from miles_k3.trainer.losses import LossConfig
+from miles_k3.trainer.optim import OptimConfig, build_optimizer, build_scheduler
+from miles_k3.trainer.step import TrainerConfig, train_step
+
+LORA = LoRAConfig(rank=4, alpha=8.0)
+
+
+def _policy(seed=0):
+    torch.manual_seed(seed)
+    model = K3ForCausalLM(K3Config.from_name("k3_tiny"), expert_format="mxfp4")
+    model.requires_grad_(False)
+    apply_lora(model, LORA)
+    with torch.no_grad():  # B != 0 so that A gets gradients too, and the adapter already differs from the base
+        for n, p in lora_parameters(model).items():
+            if "lora_B" in n:
+                p.normal_(0, 0.02)
+    params = lora_parameters(model)
+    opt = build_optimizer(params, OptimConfig(lr=1e-2, grad_clip=0.0))
+    return model, params, opt, build_scheduler(opt, OptimConfig(lr=1e-2))
+
+
+def _samples():
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for i in range(6):
+        prompt = torch.randint(1, 250, (3 + i % 3,), generator=g).tolist()
+        resp = torch.randint(1, 250, (2 + i,), generator=g).tolist()
+        out.append(Sample(prompt, resp, advantage=(1.0 if i % 2 else -1.0) * (0.5 + i / 10)))
+    return out
+
+
+def _step(cfg, samples=None, seed=0):
+    model, params, opt, sched = _policy(seed)
+    base = {n: t.clone() for n, t in model.state_dict().items() if "lora_" not in n}
+    before = {n: t.clone() for n, t in lora_state_dict(model).items()}
+    m = train_step(model, samples or _samples(), cfg, opt, sched, params, pad_id=0, device=torch.device("cpu"))
+    return model, base, before, m
+
+
+def test_update_moves_only_the_adapter_and_micro_batching_does_not_change_it(monkeypatch):
+    import miles_k3.trainer.step as step_mod
+
+    grads = []
+    real = step_mod.optimizer_step
+    monkeypatch.setattr(step_mod, "optimizer_step", lambda opt, sched, params, cfg: grads.append(
+        {n: p.grad.clone() for n, p in params.items()}) or real(opt, sched, params, cfg))
+    whole, base, before, m = _step(TrainerConfig(micro_batch_tokens=10_000))
+    assert m["train/skipped"] == 0.0 and m["train/num_tokens"] == sum(2 + i for i in range(6))
+    after = lora_state_dict(whole)
+    assert all(not torch.equal(after[n], before[n]) for n in after)  # every adapter tensor moved
+    assert all(torch.equal(t, base[n]) for n, t in whole.state_dict().items() if "lora_" not in n)
+    _, _, _, m2 = _step(TrainerConfig(micro_batch_tokens=12))  # one or two samples per micro-batch
+    assert len(grads) == 2
+    for n, g in grads[0].items():  # the same gradient, up to fp32 summation order (observed <= 2e-6)
+        assert (grads[1][n] - g).norm() <= 1e-5 * g.norm(), n
+    # (the updated tensors are not compared element-wise: Adam's first step is lr * g / (|g| + eps), which turns
+    # rounding noise in a near-zero gradient into an O(lr) difference)
+    assert m2["train/loss"] == pytest.approx(m["train/loss"], rel=1e-5)
+
+
+def test_non_finite_loss_skips_the_update():
+    samples = _samples()
+    samples[3].advantage = float("nan")
+    model, _, before, m = _step(TrainerConfig(), samples)
+    assert m["train/skipped"] == 1.0
+    assert all(torch.equal(t, before[n]) for n, t in lora_state_dict(model).items())
+    assert all(p.grad is None for p in lora_parameters(model).values())
+
+
+def test_kl_reference_is_the_adapter_off_base():
+    cfg = TrainerConfig(loss=LossConfig(kl_coef=0.1))
+    _, _, _, m = _step(cfg)
+    assert m["train/kl"] > 0  # the adapter (B != 0) differs from the base
+    model, params, opt, sched = _policy()
+    with torch.no_grad():
+        for n, p in params.items():
+            if "lora_B" in n:
+                p.zero_()  # adapter == base: the k3 KL is exactly 0
+    m0 = train_step(model, _samples(), cfg, opt, sched, params, 0, torch.device("cpu"))
+    assert m0["train/kl"] == pytest.approx(0.0, abs=1e-7)
+
+
+def test_trainer_logprobs_match_the_engines_rollout_logprobs():
+    from miles_k3.rollout.engine import EngineConfig, RolloutEngine
+
+    model, params, opt, sched = _policy()
+    engine = RolloutEngine(model, EngineConfig(memory_budget_bytes=8 * 2**20, max_context=64), lora=LORA)
+    engine.load_lora_adapter_from_tensors("policy", lora_state_dict(model), LORA)
+    prompts = [[5, 6, 7, 8], [9, 10]]
+    outs = engine.generate(input_ids=prompts, sampling_params={"temperature": 0.7, "max_new_tokens": 6,
+                                                               "sampling_seed": 3}, n=2, lora="policy")
+    samples = [Sample(prompts[i // 2], o["output_ids"], [lp for lp, _ in o["meta_info"]["output_token_logprobs"]],
+                      advantage=1.0) for i, o in enumerate(outs)]
+    m = train_step(model, samples, TrainerConfig(), opt, sched, params, 0, torch.device("cpu"), temperature=0.7)
+    assert m["train/rollout_logprob_abs_diff"] < 1e-5  # same fp32 math: chunked prefill + steps vs one forward
+    model, params, opt, sched = _policy()  # the same policy scored at the wrong temperature: a visible gap
+    m1 = train_step(model, samples, TrainerConfig(), opt, sched, params, 0, torch.device("cpu"), temperature=1.0)
+    assert m1["train/rollout_logprob_abs_diff"] > 100 * max(m["train/rollout_logprob_abs_diff"], 1e-7)
