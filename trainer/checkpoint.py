@@ -1,0 +1,325 @@
+"""Trainer checkpoints: everything a run needs to continue bit-for-bit, written whole or not at all.
+
+Layout under `<run_dir>/checkpoints/`:
+  step_<NNNNNNNN>/          one per saved step (8-digit, zero-padded)
+    adapter/                the PEFT LoRA directory (`miles_k3.adapter.save_adapter`), servable as is
+    optimizer.pt            {"optimizer": AdamW state dict (with param_names), "scheduler": LambdaLR state dict}
+    rng.pt                  torch CPU and CUDA RNG states, python `random` and numpy global states
+    state.json              {"step", "data_state" (the data cursor), "extra_state" (weight version, metrics...)}
+    config.yaml             the run's resolved config, as given
+  latest                    text: the name of the newest published step directory
+
+A step directory is built under a hidden `.step_*.tmp-*` sibling and renamed into place
+(`atomic_directory`), and only then is `latest` rewritten (`atomic_write_text`), so a crash leaves the
+previous checkpoint and pointer untouched. The .pt files hold only tensors, numbers, strings, lists, tuples
+and dicts, and are read with `torch.load(weights_only=True)`. Older step directories beyond `keep` are
+deleted after the new one is published.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from miles_k3.adapter import CONFIG_FILE, WEIGHTS_FILE, load_adapter, save_adapter
+from miles_k3.atomic import atomic_directory, atomic_write_text
+from miles_k3.model.lora import LoRAConfig, applied_lora_config
+
+log = logging.getLogger(__name__)
+
+CHECKPOINTS = "checkpoints"
+LATEST = "latest"
+ADAPTER_DIR = "adapter"
+OPTIMIZER_FILE = "optimizer.pt"
+RNG_FILE = "rng.pt"
+STATE_FILE = "state.json"
+CONFIG_YAML = "config.yaml"
+MEMBER_FILES = (f"{ADAPTER_DIR}/{CONFIG_FILE}", f"{ADAPTER_DIR}/{WEIGHTS_FILE}", OPTIMIZER_FILE, RNG_FILE,
+                STATE_FILE, CONFIG_YAML)
+STEP_DIR = re.compile(r"step_(\d{8,})")  # published directories only: staging ones start with "."
+LEFTOVER = re.compile(r"\.(step_\d{8,}|latest)\.(tmp|old)-.*")
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def checkpoints_dir(run_dir: str | os.PathLike) -> Path:
+    return Path(run_dir) / CHECKPOINTS
+
+
+# ---- save ------------------------------------------------------------------------------------------------
+def save_checkpoint(run_dir: str | os.PathLike, step: int, model: nn.Module, lora_cfg: LoRAConfig,
+                    optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler,
+                    data_state: dict, extra_state: dict, config_text: str, keep: int = 3,
+                    base_model_name_or_path: str | None = None) -> Path:
+    """Write `<run_dir>/checkpoints/step_<step>/` atomically, then point `latest` at it, then delete all but
+    the newest `keep` step directories (never the new one). An existing directory for the same step is
+    replaced. `data_state` and `extra_state` must be JSON-serialisable (checked before anything is written).
+    `base_model_name_or_path` goes into the adapter's adapter_config.json. Returns the step directory."""
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"step: must be an int >= 0, got {step!r}")
+    if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+        raise ValueError(f"keep: must be an int >= 1 (checkpoints to keep), got {keep!r}")
+    state_text = _state_json(step, data_state, extra_state)
+    root = checkpoints_dir(run_dir)
+    dest = root / step_dir_name(step)
+    with atomic_directory(dest, overwrite=True) as tmp:
+        save_adapter(model, lora_cfg, tmp / ADAPTER_DIR, base_model_name_or_path=base_model_name_or_path)
+        torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()},
+                   tmp / OPTIMIZER_FILE)
+        torch.save(rng_state(), tmp / RNG_FILE)
+        (tmp / STATE_FILE).write_text(state_text, encoding="utf-8")
+        (tmp / CONFIG_YAML).write_text(config_text, encoding="utf-8")
+    atomic_write_text(root / LATEST, dest.name + "\n")
+    _prune(root, step, keep)
+    return dest
+
+
+def _state_json(step: int, data_state: dict, extra_state: dict) -> str:
+    for name, value in (("data_state", data_state), ("extra_state", extra_state)):
+        if not isinstance(value, dict):
+            raise TypeError(f"{name}: must be a dict, got {type(value).__name__}")
+        try:
+            json.dumps(value)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{name}: not JSON-serialisable ({e}); pass plain dicts, lists, strings and "
+                             "numbers (convert tensors with .item() / .tolist())") from None
+    return json.dumps({"step": step, "data_state": data_state, "extra_state": extra_state}, indent=2) + "\n"
+
+
+def _prune(root: Path, step: int, keep: int) -> None:
+    """Keep the newest `keep` complete checkpoints at or below `step` (the new one among them) and delete the
+    other step directories at or below it (incomplete ones too), and staging leftovers. Directories of later
+    steps (left by a run that was resumed from an earlier checkpoint) are left alone."""
+    steps = sorted(_published_steps(root), reverse=True)
+    later = [s for s, _ in steps if s > step]
+    if later:
+        log.warning("%s: keeping step directories %s newer than the step just saved (%d): the run was resumed "
+                    "from an earlier checkpoint; delete them by hand if they are no longer wanted",
+                    root, later, step)
+    current = [p for s, p in steps if s <= step]
+    kept = {root / step_dir_name(step)} | set([p for p in current if is_complete(p)][:keep])
+    for path in current:
+        if path not in kept:
+            shutil.rmtree(path, ignore_errors=True)
+    for leftover in root.iterdir():
+        if LEFTOVER.fullmatch(leftover.name):
+            if leftover.is_dir():
+                shutil.rmtree(leftover, ignore_errors=True)
+            else:
+                leftover.unlink(missing_ok=True)
+
+
+def _published_steps(root: Path) -> list[tuple[int, Path]]:
+    if not root.is_dir():
+        return []
+    out = []
+    for p in root.iterdir():
+        m = STEP_DIR.fullmatch(p.name)
+        if m and p.is_dir():
+            out.append((int(m.group(1)), p))
+    return out
+
+
+# ---- RNG states ------------------------------------------------------------------------------------------
+def rng_state() -> dict[str, Any]:
+    """Every global RNG state, as weights_only-loadable values (tensors, ints, floats, strings, lists)."""
+    np_name, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
+    py_version, py_internal, py_gauss = random.getstate()
+    return {
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        "python": {"version": py_version, "internal": list(py_internal), "gauss_next": py_gauss},
+        "numpy": {"name": np_name, "keys": torch.from_numpy(np_keys.astype(np.int64)), "pos": int(np_pos),
+                  "has_gauss": int(np_has_gauss), "cached_gaussian": float(np_gauss)},
+    }
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore what `rng_state` returned. CUDA states are restored for the devices both runs have."""
+    torch.set_rng_state(state["torch"])
+    cuda = state["cuda"]
+    if cuda:
+        have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if have != len(cuda):
+            log.warning("checkpoint has CUDA RNG states for %d device(s), this process sees %d; restoring %d",
+                        len(cuda), have, min(have, len(cuda)))
+        for i in range(min(have, len(cuda))):
+            torch.cuda.set_rng_state(cuda[i], i)
+    py = state["python"]
+    random.setstate((py["version"], tuple(py["internal"]), py["gauss_next"]))
+    npst = state["numpy"]
+    np.random.set_state((npst["name"], npst["keys"].numpy().astype(np.uint32), npst["pos"], npst["has_gauss"],
+                         npst["cached_gaussian"]))
+
+
+# ---- find, resolve ---------------------------------------------------------------------------------------
+def is_complete(path: str | os.PathLike) -> bool:
+    """Whether `path` is a step directory with every member file and a state.json that parses (its step
+    matching the directory name)."""
+    path = Path(path)
+    if not all((path / f).is_file() for f in MEMBER_FILES):
+        return False
+    try:
+        state = json.loads((path / STATE_FILE).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return False
+    m = STEP_DIR.fullmatch(path.name)
+    return isinstance(state, dict) and m is not None and state.get("step") == int(m.group(1))
+
+
+def find_latest(run_dir: str | os.PathLike) -> Path | None:
+    """The checkpoint to resume from: the one `latest` names when it is complete, else the highest-step
+    complete step directory; hidden staging leftovers are ignored. None when there is none."""
+    root = checkpoints_dir(run_dir)
+    pointer = root / LATEST
+    if pointer.is_file():
+        name = pointer.read_text(encoding="utf-8").strip()
+        if STEP_DIR.fullmatch(name) and is_complete(root / name):
+            return root / name
+        log.warning("%s names %r, which is not a complete checkpoint; using the newest complete one", pointer,
+                    name)
+    for _, path in sorted(_published_steps(root), reverse=True):
+        if is_complete(path):
+            return path
+    return None
+
+
+def resolve_resume(resume: str, run_dir: str | os.PathLike) -> Path | None:
+    """The `resume` setting as a checkpoint directory: "auto" -> find_latest(run_dir) (None when there is
+    none), "none" or "" -> None, else a path, which must exist (FileNotFoundError naming it)."""
+    value = (resume or "").strip()
+    if value.lower() == "auto":
+        return find_latest(run_dir)
+    if value.lower() in ("", "none"):
+        return None
+    path = Path(value).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(f"resume={resume}: {path} does not exist; pass a checkpoint directory "
+                                f"({checkpoints_dir(run_dir)}/step_NNNNNNNN), auto (the newest in run_dir) "
+                                "or none (start fresh)")
+    if not path.is_dir() or not (path / STATE_FILE).is_file():
+        raise ValueError(f"resume={resume}: {path} is not a checkpoint directory (no {STATE_FILE}); pass a "
+                         f"step directory such as {checkpoints_dir(run_dir)}/step_NNNNNNNN")
+    return path
+
+
+# ---- load ------------------------------------------------------------------------------------------------
+def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer,
+                    scheduler: torch.optim.lr_scheduler.LRScheduler) -> dict:
+    """Restore a step directory: adapter tensors into `model`'s LoRA Parameters in place, the optimizer and
+    scheduler states, and every RNG state. `model` must already have LoRA (same rank, alpha, targets) and
+    `optimizer` must be built over its adapters (`build_optimizer(lora_parameters(model), ...)`). Every file
+    is read and checked before anything is changed. Returns the state.json dict.
+
+    Raises FileNotFoundError for a missing directory, ValueError naming the file for a missing, truncated or
+    corrupt member (with the earlier checkpoint to resume from instead) or a model/optimizer that does not
+    match the checkpoint."""
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"{path}: checkpoint directory does not exist")
+    if applied_lora_config(model) is None:
+        raise ValueError("model: has no LoRA adapters; apply_lora(model, lora_cfg) and build the optimizer "
+                         "over lora_parameters(model) before load_checkpoint")
+    for member in MEMBER_FILES:
+        if not (path / member).is_file():
+            raise _corrupt(path, path / member, "missing: the checkpoint is incomplete")
+    state = _read_state(path)
+    blobs = _read_pt(path, OPTIMIZER_FILE, ("optimizer", "scheduler"))
+    rng = _read_pt(path, RNG_FILE, ("torch", "cuda", "python", "numpy"))
+    _check_optimizer_matches(path / OPTIMIZER_FILE, blobs["optimizer"], optimizer)
+    _check_rng(path, rng)
+    try:
+        load_adapter(model, path / ADAPTER_DIR)  # validates everything before it writes
+    except (ValueError, FileNotFoundError) as e:  # its message starts with the adapter file's path
+        raise ValueError(f"{e}. This checkpoint cannot be resumed; {_earlier_hint(path)}") from None
+    optimizer.load_state_dict(blobs["optimizer"])
+    scheduler.load_state_dict(blobs["scheduler"])
+    set_rng_state(rng)
+    return state
+
+
+def _check_rng(path: Path, rng: dict) -> None:
+    """Try the RNG states (then put the current ones back), so a bad rng.pt fails before anything changes."""
+    current = rng_state()
+    try:
+        set_rng_state(rng)
+    except (KeyError, TypeError, ValueError, RuntimeError, AttributeError) as e:
+        raise _corrupt(path, path / RNG_FILE, f"not a valid RNG state ({type(e).__name__}: {e})") from None
+    finally:
+        set_rng_state(current)
+
+
+def _read_state(path: Path) -> dict:
+    file = path / STATE_FILE
+    try:
+        state = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise _corrupt(path, file, f"unreadable ({e})") from None
+    if not isinstance(state, dict) or not isinstance(state.get("step"), int):
+        raise _corrupt(path, file, "not a checkpoint state (a JSON object with an int 'step')")
+    return state
+
+
+def _read_pt(path: Path, name: str, keys: tuple[str, ...]) -> dict:
+    file = path / name
+    try:
+        blob = torch.load(file, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - truncated zip, bad pickle, a refused type: the file is unusable
+        raise _corrupt(path, file, f"unreadable, the file is truncated or corrupt ({type(e).__name__}: {e})"
+                       ) from None
+    if not isinstance(blob, dict) or any(k not in blob for k in keys):
+        raise _corrupt(path, file, f"does not hold the expected entries {list(keys)}")
+    return blob
+
+
+def _check_optimizer_matches(file: Path, saved: dict, optimizer: torch.optim.Optimizer) -> None:
+    """The saved optimizer state must be for the same parameters, by name, in the same order."""
+    try:
+        saved_names = [g.get("param_names") for g in saved["param_groups"]]
+        saved_counts = [len(g["params"]) for g in saved["param_groups"]]
+    except (KeyError, TypeError, AttributeError):
+        raise ValueError(f"{file}: the optimizer state has no valid param_groups; the file is corrupt: resume "
+                         "from an earlier checkpoint") from None
+    names = [g.get("param_names") for g in optimizer.param_groups]
+    counts = [len(g["params"]) for g in optimizer.param_groups]
+    if saved_counts != counts or saved_names != names:
+        diff = _first_difference(saved_names, names)
+        raise ValueError(f"{file}: the optimizer state is for other parameters (groups of {saved_counts} "
+                         f"parameters vs {counts}{diff}); build the optimizer with "
+                         "build_optimizer(lora_parameters(model), cfg) on a model with the checkpoint's LoRA "
+                         "config")
+
+
+def _first_difference(saved: list, have: list) -> str:
+    flat_saved = [n for g in saved for n in (g or [])]
+    flat_have = [n for g in have for n in (g or [])]
+    for i, (a, b) in enumerate(zip(flat_saved, flat_have)):
+        if a != b:
+            return f"; parameter {i} is {a} in the checkpoint, {b} here"
+    return ""
+
+
+def _corrupt(ckpt: Path, file: Path, why: str) -> ValueError:
+    """The error for an unusable checkpoint member: names the file and an earlier checkpoint to use."""
+    return ValueError(f"{file}: {why}. This checkpoint cannot be resumed; {_earlier_hint(ckpt)}")
+
+
+def _earlier_hint(ckpt: Path) -> str:
+    m = STEP_DIR.fullmatch(ckpt.name)
+    if m:
+        earlier = [p for s, p in sorted(_published_steps(ckpt.parent), reverse=True)
+                   if s < int(m.group(1)) and is_complete(p)]
+        if earlier:
+            return f"resume from the previous one instead: resume={earlier[0]}"
+    return "resume from an earlier checkpoint (resume=<its step directory>), or start over with resume=none"
