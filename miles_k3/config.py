@@ -13,12 +13,15 @@ from hydra import compose, initialize_config_module
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
+from miles_k3.evals.datasets import DatasetConfig
 from miles_k3.evals.harness import EvalConfig
 from miles_k3.evals.rewards import RewardConfig
 from miles_k3.model.build import ModelConfig
 from miles_k3.model.lora import LoRAConfig
 from miles_k3.rollout.engine import EngineConfig
 from miles_k3.tracking import TrackingConfig
+from miles_k3.trainer.rollouts import RolloutConfig
+from miles_k3.trainer.step import TrainerConfig
 from miles_k3.weight_sync.config import WeightSyncConfig
 
 RECIPES_MODULE = "miles_k3.recipes"
@@ -44,10 +47,41 @@ class TrainConfig:
     """The weight-sync channel from the trainer to the rollout engine, and the staleness bound."""
     reward: RewardConfig = field(default_factory=RewardConfig)
     """The verifiable reward of the rollouts (reward=aime | math, by name; format bonus; grading timeouts)."""
+    steps: int = 0
+    """Optimizer steps to train; 0 builds the model and adapter and stops (a dry run of the config)."""
+    data: DatasetConfig = field(default_factory=DatasetConfig)
+    """The training problems (prompt + gold answer): a hub id or a local jsonl/json/parquet file."""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """Prompts and samples per step, sampling, advantages, dynamic sampling, overlong handling."""
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    """Policy loss, optimizer and LR schedule, micro-batching, precision."""
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    """The colocated rollout engine's sizes (max_context must hold prompt + rollout.max_new_tokens)."""
+    eval: EvalConfig = field(default_factory=lambda: EvalConfig(samples=4))
+    """Evaluation during training (eval.every_n_steps > 0): dataset, sampling, grading."""
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    """W&B (tracking.logger=wandb) besides the run directory's metrics.jsonl."""
+    run_dir: str | None = None
+    """Checkpoints, metrics.jsonl, eval reports; None: runs/train-<date>-<time>."""
+    resume: str = "none"
+    """none, auto (the latest complete checkpoint in run_dir) or a checkpoint directory."""
+    checkpoint_every: int = 0
+    """Checkpoint every N steps (0: only at the end); always also on SIGINT / SIGTERM."""
+    keep_checkpoints: int = 3
+    """Checkpoints kept in run_dir/checkpoints (older ones are deleted after a new one is published)."""
 
     def validate(self) -> None:
-        if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
-            raise ValueError(f"device: '{self.device}' is not one of auto, cpu, cuda, cuda:N")
+        check_device(self.device)
+        for name in ("steps", "checkpoint_every"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}")
+        if self.keep_checkpoints < 1:
+            raise ValueError(f"keep_checkpoints: must be >= 1, got {self.keep_checkpoints}")
+
+
+def check_device(device: str) -> None:
+    if not (device in ("auto", "cpu", "cuda") or device.startswith("cuda:")):
+        raise ValueError(f"device: '{device}' is not one of auto, cpu, cuda, cuda:N")
 
 
 @dataclass
@@ -89,7 +123,7 @@ class EvalRunConfig:
     """W&B (tracking.logger=wandb) besides the output directory's metrics.jsonl."""
 
     def validate(self) -> None:
-        TrainConfig.validate(self)  # the same device rule
+        check_device(self.device)
 
 
 def register_schemas() -> None:

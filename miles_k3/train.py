@@ -1,31 +1,109 @@
-"""`python -m miles_k3.train [recipe=aime_grpo] [overrides]`: the RL training entry point (Hydra app).
+"""`python -m miles_k3.train [recipe=aime_grpo] [overrides]`: colocated LoRA GRPO on the frozen MXFP4 base (Hydra).
 
-It composes `recipes/train.yaml`, validates every field, and then composes the components. Today it builds
-the frozen base, attaches the LoRA adapters and stops: the rollout engine, trainer, weight sync and eval land
-in their own issues, and this file grows into the loop of ARCHITECTURE.md (rollout -> reward -> advantages ->
-train -> sync -> eval -> log).
+It composes `recipes/train.yaml`, validates every field, builds the run (`miles_k3.launch.build_run`: model +
+adapter, engine sharing the base, sync channel, optimizer, reward, prompts, eval, tracker; resumed from a
+checkpoint with `resume=auto|PATH`) and runs the loop of ARCHITECTURE.md:
+
+    rollout -> rewards -> advantages -> release engine memory -> train step -> weight sync -> resume engine
+    memory -> log -> eval every N -> checkpoint every N (and on SIGINT / SIGTERM)
+
+`steps=0` builds everything and stops (a dry run of the config).
 """
 import logging
-import random
+import signal
+import time
 
 import hydra
-import numpy as np
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from miles_k3.config import ConfigFieldError, register_schemas, to_typed
+from miles_k3.launch import POLICY, Run, build_run
 from miles_k3.model.build import build_model
 from miles_k3.model.lora import adapter_num_params, apply_lora
 from miles_k3.runtime import resolve_device, resolve_dtype
+from miles_k3.trainer.checkpoint import save_checkpoint
+from miles_k3.trainer.rollouts import collect_rollouts
+from miles_k3.trainer.step import train_step
 
 log = logging.getLogger("miles_k3.train")
 register_schemas()
 
 
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
+def train(cfg, raw_yaml: str = "") -> Run:
+    run = build_run(cfg)
+    log.info("LoRA rank %d on %s: %s trainable params (the base is frozen); run dir %s", cfg.lora.rank,
+             ",".join(cfg.lora.targets), f"{adapter_num_params(run.model):,}", run.run_dir)
+    stop = _StopFlag()
+    try:
+        for step in range(run.start_step + 1, cfg.steps + 1):
+            metrics = one_step(run, step)
+            run.tracker.log(metrics, step=step)
+            log.info(_line(step, cfg.steps, metrics))
+            if run.eval_hook is not None:
+                run.eval_hook.maybe_run(step, POLICY, force=step == cfg.steps)
+            if stop.requested or step == cfg.steps or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0):
+                checkpoint(run, step, raw_yaml)
+            if stop.requested:
+                log.warning("stopping at step %d on %s; resume with resume=auto run_dir=%s", step, stop.requested,
+                            run.run_dir)
+                break
+    finally:
+        stop.restore()
+        run.close()
+    return run
+
+
+def one_step(run: Run, step: int) -> dict[str, float]:
+    cfg, t = run.cfg, {"start": time.perf_counter()}
+    samples, metrics = collect_rollouts(run.engine, run.tokenizer, run.stream, run.reward, cfg.rollout, POLICY)
+    t["rollout"] = time.perf_counter()
+    run.engine.release_memory_occupation(["kv_cache", "cuda_graph"])
+    t["release"] = time.perf_counter()
+    metrics |= train_step(run.model, samples, cfg.trainer, run.opt, run.sched, run.params, run.pad_id,
+                          run.device, temperature=cfg.rollout.temperature) if samples else {"train/skipped": 1.0}
+    run.guard.record(metrics["train/skipped"] == 1.0)
+    t["train"] = time.perf_counter()
+    report = run.channel.push(run.lora_tensors(), version=step)
+    t["sync"] = time.perf_counter()
+    run.engine.resume_memory_occupation(["kv_cache", "cuda_graph"])
+    t["resume"] = time.perf_counter()
+    metrics |= report.metrics()
+    metrics |= {f"perf/{k}_s": t[k] - t[prev] for prev, k in zip(t, list(t)[1:])}
+    metrics["perf/step_s"] = t["resume"] - t["start"]
+    if torch.cuda.is_available() and run.device.type == "cuda":
+        metrics["mem/peak_gb"] = torch.cuda.max_memory_allocated(run.device) / 1e9
+    return metrics
+
+
+def checkpoint(run: Run, step: int, raw_yaml: str) -> None:
+    path = save_checkpoint(run.run_dir, step, run.model, run.cfg.lora, run.opt, run.sched,
+                           {"stream": run.stream.state()}, {"weight_version": run.engine.weight_version},
+                           raw_yaml, keep=run.cfg.keep_checkpoints,
+                           base_model_name_or_path=run.cfg.model.path or run.cfg.model.name)
+    run.guard.last_good = path
+    log.info("checkpoint: %s", path)
+
+
+def _line(step: int, total: int, m: dict) -> str:
+    keys = ("rollout/reward_mean", "train/loss", "train/grad_norm", "train/rollout_logprob_abs_diff", "sync/seconds",
+            "perf/step_s")
+    return f"step {step}/{total} " + " ".join(f"{k.split('/')[1]}={m[k]:.4g}" for k in keys if k in m)
+
+
+class _StopFlag:
+    """SIGINT / SIGTERM set `requested`: the loop finishes its step, checkpoints and stops."""
+
+    def __init__(self):
+        self.requested: str | None = None
+        self._old = {s: signal.signal(s, self._set) for s in (signal.SIGINT, signal.SIGTERM)}
+
+    def _set(self, signum, _frame) -> None:
+        self.requested = signal.Signals(signum).name
+
+    def restore(self) -> None:
+        for s, h in self._old.items():
+            signal.signal(s, h)
 
 
 @hydra.main(version_base=None, config_path="pkg://miles_k3.recipes", config_name="train")
@@ -34,14 +112,21 @@ def main(raw: DictConfig) -> None:
         cfg = to_typed(raw)
     except ConfigFieldError as e:
         raise SystemExit(f"miles_k3.train: invalid config: {e}") from None
-    seed_everything(cfg.seed)
+    torch.manual_seed(cfg.seed)
+    if cfg.steps == 0:
+        dry_run(cfg)
+        return
+    train(cfg, OmegaConf.to_yaml(raw))
+
+
+def dry_run(cfg) -> None:
+    """steps=0: build the frozen base and attach the adapter, report, stop."""
     device = resolve_device(cfg.device)
     model = build_model(cfg.model, device, resolve_dtype(cfg.model.dtype, device))
     apply_lora(model, cfg.lora)
     log.info("LoRA rank %d on %s: %s trainable params (the base is frozen)", cfg.lora.rank,
              ",".join(cfg.lora.targets), f"{adapter_num_params(model):,}")
-    log.warning("stopping after building the model: the RL loop (engine, trainer, weight sync, eval) is not "
-                "implemented yet in this version of miles_k3")
+    log.warning("steps=0: built the model and adapter and stopping; set steps=N and data.source=... to train")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,102 @@
+"""Everything a training run holds, built once from the validated config (`build_run`): the trainer's model with
+its LoRA adapter, the colocated rollout engine sharing the base, the weight-sync channel, optimizer and LR
+schedule, the reward, the prompt stream, the eval hook, the tracker and the run directory, restored from a
+checkpoint when `resume` names one. `miles_k3/train.py` then only runs the loop over these.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import OmegaConf
+
+from miles_k3.evals.datasets import load_problems
+from miles_k3.evals.harness import EvalHook
+from miles_k3.evals.rewards import build_reward
+from miles_k3.model.build import build_model, build_tokenizer
+from miles_k3.model.lora import apply_lora, lora_parameters
+from miles_k3.rollout.engine import RolloutEngine
+from miles_k3.runtime import resolve_device, resolve_dtype
+from miles_k3.tracking import Tracker
+from miles_k3.trainer.checkpoint import RNG_FILE, load_checkpoint, resolve_resume, set_rng_state
+from miles_k3.trainer.optim import BadStepGuard, build_optimizer, build_scheduler
+from miles_k3.trainer.rollouts import PromptStream
+from miles_k3.weight_sync.channel import open_sender
+
+log = logging.getLogger("miles_k3.train")
+POLICY = "policy"  # the engine's name for the trained adapter
+
+
+@dataclass
+class Run:
+    cfg: Any
+    run_dir: Path
+    device: torch.device
+    model: Any
+    tokenizer: Any
+    engine: RolloutEngine
+    params: dict
+    opt: torch.optim.Optimizer
+    sched: Any
+    channel: Any
+    reward: Any
+    stream: PromptStream
+    eval_hook: EvalHook | None
+    tracker: Tracker
+    guard: BadStepGuard
+    start_step: int = 0
+    pad_id: int = 0
+
+    def lora_tensors(self) -> dict[str, torch.Tensor]:
+        return {n: p.detach() for n, p in self.params.items()}
+
+    def close(self) -> None:
+        for part in (self.reward, self.channel):
+            close = getattr(part, "close", None)
+            if close is not None:
+                close()
+        self.tracker.finish()
+
+
+def build_run(cfg) -> Run:
+    problems = load_problems(cfg.data)  # bad data fails before the model is built
+    run_dir = Path(cfg.run_dir or f"runs/train-{time.strftime('%Y%m%d-%H%M%S')}")
+    device = resolve_device(cfg.device)
+    model = build_model(cfg.model, device, resolve_dtype(cfg.model.dtype, device))
+    tokenizer, stop_ids = build_tokenizer(cfg.model, model.config.vocab_size)
+    apply_lora(model, cfg.lora)
+    params = lora_parameters(model)
+    opt = build_optimizer(params, cfg.trainer.optim)
+    sched = build_scheduler(opt, cfg.trainer.optim)
+    stream = PromptStream(problems, cfg.rollout.seed)
+    ckpt = resolve_resume(cfg.resume, run_dir)
+    start = _resume(ckpt, model, opt, sched, stream)
+    if not cfg.engine.eos_token_ids:
+        cfg.engine.eos_token_ids = stop_ids
+    engine = RolloutEngine(model, cfg.engine, lora=cfg.lora, tokenizer=tokenizer)
+    engine.load_lora_adapter_from_tensors(POLICY, {n: p.detach() for n, p in params.items()}, cfg.lora)
+    engine.weight_version = start  # the adapter of step `start` is what it serves
+    channel = open_sender(cfg.sync, engine=engine, adapter=POLICY)
+    tracker = Tracker(cfg.tracking, run_dir, config=OmegaConf.to_container(OmegaConf.structured(cfg)))
+    hook = None
+    if cfg.eval.every_n_steps > 0:
+        hook = EvalHook(cfg.eval, engine, tokenizer, load_problems(cfg.eval.data), run_dir, tracker)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    if ckpt is not None:  # building the engine may draw random numbers: the loop starts from the saved state
+        set_rng_state(torch.load(ckpt / RNG_FILE, weights_only=True))
+    return Run(cfg, run_dir, device, model, tokenizer, engine, params, opt, sched, channel,
+               build_reward(cfg.reward), stream, hook, tracker, BadStepGuard(cfg.trainer.optim.max_bad_steps),
+               start, pad)
+
+
+def _resume(ckpt: Path | None, model, opt, sched, stream: PromptStream) -> int:
+    if ckpt is None:
+        return 0
+    state = load_checkpoint(ckpt, model, opt, sched)
+    stream.load_state(state["data_state"]["stream"])
+    log.info("resumed from %s at step %d", ckpt, state["step"])
+    return int(state["step"])
