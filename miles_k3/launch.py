@@ -6,11 +6,13 @@ checkpoint when `resume` names one. `miles_k3/train.py` then only runs the loop 
 from __future__ import annotations
 
 import logging
+import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from omegaconf import OmegaConf
 
@@ -62,7 +64,16 @@ class Run:
         self.tracker.finish()
 
 
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
 def build_run(cfg) -> Run:
+    """The run of `cfg`, seeded first (`cfg.seed`: the random base of a shipped config and the adapter's init
+    are the same in every run with that seed; a resumed run then restores the checkpoint's RNG states)."""
+    seed_everything(cfg.seed)
     problems = load_problems(cfg.data)  # bad data fails before the model is built
     run_dir = Path(cfg.run_dir or f"runs/train-{time.strftime('%Y%m%d-%H%M%S')}")
     device = resolve_device(cfg.device)

@@ -18,7 +18,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from miles_k3.config import ConfigFieldError, register_schemas, to_typed
-from miles_k3.launch import POLICY, Run, build_run
+from miles_k3.launch import POLICY, Run, build_run, seed_everything
 from miles_k3.model.build import build_model
 from miles_k3.model.lora import adapter_num_params, apply_lora
 from miles_k3.runtime import resolve_device, resolve_dtype
@@ -112,8 +112,8 @@ def main(raw: DictConfig) -> None:
         cfg = to_typed(raw)
     except ConfigFieldError as e:
         raise SystemExit(f"miles_k3.train: invalid config: {e}") from None
-    torch.manual_seed(cfg.seed)
     if cfg.steps == 0:
+        seed_everything(cfg.seed)
         dry_run(cfg)
         return
     train(cfg, OmegaConf.to_yaml(raw))

@@ -72,3 +72,70 @@ def test_invalid_config_fails_before_any_work_naming_the_field(override, field):
 
     with pytest.raises(ConfigFieldError, match=rf"^{field}: "):
         compose_config("train", [override])
+
+
+def _final_adapter(run_dir):
+    from safetensors.torch import load_file
+
+    return load_file(str(run_dir / "checkpoints/step_00000003/adapter/adapter_model.safetensors"))
+
+
+def test_resume_after_a_stop_is_bit_identical_to_an_uninterrupted_run(tmp_path):
+    from miles_k3.train import train
+
+    (tmp_path / "a").mkdir()
+    train(_cfg(tmp_path / "a", "checkpoint_every=1"))
+    (tmp_path / "b").mkdir()
+    train(_cfg(tmp_path / "b", "steps=2", "checkpoint_every=1"))
+    resumed = train(_cfg(tmp_path / "b", "resume=auto"))
+    assert resumed.start_step == 2
+    a, b = _final_adapter(tmp_path / "a/run"), _final_adapter(tmp_path / "b/run")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    rows = [json.loads(x) for x in (tmp_path / "b/run/metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3] and all(r["train/skipped"] == 0.0 for r in rows)
+    assert any(r["train/grad_norm"] > 0 for r in rows)  # the updates were real, not zero steps
+
+
+DRIVER = """
+import sys
+sys.argv = ["miles_k3.train", *sys.argv[1:]]
+import test_train_loop  # registers the test reward
+from miles_k3.train import main
+main()
+"""
+
+
+def test_kill_9_mid_run_then_resume_is_bit_identical(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from miles_k3.train import train
+
+    (tmp_path / "a").mkdir()
+    train(_cfg(tmp_path / "a", "checkpoint_every=1"))
+    (tmp_path / "b").mkdir()
+    data = tmp_path / "b/train.jsonl"
+    _cfg(tmp_path / "b")  # writes the data file
+    overrides = ["steps=3", f"data.source={data}", f"run_dir={tmp_path}/b/run", "reward.name=first_byte_even",
+                 "rollout.prompts_per_step=2", "rollout.group_size=4", "rollout.max_new_tokens=6",
+                 "rollout.template=plain", "engine.max_context=128", "engine.memory_budget_bytes=4194304",
+                 "trainer.optim.lr=0.01", "lora.rank=4", "checkpoint_every=1", f"hydra.run.dir={tmp_path}/b/h"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen([sys.executable, "-c", DRIVER, *overrides], env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE)
+    latest = tmp_path / "b/run/checkpoints/latest"
+    deadline = time.time() + 600
+    while time.time() < deadline and proc.poll() is None:
+        if latest.exists() and latest.read_text().strip() >= "step_00000002":
+            break
+        time.sleep(0.05)
+    assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
+    os.kill(proc.pid, signal.SIGKILL)  # mid-step 3 (or mid-write of its checkpoint)
+    proc.wait()
+    resumed = train(_cfg(tmp_path / "b", "resume=auto"))
+    assert resumed.start_step == 2
+    a, b = _final_adapter(tmp_path / "a/run"), _final_adapter(tmp_path / "b/run")
+    assert all(torch.equal(a[k], b[k]) for k in a)
