@@ -58,7 +58,8 @@ def one_step(run: Run, step: int) -> dict[str, float]:
     cfg, t = run.cfg, {"start": time.perf_counter()}
     samples, metrics = collect_rollouts(run.engine, run.tokenizer, run.stream, run.reward, cfg.rollout, POLICY)
     t["rollout"] = time.perf_counter()
-    run.engine.release_memory_occupation(["kv_cache", "cuda_graph"])
+    if cfg.rollout.release_tags:
+        run.engine.release_memory_occupation(list(cfg.rollout.release_tags))
     t["release"] = time.perf_counter()
     metrics |= train_step(run.model, samples, cfg.trainer, run.opt, run.sched, run.params, run.pad_id,
                           run.device, temperature=cfg.rollout.temperature) if samples else {"train/skipped": 1.0}
@@ -66,7 +67,8 @@ def one_step(run: Run, step: int) -> dict[str, float]:
     t["train"] = time.perf_counter()
     report = run.channel.push(run.lora_tensors(), version=step)
     t["sync"] = time.perf_counter()
-    run.engine.resume_memory_occupation(["kv_cache", "cuda_graph"])
+    if cfg.rollout.release_tags:
+        run.engine.resume_memory_occupation(list(cfg.rollout.release_tags))
     t["resume"] = time.perf_counter()
     metrics |= report.metrics()
     metrics |= {f"perf/{k}_s": t[k] - t[prev] for prev, k in zip(t, list(t)[1:])}

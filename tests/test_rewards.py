@@ -19,7 +19,7 @@ from miles_k3.evals.rewards import (
 
 
 @pytest.mark.parametrize("field, value, message", [
-    ("name", "foo", "name: 'foo' is not a registered reward; registered: (.*, )?aime, math"),
+    ("name", "foo", "name: 'foo' is not a registered reward; registered: (.*, )?aime, (.*, )?math"),
     ("format_bonus", -0.1, "format_bonus: must be a finite number >= 0"),
     ("format_bonus", float("nan"), "format_bonus: must be a finite number >= 0"),
     ("timeout_s", 0.0, "timeout_s: must be a finite number of seconds > 0"),

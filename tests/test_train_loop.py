@@ -66,7 +66,8 @@ def test_three_steps_train_the_adapter_sync_versions_and_log(tmp_path, monkeypat
 @pytest.mark.parametrize("override, field", [("steps=-1", "steps"), ("keep_checkpoints=0", "keep_checkpoints"),
                                              ("rollout.group_size=0", "rollout.group_size"),
                                              ("trainer.micro_batch_tokens=0", "trainer.micro_batch_tokens"),
-                                             ("trainer.loss.eps_low=2", "trainer.loss.eps_low")])
+                                             ("trainer.loss.eps_low=2", "trainer.loss.eps_low"),
+                                             ("rollout.release_tags=[weights]", "rollout.release_tags")])
 def test_invalid_config_fails_before_any_work_naming_the_field(override, field):
     from miles_k3.config import ConfigFieldError
 

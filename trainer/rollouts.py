@@ -14,7 +14,7 @@ max_new_tokens).
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -56,6 +56,9 @@ class RolloutConfig:
     """The penalty's ramp length in tokens (penalty mode)."""
     seed: int = 0
     """Prompt order and sampling seeds."""
+    release_tags: list[str] = field(default_factory=lambda: ["kv_cache", "cuda_graph"])
+    """Engine memory released while the trainer steps (SGLang tags kv_cache, cuda_graph; [] keeps it all, for a
+    model small enough to share the GPU; a release drops the captured decode graphs, recaptured next rollout)."""
 
     def validate(self) -> None:
         for name in ("prompts_per_step", "group_size", "max_new_tokens", "max_sampling_rounds"):
@@ -71,6 +74,9 @@ class RolloutConfig:
             raise ValueError(f"overlong_buffer: must be in [0, max_new_tokens), got {self.overlong_buffer}")
         if self.template not in template_names():
             raise ValueError(f"template: '{self.template}' is not one of {', '.join(template_names())}")
+        bad = [t for t in self.release_tags if t not in ("kv_cache", "cuda_graph")]
+        if bad:
+            raise ValueError(f"release_tags: {bad} are not engine memory tags (kv_cache, cuda_graph)")
         if not (self.temperature >= 0 and 0 < self.top_p <= 1):
             raise ValueError(f"temperature/top_p: need temperature >= 0 and 0 < top_p <= 1, got "
                              f"{self.temperature}, {self.top_p}")
