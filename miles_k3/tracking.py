@@ -1,7 +1,8 @@
 """Run tracking: every metric goes to a local `metrics.jsonl` in the run directory, and to Weights & Biases when
 `tracking.logger=wandb` (online when a `WANDB_API_KEY` is set or `WANDB_MODE=online`, else offline files under
 the run directory that `wandb sync` uploads later). Metric keys are namespaced (`rollout/`, `train/`, `sync/`,
-`eval/`, `perf/`, `mem/`); tables (sampled completions) go to W&B and to `tables/<key>.jsonl`. wandb is imported
+`eval/`, `perf/`, `mem/`); tables (sampled completions) go to W&B and to `tables/<key>.jsonl`; `finish()` draws
+the reward / accuracy / KL / loss curves into `curves.png` (matplotlib). wandb is imported
 only when it is used, and the API key is never written anywhere by this module.
 """
 from __future__ import annotations
@@ -76,6 +77,7 @@ class Tracker:
     def finish(self) -> None:
         if not self._metrics.closed:
             self._metrics.close()
+            write_curves(self.run_dir / "metrics.jsonl", self.run_dir / "curves.png")
         if self._wandb is not None:
             self._wandb.finish()
             self._wandb = None
@@ -85,6 +87,41 @@ class Tracker:
 
     def __exit__(self, *exc) -> None:
         self.finish()
+
+
+CURVES = ("rollout/reward_mean", "eval/avg@", "train/kl", "train/loss", "train/rollout_logprob_abs_diff",
+          "train/grad_norm")
+"""Metric keys (or key prefixes, e.g. every eval/avg@n) drawn in curves.png when a run logged them."""
+
+
+def write_curves(metrics_file: Path, png: Path) -> Path | None:
+    """A PNG of the CURVES metrics against the step, one panel each (written to a temporary file, then renamed);
+    None when the file holds none of them."""
+    series: dict[str, list[tuple[int, float]]] = {}
+    for line in metrics_file.read_text(encoding="utf-8").splitlines():
+        row = json.loads(line)
+        for k, v in row.items():
+            if isinstance(v, (int, float)) and row.get("step") is not None and any(k.startswith(c) for c in CURVES):
+                series.setdefault(k, []).append((row["step"], v))
+    if not series:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display needed
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(series), 1, figsize=(7, 2.2 * len(series)), sharex=True, squeeze=False)
+    for ax, (k, pts) in zip(axes[:, 0], sorted(series.items())):
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", markersize=3)
+        ax.set_ylabel(k, fontsize=8)
+        ax.grid(alpha=0.3)
+    axes[-1, 0].set_xlabel("step")
+    fig.tight_layout()
+    tmp = png.with_name(f".{png.name}.tmp.png")
+    fig.savefig(tmp, dpi=100)
+    plt.close(fig)
+    tmp.replace(png)
+    return png
 
 
 def _start_wandb(cfg: TrackingConfig, run_dir: Path, config: dict):

@@ -16,6 +16,7 @@ import time
 import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
+from tqdm.auto import tqdm
 
 from miles_k3.config import ConfigFieldError, register_schemas, to_typed
 from miles_k3.launch import POLICY, Run, build_run, seed_everything
@@ -35,11 +36,14 @@ def train(cfg, raw_yaml: str = "") -> Run:
     log.info("LoRA rank %d on %s: %s trainable params (the base is frozen); run dir %s", cfg.lora.rank,
              ",".join(cfg.lora.targets), f"{adapter_num_params(run.model):,}", run.run_dir)
     stop = _StopFlag()
+    bar = tqdm(total=cfg.steps, initial=run.start_step, desc="train", unit="step")
     try:
         for step in range(run.start_step + 1, cfg.steps + 1):
-            metrics = one_step(run, step)
+            metrics, samples = one_step(run, step)
             run.tracker.log(metrics, step=step)
+            log_samples(run, samples, step)
             log.info(_line(step, cfg.steps, metrics))
+            bar.update(1)
             if run.eval_hook is not None:
                 run.eval_hook.maybe_run(step, POLICY, force=step == cfg.steps)
             if stop.requested or step == cfg.steps or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0):
@@ -49,12 +53,13 @@ def train(cfg, raw_yaml: str = "") -> Run:
                             run.run_dir)
                 break
     finally:
+        bar.close()
         stop.restore()
         run.close()
     return run
 
 
-def one_step(run: Run, step: int) -> dict[str, float]:
+def one_step(run: Run, step: int) -> tuple[dict[str, float], list]:
     cfg, t = run.cfg, {"start": time.perf_counter()}
     samples, metrics = collect_rollouts(run.engine, run.tokenizer, run.stream, run.reward, cfg.rollout, POLICY)
     t["rollout"] = time.perf_counter()
@@ -75,7 +80,15 @@ def one_step(run: Run, step: int) -> dict[str, float]:
     metrics["perf/step_s"] = t["resume"] - t["start"]
     if torch.cuda.is_available() and run.device.type == "cuda":
         metrics["mem/peak_gb"] = torch.cuda.max_memory_allocated(run.device) / 1e9
-    return metrics
+    return metrics, samples
+
+
+def log_samples(run: Run, samples: list, step: int) -> None:
+    """The step's first completions as the rollout/samples table."""
+    rows = [[step, run.tokenizer.decode(s.prompt_ids), run.tokenizer.decode(s.response_ids), s.reward,
+             s.advantage] for s in samples[:run.cfg.rollout.log_samples]]
+    if rows:
+        run.tracker.log_table("rollout/samples", ["step", "prompt", "response", "reward", "advantage"], rows, step)
 
 
 def checkpoint(run: Run, step: int, raw_yaml: str) -> None:

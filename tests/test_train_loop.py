@@ -61,13 +61,28 @@ def test_three_steps_train_the_adapter_sync_versions_and_log(tmp_path, monkeypat
     assert all(torch.equal(engine_bytes[n], p.detach()) for n, p in run.params.items())  # the last push landed
     assert (tmp_path / "run/checkpoints/latest").read_text().strip() == "step_00000003"
     assert any(p.name.startswith("offline-run-") for p in (tmp_path / "run/wandb").iterdir())
+    assert (tmp_path / "run/curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    table = [json.loads(x) for x in (tmp_path / "run/tables/rollout_samples.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in table] == [1] * 4 + [2] * 4 + [3] * 4 and {"prompt", "response"} <= set(table[0])
+
+
+def test_curves_png_draws_only_the_curve_metrics(tmp_path):
+    from miles_k3.tracking import write_curves
+
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text('{"step": 1, "sync/seconds": 0.1}\n')
+    assert write_curves(metrics, tmp_path / "c.png") is None and not (tmp_path / "c.png").exists()
+    metrics.write_text('{"step": 1, "rollout/reward_mean": 0.1, "eval/avg@4": 0.2}\n'
+                       '{"step": 2, "rollout/reward_mean": 0.3, "train/loss": "nan"}\n')
+    assert write_curves(metrics, tmp_path / "c.png").read_bytes()[:4] == b"\x89PNG"
 
 
 @pytest.mark.parametrize("override, field", [("steps=-1", "steps"), ("keep_checkpoints=0", "keep_checkpoints"),
                                              ("rollout.group_size=0", "rollout.group_size"),
                                              ("trainer.micro_batch_tokens=0", "trainer.micro_batch_tokens"),
                                              ("trainer.loss.eps_low=2", "trainer.loss.eps_low"),
-                                             ("rollout.release_tags=[weights]", "rollout.release_tags")])
+                                             ("rollout.release_tags=[weights]", "rollout.release_tags"),
+                                             ("rollout.log_samples=-1", "rollout.log_samples")])
 def test_invalid_config_fails_before_any_work_naming_the_field(override, field):
     from miles_k3.config import ConfigFieldError
 

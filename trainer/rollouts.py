@@ -56,6 +56,8 @@ class RolloutConfig:
     """The penalty's ramp length in tokens (penalty mode)."""
     seed: int = 0
     """Prompt order and sampling seeds."""
+    log_samples: int = 4
+    """Completions per step logged to the rollout/samples table (W&B and tables/rollout_samples.jsonl)."""
     release_tags: list[str] = field(default_factory=lambda: ["kv_cache", "cuda_graph"])
     """Engine memory released while the trainer steps (SGLang tags kv_cache, cuda_graph; [] keeps it all, for a
     model small enough to share the GPU; a release drops the captured decode graphs, recaptured next rollout)."""
@@ -64,6 +66,8 @@ class RolloutConfig:
         for name in ("prompts_per_step", "group_size", "max_new_tokens", "max_sampling_rounds"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        if self.log_samples < 0:
+            raise ValueError(f"log_samples: must be >= 0, got {self.log_samples}")
         if self.advantage not in ADVANTAGE_ESTIMATORS:
             raise ValueError(f"advantage: '{self.advantage}' is not one of {', '.join(ADVANTAGE_ESTIMATORS)}")
         if self.advantage == "rloo" and self.group_size < 2:
