@@ -99,10 +99,8 @@ class _Worker:
     def stop(self, graceful: bool) -> None:
         """Ask it to exit (graceful, when idle), else kill it; always reaps the process and closes the pipe."""
         if graceful and self.ready and not self.items:
-            try:
+            with contextlib.suppress(OSError):  # it died meanwhile: the kill below reaps it
                 self.conn.send(None)
-            except OSError:
-                pass
             self.proc.join(_CLOSE_WAIT_S)
         if self.proc.is_alive():
             self.proc.kill()

@@ -153,6 +153,14 @@ def _validate_tree(obj: Any, path: str) -> None:
             raise ConfigFieldError(f"{path}{e}") from None
 
 
+def typed_or_exit(raw: DictConfig, prog: str) -> Any:
+    """An entry point's composed config as its dataclasses; an invalid field exits with its name (no traceback)."""
+    try:
+        return to_typed(raw)
+    except ConfigFieldError as e:
+        raise SystemExit(f"{prog}: invalid config: {e}") from None
+
+
 def compose_config(config_name: str, overrides: list[str] | tuple[str, ...] = ()) -> Any:
     """Compose `recipes/<config_name>.yaml` with Hydra overrides and return the validated dataclass tree."""
     register_schemas()

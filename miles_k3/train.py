@@ -18,7 +18,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
-from miles_k3.config import ConfigFieldError, register_schemas, to_typed
+from miles_k3.config import register_schemas, typed_or_exit
 from miles_k3.launch import POLICY, Run, build_run, seed_everything
 from miles_k3.model.build import build_model
 from miles_k3.model.lora import adapter_num_params, apply_lora
@@ -67,7 +67,7 @@ def one_step(run: Run, step: int) -> tuple[dict[str, float], list]:
         run.engine.release_memory_occupation(list(cfg.rollout.release_tags))
     t["release"] = time.perf_counter()
     metrics |= train_step(run.model, samples, cfg.trainer, run.opt, run.sched, run.params, run.pad_id,
-                          run.device, temperature=cfg.rollout.temperature) if samples else {"train/skipped": 1.0}
+                          run.device, temperature=cfg.rollout.temperature)  # no samples: a skipped step
     run.guard.record(metrics["train/skipped"] == 1.0)
     t["train"] = time.perf_counter()
     report = run.channel.push(run.lora_tensors(), version=step)
@@ -123,10 +123,7 @@ class _StopFlag:
 
 @hydra.main(version_base=None, config_path="pkg://miles_k3.recipes", config_name="train")
 def main(raw: DictConfig) -> None:
-    try:
-        cfg = to_typed(raw)
-    except ConfigFieldError as e:
-        raise SystemExit(f"miles_k3.train: invalid config: {e}") from None
+    cfg = typed_or_exit(raw, "miles_k3.train")
     if cfg.steps == 0:
         seed_everything(cfg.seed)
         dry_run(cfg)

@@ -19,15 +19,19 @@ def _first_byte_even(cfg):
     return fn
 
 
-def _cfg(tmp_path, *extra):
+def _overrides(tmp_path, *extra) -> list[str]:
+    """The small run's Hydra overrides (its data file written into tmp_path, its run dir tmp_path/run)."""
     data = tmp_path / "train.jsonl"
     data.write_text("".join(json.dumps({"id": f"q{i}", "question": f"{i} + {i} = ?", "answer": str(2 * i)}) + "\n"
                             for i in range(6)))
-    return compose_config("train", [
-        "steps=3", f"data.source={data}", f"run_dir={tmp_path}/run", "reward.name=first_byte_even",
-        "rollout.prompts_per_step=2", "rollout.group_size=4", "rollout.max_new_tokens=6", "rollout.template=plain",
-        "engine.max_context=128", "engine.memory_budget_bytes=4194304", "trainer.optim.lr=0.01", "lora.rank=4",
-        *extra])
+    return ["steps=3", f"data.source={data}", f"run_dir={tmp_path}/run", "reward.name=first_byte_even",
+            "rollout.prompts_per_step=2", "rollout.group_size=4", "rollout.max_new_tokens=6", "rollout.template=plain",
+            "engine.max_context=128", "engine.memory_budget_bytes=4194304", "trainer.optim.lr=0.01", "lora.rank=4",
+            *extra]
+
+
+def _cfg(tmp_path, *extra):
+    return compose_config("train", _overrides(tmp_path, *extra))
 
 
 def test_three_steps_train_the_adapter_sync_versions_and_log(tmp_path, monkeypatch):
@@ -133,12 +137,7 @@ def test_kill_9_mid_run_then_resume_is_bit_identical(tmp_path):
     (tmp_path / "a").mkdir()
     train(_cfg(tmp_path / "a", "checkpoint_every=1"))
     (tmp_path / "b").mkdir()
-    data = tmp_path / "b/train.jsonl"
-    _cfg(tmp_path / "b")  # writes the data file
-    overrides = ["steps=3", f"data.source={data}", f"run_dir={tmp_path}/b/run", "reward.name=first_byte_even",
-                 "rollout.prompts_per_step=2", "rollout.group_size=4", "rollout.max_new_tokens=6",
-                 "rollout.template=plain", "engine.max_context=128", "engine.memory_budget_bytes=4194304",
-                 "trainer.optim.lr=0.01", "lora.rank=4", "checkpoint_every=1", f"hydra.run.dir={tmp_path}/b/h"]
+    overrides = _overrides(tmp_path / "b", "checkpoint_every=1", f"hydra.run.dir={tmp_path}/b/h")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.Popen([sys.executable, "-c", DRIVER, *overrides], env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE)

@@ -105,13 +105,13 @@ class Manifest:
         _LAST_MANIFEST[:] = [key, manifest]
         return manifest
 
-    @functools.cached_property
-    def wire(self) -> list[tuple]:
-        """Plain tuples (picklable by any transport without importing this module); computed once."""
-        return [(s.name, list(s.shape), s.dtype, s.offset, s.nbytes) for s in self.specs]
-
     def to_wire(self) -> list[tuple]:
-        return self.wire
+        """Plain tuples (picklable by any transport without importing this module); computed once per manifest."""
+        return self._wire
+
+    @functools.cached_property
+    def _wire(self) -> list[tuple]:
+        return [(s.name, list(s.shape), s.dtype, s.offset, s.nbytes) for s in self.specs]
 
     @classmethod
     def from_wire(cls, rows: list) -> Manifest:
