@@ -7,6 +7,8 @@ Input is checked where it enters: every failure is a `DatasetError` naming the f
 field and the fix. JSON files are scanned by us before `datasets` reads them, so that a malformed line is named
 by its number and a column holding both strings and numbers (which `datasets` would turn into a JSON column,
 reading the string "033" back as the number 33) is rejected instead of silently losing the answer's form.
+A field option names a column or a dotted path into a nested one: `prompt.0.content` is key `content` of
+item 0 of the list in column `prompt` (verl-format data); a column whose own name has the dots is used as is.
 Hub datasets users evaluate on are registered as presets (`register_preset`): their split and columns; no
 data is shipped. `datasets` is imported inside the functions that need it (GPU hosts may lack it).
 """
@@ -24,6 +26,10 @@ LOCAL_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 """Local file suffix -> the `datasets` builder that reads it."""
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
 _SHOWN = 60
+_BATCH = 1024
+"""Rows decoded per batch when rows become problems (one decode per row is several times slower)."""
+_MISSING = object()
+"""What `_follow` returns where a field path does not resolve."""
 
 
 @dataclass
@@ -37,11 +43,15 @@ class DatasetConfig:
     """The split to read; None: the preset's split for a known hub id (e.g. "test" for math-ai/aime25), else
     "train". A local file has only the split "train"."""
     problem_field: str | None = None
-    """The column with the problem text; None: "problem" if the data has it, else "question"."""
+    """The column with the problem text, or a dotted path into a nested column: the column, then object keys
+    and list item numbers ("prompt.0.content"; a column named with the dots wins); None: "problem" if the data
+    has it, else "question"."""
     answer_field: str = "answer"
-    """The column with the gold answer (a string keeps its form; a number becomes its str(), 33 -> "33")."""
+    """The column (or dotted path, as for problem_field: "reward_model.ground_truth") with the gold answer (a
+    string keeps its form; a number becomes its str(), 33 -> "33")."""
     id_field: str | None = None
-    """The column with a unique problem id; None: "id" if the data has it, else the row index ("0", "1", ...)."""
+    """The column (or dotted path, as for problem_field: "extra_info.index") with a unique problem id; None:
+    "id" if the data has it, else the row index ("0", "1", ...)."""
     limit: int | None = None
     """Use only the first `limit` rows (None: all)."""
     revision: str | None = None
@@ -96,6 +106,8 @@ def register_preset(hub_id: str, split: str, columns: tuple[str, ...]) -> None:
 register_preset("HuggingFaceH4/aime_2024", "train", ("id", "problem", "solution", "answer", "url", "year"))
 register_preset("math-ai/aime25", "test", ("problem", "answer", "id"))
 register_preset("AI-MO/aimo-validation-aime", "train", ("id", "problem", "solution", "answer", "url"))
+register_preset("BytedTsinghua-SIA/DAPO-Math-17k", "train",
+                ("data_source", "prompt", "ability", "reward_model", "extra_info"))
 
 
 def default_split(source: str) -> str:
@@ -138,7 +150,7 @@ def load_problems(cfg: DatasetConfig) -> list[Problem]:
     if cfg.limit is not None and cfg.limit < len(table.ds):
         table.ds = table.ds.select(range(cfg.limit))
     problems = _rows_to_problems(table, *fields)
-    _check_unique_ids(table, problems, fields[2])
+    _check_unique_ids(table, problems, fields[2].path if fields[2] is not None else None)
     return problems
 
 
@@ -323,7 +335,7 @@ def _is_multiline_object(text: str) -> bool:
 
 
 def _candidate_fields(cfg: DatasetConfig) -> list[str]:
-    """The keys that may become the problem, answer or id columns."""
+    """The keys (or field paths) that may become the problem, answer or id."""
     problem = [cfg.problem_field] if cfg.problem_field else ["problem", "question"]
     return [*problem, cfg.answer_field, cfg.id_field or "id"]
 
@@ -339,12 +351,17 @@ def _json_kind(value: Any) -> str | None:
 
 
 def _check_kinds(path: Path, rows: list[dict], lines: list[int] | None, fields: list[str]) -> None:
+    """Each field (at its path, in the rows where the path resolves) holds one JSON type in every row."""
     for name in dict.fromkeys(fields):
+        column, steps = _parse_path(name, "." in name and any(name in row for row in rows))
         first: tuple[str, int] | None = None
         for i, row in enumerate(rows):
-            kind = _json_kind(row.get(name))
-            if kind is None:
+            value = row.get(column)
+            if steps and value is not None:
+                value = _follow(value, steps)
+            if value is None or value is _MISSING:
                 continue
+            kind = _json_kind(value)
             if first is None:
                 first = (kind, i)
             elif kind != first[0]:
@@ -358,32 +375,150 @@ def _at(lines: list[int] | None, i: int) -> str:
     return f"line {lines[i]}" if lines else f"row {i}"
 
 
+# ---- field paths -------------------------------------------------------------------------------------------
+_Steps = tuple[tuple[str, int | None], ...]
+"""The segments after the column: (the segment, its value as a list item number or None)."""
+
+
+@dataclass(frozen=True)
+class _Field:
+    """A field option resolved against the columns: its `column` and the `steps` that follow it into nested
+    values (none for a plain column); `option` ("answer_field") and `path` (its text) name it in messages."""
+
+    option: str
+    path: str
+    column: str
+    steps: _Steps
+
+
+def _parse_path(name: str, is_column: bool) -> tuple[str, _Steps]:
+    """(column, steps) of a field option: the whole name when it is a column (or has no dot), else the first
+    segment, then the rest as object keys / list item numbers (non-negative integers)."""
+    if is_column or "." not in name:
+        return name, ()
+    column, *rest = name.split(".")
+    return column, tuple((s, int(s) if s.isascii() and s.isdigit() else None) for s in rest)
+
+
+def _follow(value: Any, steps: _Steps) -> Any:
+    """The value at `steps` inside `value`, or _MISSING where a step does not resolve (`_path_failure` says
+    why)."""
+    for key, index in steps:
+        if isinstance(value, dict):
+            value = value.get(key, _MISSING)
+            if value is _MISSING:
+                return _MISSING
+        elif isinstance(value, (list, tuple)) and index is not None and index < len(value):
+            value = value[index]
+        else:
+            return _MISSING
+    return value
+
+
+def _path_failure(value: Any, field: _Field) -> str | None:
+    """Why `field.steps` do not resolve in `value` (the column's value): the step and what was there; None if
+    they do."""
+    where = field.column
+    for key, index in field.steps:
+        if isinstance(value, dict):
+            if key not in value:
+                keys = ", ".join(map(str, value)) or "none"
+                keys = keys if len(keys) <= _SHOWN else keys[:_SHOWN] + "..."
+                return f"{where!r} has no key {key!r} (keys: {keys})"
+            value = value[key]
+        elif isinstance(value, (list, tuple)):
+            items = f"a list of {len(value)} item{'' if len(value) == 1 else 's'}"
+            if index is None:
+                return f"{where!r} is {items}, and {key!r} is not an item number (0, 1, ...)"
+            if index >= len(value):
+                return f"{where!r} is {items}, no item {index}"
+            value = value[index]
+        else:
+            shown = "" if value is None else f" ({_show(value)})"
+            return (f"{where!r} is {_kind_name(value)}, not a list or object, so {key!r} cannot index "
+                    f"it{shown}")
+        where = f"{where}.{key}"
+    return None
+
+
+def _kind_name(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float)):
+        return "a number"
+    return "a string" if isinstance(value, str) else f"a {type(value).__name__}"
+
+
 # ---- rows -> problems --------------------------------------------------------------------------------------------
-def _resolve_fields(table: _Table, cfg: DatasetConfig) -> tuple[str, str, str | None]:
-    """(problem column, answer column, id column or None for row indexes), each checked to be a column."""
+def _resolve_fields(table: _Table, cfg: DatasetConfig) -> tuple[_Field, _Field, _Field | None]:
+    """The problem, answer and id fields (id None: row indexes), each checked to start at a column."""
     cols = list(table.ds.column_names)
     problem = cfg.problem_field or ("problem" if "problem" in cols else "question")
     id_field = cfg.id_field or ("id" if "id" in cols else None)
+    fields = []
     for option, name in (("problem_field", problem), ("answer_field", cfg.answer_field), ("id_field", id_field)):
-        if name is not None and name not in cols:
-            hint = ("no 'problem' or 'question' column; " if option == "problem_field" and not cfg.problem_field
-                    else f"no column {name!r}; ")
+        if name is None:
+            fields.append(None)
+            continue
+        column, steps = _parse_path(name, name in cols)
+        if column not in cols:
+            if option == "problem_field" and not cfg.problem_field:
+                hint = "no 'problem' or 'question' column; "
+            elif steps:
+                hint = f"no column {column!r} (where the path {name!r} starts); "
+            else:
+                hint = f"no column {name!r}; "
+            tail = " (or a path into it: column.key.0)" if steps else ""
             raise DatasetError(f"{table.label}: {hint}the columns are {', '.join(cols)}; set data.{option}= "
-                               "to the column that holds it")
-    return problem, cfg.answer_field, id_field
+                               f"to the column that holds it{tail}")
+        if any(not key for key, _ in steps):
+            raise DatasetError(f"{table.label}: data.{option} {name!r} has an empty segment; write the "
+                               "column, then each key or item number, one dot apart: prompt.0.content")
+        fields.append(_Field(option, name, column, steps))
+    return fields[0], fields[1], fields[2]
 
 
-def _rows_to_problems(table: _Table, problem_f: str, answer_f: str, id_f: str | None) -> list[Problem]:
-    ds = table.ds.select_columns([c for c in dict.fromkeys((problem_f, answer_f, id_f)) if c is not None])
+def _rows_to_problems(table: _Table, problem_f: _Field, answer_f: _Field,
+                      id_f: _Field | None) -> list[Problem]:
+    fields = [f for f in (problem_f, answer_f, id_f) if f is not None]
+    ds = table.ds.select_columns(list(dict.fromkeys(f.column for f in fields)))
     problems = []
-    options = {"problem_field": problem_f, "answer_field": answer_f, "id_field": id_f}
-    for i, row in enumerate(ds):
-        for option, name in options.items():
-            if name is not None:
-                _check_present(table, i, name, option)
-        problems.append(Problem(id=_id_text(table, i, id_f, row), problem=_problem_text(table, i, problem_f, row),
-                                answer=_answer_text(table, i, answer_f, row)))
+    start = 0
+    for batch in ds.iter(batch_size=_BATCH):
+        problem_col, answer_col = batch[problem_f.column], batch[answer_f.column]
+        id_col = batch[id_f.column] if id_f is not None else None
+        for j in range(len(problem_col)):
+            i = start + j
+            if table.raw is not None:
+                for f in fields:
+                    _check_present(table, i, f.column, f.option)
+            problem = _at_path(table, i, problem_f, problem_col[j])
+            answer = _at_path(table, i, answer_f, answer_col[j])
+            id_value = _at_path(table, i, id_f, id_col[j]) if id_f is not None else None
+            problems.append(Problem(id=_id_text(table, i, id_f.path if id_f else None, id_value),
+                                    problem=_problem_text(table, i, problem_f.path, problem),
+                                    answer=_answer_text(table, i, answer_f.path, answer)))
+        start += len(problem_col)
     return problems
+
+
+def _at_path(table: _Table, i: int, field: _Field, value: Any) -> Any:
+    """The value of row i's field: `value` (its column's) followed along the field's path. A path that does
+    not resolve is a DatasetError naming the step; a JSON row is followed as we parsed it where datasets
+    gives null or no value (it fills keys missing from a row with null)."""
+    if not field.steps:
+        return value
+    found = _follow(value, field.steps)
+    if found is None or found is _MISSING:
+        failure = _path_failure(table.raw[i].get(field.column), field) if table.raw is not None else None
+        if failure is None and found is _MISSING:
+            failure = _path_failure(value, field)
+        if failure is not None:
+            raise DatasetError(f"{table.where(i)}: data.{field.option} {field.path!r}: {failure}; fix or "
+                               f"drop the row, or set data.{field.option}= to a path that every row has")
+    return found
 
 
 def _check_present(table: _Table, i: int, name: str, option: str) -> None:
@@ -394,8 +529,7 @@ def _check_present(table: _Table, i: int, name: str, option: str) -> None:
                            "that holds it")
 
 
-def _problem_text(table: _Table, i: int, name: str, row: dict) -> str:
-    value = row[name]
+def _problem_text(table: _Table, i: int, name: str, value: Any) -> str:
     if value is None or (isinstance(value, str) and not value.strip()):
         raise DatasetError(f"{table.where(i)}: field {name!r} (the problem) is {_emptiness(value)}; every row "
                            "needs the problem text: fill it in or drop the row")
@@ -405,9 +539,8 @@ def _problem_text(table: _Table, i: int, name: str, row: dict) -> str:
     return value
 
 
-def _answer_text(table: _Table, i: int, name: str, row: dict) -> str:
+def _answer_text(table: _Table, i: int, name: str, value: Any) -> str:
     """The gold answer as a string in its data form: strings as they are, numbers as str() (33 -> "33")."""
-    value = row[name]
     if value is None or (isinstance(value, str) and not value.strip()) or _is_nan(value):
         raise DatasetError(f"{table.where(i)}: field {name!r} (the gold answer) is {_emptiness(value)}; every "
                            "row needs a gold answer: fill it in or drop the row")
@@ -417,10 +550,9 @@ def _answer_text(table: _Table, i: int, name: str, row: dict) -> str:
     return value if isinstance(value, str) else str(value)
 
 
-def _id_text(table: _Table, i: int, name: str | None, row: dict) -> str:
+def _id_text(table: _Table, i: int, name: str | None, value: Any) -> str:
     if name is None:
         return str(i)
-    value = row[name]
     if value is None or (isinstance(value, str) and not value.strip()) or _is_nan(value):
         raise DatasetError(f"{table.where(i)}: field {name!r} (the id) is {_emptiness(value)}; give every row "
                            "an id, or unset data.id_field and drop the 'id' column to number rows from 0")

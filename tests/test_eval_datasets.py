@@ -1,6 +1,6 @@
 """Loading problems: local jsonl / json / parquet files and saved directories, the hub presets' column sets and
-splits (with the hub loader replaced: nothing is downloaded), answers keeping their form, and every error
-naming the file, row, field and fix."""
+splits (with the hub loader replaced: nothing is downloaded), answers keeping their form, dotted field paths
+into nested columns (verl format), and every error naming the file, row, field and fix."""
 import json
 
 import pytest
@@ -16,6 +16,8 @@ pq = pytest.importorskip("pyarrow.parquet")
 H4_AIME24 = ("id", "problem", "solution", "answer", "url", "year")
 AIME25 = ("problem", "answer", "id")
 AIMO_VAL = ("id", "problem", "solution", "answer", "url")
+DAPO = ("data_source", "prompt", "ability", "reward_model", "extra_info")
+DAPO_FIELDS = {"problem_field": "prompt.0.content", "answer_field": "reward_model.ground_truth"}
 
 
 @pytest.fixture(autouse=True)
@@ -50,6 +52,7 @@ def test_presets_know_the_hub_columns_and_splits():
     assert evds.PRESETS["HuggingFaceH4/aime_2024"] == evds.HubPreset("train", H4_AIME24)
     assert evds.PRESETS["math-ai/aime25"] == evds.HubPreset("test", AIME25)
     assert evds.PRESETS["AI-MO/aimo-validation-aime"] == evds.HubPreset("train", AIMO_VAL)
+    assert evds.PRESETS["BytedTsinghua-SIA/DAPO-Math-17k"] == evds.HubPreset("train", DAPO)
     assert evds.default_split("someone/else") == "train"
     assert DatasetConfig().source == "HuggingFaceH4/aime_2024"
 
@@ -239,6 +242,188 @@ def test_mapped_field_that_is_not_a_column(tmp_path):
         path, problem_field="prompt", id_field="uid")
 
 
+# ---- nested field paths (verl format: BytedTsinghua-SIA/DAPO-Math-17k) -------------------------------------
+def dapo_prompt(problem):
+    return (f"Solve the following math problem step by step.\n\n{problem}\n\nRemember to put your answer on "
+            "its own line after \"Answer:\".")
+
+
+def dapo_row(problem, answer, index="9a9b6eb4"):
+    """A row as the hub dataset has it."""
+    return {"data_source": "math_dapo", "prompt": [{"content": dapo_prompt(problem), "role": "user"}],
+            "ability": "MATH", "reward_model": {"ground_truth": answer, "style": "rule-lm"},
+            "extra_info": {"index": index}}
+
+
+def test_dapo_schema_from_jsonl_parquet_and_saved(tmp_path):
+    rows = [dapo_row("P0", "34", "a"), dapo_row("P1", "034", "b"), dapo_row("P0", "34", "c")]  # P0 repeats
+    assert tuple(rows[0]) == DAPO
+    write_jsonl(tmp_path / "dapo.jsonl", rows)
+    datasets.Dataset.from_list(rows).to_parquet(str(tmp_path / "dapo.parquet"))
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "saved"))
+    want = [Problem("0", dapo_prompt("P0"), "34"), Problem("1", dapo_prompt("P1"), "034"),
+            Problem("2", dapo_prompt("P0"), "34")]
+    for name in ("dapo.jsonl", "dapo.parquet", "saved"):
+        assert load(tmp_path / name, **DAPO_FIELDS) == want, name
+        assert load(tmp_path / name, limit=2, **DAPO_FIELDS) == want[:2], name
+
+
+def test_rows_across_batches_keep_their_index(tmp_path, monkeypatch):
+    monkeypatch.setattr(evds, "_BATCH", 2)
+    rows = [dapo_row(f"P{i}", str(i)) for i in range(5)]
+    path = write_jsonl(tmp_path / "dapo.jsonl", rows)
+    assert [(p.id, p.answer) for p in load(path, **DAPO_FIELDS)] == [(str(i), str(i)) for i in range(5)]
+    rows[3]["prompt"] = []
+    msg = error(write_jsonl(path, rows), **DAPO_FIELDS)
+    assert msg.startswith(f"{path} row 3 (line 4): data.problem_field 'prompt.0.content': 'prompt' is a list "
+                          "of 0 items, no item 0; ")
+    assert "set data.problem_field=" in msg
+
+
+def test_id_from_a_nested_path(tmp_path):
+    rows = [dapo_row("P0", "1", "a"), dapo_row("P1", "2", "b"), dapo_row("P2", "3", "a")]
+    path = write_jsonl(tmp_path / "dapo.jsonl", rows)
+    assert [p.id for p in load(path, id_field="extra_info.index", limit=2, **DAPO_FIELDS)] == ["a", "b"]
+    msg = error(path, id_field="extra_info.index", **DAPO_FIELDS)
+    assert msg.startswith(f"{path}: duplicate id 'a' in row 0 (line 1) and row 2 (line 3) (field "
+                          "'extra_info.index'); ids must be unique")
+    pq_path = tmp_path / "dapo.parquet"
+    datasets.Dataset.from_list(rows).to_parquet(str(pq_path))
+    assert error(pq_path, id_field="extra_info.index", **DAPO_FIELDS).startswith(
+        f"{pq_path}: duplicate id 'a' in row 0 and row 2 (field 'extra_info.index')")
+
+
+def test_path_past_the_end_of_a_list(tmp_path):
+    rows = [dapo_row("P0", "1"), {**dapo_row("P1", "2"), "prompt": []}]
+    path = write_jsonl(tmp_path / "short.jsonl", rows)
+    assert error(path, **DAPO_FIELDS).startswith(
+        f"{path} row 1 (line 2): data.problem_field 'prompt.0.content': 'prompt' is a list of 0 items, no "
+        "item 0")
+    msg = error(path, problem_field="prompt.1.content", answer_field="reward_model.ground_truth")
+    assert msg.startswith(f"{path} row 0 (line 1): data.problem_field 'prompt.1.content': 'prompt' is a list "
+                          "of 1 item, no item 1; fix or drop the row, or set data.problem_field= to a path")
+    for segment in ("first", "-1"):
+        assert f"'prompt' is a list of 1 item, and '{segment}' is not an item number (0, 1, ...)" in error(
+            path, problem_field=f"prompt.{segment}.content", answer_field="reward_model.ground_truth")
+
+
+def test_path_to_a_missing_key(tmp_path):
+    rows = [dapo_row("P0", "1"), {**dapo_row("P1", "2"), "reward_model": {"style": "rule-lm"}}]
+    path = write_jsonl(tmp_path / "nokey.jsonl", rows)  # datasets fills the key with null: we name it missing
+    assert error(path, **DAPO_FIELDS).startswith(
+        f"{path} row 1 (line 2): data.answer_field 'reward_model.ground_truth': 'reward_model' has no key "
+        "'ground_truth' (keys: style); fix or drop the row, or set data.answer_field= to a path that every "
+        "row has")
+    pq_path = write_parquet(tmp_path / "nokey.parquet", {"prompt": [[{"content": "P0", "role": "user"}]],
+                                                         "reward_model": [{"style": "rule-lm"}]})
+    assert error(pq_path, **DAPO_FIELDS).startswith(
+        f"{pq_path} row 0: data.answer_field 'reward_model.ground_truth': 'reward_model' has no key "
+        "'ground_truth' (keys: style)")
+    assert error(path, problem_field="prompt.0.text", answer_field="reward_model.ground_truth").startswith(
+        f"{path} row 0 (line 1): data.problem_field 'prompt.0.text': 'prompt.0' has no key 'text' (keys: "
+        "content, role)")
+
+
+def test_path_indexing_into_a_string_or_null(tmp_path):
+    rows = [dapo_row("P0", "1"), {**dapo_row("P1", "2"), "prompt": "Solve P1"}]  # datasets: a JSON column
+    path = write_jsonl(tmp_path / "str.jsonl", rows)
+    assert error(path, **DAPO_FIELDS).startswith(
+        f"{path} row 1 (line 2): data.problem_field 'prompt.0.content': 'prompt' is a string, not a list or "
+        "object, so '0' cannot index it ('Solve P1')")
+    pq_path = write_parquet(tmp_path / "str.parquet", {"prompt": ["Solve P0"],
+                                                       "reward_model": [{"ground_truth": "1"}]})
+    assert error(pq_path, **DAPO_FIELDS).startswith(
+        f"{pq_path} row 0: data.problem_field 'prompt.0.content': 'prompt' is a string, not a list or "
+        "object, so '0' cannot index it")
+    assert "'prompt.0.content' is a string, not a list or object, so 'x' cannot index it" in error(
+        path, problem_field="prompt.0.content.x", answer_field="reward_model.ground_truth")
+    rows[1] = {**dapo_row("P1", "2"), "reward_model": None}
+    assert error(write_jsonl(path, rows), **DAPO_FIELDS).startswith(
+        f"{path} row 1 (line 2): data.answer_field 'reward_model.ground_truth': 'reward_model' is null, not "
+        "a list or object, so 'ground_truth' cannot index it;")
+
+
+def test_path_whose_column_does_not_exist(tmp_path):
+    path = write_jsonl(tmp_path / "dapo.jsonl", [dapo_row("P0", "1")])
+    assert error(path, problem_field="messages.0.content", answer_field="reward_model.ground_truth") == (
+        f"{path}: no column 'messages' (where the path 'messages.0.content' starts); the columns are "
+        "data_source, prompt, ability, reward_model, extra_info; set data.problem_field= to the column that "
+        "holds it (or a path into it: column.key.0)")
+    assert "no column 'extra'" in error(path, id_field="extra.index", **DAPO_FIELDS)
+    assert "data.problem_field 'prompt..content' has an empty segment" in error(
+        path, problem_field="prompt..content", answer_field="reward_model.ground_truth")
+    row = dapo_row("P0", "1")
+    del row["reward_model"]
+    path = write_jsonl(tmp_path / "missing.jsonl", [dapo_row("P0", "1"), row])
+    assert error(path, **DAPO_FIELDS).startswith(
+        f"{path} row 1 (line 2): missing field 'reward_model' (fields present: data_source, prompt, ability, "
+        "extra_info); add it, or set data.answer_field=")
+
+
+def test_nested_null_and_empty_values_name_the_path(tmp_path):
+    rows = [dapo_row("P0", "1"), dapo_row("P1", None)]
+    path = write_jsonl(tmp_path / "null.jsonl", rows)
+    assert error(path, **DAPO_FIELDS).startswith(
+        f"{path} row 1 (line 2): field 'reward_model.ground_truth' (the gold answer) is null; every row "
+        "needs a gold answer")
+    rows[1] = {**dapo_row("P1", "2"), "prompt": [{"content": "  ", "role": "user"}]}
+    assert error(write_jsonl(path, rows), **DAPO_FIELDS).startswith(
+        f"{path} row 1 (line 2): field 'prompt.0.content' (the problem) is empty")
+    pq_path = tmp_path / "null.parquet"
+    datasets.Dataset.from_list([dapo_row("P0", "1", "a"), dapo_row("P1", "2", None)]).to_parquet(str(pq_path))
+    assert error(pq_path, id_field="extra_info.index", **DAPO_FIELDS).startswith(
+        f"{pq_path} row 1: field 'extra_info.index' (the id) is null")
+
+
+def test_nested_values_of_the_wrong_kind(tmp_path):
+    rows = [{**dapo_row("P0", "1"), "reward_model": {"ground_truth": {"value": "34"}, "style": "rule-lm"}}]
+    path = write_jsonl(tmp_path / "dict.jsonl", rows)
+    assert error(path, **DAPO_FIELDS).startswith(
+        f"{path} row 0 (line 1): field 'reward_model.ground_truth' (the gold answer) must be a string or a "
+        "number, got dict {'value': '34'}")
+    assert error(path, problem_field="prompt.0", answer_field="reward_model.ground_truth.value").startswith(
+        f"{path} row 0 (line 1): field 'prompt.0' (the problem) must be text, got dict {{'content': ")
+    assert load(path, problem_field="prompt.0.content", answer_field="reward_model.ground_truth.value") == [
+        Problem("0", dapo_prompt("P0"), "34")]
+
+
+def test_nested_numbers_and_mixed_types(tmp_path):
+    path = write_jsonl(tmp_path / "num.jsonl", [dapo_row("P0", 33), dapo_row("P1", 7)])
+    assert [p.answer for p in load(path, **DAPO_FIELDS)] == ["33", "7"]
+    path = write_jsonl(tmp_path / "mix.jsonl", [dapo_row("P0", "033"), dapo_row("P1", "1"),
+                                                dapo_row("P2", 15)])
+    msg = error(path, **DAPO_FIELDS)
+    assert msg.startswith(f"{path} line 3: field 'reward_model.ground_truth' is a number but a string at "
+                          "line 1")
+    assert "write every 'reward_model.ground_truth' as a string" in msg
+    lst = tmp_path / "mix.json"
+    lst.write_text(json.dumps([dapo_row("P0", "033"), dapo_row("P1", 15)]))
+    assert error(lst, **DAPO_FIELDS).startswith(
+        f"{lst} row 1: field 'reward_model.ground_truth' is a number but a string at row 0")
+    # a row where the path does not resolve is left to the row checks, which name it
+    path = write_jsonl(tmp_path / "skip.jsonl", [dapo_row("P0", "033"),
+                                                 {**dapo_row("P1", "1"), "reward_model": 5}])
+    assert error(path, **DAPO_FIELDS).startswith(
+        f"{path} row 1 (line 2): data.answer_field 'reward_model.ground_truth': 'reward_model' is a number, "
+        "not a list or object, so 'ground_truth' cannot index it (5)")
+
+
+def test_a_column_named_with_dots_is_used_as_is(tmp_path):
+    rows = [{"problem": "a", "meta.answer": "033", "meta": {"answer": "999"}},
+            {"problem": "b", "meta.answer": "7", "meta": {"answer": "999"}}]
+    path = write_jsonl(tmp_path / "dots.jsonl", rows)
+    assert [p.answer for p in load(path, answer_field="meta.answer")] == ["033", "7"]
+    write_parquet(tmp_path / "dots.parquet", {"problem": ["a"], "meta.answer": ["033"],
+                                              "meta": [{"answer": "9"}]})
+    assert [p.answer for p in load(tmp_path / "dots.parquet", answer_field="meta.answer")] == ["033"]
+    path = write_jsonl(tmp_path / "mix.jsonl", [{**rows[0], "meta.answer": 33}, rows[1]])
+    assert error(path, answer_field="meta.answer").startswith(
+        f"{path} line 2: field 'meta.answer' is a string but a number at line 1")
+    # without such a column the same option is a path
+    path = write_jsonl(tmp_path / "nested.jsonl", [{"problem": "a", "meta": {"answer": "042"}}])
+    assert load(path, answer_field="meta.answer") == [Problem("0", "a", "042")]
+
+
 # ---- the hub (loader replaced) --------------------------------------------------------------------------------
 def fake_hub(monkeypatch, rows=None, exc=None):
     calls = []
@@ -263,6 +448,17 @@ def test_hub_ids_use_the_preset_split(monkeypatch):
     assert calls == [("math-ai/aime25", "test", None), ("HuggingFaceH4/aime_2024", "train", None),
                      ("AI-MO/aimo-validation-aime", "train", "abc123"), ("someone/unknown", "train", None),
                      ("math-ai/aime25", "train", None)]
+
+
+def test_dapo_hub_id_uses_its_preset_split(monkeypatch):
+    calls = fake_hub(monkeypatch, rows=[dapo_row("P0", "34"), dapo_row("P1", "034")])
+    assert load("BytedTsinghua-SIA/DAPO-Math-17k", **DAPO_FIELDS) == [Problem("0", dapo_prompt("P0"), "34"),
+                                                                      Problem("1", dapo_prompt("P1"), "034")]
+    assert calls == [("BytedTsinghua-SIA/DAPO-Math-17k", "train", None)]
+    fake_hub(monkeypatch, rows=[dapo_row("P0", "34"), {**dapo_row("P1", "1"), "prompt": []}])
+    assert error("BytedTsinghua-SIA/DAPO-Math-17k", **DAPO_FIELDS).startswith(
+        "hub dataset BytedTsinghua-SIA/DAPO-Math-17k [train] row 1: data.problem_field 'prompt.0.content': "
+        "'prompt' is a list of 0 items, no item 0")
 
 
 def test_hub_rows_are_checked_too(monkeypatch):
