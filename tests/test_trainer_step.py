@@ -105,3 +105,67 @@ def test_trainer_logprobs_match_the_engines_rollout_logprobs():
     model, params, opt, sched = _policy()  # the same policy scored at the wrong temperature: a visible gap
     m1 = train_step(model, samples, TrainerConfig(), opt, sched, params, 0, torch.device("cpu"), temperature=1.0)
     assert m1["train/rollout_logprob_abs_diff"] > 100 * max(m["train/rollout_logprob_abs_diff"], 1e-7)
+
+
+def _saved_bytes_and_grads(checkpointing: bool, dropout: float):
+    """(bytes autograd saved for backward in one forward, LoRA gradients) of a k3_tiny forward+backward."""
+    torch.manual_seed(0)
+    model = K3ForCausalLM(K3Config.from_name("k3_tiny"), expert_format="mxfp4")
+    model.requires_grad_(False)
+    apply_lora(model, LoRAConfig(rank=4, alpha=8.0, dropout=dropout))
+    with torch.no_grad():
+        for n, p in lora_parameters(model).items():
+            if "lora_B" in n:
+                p.normal_(0, 0.02)
+    model.activation_checkpointing = checkpointing
+    ids = torch.randint(1, 250, (3, 24), generator=torch.Generator().manual_seed(2))
+    saved = []
+
+    def pack(t):
+        saved.append(t.numel() * t.element_size())
+        return t
+
+    torch.manual_seed(5)  # the dropout masks
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        logits = model(ids, seq_lens=torch.tensor([24, 17, 9])).logits
+    forward_saved = sum(saved)
+    logits.float().log_softmax(-1)[..., 7].sum().backward()
+    return forward_saved, {n: p.grad.clone() for n, p in lora_parameters(model).items()}
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_activation_checkpointing_keeps_gradients_and_saves_less(dropout):
+    plain_bytes, plain = _saved_bytes_and_grads(False, dropout)
+    ckpt_bytes, ckpt = _saved_bytes_and_grads(True, dropout)
+    assert plain.keys() == ckpt.keys() and all(g.abs().sum() > 0 for g in plain.values())
+    for n in plain:  # recomputation replays the same ops and the same dropout masks (RNG state restored)
+        torch.testing.assert_close(ckpt[n], plain[n], rtol=1e-5, atol=1e-7, msg=n)
+    assert ckpt_bytes < 0.25 * plain_bytes, (ckpt_bytes, plain_bytes)
+
+
+def test_activation_checkpointing_leaves_inference_alone():
+    model, _, _, _ = _policy()
+    model.activation_checkpointing = True
+    ids = torch.randint(1, 250, (2, 12), generator=torch.Generator().manual_seed(3))
+    out = model(ids, return_state=True)  # grad enabled but a state is returned: no recomputation
+    model.activation_checkpointing = False
+    ref = model(ids, return_state=True)
+    assert torch.equal(out.logits, ref.logits)
+    assert len(out.state.layers) == len(ref.state.layers) == model.config.num_hidden_layers
+
+
+def test_train_step_with_activation_checkpointing_matches(monkeypatch):
+    from miles_k3.model.k3 import K3DecoderLayer
+
+    calls = []
+    real = K3DecoderLayer.forward
+    monkeypatch.setattr(K3DecoderLayer, "forward", lambda self, *a: calls.append(self.layer_id) or real(self, *a))
+    plain_model, _, _, plain = _step(TrainerConfig(micro_batch_tokens=16))
+    plain_calls = len(calls)
+    ckpt_model, _, _, ckpt = _step(TrainerConfig(micro_batch_tokens=16, activation_checkpointing=True))
+    assert len(calls) - plain_calls == 2 * plain_calls  # every layer ran again in backward
+    assert not ckpt_model.activation_checkpointing  # the step's setting does not outlive it
+    for k in ("train/loss", "train/grad_norm"):
+        assert ckpt[k] == pytest.approx(plain[k], rel=1e-5), k
+    for (n, a), b in zip(lora_state_dict(plain_model).items(), lora_state_dict(ckpt_model).values()):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-7, msg=n)

@@ -34,6 +34,9 @@ class TrainerConfig:
     """Padded tokens (rows x longest row) per forward/backward."""
     autocast_bf16: str = "auto"
     """auto (bf16 autocast on CUDA with an fp32 model), on, off."""
+    activation_checkpointing: bool = False
+    """Keep only each decoder layer's inputs in the forward pass and recompute the rest in backward: activation
+    memory of one layer instead of all, for about one more forward pass of time."""
 
     def validate(self) -> None:
         if self.micro_batch_tokens < 1:
@@ -74,7 +77,7 @@ def train_step(model, samples: list[Sample], cfg: TrainerConfig, opt, sched, par
 
 
 def _micro_step(model, mb, cfg: TrainerConfig, totals: dict, has_rollout: bool) -> tuple[float, dict[str, float]]:
-    with _autocast(model, cfg):
+    with _autocast(model, cfg), _recompute(model, cfg.activation_checkpointing):
         logits = model(mb.input_ids_BT, seq_lens=mb.seq_lens_B).logits
     if totals["temperature"] != 1.0:
         logits = logits / totals["temperature"]
@@ -97,6 +100,17 @@ def _reference_logprobs(model, mb, cfg: TrainerConfig, temperature: float) -> to
     with adapters_disabled(model), _autocast(model, cfg):
         logits = model(mb.input_ids_BT, seq_lens=mb.seq_lens_B).logits
     return token_logprobs(logits / temperature, mb.targets_BT)
+
+
+@contextlib.contextmanager
+def _recompute(model, on: bool):
+    """The model's activation checkpointing set to `on` for the forward (the backward recomputes by itself)."""
+    was = model.activation_checkpointing
+    model.activation_checkpointing = on
+    try:
+        yield
+    finally:
+        model.activation_checkpointing = was
 
 
 def _autocast(model, cfg: TrainerConfig):

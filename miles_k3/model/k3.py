@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from miles_k3.model.config import K3Config
 from miles_k3.model.experts import RoutedExperts
@@ -84,13 +85,30 @@ class K3Model(nn.Module):
         self.output_attn_res_norm = RMSNorm(d, cfg.rms_norm_eps)
         self.output_attn_res_proj = nn.Linear(d, 1, bias=False)
 
-    def run(self, input_ids_BT: torch.Tensor, attn_fn) -> torch.Tensor:
-        """Embedding -> layers -> output mixer -> final norm; returns the final hidden states [B, T, D]."""
+    def run(self, input_ids_BT: torch.Tensor, attn_fn, recompute: bool = False) -> torch.Tensor:
+        """Embedding -> layers -> output mixer -> final norm; returns the final hidden states [B, T, D].
+        `recompute`: keep only each layer's inputs for backward and recompute the rest (activation
+        checkpointing; `attn_fn` then runs again during backward)."""
         partial = self.embed_tokens(input_ids_BT)
         bank: list[torch.Tensor] = []
         for layer in self.layers:
-            partial = layer(bank, partial, attn_fn)
+            partial = _checkpointed_layer(layer, bank, partial, attn_fn) if recompute \
+                else layer(bank, partial, attn_fn)
         return self.norm(attn_res_mix(bank + [partial], self.output_attn_res_norm, self.output_attn_res_proj))
+
+
+def _checkpointed_layer(layer: K3DecoderLayer, bank: list[torch.Tensor], partial: torch.Tensor, attn_fn
+                        ) -> torch.Tensor:
+    """`layer(bank, partial, attn_fn)` keeping only its inputs for backward (non-reentrant checkpoint: the RNG
+    state is replayed, so LoRA dropout masks match). The bank is extended here, outside the recomputed part,
+    exactly as the layer itself would extend it."""
+    def run_layer(partial_in: torch.Tensor, *bank_in: torch.Tensor) -> torch.Tensor:
+        return layer(list(bank_in), partial_in, attn_fn)
+
+    out = checkpoint(run_layer, partial, *bank, use_reentrant=False)
+    if layer.seals_block:
+        bank.append(partial)
+    return out
 
 
 @dataclass
@@ -110,6 +128,9 @@ class K3ForCausalLM(nn.Module):
         self.kda_backend_name = kda_backend
         self._backends: dict[str, KDABackend] = {}
         self.model = K3Model(cfg, expert_format)
+        self.activation_checkpointing = False
+        """Recompute each layer's activations in backward instead of keeping them (`forward` while autograd
+        records, without `return_state`: training; prefill and decode are unaffected)."""
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -144,10 +165,12 @@ class K3ForCausalLM(nn.Module):
                 y, st = layer.self_attn(x, prev, past)
             else:
                 y, st = layer.self_attn(x, backend, prev, seq_lens)
-            states.append(st)
+            if return_state:  # training keeps no state (nor its autograd graph)
+                states.append(st)
             return y
 
-        hidden = self.model.run(input_ids_BT, attn_fn)
+        recompute = self.activation_checkpointing and torch.is_grad_enabled() and not return_state
+        hidden = self.model.run(input_ids_BT, attn_fn, recompute)
         logits = self.lm_head(hidden) if return_logits else None  # prefill for a cache needs no logits
         if not return_state:
             return K3Output(logits, None)
