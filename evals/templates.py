@@ -2,9 +2,10 @@
 
 A template is a function `(problem: str, tokenizer) -> str` registered with `@register_template(name)`;
 `render_prompt(name, problem, tokenizer)` applies one. Built in: `boxed` (the problem, then the instruction to
-reason step by step and put the final answer in `\\boxed{}`), `plain` (the problem as it is) and `chat` (the
-boxed text as a user turn in the tokenizer's chat template, with the assistant turn opened). Templates return
-text, not token ids: the caller tokenizes (without adding special tokens again).
+reason step by step and put the final answer in `\\boxed{}`), `plain` (the problem as it is), `chat` (the
+boxed text as a user turn in the tokenizer's chat template, with the assistant turn opened) and `chat_plain`
+(the problem as it is as that user turn, for datasets whose prompts carry their own instruction, such as
+DAPO-Math-17k). Templates return text, not token ids: the caller tokenizes (without adding special tokens again).
 """
 from __future__ import annotations
 
@@ -69,8 +70,18 @@ def plain(problem: str, tokenizer: Any = None) -> str:
 def chat(problem: str, tokenizer: Any = None) -> str:
     """The `boxed` text as the user turn of the tokenizer's chat template, ending with the assistant turn
     opened (`add_generation_prompt=True`)."""
+    return _user_turn("chat", boxed(problem), tokenizer)
+
+
+@register_template("chat_plain")
+def chat_plain(problem: str, tokenizer: Any = None) -> str:
+    """The problem as it is (it carries its own instruction) as the user turn of the chat template."""
+    return _user_turn("chat_plain", problem, tokenizer)
+
+
+def _user_turn(name: str, text: str, tokenizer: Any) -> str:
     if tokenizer is None or getattr(tokenizer, "chat_template", None) is None:
-        raise ValueError("template 'chat' needs a tokenizer with a chat template; this tokenizer has none: use "
-                         "template=boxed")
-    messages = [{"role": "user", "content": boxed(problem)}]
+        raise ValueError(f"template '{name}' needs a tokenizer with a chat template; this tokenizer has none: "
+                         f"use template={'boxed' if name == 'chat' else 'plain'}")
+    messages = [{"role": "user", "content": text}]
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)

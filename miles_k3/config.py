@@ -6,6 +6,7 @@ key or a value of the wrong type fails while composing; `to_typed` then builds t
 section's `validate()`, so a bad value fails before any work with the field's full name.
 """
 import dataclasses
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -13,13 +14,16 @@ from hydra import compose, initialize_config_module
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
-from miles_k3.evals.datasets import DatasetConfig
+from miles_k3.evals.datasets import DatasetConfig, DatasetError
 from miles_k3.evals.harness import EvalConfig
 from miles_k3.evals.rewards import RewardConfig
 from miles_k3.model.build import ModelConfig
+from miles_k3.model.checkpoint import CheckpointError
+from miles_k3.model.config import ConfigError
 from miles_k3.model.lora import LoRAConfig
 from miles_k3.rollout.engine import EngineConfig
 from miles_k3.tracking import TrackingConfig
+from miles_k3.trainer.checkpoint import ResumeError
 from miles_k3.trainer.rollouts import RolloutConfig
 from miles_k3.trainer.step import TrainerConfig
 from miles_k3.weight_sync.config import WeightSyncConfig
@@ -72,6 +76,7 @@ class TrainConfig:
 
     def validate(self) -> None:
         check_device(self.device)
+        check_weights_given(self.model)
         for name in ("steps", "checkpoint_every"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}")
@@ -82,6 +87,17 @@ class TrainConfig:
 def check_device(device: str) -> None:
     if not (device in ("auto", "cpu", "cuda") or device.startswith("cuda:")):
         raise ValueError(f"device: '{device}' is not one of auto, cpu, cuda, cuda:N")
+
+
+RANDOM_INIT_REFUSED = ("k3",)
+"""Shipped architectures that train and eval never build with random weights (the published 2.78T K3)."""
+
+
+def check_weights_given(model: ModelConfig) -> None:
+    """A run of the full K3 needs its checkpoint: random weights of 2.78T parameters are never meant."""
+    if model.path is None and model.name in RANDOM_INIT_REFUSED:
+        raise ValueError(f"model.path: required for model '{model.name}' (its weights are not random-initialised "
+                         "for a run); set model.path=/path/to/checkpoint or model.path=moonshotai/Kimi-K3")
 
 
 @dataclass
@@ -124,6 +140,7 @@ class EvalRunConfig:
 
     def validate(self) -> None:
         check_device(self.device)
+        check_weights_given(self.model)
 
 
 def register_schemas() -> None:
@@ -155,10 +172,21 @@ def _validate_tree(obj: Any, path: str) -> None:
 
 def typed_or_exit(raw: DictConfig, prog: str) -> Any:
     """An entry point's composed config as its dataclasses; an invalid field exits with its name (no traceback)."""
-    try:
+    with exit_on_user_error(prog):
         return to_typed(raw)
-    except ConfigFieldError as e:
-        raise SystemExit(f"{prog}: invalid config: {e}") from None
+
+
+USER_ERRORS = (ConfigFieldError, ConfigError, DatasetError, CheckpointError, ResumeError)
+"""Errors that are about the user's config, data or checkpoints: their messages say what to fix."""
+
+
+@contextmanager
+def exit_on_user_error(prog: str):
+    """An entry point's body: a USER_ERRORS error exits with its message (no traceback), anything else raises."""
+    try:
+        yield
+    except USER_ERRORS as e:
+        raise SystemExit(f"{prog}: {e}") from None
 
 
 def compose_config(config_name: str, overrides: list[str] | tuple[str, ...] = ()) -> Any:

@@ -16,7 +16,7 @@ import torch
 from omegaconf import DictConfig
 
 from miles_k3.adapter import load_adapter
-from miles_k3.config import register_schemas, typed_or_exit
+from miles_k3.config import exit_on_user_error, register_schemas, typed_or_exit
 from miles_k3.evals.datasets import load_problems
 from miles_k3.evals.harness import evaluate, log_eval, write_reports
 from miles_k3.model.build import build_model, build_tokenizer
@@ -63,7 +63,9 @@ def run(cfg) -> dict:
 @hydra.main(version_base=None, config_path="pkg://miles_k3.recipes", config_name="eval")
 def main(raw: DictConfig) -> None:
     cfg = typed_or_exit(raw, "miles_k3.eval")
-    print(json.dumps(run(cfg), indent=2))
+    with exit_on_user_error("miles_k3.eval"):
+        summary = run(cfg)
+    print(json.dumps(summary, indent=2))
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
-from miles_k3.config import register_schemas, typed_or_exit
+from miles_k3.config import exit_on_user_error, register_schemas, typed_or_exit
 from miles_k3.launch import POLICY, Run, build_run, seed_everything
 from miles_k3.model.build import build_model
 from miles_k3.model.lora import adapter_num_params, apply_lora
@@ -124,11 +124,12 @@ class _StopFlag:
 @hydra.main(version_base=None, config_path="pkg://miles_k3.recipes", config_name="train")
 def main(raw: DictConfig) -> None:
     cfg = typed_or_exit(raw, "miles_k3.train")
-    if cfg.steps == 0:
-        seed_everything(cfg.seed)
-        dry_run(cfg)
-        return
-    train(cfg, OmegaConf.to_yaml(raw))
+    with exit_on_user_error("miles_k3.train"):
+        if cfg.steps == 0:
+            seed_everything(cfg.seed)
+            dry_run(cfg)
+            return
+        train(cfg, OmegaConf.to_yaml(raw))
 
 
 def dry_run(cfg) -> None:

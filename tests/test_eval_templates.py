@@ -24,7 +24,7 @@ class FakeTokenizer:
 
 
 def test_builtin_names():
-    assert {"boxed", "plain", "chat"} <= set(template_names())
+    assert {"boxed", "plain", "chat", "chat_plain"} <= set(template_names())
     assert template_names() == sorted(template_names())
 
 
@@ -39,6 +39,16 @@ def test_chat_uses_the_tokenizer_template_with_the_boxed_text():
     out = render_prompt("chat", PROBLEM, tok)
     assert out == f"<|user|>{BOXED}<|end|><|assistant|>"
     assert tok.calls == [([{"role": "user", "content": BOXED}], False, True)]
+
+
+def test_chat_plain_sends_the_problem_as_it_is():
+    tok = FakeTokenizer()
+    own = "Solve it. The last line should be Answer: $Answer\n\n" + PROBLEM
+    assert render_prompt("chat_plain", own, tok) == f"<|user|>{own}<|end|><|assistant|>"
+    assert tok.calls == [([{"role": "user", "content": own}], False, True)]
+    with pytest.raises(ValueError, match="template 'chat_plain' needs a tokenizer with a chat template.*"
+                                         "use template=plain"):
+        render_prompt("chat_plain", own, FakeTokenizer(chat_template=None))
 
 
 @pytest.mark.parametrize("tok", [None, FakeTokenizer(chat_template=None), object()])

@@ -26,9 +26,12 @@ def test_every_recipe_composes_and_starts_with_its_command(recipe):
     text = resources.files("miles_k3.recipes").joinpath(f"recipe/{recipe}.yaml").read_text()
     commands = [line for line in text.splitlines() if line.startswith("# python -m miles_k3.")]
     assert commands, f"recipe/{recipe}.yaml must start with the command that runs it"
-    app = commands[0].split()[3].removeprefix("miles_k3.")
+    words = commands[0].removeprefix("# ").split()
+    app = words[2].removeprefix("miles_k3.")
     assert app in APPS, f"recipe/{recipe}.yaml runs miles_k3.{app}, which has no recipes/{app}.yaml"
-    cfg = compose_config(app, [f"recipe={recipe}"])
+    assert words[3] == f"recipe={recipe}" or recipe == "quickstart", commands[0]
+    required = [w for w in words[4:] if "=" in w and not w.startswith("[")]  # the overrides it cannot run without
+    cfg = compose_config(app, [f"recipe={recipe}", *required])
     assert isinstance(cfg, APPS[app]) and isinstance(cfg.model, ModelConfig)
 
 
@@ -45,15 +48,34 @@ def test_aime_eval_recipe_values():
 def test_default_and_aime_recipe_values():
     default = compose_config("train")
     assert (default.model.name, default.model.path, default.device) == ("k3_tiny", None, "cpu")
-    aime = compose_config("train", ["recipe=aime_grpo"])
-    assert (aime.model.name, aime.model.path) == ("k3", "moonshotai/Kimi-K3")
     overridden = compose_config("train", ["recipe=aime_grpo", "model.path=/ckpt/k3", "seed=7"])
-    assert (overridden.model.path, overridden.seed) == ("/ckpt/k3", 7)
+    assert (overridden.model.name, overridden.model.path, overridden.seed) == ("k3", "/ckpt/k3", 7)
     assert (default.reward.name, default.reward.format_bonus) == ("aime", 0.0)
     rewarded = compose_config("train", ["reward=math", "reward.format_bonus=0.1", "reward.channel=k3"])
     assert (rewarded.reward.name, rewarded.reward.format_bonus, rewarded.reward.channel) == ("math", 0.1, "k3")
     synced = compose_config("train", ["sync.transport=ipc", "sync.buffer_mb=64", "sync.max_staleness=2"])
     assert (synced.sync.transport, synced.sync.buffer_bytes, synced.sync.max_staleness) == ("ipc", 64 * 2**20, 2)
+
+
+def test_aime_grpo_recipe_values_and_required_checkpoint():
+    cfg = compose_config("train", ["recipe=aime_grpo", "model.path=/ckpt/kimi-k3"])
+    assert (cfg.lora.rank, cfg.lora.alpha, cfg.rollout.group_size) == (32, 64, 8)
+    assert {"q_proj", "kv_b_proj", "gate_proj", "down_proj"} <= set(cfg.lora.targets)  # attention + shared MLPs
+    assert not {"w1", "w2", "w3"} & set(cfg.lora.targets)  # routed experts stay frozen MXFP4 without adapters
+    loss = cfg.trainer.loss
+    assert (loss.eps_low, loss.eps_high, loss.aggregation) == (0.2, 0.28, "token_mean")
+    assert cfg.trainer.optim.lr == 2e-5 and cfg.trainer.activation_checkpointing
+    assert (cfg.data.source, cfg.data.problem_field, cfg.data.answer_field) == (
+        "BytedTsinghua-SIA/DAPO-Math-17k", "prompt.0.content", "reward_model.ground_truth")
+    assert (cfg.reward.name, cfg.reward.channel, cfg.rollout.template) == ("math", "k3", "chat_plain")
+    assert (cfg.eval.data.source, cfg.eval.grader, cfg.eval.channel, cfg.eval.samples) == (
+        "HuggingFaceH4/aime_2024", "aime", "k3", 16)
+    assert cfg.engine.max_context >= max(cfg.rollout.max_new_tokens, cfg.eval.max_new_tokens) + 2048
+    with pytest.raises(ConfigFieldError, match=r"^model.path: required for model 'k3'"):
+        compose_config("train", ["recipe=aime_grpo"])
+    with pytest.raises(ConfigFieldError, match=r"^model.path: required for model 'k3'"):
+        compose_config("eval", ["model=k3"])
+    assert compose_config("model_info", ["model=k3"]).model.path is None  # sizing needs no weights
 
 
 @pytest.mark.parametrize("override, field", [
@@ -101,6 +123,15 @@ def test_train_entry_point_runs_the_embedded_default(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "miles_k3.train", "model.dtype=fp8", f"hydra.run.dir={tmp_path}"],
                          capture_output=True, text=True, env=env, timeout=300, check=False)
     assert bad.returncode != 0 and "model.dtype" in bad.stderr
+    (tmp_path / "p.jsonl").write_text('{"problem": "1+1?", "answer": "2"}\n')
+    for override, message in ((f"data.source={tmp_path}/missing.jsonl", "data.source: no such file"),
+                              (f"resume={tmp_path}/no_ckpt", "resume=")):
+        user = subprocess.run([sys.executable, "-m", "miles_k3.train", "steps=1", f"data.source={tmp_path}/p.jsonl",
+                               override,
+                               f"run_dir={tmp_path}/run", f"hydra.run.dir={tmp_path}"],
+                              capture_output=True, text=True, env=env, timeout=300, check=False)
+        assert user.returncode == 1 and "Traceback" not in user.stderr, user.stderr
+        assert user.stderr.strip().splitlines()[-1].startswith(f"miles_k3.train: {message}"), user.stderr
 
 
 def test_model_path_hub_id_fetches_only_config_json(tmp_path, monkeypatch):

@@ -16,7 +16,13 @@ from lora_helpers import tiny as _tiny
 import miles_k3.atomic
 from miles_k3.model.lora import LoRAConfig, apply_lora, lora_parameters
 from miles_k3.trainer import checkpoint as ckpt
-from miles_k3.trainer.checkpoint import find_latest, load_checkpoint, resolve_resume, save_checkpoint
+from miles_k3.trainer.checkpoint import (
+    ResumeError,
+    find_latest,
+    load_checkpoint,
+    resolve_resume,
+    save_checkpoint,
+)
 from miles_k3.trainer.optim import OptimConfig, build_optimizer, build_scheduler, lr_at, optimizer_step
 
 LORA = LoRAConfig(rank=4, alpha=8.0, dropout=0.1)  # dropout: the forward draws from torch's RNG
@@ -314,7 +320,7 @@ def test_resolve_resume(base, tmp_path):
     assert resolve_resume(str(path), tmp_path) == path
     assert resolve_resume("none", tmp_path) is None
     missing = tmp_path / "checkpoints" / "step_00000099"
-    with pytest.raises(FileNotFoundError, match=f"resume={missing}: .*does not exist"):
+    with pytest.raises(ResumeError, match=f"resume={missing}: .*does not exist"):
         resolve_resume(str(missing), tmp_path)
     with pytest.raises(ValueError, match="is not a checkpoint directory"):
         resolve_resume(str(tmp_path), tmp_path)

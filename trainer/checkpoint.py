@@ -49,6 +49,10 @@ STEP_DIR = re.compile(r"step_(\d{8,})")  # published directories only: staging o
 LEFTOVER = re.compile(r"\.(step_\d{8,}|latest)\.(tmp|old)-.*")
 
 
+class ResumeError(ValueError):
+    """A run cannot resume from the checkpoint asked for: the message names the file and what to do."""
+
+
 def step_dir_name(step: int) -> str:
     return f"step_{step:08d}"
 
@@ -197,7 +201,7 @@ def find_latest(run_dir: str | os.PathLike) -> Path | None:
 
 def resolve_resume(resume: str, run_dir: str | os.PathLike) -> Path | None:
     """The `resume` setting as a checkpoint directory: "auto" -> find_latest(run_dir) (None when there is
-    none), "none" or "" -> None, else a path, which must exist (FileNotFoundError naming it)."""
+    none), "none" or "" -> None, else a checkpoint directory, which must exist (ResumeError naming it)."""
     value = (resume or "").strip()
     if value.lower() == "auto":
         return find_latest(run_dir)
@@ -205,11 +209,11 @@ def resolve_resume(resume: str, run_dir: str | os.PathLike) -> Path | None:
         return None
     path = Path(value).expanduser()
     if not path.exists():
-        raise FileNotFoundError(f"resume={resume}: {path} does not exist; pass a checkpoint directory "
-                                f"({checkpoints_dir(run_dir)}/step_NNNNNNNN), auto (the newest in run_dir) "
-                                "or none (start fresh)")
+        raise ResumeError(f"resume={resume}: {path} does not exist; pass a checkpoint directory "
+                          f"({checkpoints_dir(run_dir)}/step_NNNNNNNN), auto (the newest in run_dir) "
+                          "or none (start fresh)")
     if not path.is_dir() or not (path / STATE_FILE).is_file():
-        raise ValueError(f"resume={resume}: {path} is not a checkpoint directory (no {STATE_FILE}); pass a "
+        raise ResumeError(f"resume={resume}: {path} is not a checkpoint directory (no {STATE_FILE}); pass a "
                          f"step directory such as {checkpoints_dir(run_dir)}/step_NNNNNNNN")
     return path
 
@@ -222,12 +226,12 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.
     `optimizer` must be built over its adapters (`build_optimizer(lora_parameters(model), ...)`). Every file
     is read and checked before anything is changed. Returns the state.json dict.
 
-    Raises FileNotFoundError for a missing directory, ValueError naming the file for a missing, truncated or
-    corrupt member (with the earlier checkpoint to resume from instead) or a model/optimizer that does not
-    match the checkpoint."""
+    Raises ResumeError naming the file for a missing directory or a missing, truncated or corrupt member (with
+    the earlier checkpoint to resume from instead), or for a model/optimizer that does not match the
+    checkpoint."""
     path = Path(path)
     if not path.is_dir():
-        raise FileNotFoundError(f"{path}: checkpoint directory does not exist")
+        raise ResumeError(f"{path}: checkpoint directory does not exist")
     if applied_lora_config(model) is None:
         raise ValueError("model: has no LoRA adapters; apply_lora(model, lora_cfg) and build the optimizer "
                          "over lora_parameters(model) before load_checkpoint")
@@ -242,7 +246,7 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.
     try:
         load_adapter(model, path / ADAPTER_DIR)  # validates everything before it writes
     except (ValueError, FileNotFoundError) as e:  # its message starts with the adapter file's path
-        raise ValueError(f"{e}. This checkpoint cannot be resumed; {_earlier_hint(path)}") from None
+        raise ResumeError(f"{e}. This checkpoint cannot be resumed; {_earlier_hint(path)}") from None
     optimizer.load_state_dict(blobs["optimizer"])
     scheduler.load_state_dict(blobs["scheduler"])
     set_rng_state(rng)
@@ -289,16 +293,16 @@ def _check_optimizer_matches(file: Path, saved: dict, optimizer: torch.optim.Opt
         saved_names = [g.get("param_names") for g in saved["param_groups"]]
         saved_counts = [len(g["params"]) for g in saved["param_groups"]]
     except (KeyError, TypeError, AttributeError):
-        raise ValueError(f"{file}: the optimizer state has no valid param_groups; the file is corrupt: resume "
-                         "from an earlier checkpoint") from None
+        raise ResumeError(f"{file}: the optimizer state has no valid param_groups; the file is corrupt: resume "
+                          "from an earlier checkpoint") from None
     names = [g.get("param_names") for g in optimizer.param_groups]
     counts = [len(g["params"]) for g in optimizer.param_groups]
     if saved_counts != counts or saved_names != names:
         diff = _first_difference(saved_names, names)
-        raise ValueError(f"{file}: the optimizer state is for other parameters (groups of {saved_counts} "
-                         f"parameters vs {counts}{diff}); build the optimizer with "
-                         "build_optimizer(lora_parameters(model), cfg) on a model with the checkpoint's LoRA "
-                         "config")
+        raise ResumeError(f"{file}: the optimizer state is for other parameters (groups of {saved_counts} "
+                          f"parameters vs {counts}{diff}); build the optimizer with "
+                          "build_optimizer(lora_parameters(model), cfg) on a model with the checkpoint's LoRA "
+                          "config")
 
 
 def _first_difference(saved: list, have: list) -> str:
@@ -310,9 +314,9 @@ def _first_difference(saved: list, have: list) -> str:
     return ""
 
 
-def _corrupt(ckpt: Path, file: Path, why: str) -> ValueError:
+def _corrupt(ckpt: Path, file: Path, why: str) -> ResumeError:
     """The error for an unusable checkpoint member: names the file and an earlier checkpoint to use."""
-    return ValueError(f"{file}: {why}. This checkpoint cannot be resumed; {_earlier_hint(ckpt)}")
+    return ResumeError(f"{file}: {why}. This checkpoint cannot be resumed; {_earlier_hint(ckpt)}")
 
 
 def _earlier_hint(ckpt: Path) -> str:
