@@ -154,3 +154,29 @@ def test_kill_9_mid_run_then_resume_is_bit_identical(tmp_path):
     assert resumed.start_step == 2
     a, b = _final_adapter(tmp_path / "a/run"), _final_adapter(tmp_path / "b/run")
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_aime_grpo_recipe_scaled_down_trains_on_verl_format_data(tmp_path):
+    """recipe=aime_grpo with the model and sizes made small: DAPO-Math-17k-format rows (the problem at
+    prompt.0.content, the answer at reward_model.ground_truth) become prompts and golds, and a step trains with
+    the recipe's loss settings and activation checkpointing."""
+    from miles_k3.train import train
+
+    data = tmp_path / "dapo.jsonl"
+    rows = [{"data_source": "math_dapo", "prompt": [{"content": f"Compute {i} + {i}. Answer: $Answer", "role": "user"}],
+             "ability": "MATH", "reward_model": {"ground_truth": str(2 * i), "style": "rule-lm"},
+             "extra_info": {"index": f"u{i}"}} for i in range(4)]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = compose_config("train", [
+        "recipe=aime_grpo", "model=k3_tiny", "device=cpu", "steps=1", f"data.source={data}", f"run_dir={tmp_path}/run",
+        "rollout.template=plain", "rollout.prompts_per_step=2", "rollout.group_size=2", "rollout.max_new_tokens=6",
+        "rollout.overlong_buffer=2", "rollout.dynamic_sampling=false", "reward.workers=1", "eval.every_n_steps=0",
+        "engine.max_context=128", "engine.memory_budget_bytes=4194304", "lora.rank=4", "tracking.logger=none"])
+    assert cfg.trainer.activation_checkpointing and cfg.trainer.loss.eps_high == 0.28
+    run = train(cfg, "")
+    table = [json.loads(x) for x in (tmp_path / "run/tables/rollout_samples.jsonl").read_text().splitlines()]
+    assert table and all(r["prompt"].startswith("Compute ") and r["prompt"].endswith("Answer: $Answer")
+                         for r in table)
+    assert {p.answer for p in run.stream.problems} == {"0", "2", "4", "6"}
+    row = json.loads((tmp_path / "run/metrics.jsonl").read_text().splitlines()[0])
+    assert row["train/skipped"] == 0.0 and row["sync/version"] == 1
