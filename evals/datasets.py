@@ -18,9 +18,11 @@ import json
 import math
 import re
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from miles_k3.evals.tasks import TaskError, generate_rows, is_task, task_name
 
 LOCAL_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 """Local file suffix -> the `datasets` builder that reads it."""
@@ -37,11 +39,11 @@ class DatasetConfig:
     """Where the problems come from and which columns hold the problem, the gold answer and the id."""
 
     source: str = "HuggingFaceH4/aime_2024"
-    """A hub dataset id (owner/name), or a local .jsonl / .json / .parquet file, or a directory saved by
-    `datasets` (save_to_disk)."""
+    """A hub dataset id (owner/name), a local .jsonl / .json / .parquet file, a directory saved by `datasets`
+    (save_to_disk), or reasoning_gym:<generator> (problems generated offline, e.g. reasoning_gym:chain_sum)."""
     split: str | None = None
     """The split to read; None: the preset's split for a known hub id (e.g. "test" for math-ai/aime25), else
-    "train". A local file has only the split "train"."""
+    "train". A local file has only the split "train"; a reasoning_gym source has train and test (disjoint)."""
     problem_field: str | None = None
     """The column with the problem text, or a dotted path into a nested column: the column, then object keys
     and list item numbers ("prompt.0.content"; a column named with the dots wins); None: "problem" if the data
@@ -56,6 +58,12 @@ class DatasetConfig:
     """Use only the first `limit` rows (None: all)."""
     revision: str | None = None
     """Hub revision (branch, tag or commit) of a hub dataset; None: the default branch."""
+    size: int = 10000
+    """Problems generated for a reasoning_gym source."""
+    seed: int = 0
+    """The generator's seed for a reasoning_gym source (draw i of a seed is always the same problem)."""
+    task_args: dict[str, Any] = field(default_factory=dict)
+    """The reasoning_gym generator's own parameters, e.g. {min_terms: 2, max_terms: 3, max_digits: 2}."""
 
     def validate(self) -> None:
         if not isinstance(self.source, str) or not self.source.strip():
@@ -71,6 +79,10 @@ class DatasetConfig:
         if self.limit is not None and (isinstance(self.limit, bool) or not isinstance(self.limit, int)
                                        or self.limit < 1):
             raise ValueError(f"limit: must be >= 1 (or None for all rows), got {self.limit!r}")
+        if self.size < 1:
+            raise ValueError(f"size: must be >= 1 (problems to generate), got {self.size}")
+        if is_task(self.source) and not task_name(self.source).strip():
+            raise ValueError("source: name the generator after 'reasoning_gym:', e.g. reasoning_gym:chain_sum")
 
 
 @dataclass(frozen=True)
@@ -155,6 +167,8 @@ def load_problems(cfg: DatasetConfig) -> list[Problem]:
 
 
 def _load_table(cfg: DatasetConfig) -> _Table:
+    if is_task(cfg.source):
+        return _load_task(cfg)
     path = Path(cfg.source).expanduser()
     if path.exists():
         return _load_local(path, cfg)
@@ -162,6 +176,18 @@ def _load_table(cfg: DatasetConfig) -> _Table:
         raise DatasetError(f"data.source: no such file {path} (working directory {Path.cwd()}); fix the path, or "
                            "give a hub id such as HuggingFaceH4/aime_2024")
     return _load_hub(cfg)
+
+
+def _load_task(cfg: DatasetConfig) -> _Table:
+    import datasets
+
+    split = cfg.split or "train"
+    try:
+        rows = generate_rows(task_name(cfg.source), split, cfg.size, cfg.seed, cfg.task_args)
+    except TaskError as e:
+        raise DatasetError(str(e)) from None
+    return _Table(f"{cfg.source} [{split}, seed {cfg.seed}]", datasets.Dataset.from_list(rows), rows,
+                  [None] * len(rows))
 
 
 def _looks_like_path(source: str) -> bool:

@@ -2,8 +2,8 @@
 
 Graders are registered by name (`register_grader`, `get_grader`, `grader_names`) and all share the signature
 `grade(response, gold, *, channel="auto", max_chars=MAX_RESPONSE_CHARS) -> Grade`. Built in: `aime` (the
-final answer must state an integer in 0..999 equal to the gold) and `math` (math-verify's symbolic
-equivalence). The same graders compute the training reward and the eval metrics, so a grader never raises
+final answer must state an integer in 0..999 equal to the gold), `math` (math-verify's symbolic
+equivalence) and `integer` (the response is exactly the gold integer: short-answer generated tasks). The same graders compute the training reward and the eval metrics, so a grader never raises
 for any response string (a policy failure is a score of 0 with a reason) and raises `GoldError` only for a
 gold answer the grader cannot use (a dataset bug). They are plain functions: time limits are the job of
 `grading_pool.GradingPool`, which runs them in worker processes. Nothing here evaluates model output.
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -201,6 +202,39 @@ def _parse_answer(text: str, answer: str | None, how: str) -> list:
     if how == "answer_line":
         return _mv_parse(_as_latex(answer)) or _mv_parse(answer)
     return _mv_parse(text)
+
+
+# ---- integer ---------------------------------------------------------------------------------------------------
+_INTEGER = re.compile(r"[+-]?[0-9]+")
+_MAX_INTEGER_CHARS = 64
+
+
+def _exact_gold_integer(gold) -> int:
+    text = str(gold).strip() if isinstance(gold, (str, int)) and not isinstance(gold, bool) else ""
+    if len(text) > _MAX_INTEGER_CHARS or not _INTEGER.fullmatch(text):
+        raise GoldError(f"gold {gold!r} is not an integer: the integer grader needs integer gold answers (fix the "
+                        "dataset's answer field, or use the math grader)")
+    return int(text)
+
+
+@register_grader("integer")
+def grade_integer(response: str, gold: str, *, channel: str = "auto",
+                  max_chars: int = MAX_RESPONSE_CHARS) -> Grade:
+    """1.0 when the final segment is exactly the gold integer: optional sign and digits, surrounding whitespace
+    allowed, nothing else (for short-answer tasks such as reasoning-gym arithmetic; any integer, negative too).
+    `how` is "integer" for a well-formed answer (right or wrong), "none" otherwise."""
+    want = _exact_gold_integer(gold)
+    checked = _precheck(response, channel, max_chars)
+    if isinstance(checked, Grade):
+        return checked
+    text, note = checked
+    answer = text.strip()
+    if len(answer) > _MAX_INTEGER_CHARS or not _INTEGER.fullmatch(answer):
+        return Grade(0.0, f"not a bare integer: {_short(answer)}{note}")
+    value = int(answer)
+    if value != want:
+        return Grade(0.0, f"wrong answer {value} (gold {want}){note}", answer, str(value), "integer")
+    return Grade(1.0, "correct" + note, answer, str(value), "integer")
 
 
 @register_grader("math", warmup=("\\boxed{\\frac{1}{2}}", "0.5"))

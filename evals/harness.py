@@ -66,6 +66,9 @@ class EvalConfig:
     """Problems per engine.generate call (each with `samples` completions)."""
     every_n_steps: int = 0
     """During training: evaluate every N optimizer steps (0 = never; also at the end when > 0)."""
+    at_start: bool = False
+    """During training (with every_n_steps > 0): also evaluate before the first update (step 0), for a
+    before -> after comparison."""
     table_rows: int = 32
     """Sampled completions logged as a table (W&B and tables/eval_samples.jsonl)."""
 

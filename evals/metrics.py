@@ -85,6 +85,7 @@ def summarize(outcomes: dict[str, list[SampleOutcome]], golds: dict[str, str | N
       pass@k, pass@k_se for each k in ks: unbiased pass@k from the problem's n samples, c of them correct;
       maj@k, maj@k_se for each k in ks: 1.0 when the majority answer of the problem's FIRST k samples equals
         the answer of a correct sample among those k, else 0.0 (no answer at all: 0.0);
+      answer_rate: fraction of all N*n samples with a well-formed final answer (answer not None);
       truncation_rate: fraction of all N*n samples truncated; mean_response_tokens: mean num_tokens of all.
     A sample is correct when score >= CORRECT_SCORE. ks default: `default_ks(n)`; each k must be in 1..n.
     `golds` (id -> gold answer) is optional: when given it must cover every problem id. The maj@k rule uses
@@ -100,6 +101,7 @@ def summarize(outcomes: dict[str, list[SampleOutcome]], golds: dict[str, str | N
     for k in ks:
         _add_mean(summary, f"maj@{k}", [_maj_score(ss[:k]) for ss in per_problem])
     samples = [s for ss in per_problem for s in ss]
+    summary["answer_rate"] = float(np.mean([s.answer is not None for s in samples]))
     summary["truncation_rate"] = float(np.mean([s.truncated for s in samples]))
     summary["mean_response_tokens"] = float(np.mean([s.num_tokens for s in samples]))
     return summary

@@ -3,7 +3,8 @@
 `build_reward(cfg)` returns the reward registered as `cfg.name` (`register_reward`, `reward_names`), a callable
 `(responses, golds) -> list[RewardResult]` with an optional `close()`. The built-ins `aime` and `math` grade in a
 `GradingPool` with the grader of the same name (the one the evals use, so reward and eval cannot disagree):
-1.0 for a correct answer, 0.0 otherwise, plus `cfg.format_bonus` when the answer was written in a box.
+1.0 for a correct answer, 0.0 otherwise, plus `cfg.format_bonus` when the answer was written in a box. The
+built-in `integer` (a response that is exactly the gold integer) is for short-answer generated tasks.
 """
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ class RewardConfig:
     """The reward of the RL loop: which one, its format bonus, and how its grading runs."""
 
     name: str = "aime"
-    """A registered reward: aime (integer answers 0..999), math (math-verify), or one added by register_reward."""
+    """A registered reward: aime (integer answers 0..999), math (math-verify), integer (the response is exactly the
+    gold integer), or one added by register_reward."""
     format_bonus: float = 0.0
     """Added when the final answer was written in \\boxed{} (correct or not); 0 = off."""
     timeout_s: float = 5.0
@@ -128,3 +130,8 @@ def aime_reward(cfg: RewardConfig) -> RewardFn:
 @register_reward("math")
 def math_reward(cfg: RewardConfig) -> RewardFn:
     return GraderReward("math", cfg)
+
+
+@register_reward("integer")
+def integer_reward(cfg: RewardConfig) -> RewardFn:
+    return GraderReward("integer", cfg)

@@ -5,7 +5,8 @@ A template is a function `(problem: str, tokenizer) -> str` registered with `@re
 reason step by step and put the final answer in `\\boxed{}`), `plain` (the problem as it is), `chat` (the
 boxed text as a user turn in the tokenizer's chat template, with the assistant turn opened) and `chat_plain`
 (the problem as it is as that user turn, for datasets whose prompts carry their own instruction, such as
-DAPO-Math-17k). Templates return text, not token ids: the caller tokenizes (without adding special tokens again).
+DAPO-Math-17k), and `equation` (an arithmetic expression without spaces, then "="). Templates return text,
+not token ids: the caller tokenizes (without adding special tokens again).
 """
 from __future__ import annotations
 
@@ -64,6 +65,13 @@ def boxed(problem: str, tokenizer: Any = None) -> str:
 def plain(problem: str, tokenizer: Any = None) -> str:
     """The problem as it is."""
     return problem
+
+
+@register_template("equation")
+def equation(problem: str, tokenizer: Any = None) -> str:
+    """The problem with all whitespace removed, then "=": "15 - 43 - 75" -> "15-43-75=" (compact prompts for
+    arithmetic expressions, answered by the bare result)."""
+    return "".join(problem.split()) + "="
 
 
 @register_template("chat")

@@ -129,6 +129,7 @@ def test_summarize_hand_computed():
         # maj@1: A "33" right, B "5" wrong, C "8" wrong; maj@2: A tie -> "33" right, B "5", C tie -> "8" wrong;
         # maj@4: A "33" (reached 2 first) right, B "5" wrong, C "9" right. Per-problem [1,0,0] has se 1/3.
         "maj@1": 1 / 3, "maj@1_se": 1 / 3, "maj@2": 1 / 3, "maj@2_se": 1 / 3, "maj@4": 2 / 3, "maj@4_se": 1 / 3,
+        "answer_rate": 11 / 12,  # one sample (B3) has no answer
         "truncation_rate": 3 / 12, "mean_response_tokens": 510 / 12,
     }
     assert set(s) == set(expected)
