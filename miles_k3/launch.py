@@ -52,6 +52,8 @@ class Run:
     guard: BadStepGuard
     start_step: int = 0
     pad_id: int = 0
+    last_checkpoint: Path | None = None
+    summary: dict | None = None
 
     def lora_tensors(self) -> dict[str, torch.Tensor]:
         return {n: p.detach() for n, p in self.params.items()}

@@ -23,7 +23,7 @@ from miles_k3.launch import POLICY, Run, build_run, seed_everything
 from miles_k3.model.build import build_model
 from miles_k3.model.lora import adapter_num_params, apply_lora
 from miles_k3.runtime import resolve_device, resolve_dtype
-from miles_k3.trainer.checkpoint import save_checkpoint
+from miles_k3.trainer.checkpoint import ADAPTER_DIR, save_checkpoint
 from miles_k3.trainer.rollouts import collect_rollouts
 from miles_k3.trainer.step import train_step
 
@@ -32,11 +32,16 @@ register_schemas()
 
 
 def train(cfg, raw_yaml: str = "") -> Run:
+    t0 = time.perf_counter()
     run = build_run(cfg)
     log.info("LoRA rank %d on %s: %s trainable params (the base is frozen); run dir %s", cfg.lora.rank,
              ",".join(cfg.lora.targets), f"{adapter_num_params(run.model):,}", run.run_dir)
+    evals: dict[int, dict] = {}
+    if run.eval_hook is not None and cfg.eval.at_start and run.start_step == 0:
+        evals[0] = run.eval_hook.maybe_run(0, POLICY, force=True)  # the adapter starts as a no-op: the base
     stop = _StopFlag()
     bar = tqdm(total=cfg.steps, initial=run.start_step, desc="train", unit="step")
+    step = run.start_step
     try:
         for step in range(run.start_step + 1, cfg.steps + 1):
             metrics, samples = one_step(run, step)
@@ -45,7 +50,9 @@ def train(cfg, raw_yaml: str = "") -> Run:
             log.info(_line(step, cfg.steps, metrics))
             bar.update(1)
             if run.eval_hook is not None:
-                run.eval_hook.maybe_run(step, POLICY, force=step == cfg.steps)
+                result = run.eval_hook.maybe_run(step, POLICY, force=step == cfg.steps)
+                if result is not None:
+                    evals[step] = result
             if stop.requested or step == cfg.steps or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0):
                 checkpoint(run, step, raw_yaml)
             if stop.requested:
@@ -56,7 +63,42 @@ def train(cfg, raw_yaml: str = "") -> Run:
         bar.close()
         stop.restore()
         run.close()
+    run.summary = final_summary(run, step, evals, time.perf_counter() - t0)
+    print(format_summary(run.summary), flush=True)
     return run
+
+
+def final_summary(run: Run, step: int, evals: dict[int, dict], wall_s: float) -> dict:
+    """What the run did and where its outputs are; with evals, the accuracy (avg@n) at the first and the last."""
+    out = {"steps": step, "wall_s": round(wall_s, 1), "run_dir": str(run.run_dir),
+           "metrics": str(run.run_dir / "metrics.jsonl"), "curves": str(run.run_dir / "curves.png")}
+    if run.last_checkpoint is not None:
+        out["adapter"] = str(run.last_checkpoint / ADAPTER_DIR)
+    if evals:
+        first, last = min(evals), max(evals)
+        key = next(k for k in evals[last] if k.startswith("eval/avg@") and not k.endswith("_se"))
+        out |= {"accuracy_metric": key.removeprefix("eval/"), "accuracy_before": evals[first][key],
+                "accuracy_before_step": first, "accuracy_after": evals[last][key], "accuracy_after_step": last}
+        fmt = "eval/answer_rate"
+        if fmt in evals[first] and fmt in evals[last]:
+            out |= {"answer_rate_before": evals[first][fmt], "answer_rate_after": evals[last][fmt]}
+    return out
+
+
+def format_summary(s: dict) -> str:
+    lines = [f"miles_k3.train: {s['steps']} steps in {s['wall_s']:.0f} s"]
+    if "accuracy_before" in s:
+        gain = 100 * (s["accuracy_after"] - s["accuracy_before"])
+        lines.append(f"  held-out {s['accuracy_metric']}: {100 * s['accuracy_before']:.1f}% (step "
+                     f"{s['accuracy_before_step']}) -> {100 * s['accuracy_after']:.1f}% (step "
+                     f"{s['accuracy_after_step']}), {gain:+.1f} points")
+    if "answer_rate_before" in s:
+        lines.append(f"  well-formed answers: {100 * s['answer_rate_before']:.1f}% -> "
+                     f"{100 * s['answer_rate_after']:.1f}%")
+    for key in ("run_dir", "adapter", "metrics", "curves"):
+        if key in s:
+            lines.append(f"  {key + ':':<9} {s[key]}")
+    return "\n".join(lines)
 
 
 def one_step(run: Run, step: int) -> tuple[dict[str, float], list]:
@@ -97,6 +139,7 @@ def checkpoint(run: Run, step: int, raw_yaml: str) -> None:
                            raw_yaml, keep=run.cfg.keep_checkpoints,
                            base_model_name_or_path=run.cfg.model.path or run.cfg.model.name)
     run.guard.last_good = path
+    run.last_checkpoint = path
     log.info("checkpoint: %s", path)
 
 
