@@ -17,6 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 from miles_k3.evals.datasets import DatasetConfig, DatasetError
 from miles_k3.evals.harness import EvalConfig
 from miles_k3.evals.rewards import RewardConfig
+from miles_k3.evals.templates import template_names
 from miles_k3.model.build import ModelConfig
 from miles_k3.model.checkpoint import CheckpointError
 from miles_k3.model.config import ConfigError
@@ -24,6 +25,7 @@ from miles_k3.model.lora import LoRAConfig
 from miles_k3.rollout.engine import EngineConfig
 from miles_k3.tracking import TrackingConfig
 from miles_k3.trainer.checkpoint import ResumeError
+from miles_k3.trainer.optim import OptimConfig
 from miles_k3.trainer.rollouts import RolloutConfig
 from miles_k3.trainer.step import TrainerConfig
 from miles_k3.weight_sync.config import WeightSyncConfig
@@ -143,11 +145,73 @@ class EvalRunConfig:
         check_weights_given(self.model)
 
 
+SFT_MODES = ("full", "lora")
+
+
+@dataclass
+class SFTConfig:
+    """`python -m miles_k3.sft`: supervised fine-tuning on (problem, answer) pairs, full-parameter or LoRA."""
+
+    seed: int = 0
+    """Seed for torch, python and numpy RNGs (the random init of a shipped config, the adapter's init,
+    dropout) and for the order of the training problems."""
+    device: str = "auto"
+    """auto (cuda if available, else cpu), cpu, cuda or cuda:N."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """The model: a shipped config trained from its random init (model=k3_tiny|k3_m), or model.path=DIR."""
+    mode: str = "full"
+    """full (every parameter trains; the routed experts need model.experts=bf16, which auto becomes) or lora
+    (only the `lora` adapter trains; the base stays frozen)."""
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+    """The trained LoRA adapter (mode=lora only): rank, alpha, dropout, target module names."""
+    data: DatasetConfig = field(default_factory=DatasetConfig)
+    """The training problems: the prompt is the problem under `template`, the target its gold answer + eos."""
+    template: str = "plain"
+    """Prompt template of the training problems (evals.templates: boxed, plain, chat, ...), rendered and
+    tokenized exactly as the RL rollouts do."""
+    steps: int = 100
+    """Optimizer steps to train; >= 1."""
+    batch_size: int = 8
+    """Problems per optimizer step (one padded batch); >= 1."""
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-3))
+    """AdamW, LR schedule (warmup_steps, cosine decay to min_lr_ratio at total_steps), grad_clip, betas."""
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    """The rollout engine's sizes for evaluation (max_context must hold a prompt + eval.max_new_tokens)."""
+    eval: EvalConfig = field(default_factory=lambda: EvalConfig(template="plain", samples=1, temperature=0.0,
+                                                                max_new_tokens=256, grader="math"))
+    """Held-out evaluation through the rollout engine every eval.every_n_steps steps and at the end (0:
+    never; eval.at_start: also before the first update); its own dataset (eval.data), template, sampling and
+    grader."""
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    """W&B (tracking.logger=wandb) besides the output directory's metrics.jsonl."""
+    output_dir: str | None = None
+    """metrics.jsonl, eval reports and the result (model/ in full mode, adapter/ in lora mode); None:
+    runs/sft-<date>-<time>."""
+    log_every: int = 10
+    """Log train/loss (mean since the last log), train/lr, train/grad_norm, perf/tokens_per_s every N steps
+    (and at the last step); >= 1."""
+
+    def validate(self) -> None:
+        check_device(self.device)
+        check_weights_given(self.model)
+        for name in ("steps", "batch_size", "log_every"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        if self.mode not in SFT_MODES:
+            raise ValueError(f"mode: '{self.mode}' is not one of {', '.join(SFT_MODES)}")
+        if self.template not in template_names():
+            raise ValueError(f"template: '{self.template}' is not one of {', '.join(template_names())}")
+        if self.mode == "full" and self.model.experts == "mxfp4":
+            raise ValueError("model.experts: mxfp4 experts are frozen storage and cannot train in mode=full; "
+                             "set model.experts=bf16 (or auto), or train an adapter with mode=lora")
+
+
 def register_schemas() -> None:
     store = ConfigStore.instance()
     store.store(name="train_schema", node=TrainConfig)
     store.store(name="eval_schema", node=EvalRunConfig)
     store.store(name="model_info_schema", node=ModelInfoConfig)
+    store.store(name="sft_schema", node=SFTConfig)
 
 
 def to_typed(cfg: DictConfig) -> Any:

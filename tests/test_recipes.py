@@ -8,13 +8,14 @@ import pytest
 from hydra.errors import ConfigCompositionException
 from omegaconf.errors import ConfigKeyError, ValidationError
 
-from miles_k3.config import ConfigFieldError, EvalRunConfig, TrainConfig, compose_config
+from miles_k3.config import ConfigFieldError, EvalRunConfig, SFTConfig, TrainConfig, compose_config
 from miles_k3.model.build import ModelConfig
 
 RECIPES = sorted(p.name.removesuffix(".yaml")
                  for p in resources.files("miles_k3.recipes").joinpath("recipe").iterdir()
                  if p.name.endswith(".yaml"))
-APPS = {"train": TrainConfig, "eval": EvalRunConfig}  # entry point -> its config (recipes/<app>.yaml)
+# entry point -> its config (recipes/<app>.yaml)
+APPS = {"train": TrainConfig, "eval": EvalRunConfig, "sft": SFTConfig}
 
 
 def test_recipes_are_found():

@@ -150,18 +150,51 @@ def write_groups(specs: dict[str, TensorSpec]) -> list[list[str]]:
     return list(groups.values())
 
 
+TOKENIZER_FILE_PATTERNS = ("tokenizer*", "generation_config.json", "special_tokens_map.json",
+                           "added_tokens.json", "chat_template*", "*.jinja", "*.model", "tokenization_*.py",
+                           "vocab.*", "merges.txt")
+"""Files of a model directory that belong to its tokenizer (`save_checkpoint(tokenizer_from=...)` copies
+them)."""
+
+
 def save_checkpoint(model: K3ForCausalLM, path: str | Path,
-                    max_shard_bytes: int | None = DEFAULT_MAX_SHARD_BYTES, overwrite: bool = False) -> Path:
+                    max_shard_bytes: int | None = DEFAULT_MAX_SHARD_BYTES, overwrite: bool = False, *,
+                    small_tokenizer: bool = False, tokenizer_from: str | Path | None = None) -> Path:
     """Write `model`'s base weights as a checkpoint directory (the inverse of `load_checkpoint`).
 
     Stored dtypes are the checkpoint's (bf16, fp32 families, uint8 MXFP4 experts) whatever the model's compute
     dtype; LoRA or other non-base tensors are not written. Atomic; see `CheckpointWriter`.
+    The tokenizer can go into the same directory (and so appear with it, atomically): `small_tokenizer` writes
+    the project's byte-level tokenizer (`miles_k3.tokenizer.save_small_tokenizer`) and its bos/eos/pad ids
+    into config.json, as `miles_k3.init_checkpoint` does for random-init checkpoints; `tokenizer_from` copies
+    the tokenizer files (TOKENIZER_FILE_PATTERNS) of a model directory. Without either, no tokenizer is
+    written.
     """
+    if small_tokenizer and tokenizer_from is not None:
+        raise ValueError("save_checkpoint: pass small_tokenizer or tokenizer_from, not both")
     fmt = getattr(model, "expert_format", "bf16")
     specs = expected_tensors(model.config, fmt)
     views = {CHECKPOINT_PREFIX + k: v for k, v in model.state_dict().items()}
     with CheckpointWriter(path, overwrite=overwrite, max_shard_bytes=max_shard_bytes) as writer:
-        writer.write_json(CONFIG_FILE, checkpoint_config(model.config, fmt))
+        config = checkpoint_config(model.config, fmt)
+        if small_tokenizer:
+            from miles_k3.tokenizer import BOS, END_OF_MSG, PAD, save_small_tokenizer, special_token_ids
+
+            save_small_tokenizer(writer.staging, model.config.vocab_size)
+            ids = special_token_ids()  # like K3's config.json: bos [BOS], eos <|end_of_msg|>, pad [PAD]
+            config.update(bos_token_id=ids[BOS], eos_token_id=ids[END_OF_MSG], pad_token_id=ids[PAD])
+        elif tokenizer_from is not None:
+            _copy_tokenizer_files(writer, Path(tokenizer_from))
+        writer.write_json(CONFIG_FILE, config)
         for group in write_groups(specs):
             writer.add({name: to_stored(name, views[name], specs[name]) for name in group})
     return Path(path)
+
+
+def _copy_tokenizer_files(writer: CheckpointWriter, src: Path) -> None:
+    if not src.is_dir():
+        raise CheckpointError(f"tokenizer_from={src}: not a directory; pass the model directory that holds "
+                              "the tokenizer files")
+    names = sorted({f.name for pattern in TOKENIZER_FILE_PATTERNS for f in src.glob(pattern) if f.is_file()})
+    for name in names:
+        writer.copy_in(src / name, name)

@@ -1,0 +1,318 @@
+"""`python -m miles_k3.sft data.source=FILE [mode=full|lora] [recipe=NAME] [overrides]`: supervised
+fine-tuning on (problem, answer) pairs (Hydra app): full-parameter (e.g. a small shipped config trained from
+its random init on a generated task) or a LoRA adapter on a frozen base, with the model, data, eval and
+tracking machinery of `python -m miles_k3.train`.
+
+It composes `recipes/sft.yaml`, validates every field (a bad value fails before any work, naming the field),
+seeds torch/python/numpy, and runs:
+
+    load problems -> build the model (full: bf16 routed experts, every parameter trains; lora: the adapter
+    trains, the base stays frozen) -> AdamW + LR schedule -> per step: `batch_size` problems from a seeded
+    stream -> prompt ids (the template rendered and tokenized exactly as the RL rollouts do) + target ids (the
+    gold answer + eos) -> mean cross-entropy over the target tokens -> clipped AdamW step -> log every
+    `log_every` -> eval every `eval.every_n_steps` and at the end (eval.at_start: also before step 1) -> save
+
+Evaluation runs the eval harness through the rollout engine, which shares the trained model's base tensors:
+in full mode the engine sees every update in place; in lora mode the current adapter is pushed into the engine
+before each evaluation. The result goes to `output_dir` (default runs/sft-<date>-<time>): `model/` in full
+mode (a checkpoint directory with its tokenizer: `model.path=<output_dir>/model` loads it for train, eval or
+more SFT), `adapter/` in lora mode (PEFT; `python -m miles_k3.eval adapter=<output_dir>/adapter`), plus
+`config.yaml`, `metrics.jsonl`, `curves.png` and eval reports (`eval/step_N`). With the same seed, config and
+thread count on the CPU, two runs write bit-identical weights.
+
+On CUDA, `model.dtype=auto` trains in bf16; for full-parameter training set `model.dtype=fp32` to keep fp32
+master weights (the forward then runs under bf16 autocast).
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import hydra
+import torch
+from omegaconf import DictConfig, OmegaConf
+from torch import nn
+
+from miles_k3.atomic import atomic_write_text
+from miles_k3.config import ConfigFieldError, exit_on_user_error, register_schemas, typed_or_exit
+from miles_k3.evals.datasets import DatasetError, Problem, load_problems
+from miles_k3.evals.harness import EvalHook
+from miles_k3.evals.templates import render_prompt
+from miles_k3.launch import seed_everything
+from miles_k3.model.build import ModelConfig, build_model, build_tokenizer, checkpoint_dir, num_params
+from miles_k3.model.checkpoint_writer import save_checkpoint
+from miles_k3.model.config import ConfigError
+from miles_k3.model.lora import apply_lora, lora_parameters
+from miles_k3.rollout.engine import RolloutEngine
+from miles_k3.runtime import resolve_device, resolve_dtype
+from miles_k3.tracking import Tracker
+from miles_k3.trainer.batch import Sample, TrainBatch, pack
+from miles_k3.trainer.losses import token_logprobs
+from miles_k3.trainer.optim import BadStepGuard, OptimConfig, build_optimizer, build_scheduler, optimizer_step
+from miles_k3.trainer.rollouts import PromptStream
+
+log = logging.getLogger("miles_k3.sft")
+register_schemas()
+POLICY = "policy"  # the engine's name for the trained adapter (lora mode)
+
+
+@dataclass
+class SFTResult:
+    """What `train_sft` did: per-step losses, the last eval's metrics, where the result went."""
+
+    output_dir: Path
+    saved: Path
+    """`output_dir/model` (full mode) or `output_dir/adapter` (lora mode)."""
+    losses: list[float]
+    """The training loss of every step (NaN for a step whose update was skipped)."""
+    evals: dict[int, dict[str, float]]
+    """eval/ metrics by step (0: before training, with eval.at_start); empty without eval."""
+    seconds: float
+    model: nn.Module
+    tokenizer: Any
+    engine: RolloutEngine | None
+
+    @property
+    def final_loss(self) -> float:
+        return self.losses[-1]
+
+    @property
+    def eval_metrics(self) -> dict[str, float] | None:
+        """The last evaluation's eval/ metrics (after the last step); None without eval."""
+        return self.evals[max(self.evals)] if self.evals else None
+
+    def summary_line(self) -> str:
+        acc = ""
+        key = next((k for k in self.eval_metrics or {} if k.startswith("eval/avg@")), None)
+        if key:
+            series = " -> ".join(f"{self.evals[s][key]:.4f}" for s in sorted(self.evals))
+            acc = f", eval {key.removeprefix('eval/')} {series}"
+        return (f"sft: {len(self.losses)} steps, loss {self.losses[0]:.4f} -> {self.final_loss:.4f}{acc}; "
+                f"saved {self.saved}; {self.seconds:.1f}s")
+
+
+def model_config_for(cfg) -> ModelConfig:
+    """cfg.model as built for cfg.mode: full mode trains the routed experts, so experts=auto becomes bf16
+    (MXFP4 storage is frozen; `SFTConfig.validate` refuses experts=mxfp4 in full mode)."""
+    if cfg.mode == "full" and cfg.model.experts == "auto":
+        return dataclasses.replace(cfg.model, experts="bf16")
+    if cfg.mode == "full" and cfg.model.experts != "bf16":
+        raise ConfigFieldError(f"model.experts: mode=full trains the routed experts and needs bf16, got "
+                               f"{cfg.model.experts}")
+    return cfg.model
+
+
+def encode_example(problem: Problem, template: str, tokenizer, eos_id: int) -> Sample:
+    """One training example: prompt ids as the RL rollouts tokenize them (the template's text, no special
+    tokens added), target ids = the gold answer's tokens + eos."""
+    prompt = tokenizer.encode(render_prompt(template, problem.problem, tokenizer), add_special_tokens=False)
+    if not prompt:
+        raise DatasetError(f"problem {problem.id}: its prompt under template '{template}' is empty; a target "
+                           "needs a prompt token before it (fix the data, or use another template)")
+    return Sample(prompt, tokenizer.encode(problem.answer, add_special_tokens=False) + [eos_id])
+
+
+def sft_loss(model: nn.Module, batch: TrainBatch) -> torch.Tensor:
+    """Mean cross-entropy over all target tokens of the batch (`mask_BT`): -mean log p(target | prefix)."""
+    with _autocast(model):
+        logits = model(batch.input_ids_BT, seq_lens=batch.seq_lens_B).logits
+    logp_BT = token_logprobs(logits, batch.targets_BT)
+    return -(logp_BT * batch.mask_BT).sum() / batch.mask_BT.sum()
+
+
+def trainable_parameters(model: nn.Module, cfg) -> dict[str, nn.Parameter]:
+    """full: every parameter of the model, made trainable; lora: the adapter `cfg.lora` attached (the base
+    frozen) and its Parameters."""
+    if cfg.mode == "lora":
+        apply_lora(model, cfg.lora)
+        return lora_parameters(model)
+    model.requires_grad_(True)
+    return dict(model.named_parameters())
+
+
+def build_full_optimizer(params: dict[str, nn.Parameter], cfg: OptimConfig) -> torch.optim.AdamW:
+    """AdamW over every parameter (`trainer.optim.build_optimizer` takes adapters only, on purpose), with the
+    OptimConfig's lr, betas, eps; weight decay on the matrices only (not on norms, biases, A_log, ...)."""
+    cfg.validate()
+    decay = [p for p in params.values() if p.ndim >= 2]
+    rest = [p for p in params.values() if p.ndim < 2]
+    groups = [{"params": ps, "weight_decay": wd} for ps, wd in ((decay, cfg.weight_decay), (rest, 0.0)) if ps]
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.betas[0], cfg.betas[1]), eps=cfg.eps)
+
+
+def train_sft(cfg, raw_yaml: str = "") -> SFTResult:
+    """The whole SFT run of a validated SFTConfig (see the module docstring)."""
+    t0 = time.perf_counter()
+    seed_everything(cfg.seed)
+    out_dir = Path(cfg.output_dir or f"runs/sft-{time.strftime('%Y%m%d-%H%M%S')}")
+    target = out_dir / ("model" if cfg.mode == "full" else "adapter")
+    if target.exists():
+        raise ConfigFieldError(f"output_dir: {target} already exists; choose another output_dir (a result is "
+                               "never overwritten)")
+    problems = load_problems(cfg.data)  # bad data fails before the model is built
+    eval_problems = load_problems(cfg.eval.data) if cfg.eval.every_n_steps > 0 else None
+    device = resolve_device(cfg.device)
+    model_cfg = model_config_for(cfg)
+    model = build_model(model_cfg, device, resolve_dtype(model_cfg.dtype, device))
+    tokenizer, stop_ids = build_tokenizer(model_cfg, model.config.vocab_size)
+    if not stop_ids:
+        raise ConfigError(f"model={model_cfg.path or model_cfg.name}: the tokenizer has no eos token to end "
+                          "the targets with; give the model directory a generation_config.json eos_token_id")
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    examples = {id(p): encode_example(p, cfg.template, tokenizer, stop_ids[0]) for p in problems}
+    params = trainable_parameters(model, cfg)
+    build = build_full_optimizer if cfg.mode == "full" else build_optimizer
+    opt = build(params, cfg.optim)
+    sched = build_scheduler(opt, cfg.optim)
+    stream = PromptStream(problems, cfg.seed)
+    log.info("sft mode=%s: %s trainable of %s parameters, %d problems, %d steps of %d", cfg.mode,
+             f"{sum(p.numel() for p in params.values()):,}", f"{num_params(model):,}", len(problems),
+             cfg.steps, cfg.batch_size)
+    tracker = Tracker(cfg.tracking, out_dir, config=OmegaConf.to_container(OmegaConf.structured(cfg)))
+    if raw_yaml:
+        atomic_write_text(out_dir / "config.yaml", raw_yaml)
+    try:
+        engine = hook = None
+        if eval_problems is not None:
+            engine, hook = _build_eval(cfg, model, tokenizer, stop_ids, params, eval_problems, out_dir,
+                                       tracker)
+        losses, evals = _loop(cfg, model, params, opt, sched, stream, examples, pad_id, device, tracker,
+                                     engine, hook)
+        saved = _save(cfg, model_cfg, model, target)
+    finally:
+        tracker.finish()
+    log.info("saved the %s to %s", "model" if cfg.mode == "full" else "adapter", saved)
+    result = SFTResult(out_dir, saved, losses, evals, time.perf_counter() - t0, model, tokenizer, engine)
+    log.info(result.summary_line())
+    return result
+
+
+def _loop(cfg, model, params, opt, sched, stream, examples, pad_id, device, tracker, engine, hook):
+    guard = BadStepGuard(cfg.optim.max_bad_steps)
+    losses: list[float] = []
+    evals: dict[int, dict[str, float]] = {}
+    if hook is not None and cfg.eval.at_start:
+        evals[0] = _evaluate(cfg, hook, engine, params, 0)  # the initial weights (lora: the no-op adapter)
+    window = _Window()
+    for step in range(1, cfg.steps + 1):
+        t = time.perf_counter()
+        batch = pack([examples[id(p)] for _, p in stream.take(cfg.batch_size)], pad_id).to(device)
+        loss = sft_loss(model, batch)
+        value = float(loss.detach())
+        if math.isfinite(value):
+            loss.backward()
+        metrics = optimizer_step(opt, sched, params, cfg.optim, loss=value)
+        guard.record(metrics["train/skipped"] == 1.0)
+        losses.append(value)
+        window.add(value, metrics, int(batch.seq_lens_B.sum()), time.perf_counter() - t)
+        if step % cfg.log_every == 0 or step == cfg.steps:
+            row = window.flush() | {"train/epoch": float(stream.epoch)}
+            tracker.log(row, step=step)
+            log.info("step %d/%d loss=%.4f lr=%.3g grad_norm=%.3g tok/s=%.0f", step, cfg.steps,
+                     row["train/loss"], row["train/lr"], row["train/grad_norm"], row["perf/tokens_per_s"])
+        if hook is not None and (hook.due(step) or step == cfg.steps):
+            evals[step] = _evaluate(cfg, hook, engine, params, step)
+    return losses, evals
+
+
+class _Window:
+    """Sums since the last log: the mean loss of those steps, the last lr / grad norm, tokens per second."""
+
+    def __init__(self):
+        self.losses: list[float] = []
+        self.tokens, self.seconds, self.skipped, self.last = 0, 0.0, 0, {}
+
+    def add(self, loss: float, metrics: dict, tokens: int, seconds: float) -> None:
+        self.losses.append(loss)
+        self.tokens += tokens
+        self.seconds += seconds
+        self.skipped += int(metrics["train/skipped"])
+        self.last = metrics
+
+    def flush(self) -> dict[str, float]:
+        finite = [x for x in self.losses if math.isfinite(x)]
+        row = {"train/loss": sum(finite) / len(finite) if finite else math.nan,
+               "train/lr": self.last["train/lr"], "train/grad_norm": self.last["train/grad_norm"],
+               "train/skipped_steps": float(self.skipped), "perf/tokens_per_s": self.tokens / self.seconds,
+               "perf/step_s": self.seconds / len(self.losses)}
+        self.__init__()
+        return row
+
+
+def _rng_isolated(device: torch.device):
+    """Engine building and evaluation leave the training RNG as it was (a run with eval draws the same
+    numbers for training as one without)."""
+    return torch.random.fork_rng(devices=[device] if device.type == "cuda" else [])
+
+
+def _build_eval(cfg, model, tokenizer, stop_ids, params, problems, out_dir, tracker):
+    """The rollout engine over the model's own base tensors (no copy) and the eval hook."""
+    device = next(model.parameters()).device
+    if not cfg.engine.eos_token_ids:
+        cfg.engine.eos_token_ids = list(stop_ids)
+    with _rng_isolated(device), torch.no_grad():
+        if cfg.mode == "lora":
+            engine = RolloutEngine(model, cfg.engine, lora=cfg.lora, tokenizer=tokenizer)
+            adapter = {n: p.detach() for n, p in params.items()}
+            engine.load_lora_adapter_from_tensors(POLICY, adapter, cfg.lora)
+        else:
+            engine = RolloutEngine(model, cfg.engine, tokenizer=tokenizer)
+    for p in problems:  # the harness checks this too, but only after training
+        text = render_prompt(cfg.eval.template, p.problem, tokenizer)
+        n = len(tokenizer.encode(text, add_special_tokens=False))
+        if n + cfg.eval.max_new_tokens > cfg.engine.max_context:
+            raise ConfigFieldError(f"engine.max_context: eval problem {p.id} has a {n}-token prompt, and "
+                                   f"with eval.max_new_tokens={cfg.eval.max_new_tokens} that exceeds "
+                                   f"engine.max_context={cfg.engine.max_context}; raise it or lower "
+                                   "eval.max_new_tokens")
+    return engine, EvalHook(cfg.eval, engine, tokenizer, problems, out_dir, tracker)
+
+
+def _evaluate(cfg, hook: EvalHook, engine: RolloutEngine, params: dict, step: int) -> dict[str, float]:
+    """Evaluate the weights of `step`: full mode, the engine already holds them (shared tensors, updated in
+    place); lora mode, the current adapter is pushed into the engine first."""
+    with _rng_isolated(engine.device), torch.no_grad():
+        if cfg.mode == "lora" and step > engine.weight_version:  # step 0: the adapter loaded at build
+            engine.update_weights_from_tensor({n: p.detach() for n, p in params.items()}, POLICY,
+                                              weight_version=step)
+        else:
+            engine.weight_version = step
+        return hook.maybe_run(step, POLICY if cfg.mode == "lora" else None, force=True)
+
+
+def _save(cfg, model_cfg: ModelConfig, model, target: Path) -> Path:
+    """full: a checkpoint directory with the tokenizer (the small byte-level one for a shipped config, else
+    the source directory's files); lora: a PEFT adapter directory. Both atomic."""
+    if cfg.mode == "lora":
+        from miles_k3.adapter import save_adapter
+
+        return save_adapter(model, cfg.lora, target, base_model_name_or_path=cfg.model.path or cfg.model.name)
+    if model_cfg.path is None:
+        return save_checkpoint(model, target, small_tokenizer=True)
+    return save_checkpoint(model, target, tokenizer_from=checkpoint_dir(model_cfg))
+
+
+def _autocast(model: nn.Module):
+    """bf16 autocast for an fp32 model on CUDA (fp32 master weights); nothing otherwise."""
+    p = next(model.parameters())
+    if p.device.type == "cuda" and p.dtype == torch.float32:
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+@hydra.main(version_base=None, config_path="pkg://miles_k3.recipes", config_name="sft")
+def main(raw: DictConfig) -> None:
+    cfg = typed_or_exit(raw, "miles_k3.sft")
+    with exit_on_user_error("miles_k3.sft"):
+        result = train_sft(cfg, OmegaConf.to_yaml(raw))
+    print(result.summary_line())
+
+
+if __name__ == "__main__":
+    main()
