@@ -25,7 +25,7 @@ from miles_k3.evals.datasets import DatasetConfig, Problem
 from miles_k3.evals.graders import MAX_RESPONSE_CHARS, Grade, grader_names
 from miles_k3.evals.grading_pool import GradingPool
 from miles_k3.evals.metrics import SampleOutcome, summarize
-from miles_k3.evals.templates import render_prompt, template_names
+from miles_k3.evals.templates import render_prompt, response_text, template_names
 
 log = logging.getLogger("miles_k3.evals")
 
@@ -129,7 +129,7 @@ def evaluate(engine, tokenizer, problems: list[Problem], cfg: EvalConfig, lora: 
     prompt_ids = [tokenizer.encode(text, add_special_tokens=False) for text in prompts]
     _check_lengths(problems, prompt_ids, cfg, engine.config.max_context)
     outputs = _generate(engine, prompt_ids, cfg, lora, progress)
-    responses = [tokenizer.decode(o["output_ids"], skip_special_tokens=False) for o in outputs]
+    responses = [response_text(tokenizer, o) for o in outputs]
     golds = [p.answer for p in problems for _ in range(cfg.samples)]
     with GradingPool(cfg.grader, timeout_s=cfg.timeout_s, workers=cfg.grading_workers, channel=cfg.channel,
                      max_chars=cfg.max_chars) as pool:

@@ -6,7 +6,8 @@ reason step by step and put the final answer in `\\boxed{}`), `plain` (the probl
 boxed text as a user turn in the tokenizer's chat template, with the assistant turn opened) and `chat_plain`
 (the problem as it is as that user turn, for datasets whose prompts carry their own instruction, such as
 DAPO-Math-17k), and `equation` (an arithmetic expression without spaces, then "="). Templates return text,
-not token ids: the caller tokenizes (without adding special tokens again).
+not token ids: the caller tokenizes (without adding special tokens again). `response_text` is the other way:
+an engine output's tokens as the text a grader reads.
 """
 from __future__ import annotations
 
@@ -93,3 +94,14 @@ def _user_turn(name: str, text: str, tokenizer: Any) -> str:
                          f"use template={'boxed' if name == 'chat' else 'plain'}")
     messages = [{"role": "user", "content": text}]
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+def response_text(tokenizer: Any, output: dict) -> str:
+    """The text of an engine output (`output_ids`, `meta_info.finish_reason`) as graders see it: the tokens
+    decoded with special tokens kept (K3's answer channel is marked by them), without the stop token that ended
+    it ("6[EOS]" is the answer "6")."""
+    ids = list(output["output_ids"])
+    finish = output.get("meta_info", {}).get("finish_reason") or {}
+    if finish.get("type") == "stop" and isinstance(finish.get("matched"), int) and ids and ids[-1] == finish["matched"]:
+        ids = ids[:-1]
+    return tokenizer.decode(ids, skip_special_tokens=False)

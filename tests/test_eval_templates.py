@@ -101,3 +101,23 @@ def test_registry_rejects_bad_names_and_non_text_results(monkeypatch):
     register_template("ids")(lambda p, t: [1, 2, 3])
     with pytest.raises(TypeError, match="template 'ids' returned list, not a string"):
         render_prompt("ids", PROBLEM)
+
+
+class _IdsTokenizer:
+    def decode(self, ids, skip_special_tokens=False):
+        assert skip_special_tokens is False  # K3's answer channel is marked by special tokens
+        return "".join({257: "[EOS]", 259: "<|end_of_msg|>"}.get(i, chr(i)) for i in ids)
+
+
+@pytest.mark.parametrize("ids, finish, text", [
+    ([54, 257], {"type": "stop", "matched": 257}, "6"),  # the stop token that ended it is not text
+    ([54, 259], {"type": "stop", "matched": 259}, "6"),
+    ([54, 257], {"type": "length", "matched": None}, "6[EOS]"),  # cut by the cap: every token is text
+    ([54, 257], {"type": "stop", "matched": "6"}, "6[EOS]"),  # a stop string: nothing is dropped
+    ([257, 54], {"type": "stop", "matched": 257}, "[EOS]6"),  # only a final matching token is dropped
+    ([], {"type": "stop", "matched": 257}, ""),
+])
+def test_response_text_drops_only_the_final_stop_token(ids, finish, text):
+    from miles_k3.evals.templates import response_text
+
+    assert response_text(_IdsTokenizer(), {"output_ids": ids, "meta_info": {"finish_reason": finish}}) == text

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from miles_k3.evals.datasets import Problem
-from miles_k3.evals.templates import render_prompt, template_names
+from miles_k3.evals.templates import render_prompt, response_text, template_names
 from miles_k3.trainer.advantages import ADVANTAGE_ESTIMATORS, group_advantages, zero_variance_groups
 from miles_k3.trainer.batch import Sample
 
@@ -154,7 +154,7 @@ def _sample_groups(engine, tokenizer, drawn, reward_fn, cfg: RolloutConfig, lora
     bad = next((o for o in outs if "error" in o), None)
     if bad is not None:
         raise RuntimeError(f"rollout: the engine rejected a request: {bad['error']}")
-    texts = [tokenizer.decode(o["output_ids"], skip_special_tokens=False) for o in outs]
+    texts = [response_text(tokenizer, o) for o in outs]
     golds = [p.answer for _, p in drawn for _ in range(cfg.group_size)]
     results = reward_fn(texts, golds)
     samples = [_sample(prompts[i // cfg.group_size], o, r.score, cfg) for i, (o, r) in enumerate(zip(outs, results))]
