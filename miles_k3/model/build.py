@@ -1,6 +1,7 @@
 """`ModelConfig` (the `model` section of the run config) and building a `K3ForCausalLM` from it.
 
-The architecture comes from `model.path` (a checkpoint directory or a hub id; its `config.json`) when set,
+The architecture comes from `model.path` (a checkpoint directory, a hub id, or `builtin:<name>` for a base shipped
+in the package; its `config.json`) when set,
 else from the shipped config `model.name`. With `path`, `build_model` loads the checkpoint's weights
 (`checkpoint.load_checkpoint`; a hub id is first fetched into the huggingface_hub cache: config, tokenizer and
 text weights only); without it, it initialises the weights randomly.
@@ -8,6 +9,7 @@ text weights only); without it, it initialises the weights randomly.
 import json
 import logging
 from dataclasses import dataclass
+from importlib import resources
 from pathlib import Path
 from typing import Optional
 
@@ -29,8 +31,9 @@ class ModelConfig:
     name: str = "k3_tiny"
     """Shipped architecture used when `path` is null: k3 (published 2.78T), k3_m (~0.3B), k3_tiny (~3.1M)."""
     path: Optional[str] = None  # noqa: UP045 (OmegaConf 2.3 structured configs need Optional)
-    """A checkpoint directory or a hub id (e.g. moonshotai/Kimi-K3): its config.json defines the architecture
-    and its weights are loaded."""
+    """A checkpoint directory, a hub id (e.g. moonshotai/Kimi-K3) or builtin:<name> (a base shipped in the
+    package, e.g. builtin:k3_nano_chain_sum): its config.json defines the architecture and its weights are
+    loaded."""
     dtype: str = "auto"
     """Activation/weight dtype: auto (bf16 on CUDA, fp32 on CPU), bf16 or fp32. fp32 tensors stay fp32."""
     kda_backend: str = "auto"
@@ -54,6 +57,28 @@ class ModelConfig:
         if not isinstance(self.trust_remote_code, bool):
             raise ValueError(  # noqa: TRY004 (config errors are ValueErrors, prefixed with the field path)
                 f"trust_remote_code: expected true or false, got {self.trust_remote_code!r}")
+
+
+BUILTIN_PREFIX = "builtin:"
+"""`model.path=builtin:<name>`: a checkpoint shipped inside the package (miles_k3/model/bases/<name>)."""
+
+
+def builtin_bases() -> list[str]:
+    """The names of the checkpoints shipped in the package."""
+    root = resources.files("miles_k3.model").joinpath("bases")
+    return sorted(p.name for p in root.iterdir() if p.is_dir() and p.joinpath("config.json").is_file()) \
+        if root.is_dir() else []
+
+
+def _local_dir(cfg: ModelConfig) -> Path:
+    """`cfg.path` as a local path: a builtin base's directory in the package, else the path as given."""
+    if cfg.path.startswith(BUILTIN_PREFIX):
+        name = cfg.path[len(BUILTIN_PREFIX):]
+        if name not in builtin_bases():
+            raise ConfigError(f"model.path={cfg.path}: no shipped base named {name!r}; shipped: "
+                              f"{', '.join(builtin_bases()) or 'none'}")
+        return Path(str(resources.files("miles_k3.model").joinpath("bases", name)))
+    return Path(cfg.path).expanduser()
 
 
 def _hub_id(cfg: ModelConfig) -> str:
@@ -84,7 +109,7 @@ def load_k3_config(cfg: ModelConfig) -> K3Config:
     """The architecture: `path`'s config.json (a directory, or a hub id: config.json only) or `name`."""
     if cfg.path is None:
         return K3Config.from_name(cfg.name)
-    path = Path(cfg.path).expanduser()
+    path = _local_dir(cfg)
     if path.is_dir():
         return K3Config.from_json_file(path / "config.json")
     repo = _hub_id(cfg)
@@ -101,7 +126,7 @@ def checkpoint_dir(cfg: ModelConfig) -> Path:
     """The local checkpoint directory of `cfg.path`: the directory itself, or a hub id's snapshot in the
     huggingface_hub cache with config, tokenizer files and the shards that hold text weights (vision shards
     are not fetched)."""
-    path = Path(cfg.path).expanduser()
+    path = _local_dir(cfg)
     if path.is_dir():
         return path
     repo = _hub_id(cfg)

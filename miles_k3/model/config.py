@@ -21,7 +21,7 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-SHIPPED_CONFIGS = ("k3", "k3_m", "k3_tiny")
+SHIPPED_CONFIGS = ("k3", "k3_m", "k3_tiny", "k3_nano")
 
 
 class ConfigError(ValueError):
