@@ -62,6 +62,9 @@ class DatasetConfig:
     """Problems generated for a reasoning_gym source."""
     seed: int = 0
     """The generator's seed for a reasoning_gym source (draw i of a seed is always the same problem)."""
+    distinct: bool = True
+    """A reasoning_gym source: each problem once (False: the generator's distribution, repeats included; a set of
+    distinct problems over-represents the rarer, harder ones)."""
     task_args: dict[str, Any] = field(default_factory=dict)
     """The reasoning_gym generator's own parameters, e.g. {min_terms: 2, max_terms: 3, max_digits: 2}."""
 
@@ -183,7 +186,7 @@ def _load_task(cfg: DatasetConfig) -> _Table:
 
     split = cfg.split or "train"
     try:
-        rows = generate_rows(task_name(cfg.source), split, cfg.size, cfg.seed, cfg.task_args)
+        rows = generate_rows(task_name(cfg.source), split, cfg.size, cfg.seed, cfg.task_args, cfg.distinct)
     except TaskError as e:
         raise DatasetError(str(e)) from None
     return _Table(f"{cfg.source} [{split}, seed {cfg.seed}]", datasets.Dataset.from_list(rows), rows,

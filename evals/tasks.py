@@ -4,7 +4,7 @@
 `chain_sum`, `basic_arithmetic`) configured by `task_args` (its own parameters: `min_terms`, `max_digits`, ...)
 and returns `size` rows `{"id", "question", "answer", "metadata"}` that `evals.datasets` then maps like any other
 data (`data.problem_field=metadata.expression` takes the bare expression of an arithmetic task). Every problem
-appears once, and belongs to exactly one split by a hash of its question text: `test` keeps the problems whose hash falls in one
+appears once (unless distinct=False), and belongs to exactly one split by a hash of its question text: `test` keeps the problems whose hash falls in one
 bucket of `TEST_BUCKETS`, `train` all the others, so a held-out set never shares a problem with training data,
 whatever the seeds and sizes. Draw i of a generator seeded `seed` is always the same problem, so a
 (name, split, size, seed, task_args) tuple reproduces the same rows. reasoning-gym is imported lazily.
@@ -41,15 +41,18 @@ def in_split(question: str, split: str) -> bool:
     return (bucket == 0) == (split == "test")
 
 
-def generate_rows(name: str, split: str, size: int, seed: int, task_args: dict[str, Any]) -> list[dict]:
-    """`size` rows of generator `name` in `split`, in draw order (see the module docstring)."""
+def generate_rows(name: str, split: str, size: int, seed: int, task_args: dict[str, Any],
+                  distinct: bool = True) -> list[dict]:
+    """`size` rows of generator `name` in `split`, in draw order (see the module docstring). `distinct`: skip a
+    problem already drawn (a set of distinct problems over-represents the rare, harder ones); False keeps the
+    generator's own distribution, repeats included."""
     if split not in SPLITS:
         raise TaskError(f"data.split={split!r}: a reasoning_gym source has the splits {', '.join(SPLITS)}")
     dataset = _dataset(name, seed, size * _DRAW_FACTOR, task_args)
     rows, seen = [], set()
     for i in range(len(dataset)):
         entry = dataset[i]
-        if entry["question"] in seen or not in_split(entry["question"], split):
+        if (distinct and entry["question"] in seen) or not in_split(entry["question"], split):
             continue
         seen.add(entry["question"])
         rows.append({"id": f"{name}-{seed}-{i}", "question": entry["question"], "answer": str(entry["answer"]),

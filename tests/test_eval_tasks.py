@@ -96,3 +96,15 @@ def test_answer_rate_counts_well_formed_answers():
     outcomes = {"a": [SampleOutcome(1.0, "3", False, 2), SampleOutcome(0.0, None, False, 5)],
                 "b": [SampleOutcome(0.0, "4", False, 2), SampleOutcome(0.0, "5", True, 9)]}
     assert summarize(outcomes)["answer_rate"] == 0.75
+
+
+def test_distinct_false_keeps_the_generators_distribution():
+    natural = _chain_sum(size=2000, distinct=False)
+    distinct = _chain_sum(size=2000)
+    assert len({p.id for p in natural}) == 2000 and len({p.problem for p in natural}) < 2000  # repeats kept
+    # a set of distinct problems over-represents the rarer two-digit, three-term problems
+    def long_share(ps):
+        return sum(len(p.problem.split()) == 5 for p in ps) / len(ps)
+    assert long_share(distinct) > long_share(natural)
+    test = _chain_sum("test", size=300, seed=3, distinct=False)
+    assert not {p.problem for p in natural} & {p.problem for p in test}  # the split holds without distinct
