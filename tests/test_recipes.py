@@ -48,10 +48,13 @@ def test_aime_eval_recipe_values():
 
 def test_default_and_aime_recipe_values():
     default = compose_config("train")
-    assert (default.model.name, default.model.path, default.device) == ("k3_tiny", None, "cpu")
+    assert (default.model.name, default.model.path, default.device) == ("k3_nano", "builtin:k3_nano_chain_sum",
+                                                                        "cpu")
+    assert default.steps > 0 and default.eval.at_start and default.eval.data.split == "test"
+    assert default.eval.data.size >= 200 and default.eval.samples == 4  # the held-out avg@4 of the quickstart
     overridden = compose_config("train", ["recipe=aime_grpo", "model.path=/ckpt/k3", "seed=7"])
     assert (overridden.model.name, overridden.model.path, overridden.seed) == ("k3", "/ckpt/k3", 7)
-    assert (default.reward.name, default.reward.format_bonus) == ("aime", 0.0)
+    assert (default.reward.name, default.reward.format_bonus) == ("integer", 0.0)
     rewarded = compose_config("train", ["reward=math", "reward.format_bonus=0.1", "reward.channel=k3"])
     assert (rewarded.reward.name, rewarded.reward.format_bonus, rewarded.reward.channel) == ("math", 0.1, "k3")
     synced = compose_config("train", ["sync.transport=ipc", "sync.buffer_mb=64", "sync.max_staleness=2"])
@@ -116,11 +119,11 @@ def test_unknown_keys_and_bad_types_fail_while_composing():
 
 def test_train_entry_point_runs_the_embedded_default(tmp_path):
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.run([sys.executable, "-m", "miles_k3.train", f"hydra.run.dir={tmp_path}"],
+    proc = subprocess.run([sys.executable, "-m", "miles_k3.train", "steps=0", f"hydra.run.dir={tmp_path}"],
                           capture_output=True, text=True, env=env, timeout=300, check=False)
     out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out
-    assert "kda=torch_chunk" in out and "device=cpu" in out and "3,074,040" in out
+    assert proc.returncode == 0, out  # steps=0: the shipped base and its adapter built, then a dry-run stop
+    assert "kda=torch_chunk" in out and "model=builtin:k3_nano_chain_sum: 970,916 parameters, experts mxfp4" in out
     bad = subprocess.run([sys.executable, "-m", "miles_k3.train", "model.dtype=fp8", f"hydra.run.dir={tmp_path}"],
                          capture_output=True, text=True, env=env, timeout=300, check=False)
     assert bad.returncode != 0 and "model.dtype" in bad.stderr
@@ -128,7 +131,7 @@ def test_train_entry_point_runs_the_embedded_default(tmp_path):
     for override, message in ((f"data.source={tmp_path}/missing.jsonl", "data.source: no such file"),
                               (f"resume={tmp_path}/no_ckpt", "resume=")):
         user = subprocess.run([sys.executable, "-m", "miles_k3.train", "steps=1", f"data.source={tmp_path}/p.jsonl",
-                               override,
+                               "data.problem_field=null", override,
                                f"run_dir={tmp_path}/run", f"hydra.run.dir={tmp_path}"],
                               capture_output=True, text=True, env=env, timeout=300, check=False)
         assert user.returncode == 1 and "Traceback" not in user.stderr, user.stderr

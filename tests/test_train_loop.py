@@ -24,7 +24,9 @@ def _overrides(tmp_path, *extra) -> list[str]:
     data = tmp_path / "train.jsonl"
     data.write_text("".join(json.dumps({"id": f"q{i}", "question": f"{i} + {i} = ?", "answer": str(2 * i)}) + "\n"
                             for i in range(6)))
-    return ["steps=3", f"data.source={data}", f"run_dir={tmp_path}/run", "reward.name=first_byte_even",
+    return ["steps=3", f"data.source={data}", "data.problem_field=null", f"run_dir={tmp_path}/run",
+            "model=k3_tiny", "model.path=null", "eval.every_n_steps=0", "rollout.dynamic_sampling=false",
+            "trainer.optim.betas=[0.9,0.999]", "reward.name=first_byte_even",
             "rollout.prompts_per_step=2", "rollout.group_size=4", "rollout.max_new_tokens=6", "rollout.template=plain",
             "engine.max_context=128", "engine.memory_budget_bytes=4194304", "trainer.optim.lr=0.01", "lora.rank=4",
             *extra]

@@ -1,0 +1,63 @@
+"""The embedded default: the shipped k3_nano base (native MXFP4 routed experts, supervised on chain_sum) answers in
+the right form but is often wrong, and `python -m miles_k3.train` with the quickstart recipe runs the whole loop
+and ends with its before -> after summary."""
+import json
+
+import pytest
+import torch
+
+from miles_k3.config import compose_config
+from miles_k3.model.build import ModelConfig, build_model, build_tokenizer, checkpoint_dir, num_params
+from miles_k3.model.config import K3Config
+
+pytest.importorskip("reasoning_gym")
+BASE = "builtin:k3_nano_chain_sum"
+
+
+def test_shipped_base_is_k3_nano_with_mxfp4_experts():
+    directory = checkpoint_dir(ModelConfig(path=BASE))
+    config = json.loads((directory / "config.json").read_text())
+    assert config["quantization_config"]["config_groups"]["group_0"]["format"] == "mxfp4-pack-quantized"
+    shipped = K3Config.from_json_file(directory / "config.json")
+    assert shipped.hidden_size == K3Config.from_name("k3_nano").hidden_size
+    model = build_model(ModelConfig(path=BASE), torch.device("cpu"), torch.float32)
+    assert model.expert_format == "mxfp4"
+    assert num_params(model) == 970_916  # routed experts counted as weights, stored as MXFP4 buffers
+    tok, stops = build_tokenizer(ModelConfig(path=BASE), model.config.vocab_size)
+    assert tok.decode(tok.encode("15-43-75=", add_special_tokens=False)) == "15-43-75=" and stops
+
+
+def test_shipped_base_answers_in_form_and_is_often_wrong(tmp_path):
+    """RL gains must come from correctness: >= 90% well-formed answers; and the base leaves room to learn."""
+    from miles_k3.eval import run
+
+    cfg = compose_config("eval", [f"model.path={BASE}", "device=cpu", f"output_dir={tmp_path}",
+                                  "engine.max_context=64", "eval.template=equation", "eval.grader=integer",
+                                  "eval.data.source=reasoning_gym:chain_sum", "eval.data.split=test",
+                                  "eval.data.size=300", "eval.data.distinct=false",
+                                  "eval.data.problem_field=metadata.expression",
+                                  "+eval.data.task_args={min_terms: 2, max_terms: 3, min_digits: 1, max_digits: 2}",
+                                  "eval.samples=1", "eval.temperature=0", "eval.max_new_tokens=8",
+                                  "eval.batch_problems=300"])
+    summary = run(cfg)
+    assert summary["answer_rate"] >= 0.9
+    assert 0.1 <= summary["avg@1"] <= 0.45, summary["avg@1"]
+
+
+def test_default_recipe_runs_the_loop_and_prints_the_summary(tmp_path, capsys):
+    from miles_k3.train import train
+
+    cfg = compose_config("train", ["steps=2", f"run_dir={tmp_path}/run", "eval.data.size=24",
+                                   "eval.batch_problems=24", "data.size=200"])
+    assert (cfg.model.path, cfg.eval.at_start, cfg.eval.samples) == (BASE, True, 4)
+    run = train(cfg, "")
+    out = capsys.readouterr().out
+    s = run.summary
+    assert s["steps"] == 2 and (s["accuracy_before_step"], s["accuracy_after_step"]) == (0, 2)
+    assert 0.0 <= s["accuracy_before"] <= 1.0 and s["answer_rate_before"] >= 0.8
+    assert f"held-out avg@4: {100 * s['accuracy_before']:.1f}% (step 0)" in out
+    for key in ("run_dir", "adapter", "metrics", "curves"):
+        assert f"{key}:" in out and (tmp_path / "run").exists()
+    assert (tmp_path / "run/checkpoints/step_00000002/adapter/adapter_config.json").is_file()
+    rows = [json.loads(x) for x in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "eval/avg@4" in r] == [0, 2]
