@@ -22,16 +22,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from miles_k3.evals.fields import MISSING, FieldPath, follow, parse_path, path_failure, show
 from miles_k3.evals.tasks import TaskError, generate_rows, is_task, task_name
 
 LOCAL_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 """Local file suffix -> the `datasets` builder that reads it."""
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
-_SHOWN = 60
 _BATCH = 1024
 """Rows decoded per batch when rows become problems (one decode per row is several times slower)."""
-_MISSING = object()
-"""What `_follow` returns where a field path does not resolve."""
 
 
 @dataclass
@@ -335,7 +333,7 @@ def _scan_json_lines(path: Path, text: str) -> tuple[list[dict], list[int]]:
                                "JSON object per line") from None
         if not isinstance(row, dict):
             raise DatasetError(f"{path} line {num}: expected a JSON object, got {type(row).__name__} "
-                               f"{_show(row)}")
+                               f"{show(row)}")
         rows.append(row)
         lines.append(num)
     return rows, lines
@@ -352,7 +350,7 @@ def _scan_json_list(path: Path, text: str) -> list[dict]:
     bad = next((i for i, r in enumerate(rows) if not isinstance(r, dict)), None)
     if bad is not None:
         raise DatasetError(f"{path} row {bad}: expected a JSON object, got {type(rows[bad]).__name__} "
-                           f"{_show(rows[bad])}")
+                           f"{show(rows[bad])}")
     return rows
 
 
@@ -382,13 +380,13 @@ def _json_kind(value: Any) -> str | None:
 def _check_kinds(path: Path, rows: list[dict], lines: list[int] | None, fields: list[str]) -> None:
     """Each field (at its path, in the rows where the path resolves) holds one JSON type in every row."""
     for name in dict.fromkeys(fields):
-        column, steps = _parse_path(name, "." in name and any(name in row for row in rows))
+        column, steps = parse_path(name, "." in name and any(name in row for row in rows))
         first: tuple[str, int] | None = None
         for i, row in enumerate(rows):
             value = row.get(column)
             if steps and value is not None:
-                value = _follow(value, steps)
-            if value is None or value is _MISSING:
+                value = follow(value, steps)
+            if value is None or value is MISSING:
                 continue
             kind = _json_kind(value)
             if first is None:
@@ -404,84 +402,8 @@ def _at(lines: list[int] | None, i: int) -> str:
     return f"line {lines[i]}" if lines else f"row {i}"
 
 
-# ---- field paths -------------------------------------------------------------------------------------------
-_Steps = tuple[tuple[str, int | None], ...]
-"""The segments after the column: (the segment, its value as a list item number or None)."""
-
-
-@dataclass(frozen=True)
-class _Field:
-    """A field option resolved against the columns: its `column` and the `steps` that follow it into nested
-    values (none for a plain column); `option` ("answer_field") and `path` (its text) name it in messages."""
-
-    option: str
-    path: str
-    column: str
-    steps: _Steps
-
-
-def _parse_path(name: str, is_column: bool) -> tuple[str, _Steps]:
-    """(column, steps) of a field option: the whole name when it is a column (or has no dot), else the first
-    segment, then the rest as object keys / list item numbers (non-negative integers)."""
-    if is_column or "." not in name:
-        return name, ()
-    column, *rest = name.split(".")
-    return column, tuple((s, int(s) if s.isascii() and s.isdigit() else None) for s in rest)
-
-
-def _follow(value: Any, steps: _Steps) -> Any:
-    """The value at `steps` inside `value`, or _MISSING where a step does not resolve (`_path_failure` says
-    why)."""
-    for key, index in steps:
-        if isinstance(value, dict):
-            value = value.get(key, _MISSING)
-            if value is _MISSING:
-                return _MISSING
-        elif isinstance(value, (list, tuple)) and index is not None and index < len(value):
-            value = value[index]
-        else:
-            return _MISSING
-    return value
-
-
-def _path_failure(value: Any, field: _Field) -> str | None:
-    """Why `field.steps` do not resolve in `value` (the column's value): the step and what was there; None if
-    they do."""
-    where = field.column
-    for key, index in field.steps:
-        if isinstance(value, dict):
-            if key not in value:
-                keys = ", ".join(map(str, value)) or "none"
-                keys = keys if len(keys) <= _SHOWN else keys[:_SHOWN] + "..."
-                return f"{where!r} has no key {key!r} (keys: {keys})"
-            value = value[key]
-        elif isinstance(value, (list, tuple)):
-            items = f"a list of {len(value)} item{'' if len(value) == 1 else 's'}"
-            if index is None:
-                return f"{where!r} is {items}, and {key!r} is not an item number (0, 1, ...)"
-            if index >= len(value):
-                return f"{where!r} is {items}, no item {index}"
-            value = value[index]
-        else:
-            shown = "" if value is None else f" ({_show(value)})"
-            return (f"{where!r} is {_kind_name(value)}, not a list or object, so {key!r} cannot index "
-                    f"it{shown}")
-        where = f"{where}.{key}"
-    return None
-
-
-def _kind_name(value: Any) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "a boolean"
-    if isinstance(value, (int, float)):
-        return "a number"
-    return "a string" if isinstance(value, str) else f"a {type(value).__name__}"
-
-
 # ---- rows -> problems --------------------------------------------------------------------------------------------
-def _resolve_fields(table: _Table, cfg: DatasetConfig) -> tuple[_Field, _Field, _Field | None]:
+def _resolve_fields(table: _Table, cfg: DatasetConfig) -> tuple[FieldPath, FieldPath, FieldPath | None]:
     """The problem, answer and id fields (id None: row indexes), each checked to start at a column."""
     cols = list(table.ds.column_names)
     problem = cfg.problem_field or ("problem" if "problem" in cols else "question")
@@ -491,7 +413,7 @@ def _resolve_fields(table: _Table, cfg: DatasetConfig) -> tuple[_Field, _Field, 
         if name is None:
             fields.append(None)
             continue
-        column, steps = _parse_path(name, name in cols)
+        column, steps = parse_path(name, name in cols)
         if column not in cols:
             if option == "problem_field" and not cfg.problem_field:
                 hint = "no 'problem' or 'question' column; "
@@ -505,12 +427,12 @@ def _resolve_fields(table: _Table, cfg: DatasetConfig) -> tuple[_Field, _Field, 
         if any(not key for key, _ in steps):
             raise DatasetError(f"{table.label}: data.{option} {name!r} has an empty segment; write the "
                                "column, then each key or item number, one dot apart: prompt.0.content")
-        fields.append(_Field(option, name, column, steps))
+        fields.append(FieldPath(option, name, column, steps))
     return fields[0], fields[1], fields[2]
 
 
-def _rows_to_problems(table: _Table, problem_f: _Field, answer_f: _Field,
-                      id_f: _Field | None) -> list[Problem]:
+def _rows_to_problems(table: _Table, problem_f: FieldPath, answer_f: FieldPath,
+                      id_f: FieldPath | None) -> list[Problem]:
     fields = [f for f in (problem_f, answer_f, id_f) if f is not None]
     ds = table.ds.select_columns(list(dict.fromkeys(f.column for f in fields)))
     problems = []
@@ -533,17 +455,17 @@ def _rows_to_problems(table: _Table, problem_f: _Field, answer_f: _Field,
     return problems
 
 
-def _at_path(table: _Table, i: int, field: _Field, value: Any) -> Any:
+def _at_path(table: _Table, i: int, field: FieldPath, value: Any) -> Any:
     """The value of row i's field: `value` (its column's) followed along the field's path. A path that does
     not resolve is a DatasetError naming the step; a JSON row is followed as we parsed it where datasets
     gives null or no value (it fills keys missing from a row with null)."""
     if not field.steps:
         return value
-    found = _follow(value, field.steps)
-    if found is None or found is _MISSING:
-        failure = _path_failure(table.raw[i].get(field.column), field) if table.raw is not None else None
-        if failure is None and found is _MISSING:
-            failure = _path_failure(value, field)
+    found = follow(value, field.steps)
+    if found is None or found is MISSING:
+        failure = path_failure(table.raw[i].get(field.column), field) if table.raw is not None else None
+        if failure is None and found is MISSING:
+            failure = path_failure(value, field)
         if failure is not None:
             raise DatasetError(f"{table.where(i)}: data.{field.option} {field.path!r}: {failure}; fix or "
                                f"drop the row, or set data.{field.option}= to a path that every row has")
@@ -564,7 +486,7 @@ def _problem_text(table: _Table, i: int, name: str, value: Any) -> str:
                            "needs the problem text: fill it in or drop the row")
     if not isinstance(value, str):
         raise DatasetError(f"{table.where(i)}: field {name!r} (the problem) must be text, got "
-                           f"{type(value).__name__} {_show(value)}; set data.problem_field= to the text column")
+                           f"{type(value).__name__} {show(value)}; set data.problem_field= to the text column")
     return value
 
 
@@ -575,7 +497,7 @@ def _answer_text(table: _Table, i: int, name: str, value: Any) -> str:
                            "row needs a gold answer: fill it in or drop the row")
     if isinstance(value, bool) or not isinstance(value, (str, int, float)):
         raise DatasetError(f"{table.where(i)}: field {name!r} (the gold answer) must be a string or a number, "
-                           f"got {type(value).__name__} {_show(value)}; set data.answer_field= to the answer column")
+                           f"got {type(value).__name__} {show(value)}; set data.answer_field= to the answer column")
     return value if isinstance(value, str) else str(value)
 
 
@@ -587,7 +509,7 @@ def _id_text(table: _Table, i: int, name: str | None, value: Any) -> str:
                            "an id, or unset data.id_field and drop the 'id' column to number rows from 0")
     if isinstance(value, bool) or not isinstance(value, (str, int, float)):
         raise DatasetError(f"{table.where(i)}: field {name!r} (the id) must be a string or a number, got "
-                           f"{type(value).__name__} {_show(value)}; set data.id_field= to an id column")
+                           f"{type(value).__name__} {show(value)}; set data.id_field= to an id column")
     return str(value)
 
 
@@ -607,8 +529,3 @@ def _is_nan(value: Any) -> bool:
 
 def _emptiness(value: Any) -> str:
     return "null" if value is None else "NaN" if _is_nan(value) else "empty"
-
-
-def _show(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= _SHOWN else text[:_SHOWN] + "..."
