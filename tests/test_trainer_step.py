@@ -169,3 +169,81 @@ def test_train_step_with_activation_checkpointing_matches(monkeypatch):
         assert ckpt[k] == pytest.approx(plain[k], rel=1e-5), k
     for (n, a), b in zip(lora_state_dict(plain_model).items(), lora_state_dict(ckpt_model).values()):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-7, msg=n)
+
+
+def _grouped(n_groups=3, per_group=2):
+    """_samples() shaped as GRPO groups: consecutive samples share Sample.group."""
+    out = _samples()[:n_groups * per_group]
+    for i, s in enumerate(out):
+        s.group = i // per_group
+    return out
+
+
+def test_split_minibatches_keeps_groups_whole_and_drops_empty_ones():
+    from miles_k3.trainer.step import split_minibatches
+
+    samples = _grouped(3)
+    parts = split_minibatches(samples, 2)
+    assert [[s.group for s in p] for p in parts] == [[0, 0], [1, 1, 2, 2]]
+    assert [[s.group for s in p] for p in split_minibatches(samples, 5)] == [[0, 0], [1, 1], [2, 2]]
+    assert split_minibatches(samples, 1) == [samples]
+    for s in samples[2:4]:
+        s.in_loss = False  # group 1 is masked out (overlong=mask): its minibatch would be an empty update
+    assert [[s.group for s in p] for p in split_minibatches(samples, 3)] == [[0, 0], [2, 2]]
+
+
+def test_minibatches_make_one_update_each_against_the_pre_step_policy(monkeypatch):
+    import miles_k3.trainer.step as step_mod
+
+    grads = []
+    real = step_mod.optimizer_step
+    monkeypatch.setattr(step_mod, "optimizer_step", lambda opt, sched, params, cfg: grads.append(
+        {n: p.grad.clone() for n, p in params.items()}) or real(opt, sched, params, cfg))
+    one, _, _, m1 = _step(TrainerConfig(), _grouped())
+    assert (m1["train/updates"], m1["train/ratio_max"]) == (1.0, 1.0)  # on-policy: the ratio is exactly 1
+    samples = _grouped()
+    model, params, opt, sched = _policy()
+    m2 = train_step(model, samples, TrainerConfig(minibatches=3), opt, sched, params, 0, torch.device("cpu"))
+    assert m2["train/updates"] == 3.0 and len(grads) == 4 and sched.last_epoch == 3  # the schedule counts updates
+    assert m2["train/num_tokens"] == m1["train/num_tokens"]
+    assert m2["train/ratio_max"] > 1.0 + 1e-4  # updates 2 and 3 see a policy that moved since the rollout
+    # the old log-probs are the pre-step policy's: a step with them given as the engine's (old_logprobs=rollout)
+    # makes exactly the same updates
+    ref = [Sample(s.prompt_ids, s.response_ids, rollout_logprobs=list(s.old_logprobs), advantage=s.advantage,
+                  group=s.group) for s in samples]
+    model_r, params_r, opt_r, sched_r = _policy()
+    m3 = train_step(model_r, ref, TrainerConfig(minibatches=3, old_logprobs="rollout"), opt_r, sched_r, params_r, 0,
+                    torch.device("cpu"))
+    assert m3["train/rollout_logprob_abs_diff"] == 0.0
+    for (n, a), b in zip(lora_state_dict(model).items(), lora_state_dict(model_r).values()):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-7, msg=n)
+    assert all(not torch.equal(a, b) for a, b in zip(lora_state_dict(model).values(),
+                                                     lora_state_dict(one).values()))
+    # the first minibatch's update is the on-policy update of its samples alone: the same gradient, up to the
+    # rounding of the old log-probs' separate forward (the ratio is 1 +- 1e-7; observed <= 1e-6 relative)
+    _step(TrainerConfig(), _grouped()[:2])
+    for n, g in grads[1].items():
+        assert (grads[-1][n] - g).norm() <= 1e-5 * g.norm(), n
+
+
+def test_one_non_finite_minibatch_skips_only_its_update():
+    samples = _grouped()
+    samples[2].advantage = float("nan")  # group 1: the second of three minibatches
+    model, params, opt, sched = _policy()
+    m = train_step(model, samples, TrainerConfig(minibatches=3), opt, sched, params, 0, torch.device("cpu"))
+    assert (m["train/updates"], m["train/skipped"]) == (2.0, 0.0) and sched.last_epoch == 2
+    for s in samples:
+        s.advantage = float("nan")
+    m = train_step(model, samples, TrainerConfig(minibatches=3), opt, sched, params, 0, torch.device("cpu"))
+    assert (m["train/updates"], m["train/skipped"]) == (0.0, 1.0) and sched.last_epoch == 2
+
+
+def test_minibatch_settings_are_checked():
+    with pytest.raises(ValueError, match="minibatches: must be an integer >= 1"):
+        TrainerConfig(minibatches=0).validate()
+    with pytest.raises(ValueError, match="old_logprobs: 'engine' is not one of recompute, rollout"):
+        TrainerConfig(old_logprobs="engine").validate()
+    model, params, opt, sched = _policy()
+    with pytest.raises(ValueError, match="sample 0 has no engine log-probs"):
+        train_step(model, _grouped(), TrainerConfig(old_logprobs="rollout"), opt, sched, params, 0,
+                   torch.device("cpu"))

@@ -30,6 +30,7 @@ class Sample:
     truncated: bool = False  # stopped by max_new_tokens
     group: int = 0  # the index of its prompt in the step (GRPO group)
     in_loss: bool = True  # False: kept for the group's statistics but masked out of the loss (overlong=mask)
+    old_logprobs: list[float] = field(default_factory=list)  # the policy's before the step's first update
 
     @property
     def length(self) -> int:
@@ -44,6 +45,7 @@ class TrainBatch:
     mask_BT: torch.Tensor  # float32: 1 where the target is a response token
     rollout_logp_BT: torch.Tensor  # float32: the engine's logprob of each response target (0 elsewhere)
     adv_B: torch.Tensor  # float32
+    old_logp_BT: torch.Tensor  # float32: Sample.old_logprobs of each response target (0 elsewhere or when none)
 
     @property
     def num_tokens(self) -> int:
@@ -65,6 +67,7 @@ def pack(samples: list[Sample], pad_id: int) -> TrainBatch:
     targets = torch.full((b, t), pad_id, dtype=torch.int64)
     mask = torch.zeros(b, t)
     rollout = torch.zeros(b, t)
+    old = torch.zeros(b, t)
     for row, s in enumerate(samples):
         seq = torch.tensor(s.prompt_ids + s.response_ids, dtype=torch.int64)
         n, p = len(seq) - 1, len(s.prompt_ids)
@@ -72,9 +75,11 @@ def pack(samples: list[Sample], pad_id: int) -> TrainBatch:
         mask[row, p - 1:n] = 1.0 if s.in_loss else 0.0  # position p - 1 scores the first response token
         if s.rollout_logprobs:
             rollout[row, p - 1:n] = torch.tensor(s.rollout_logprobs, dtype=torch.float32)
+        if s.old_logprobs:
+            old[row, p - 1:n] = torch.tensor(s.old_logprobs, dtype=torch.float32)
     lens = torch.tensor([s.length - 1 for s in samples], dtype=torch.int64)
     adv = torch.tensor([s.advantage for s in samples], dtype=torch.float32)
-    return TrainBatch(ids, lens, targets, mask, rollout, adv)
+    return TrainBatch(ids, lens, targets, mask, rollout, adv, old)
 
 
 def _check_sample(i: int, s: Sample) -> None:
@@ -84,6 +89,8 @@ def _check_sample(i: int, s: Sample) -> None:
     if s.rollout_logprobs and len(s.rollout_logprobs) != len(s.response_ids):
         raise ValueError(f"sample {i}: {len(s.rollout_logprobs)} rollout logprobs for {len(s.response_ids)} "
                          "response tokens (the engine returns one per generated token)")
+    if s.old_logprobs and len(s.old_logprobs) != len(s.response_ids):
+        raise ValueError(f"sample {i}: {len(s.old_logprobs)} old logprobs for {len(s.response_ids)} response tokens")
 
 
 def micro_batches(samples: list[Sample], max_tokens: int) -> list[list[int]]:
