@@ -127,7 +127,7 @@ def evaluate(engine, tokenizer, problems: list[Problem], cfg: EvalConfig, lora: 
     t0 = time.perf_counter()
     prompts = [render_prompt(cfg.template, p.problem, tokenizer) for p in problems]
     prompt_ids = [tokenizer.encode(text, add_special_tokens=False) for text in prompts]
-    _check_lengths(problems, prompt_ids, cfg, engine.config.max_context)
+    _check_lengths(problems, prompt_ids, cfg, engine.max_context)
     outputs = _generate(engine, prompt_ids, cfg, lora, progress)
     responses = [response_text(tokenizer, o) for o in outputs]
     golds = [p.answer for p in problems for _ in range(cfg.samples)]

@@ -51,14 +51,15 @@ PLAIN_LORA_FIELDS = {
 def peft_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     """PEFT key -> the adapter tensor it names, as a view into the model's Parameter (experts: A[e] [r, In],
     B[e] [Out, r]). Writing into a view writes the Parameter in place."""
+    prefix = getattr(model, "peft_prefix", PEFT_PREFIX)  # an HF model (model.hf_path): its own module paths
     table = {}
     for path, m in lora_linears(model):
-        table[f"{PEFT_PREFIX}{path}.lora_A.weight"] = m.lora_A.weight
-        table[f"{PEFT_PREFIX}{path}.lora_B.weight"] = m.lora_B.weight
+        table[f"{prefix}{path}.lora_A.weight"] = m.lora_A.weight
+        table[f"{prefix}{path}.lora_B.weight"] = m.lora_B.weight
     for path, name, m in expert_loras(model):
         for e in range(m.lora_A.shape[0]):
-            table[f"{PEFT_PREFIX}{path}.{e}.{name}.lora_A.weight"] = m.lora_A[e]
-            table[f"{PEFT_PREFIX}{path}.{e}.{name}.lora_B.weight"] = m.lora_B[e]
+            table[f"{prefix}{path}.{e}.{name}.lora_A.weight"] = m.lora_A[e]
+            table[f"{prefix}{path}.{e}.{name}.lora_B.weight"] = m.lora_B[e]
     return table
 
 
@@ -204,7 +205,8 @@ def _copy_checked(model: nn.Module, tensors: dict[str, torch.Tensor], file: Path
     unexpected = [k for k in tensors if k not in table]
     if unexpected:
         raise ValueError(f"{file}: unexpected key(s) {_listing(unexpected)}; the model has no such adapter "
-                         f"(another model config, or keys not under {PEFT_PREFIX})")
+                         f"(another model config, or keys not under "
+                         f"{getattr(model, 'peft_prefix', PEFT_PREFIX)})")
     for key, dst in table.items():
         src = tensors[key]
         if src.shape != dst.shape:

@@ -23,6 +23,7 @@ from miles_k3.model.checkpoint import CheckpointError
 from miles_k3.model.config import ConfigError
 from miles_k3.model.lora import LoRAConfig
 from miles_k3.rollout.engine import EngineConfig
+from miles_k3.rollout.sglang_backend import SGLangConfig
 from miles_k3.tracking import TrackingConfig
 from miles_k3.trainer.checkpoint import ResumeError
 from miles_k3.trainer.optim import OptimConfig
@@ -63,6 +64,8 @@ class TrainConfig:
     """Policy loss, optimizer and LR schedule, micro-batching, precision."""
     engine: EngineConfig = field(default_factory=EngineConfig)
     """The colocated rollout engine's sizes (max_context must hold prompt + rollout.max_new_tokens)."""
+    sglang: SGLangConfig = field(default_factory=SGLangConfig)
+    """The SGLang engine of rollout.backend=sglang: server arguments and push verification."""
     eval: EvalConfig = field(default_factory=lambda: EvalConfig(samples=4))
     """Evaluation during training (eval.every_n_steps > 0): dataset, sampling, grading."""
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
@@ -79,11 +82,26 @@ class TrainConfig:
     def validate(self) -> None:
         check_device(self.device)
         check_weights_given(self.model)
+        check_backend(self.model, self.rollout, self.sglang)
         for name in ("steps", "checkpoint_every"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}")
         if self.keep_checkpoints < 1:
             raise ValueError(f"keep_checkpoints: must be >= 1, got {self.keep_checkpoints}")
+
+
+def check_backend(model: ModelConfig, rollout: RolloutConfig, sglang: SGLangConfig) -> None:
+    """The rollout backend can serve the model: the native engine serves K3 only; SGLang serves a checkpoint."""
+    if rollout.backend == "native" and model.hf_path is not None:
+        raise ValueError("model.hf_path: an HF architecture is served by SGLang only; set rollout.backend=sglang "
+                         "(the native engine serves K3 models)")
+    if rollout.backend == "sglang":
+        if model.hf_path is None and model.path is None:
+            raise ValueError("rollout.backend: sglang serves a checkpoint directory; set model.hf_path (an HF "
+                             "architecture such as Qwen3) or model.path (K3, on SGLang releases that carry it)")
+        if "weights" in rollout.release_tags and not sglang.enable_weights_cpu_backup:
+            raise ValueError("rollout.release_tags: releasing weights needs sglang.enable_weights_cpu_backup=true "
+                             "(SGLang resumes released weights as garbage otherwise)")
 
 
 def check_device(device: str) -> None:

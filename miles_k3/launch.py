@@ -56,10 +56,16 @@ class Run:
     summary: dict | None = None
 
     def lora_tensors(self) -> dict[str, torch.Tensor]:
+        """What a push carries: the adapter parameters by name (native engine), or their PEFT-named views, the
+        names SGLang loads (rollout.backend=sglang)."""
+        if self.cfg.rollout.backend == "sglang":
+            from miles_k3.adapter import peft_tensors
+
+            return {n: t.detach() for n, t in peft_tensors(self.model).items()}
         return {n: p.detach() for n, p in self.params.items()}
 
     def close(self) -> None:
-        for part in (self.reward, self.channel):
+        for part in (self.reward, self.channel, self.engine):
             close = getattr(part, "close", None)
             if close is not None:
                 close()
@@ -79,7 +85,13 @@ def build_run(cfg) -> Run:
     problems = load_problems(cfg.data)  # bad data fails before the model is built
     run_dir = Path(cfg.run_dir or f"runs/train-{time.strftime('%Y%m%d-%H%M%S')}")
     device = resolve_device(cfg.device)
-    model = build_model(cfg.model, device, resolve_dtype(cfg.model.dtype, device))
+    dtype = resolve_dtype(cfg.model.dtype, device)
+    if cfg.model.hf_path is not None:
+        from miles_k3.model.hf import load_hf_model
+
+        model = load_hf_model(cfg.model.hf_path, device, dtype)
+    else:
+        model = build_model(cfg.model, device, dtype)
     tokenizer, stop_ids = build_tokenizer(cfg.model, model.config.vocab_size)
     apply_lora(model, cfg.lora)
     params = lora_parameters(model)
@@ -90,10 +102,13 @@ def build_run(cfg) -> Run:
     start = _resume(ckpt, model, opt, sched, stream)
     if not cfg.engine.eos_token_ids:
         cfg.engine.eos_token_ids = stop_ids
-    engine = RolloutEngine(model, cfg.engine, lora=cfg.lora, tokenizer=tokenizer)
-    engine.load_lora_adapter_from_tensors(POLICY, {n: p.detach() for n, p in params.items()}, cfg.lora)
-    engine.weight_version = start  # the adapter of step `start` is what it serves
-    channel = open_sender(cfg.sync, engine=engine, adapter=POLICY)
+    if cfg.rollout.backend == "sglang":
+        engine, channel = _sglang_engine(cfg, model, tokenizer, problems, start)
+    else:
+        engine = RolloutEngine(model, cfg.engine, lora=cfg.lora, tokenizer=tokenizer)
+        engine.load_lora_adapter_from_tensors(POLICY, {n: p.detach() for n, p in params.items()}, cfg.lora)
+        engine.weight_version = start  # the adapter of step `start` is what it serves
+        channel = open_sender(cfg.sync, engine=engine, adapter=POLICY)
     tracker = Tracker(cfg.tracking, run_dir, config=OmegaConf.to_container(OmegaConf.structured(cfg)))
     hook = None
     if cfg.eval.every_n_steps > 0:
@@ -104,6 +119,43 @@ def build_run(cfg) -> Run:
     return Run(cfg, run_dir, device, model, tokenizer, engine, params, opt, sched, channel,
                build_reward(cfg.reward), stream, hook, tracker, BadStepGuard(cfg.trainer.optim.max_bad_steps),
                start, pad)
+
+
+def _sglang_engine(cfg, model, tokenizer, problems, start: int):
+    """The SGLang engine serving the run's checkpoint with the adapter of step `start`, and its verified channel.
+    The parity probe is the first training prompt's token ids, repeated to sglang.probe_tokens."""
+    from miles_k3.adapter import peft_tensors
+    from miles_k3.evals.templates import render_prompt
+    from miles_k3.rollout.sglang_backend import SGLangEngine
+    from miles_k3.weight_sync.sglang import SGLangChannel
+
+    if not cfg.engine.eos_token_ids:
+        raise ValueError("engine.eos_token_ids: the stop tokens are unknown")
+    engine = SGLangEngine(cfg.sglang, cfg.model.hf_path or cfg.model.path, lora=cfg.lora, seed=cfg.seed,
+                          tokenizer=tokenizer, stop_token_ids=list(cfg.engine.eos_token_ids),
+                          max_context=getattr(model.config, "max_position_embeddings", None) or cfg.engine.max_context)
+    engine.weight_version = start  # the adapter of step `start` is what it serves
+    engine.load_lora_adapter_from_tensors(POLICY, {n: t.detach() for n, t in peft_tensors(model).items()},
+                                          cfg.lora)
+    first = tokenizer.encode(render_prompt(cfg.rollout.template, problems[0].problem, tokenizer),
+                             add_special_tokens=False)
+    probe = (first * (cfg.sglang.probe_tokens // max(len(first), 1) + 1))[:cfg.sglang.probe_tokens]
+    channel = SGLangChannel(engine, POLICY, verify=cfg.sglang.verify_push, tolerance=cfg.sglang.parity_tolerance,
+                            probe_ids=probe, trainer_logprobs=lambda ids: trainer_logprobs(model, ids))
+    return engine, channel
+
+
+@torch.no_grad()
+def trainer_logprobs(model, ids: list[int]) -> list[float]:
+    """The trainer model's log-probs of ids[1:] given their prefixes (adapter on; autocast as in training)."""
+    from miles_k3.trainer.losses import token_logprobs
+
+    device = next(model.parameters()).device
+    x = torch.tensor([ids], device=device)
+    on_cuda = device.type == "cuda" and next(model.parameters()).dtype == torch.float32
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=on_cuda):
+        logits = model(x[:, :-1], seq_lens=torch.tensor([len(ids) - 1], device=device)).logits
+    return token_logprobs(logits.float(), x[:, 1:])[0].tolist()
 
 
 def _resume(ckpt: Path | None, model, opt, sched, stream: PromptStream) -> int:

@@ -7,6 +7,8 @@ checkpoint with `resume=auto|PATH`) and runs the loop of ARCHITECTURE.md:
     rollout -> rewards -> advantages -> release engine memory -> train step -> weight sync -> resume engine
     memory -> log -> eval every N -> checkpoint every N (and on SIGINT / SIGTERM)
 
+(with rollout.backend=sglang the memory is resumed before the weight sync, whose parity probe runs a request).
+
 `steps=0` builds everything and stops (a dry run of the config).
 """
 import logging
@@ -102,27 +104,48 @@ def format_summary(s: dict) -> str:
 
 
 def one_step(run: Run, step: int) -> tuple[dict[str, float], list]:
-    cfg, t = run.cfg, {"start": time.perf_counter()}
+    cfg, tags = run.cfg, list(run.cfg.rollout.release_tags)
+    timer = _Timer()
     samples, metrics = collect_rollouts(run.engine, run.tokenizer, run.stream, run.reward, cfg.rollout, POLICY)
-    t["rollout"] = time.perf_counter()
-    if cfg.rollout.release_tags:
-        run.engine.release_memory_occupation(list(cfg.rollout.release_tags))
-    t["release"] = time.perf_counter()
+    timer.lap("rollout")
+    if tags:
+        run.engine.release_memory_occupation(tags)
+    timer.lap("release")
     metrics |= train_step(run.model, samples, cfg.trainer, run.opt, run.sched, run.params, run.pad_id,
                           run.device, temperature=cfg.rollout.temperature)  # no samples: a skipped step
     run.guard.record(metrics["train/skipped"] == 1.0)
-    t["train"] = time.perf_counter()
+    timer.lap("train")
+    resume_first = getattr(run.engine, "push_needs_memory", False)  # SGLang: a push's parity probe generates
+    if tags and resume_first:
+        run.engine.resume_memory_occupation(tags)
+        timer.lap("resume")
     report = run.channel.push(run.lora_tensors(), version=step)
-    t["sync"] = time.perf_counter()
-    if cfg.rollout.release_tags:
-        run.engine.resume_memory_occupation(list(cfg.rollout.release_tags))
-    t["resume"] = time.perf_counter()
+    timer.lap("sync")
+    if tags and not resume_first:
+        run.engine.resume_memory_occupation(tags)
+    timer.lap("resume")
     metrics |= report.metrics()
-    metrics |= {f"perf/{k}_s": t[k] - t[prev] for prev, k in zip(t, list(t)[1:])}
-    metrics["perf/step_s"] = t["resume"] - t["start"]
+    metrics |= {f"perf/{k}_s": v for k, v in timer.laps.items()}
+    metrics["perf/step_s"] = timer.total()
     if torch.cuda.is_available() and run.device.type == "cuda":
         metrics["mem/peak_gb"] = torch.cuda.max_memory_allocated(run.device) / 1e9
     return metrics, samples
+
+
+class _Timer:
+    """Seconds per named phase (a name lapped twice adds up), and the total since construction."""
+
+    def __init__(self):
+        self.start = self.last = time.perf_counter()
+        self.laps: dict[str, float] = {}
+
+    def lap(self, name: str) -> None:
+        now = time.perf_counter()
+        self.laps[name] = self.laps.get(name, 0.0) + now - self.last
+        self.last = now
+
+    def total(self) -> float:
+        return self.last - self.start
 
 
 def log_samples(run: Run, samples: list, step: int) -> None:
@@ -137,7 +160,8 @@ def checkpoint(run: Run, step: int, raw_yaml: str) -> None:
     path = save_checkpoint(run.run_dir, step, run.model, run.cfg.lora, run.opt, run.sched,
                            {"stream": run.stream.state()}, {"weight_version": run.engine.weight_version},
                            raw_yaml, keep=run.cfg.keep_checkpoints,
-                           base_model_name_or_path=run.cfg.model.path or run.cfg.model.name)
+                           base_model_name_or_path=(run.cfg.model.hf_path or run.cfg.model.path
+                                                    or run.cfg.model.name))
     run.guard.last_good = path
     run.last_checkpoint = path
     log.info("checkpoint: %s", path)

@@ -97,6 +97,29 @@ class _Request:
         return self.output[-1] if self.output else self.prompt[-1]
 
 
+def generate_requests(input_ids, prompts, sampling_params, n: int, lora, tokenizer, released: set[str]):
+    """The checked arguments of an engine's `generate`: (prompt token ids, sampling params per prompt, adapter name
+    per prompt). One dict or adapter name applies to every prompt; a list needs one entry per prompt."""
+    if n < 1:
+        raise ValueError(f"n: must be >= 1, got {n}")
+    if released:
+        raise RuntimeError(f"generate: memory {sorted(released)} is released; call resume_memory_occupation() first")
+    if (input_ids is None) == (prompts is None):
+        raise ValueError("generate: pass exactly one of input_ids (token id lists) or prompts (strings)")
+    if input_ids is not None:
+        ids = [list(map(int, p)) for p in input_ids]
+    elif tokenizer is None:
+        raise ValueError("generate: prompts given as text but the engine has no tokenizer; pass input_ids")
+    else:
+        ids = [tokenizer.encode(p) for p in prompts]
+    params = sampling_params if isinstance(sampling_params, list) else [sampling_params or {}] * len(ids)
+    loras = lora if isinstance(lora, list) else [lora] * len(ids)
+    if len(params) != len(ids) or len(loras) != len(ids):
+        raise ValueError(f"sampling_params ({len(params)}) and lora ({len(loras)}) lists must have one entry per "
+                         f"prompt ({len(ids)})")
+    return ids, params, loras
+
+
 class RolloutEngine:
     """generate / load_lora_adapter_from_tensors / update_weights_from_tensor / weight_version / flush_cache /
     pause_generation / continue_generation / release_memory_occupation / resume_memory_occupation."""
@@ -141,6 +164,11 @@ class RolloutEngine:
         self._active = 0  # generate() calls in flight (other threads may pause, push weights, release)
 
     # ---- public API --------------------------------------------------------------------------------
+    @property
+    def max_context(self) -> int:
+        """Prompt + completion tokens a request may hold."""
+        return self.config.max_context
+
     def generate(self, input_ids: list[list[int]] | None = None, prompts: list[str] | None = None,
                  sampling_params: dict | list[dict] | None = None, n: int = 1, return_logprob: bool = True,
                  lora: str | list[str | None] | None = None) -> list[dict]:
@@ -151,17 +179,8 @@ class RolloutEngine:
         `error` (with finish_reason {"type": "abort"}) for a request that was rejected. Sample j of a prompt
         with `sampling_seed` s uses seed s + j, so a fork equals n separate requests with those seeds.
         """
-        if n < 1:
-            raise ValueError(f"n: must be >= 1, got {n}")
-        if self._released:
-            raise RuntimeError(f"generate: memory {sorted(self._released)} is released; call "
-                               f"resume_memory_occupation() first")
-        ids = self._prompt_ids(input_ids, prompts)
-        params = sampling_params if isinstance(sampling_params, list) else [sampling_params or {}] * len(ids)
-        loras = lora if isinstance(lora, list) else [lora] * len(ids)
-        if len(params) != len(ids) or len(loras) != len(ids):
-            raise ValueError(f"sampling_params ({len(params)}) and lora ({len(loras)}) lists must have one "
-                             f"entry per prompt ({len(ids)})")
+        ids, params, loras = generate_requests(input_ids, prompts, sampling_params, n, lora, self.tokenizer,
+                                               self._released)
         results: list[dict | None] = [None] * (len(ids) * n)
         groups = deque()
         for i, (p, sp, name) in enumerate(zip(ids, params, loras)):
@@ -244,15 +263,6 @@ class RolloutEngine:
                             capture=self.decode_mode == "graph")
 
     # ---- requests ----------------------------------------------------------------------------------
-    def _prompt_ids(self, input_ids, prompts) -> list[list[int]]:
-        if (input_ids is None) == (prompts is None):
-            raise ValueError("generate: pass exactly one of input_ids (token id lists) or prompts (strings)")
-        if input_ids is not None:
-            return [list(map(int, p)) for p in input_ids]
-        if self.tokenizer is None:
-            raise ValueError("generate: prompts given as text but the engine has no tokenizer; pass input_ids")
-        return [self.tokenizer.encode(p) for p in prompts]
-
     def _make_group(self, i: int, n: int, prompt: list[int], sp: dict | None, name: str | None) -> list[_Request]:
         where = f"request {i}"
         params = SamplingParams.from_dict(dict(sp or {}), where)

@@ -26,8 +26,7 @@ PROBLEMS = [Problem("p0", "What is 30 + 3?", "033"), Problem("p1", "What is 2 + 
 class ScriptedEngine:
     """Answers problem i's sample with seed s: the gold if s is even, else 500; records every call."""
 
-    class config:  # mirrors engine.config.max_context
-        max_context = 4096
+    max_context = 4096  # as engine.max_context (the native engine's and the SGLang backend's)
 
     def __init__(self, golds: dict[str, str]):
         self.golds, self.calls = golds, []
@@ -90,7 +89,7 @@ def test_reports_and_hook(tmp_path):
 
 def test_prompt_too_long_for_the_engine_fails_naming_the_problem():
     engine = ScriptedEngine({})
-    engine.config = type("C", (), {"max_context": 64})
+    engine.max_context = 64
     with pytest.raises(ValueError, match="problem p0: its prompt is .* exceeds the engine's max_context=64"):
         evaluate(engine, TOK, PROBLEMS, EvalConfig(samples=1, max_new_tokens=32), progress=False)
 

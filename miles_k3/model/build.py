@@ -44,8 +44,14 @@ class ModelConfig:
     references and benchmarks)."""
     trust_remote_code: bool = False
     """Run the tokenizer code shipped in the model directory (the real K3: tokenization_kimi.py)."""
+    hf_path: Optional[str] = None  # noqa: UP045
+    """A Hugging Face causal-LM checkpoint directory (e.g. Qwen3) loaded with transformers instead of a K3: the
+    trainer's base when SGLang serves that architecture (needs rollout.backend=sglang)."""
 
     def validate(self) -> None:
+        if self.hf_path is not None and self.path is not None:
+            raise ValueError(f"hf_path: set either model.path (a K3 checkpoint) or model.hf_path (an HF "
+                             f"architecture), not both (got {self.path!r} and {self.hf_path!r})")
         if self.name not in SHIPPED_CONFIGS:
             raise ValueError(f"name: unknown model '{self.name}'; choose one of {list(SHIPPED_CONFIGS)}")
         if self.dtype not in ("auto", "bf16", "fp32"):
@@ -185,6 +191,9 @@ def build_tokenizer(cfg: ModelConfig, vocab_size: int):
     generation_config eos ids with `path`, else the small byte-level tokenizer (shipped configs, random init)."""
     from miles_k3.tokenizer import load_tokenizer, small_tokenizer, stop_token_ids
 
+    if cfg.hf_path is not None:
+        tok = load_tokenizer(cfg.hf_path, trust_remote_code=cfg.trust_remote_code)
+        return tok, stop_token_ids(tok, cfg.hf_path)
     if cfg.path is None:
         tok = small_tokenizer(vocab_size)
         return tok, stop_token_ids(tok)

@@ -1,0 +1,392 @@
+"""`rollout.backend=sglang`: the rollout-engine interface of `RolloutEngine` over a real `sglang.Engine`.
+
+The engine is built in the training process (SGLang runs its scheduler and model in its own subprocesses) from
+the typed `sglang:` config (`SGLangConfig`), token in / token out (`skip_tokenizer_init`). What the loop sees is
+the same as with the native engine:
+
+* `generate(input_ids, sampling_params, n, return_logprob, lora)` -> one record per sample, prompt i's sample j at
+  i * n + j: `output_ids`, `meta_info` {finish_reason, prompt_tokens, completion_tokens, cached_tokens,
+  weight_version, output_token_logprobs [(logprob, token_id)]}, or `error` for a rejected request. Sample j of a
+  prompt with `sampling_seed` s is sent with seed s + j (the native engine's rule), so groups are reproducible.
+* The trained adapter is pushed from tensors under versioned names: `load_lora_adapter_from_tensors(name=policy)`
+  serves `policy@v<N>` (SGLang cannot update an adapter in place: a reused name is refused), requests for `policy`
+  go to the newest version, and the previous version is unloaded once no request of this engine uses it.
+  `update_weights_from_tensor(tensors)` without `lora_name` updates base weights (SGLang's own call).
+* `stage_adapter` / `commit_adapter` / `discard_adapter` split a push so the channel can check a staged version by
+  logprob parity before it serves (`miles_k3.weight_sync.sglang`): SGLang cannot read adapter weights back.
+* `release_memory_occupation` / `resume_memory_occupation` (kv_cache, cuda_graph, weights): needs
+  `enable_memory_saver`; releasing `weights` needs `enable_weights_cpu_backup` (otherwise SGLang resumes them as
+  garbage).
+
+SGLang is an optional extra (`pip install 'miles-k3[sglang]'`), imported only when this engine is built.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import threading
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from miles_k3.rollout.engine import generate_requests
+
+log = logging.getLogger("miles_k3.rollout")
+
+MEMORY_TAGS = ("kv_cache", "weights", "cuda_graph")
+VERIFY_MODES = ("never", "first", "every")
+INSTALL_HINT = ("rollout.backend=sglang needs SGLang: pip install 'miles-k3[sglang]' (SGLang serves on CUDA GPUs; "
+                "releases pinning torch 2.11 end at sglang 0.5.17), or set rollout.backend=native")
+
+
+@dataclass
+class SGLangConfig:
+    """The SGLang engine of `rollout.backend=sglang` (its server arguments, typed) and how pushes are verified."""
+
+    attention_backend: str = "triton"
+    """SGLang attention backend (triton, flashinfer, fa3, ...)."""
+    sampling_backend: str = "pytorch"
+    """SGLang sampling backend (pytorch or flashinfer)."""
+    mem_fraction_static: float = 0.4
+    """Fraction of GPU memory SGLang takes for weights + KV cache; the rest is the trainer's. In (0, 1)."""
+    cuda_graph: bool = True
+    """Capture decode CUDA graphs (false: SGLang's disable_cuda_graph)."""
+    enable_lora: bool = True
+    """Serve LoRA adapters (needed to train LoRA; false only for full-weight updates or eval of the base)."""
+    max_lora_rank: int | None = None
+    """Largest adapter rank SGLang allocates for; null: lora.rank."""
+    lora_target_modules: list[str] | None = None
+    """Modules SGLang adds LoRA to; null: lora.targets."""
+    max_loras_per_batch: int = 3
+    """Adapter slots on the GPU. The base takes one, and a push serves a new version while the old one drains:
+    at least 3."""
+    lora_backend: str | None = None
+    """SGLang LoRA kernels (triton, csgmv, ...); null: SGLang's default."""
+    enable_memory_saver: bool = True
+    """torch_memory_saver regions, so release/resume_memory_occupation can free and restore memory."""
+    enable_weights_cpu_backup: bool = False
+    """Keep a CPU copy of the weights so that releasing `weights` is safe (resume restores them)."""
+    dtype: str = "auto"
+    """SGLang model dtype (auto, bfloat16, float16, float32)."""
+    context_length: int | None = None
+    """Maximum prompt + completion tokens; null: the model config's."""
+    log_level: str = "error"
+    """SGLang's log level."""
+    verify_push: str = "first"
+    """Check a pushed adapter by logprob parity before it serves: never, first (the first push of the run) or
+    every push."""
+    parity_tolerance: float = 0.05
+    """Mean |trainer - engine| log-prob (nats/token) over the probe above which a push is refused."""
+    probe_tokens: int = 32
+    """Length of the parity probe (token ids drawn from the first training prompt, repeated to this length)."""
+    extra_args: dict[str, Any] = field(default_factory=dict)
+    """Further sglang.Engine arguments passed as given (e.g. {chunked_prefill_size: 4096}); a key that a typed
+    field above sets is refused."""
+
+    def validate(self) -> None:
+        if not 0.0 < self.mem_fraction_static < 1.0:
+            raise ValueError(f"mem_fraction_static: must be in (0, 1), got {self.mem_fraction_static}")
+        if self.enable_lora and self.max_loras_per_batch < 3:
+            raise ValueError(f"max_loras_per_batch: must be >= 3 with LoRA (the base takes a slot and a push "
+                             f"serves two versions while the old drains), got {self.max_loras_per_batch}")
+        if self.max_lora_rank is not None and self.max_lora_rank < 1:
+            raise ValueError(f"max_lora_rank: must be >= 1 or null, got {self.max_lora_rank}")
+        if self.enable_weights_cpu_backup and not self.enable_memory_saver:
+            raise ValueError("enable_weights_cpu_backup: needs enable_memory_saver=true (the backup is what "
+                             "resume restores after a release)")
+        if self.verify_push not in VERIFY_MODES:
+            raise ValueError(f"verify_push: '{self.verify_push}' is not one of {', '.join(VERIFY_MODES)}")
+        if not (math.isfinite(self.parity_tolerance) and self.parity_tolerance > 0):
+            raise ValueError(f"parity_tolerance: must be finite and > 0, got {self.parity_tolerance}")
+        if self.probe_tokens < 2:
+            raise ValueError(f"probe_tokens: must be >= 2, got {self.probe_tokens}")
+        clash = sorted(set(self.extra_args) & set(TYPED_ARGS))
+        if clash:
+            raise ValueError(f"extra_args: {clash} are set by typed fields (sglang.{TYPED_ARGS[clash[0]]}); set "
+                             "those instead")
+
+
+TYPED_ARGS = {  # sglang.Engine argument -> the SGLangConfig field (or what this backend fixes) that sets it
+    "attention_backend": "attention_backend", "sampling_backend": "sampling_backend",
+    "mem_fraction_static": "mem_fraction_static", "disable_cuda_graph": "cuda_graph",
+"enable_lora": "enable_lora", "max_lora_rank": "max_lora_rank",
+    "lora_target_modules": "lora_target_modules", "max_loras_per_batch": "max_loras_per_batch",
+    "lora_backend": "lora_backend", "enable_memory_saver": "enable_memory_saver",
+    "enable_weights_cpu_backup": "enable_weights_cpu_backup", "dtype": "dtype", "context_length": "context_length",
+    "log_level": "log_level", "model_path": "model.hf_path", "skip_tokenizer_init": "(always true)",
+    "random_seed": "seed",
+}
+
+
+def server_args(cfg: SGLangConfig, model_path: str, lora=None, seed: int = 0) -> dict[str, Any]:
+    """The keyword arguments of `sglang.Engine(...)` for `cfg` serving `model_path` with adapters like `lora`
+    (a LoRAConfig, or None for no adapter)."""
+    cfg.validate()
+    args: dict[str, Any] = {
+        "model_path": model_path, "skip_tokenizer_init": True, "random_seed": seed,
+        "attention_backend": cfg.attention_backend, "sampling_backend": cfg.sampling_backend,
+        "mem_fraction_static": cfg.mem_fraction_static, "disable_cuda_graph": not cfg.cuda_graph,
+        "enable_memory_saver": cfg.enable_memory_saver, "enable_weights_cpu_backup": cfg.enable_weights_cpu_backup,
+        "dtype": cfg.dtype, "log_level": cfg.log_level,
+    }
+    if cfg.context_length is not None:
+        args["context_length"] = cfg.context_length
+    if cfg.enable_lora and lora is not None:
+        args |= {"enable_lora": True, "max_lora_rank": cfg.max_lora_rank or lora.rank,
+                 "lora_target_modules": list(cfg.lora_target_modules or lora.targets),
+                 "max_loras_per_batch": cfg.max_loras_per_batch}
+        if cfg.lora_backend is not None:
+            args["lora_backend"] = cfg.lora_backend
+    return args | dict(cfg.extra_args)
+
+
+def import_engine_class():
+    """sglang.Engine, or ImportError saying how to install it."""
+    try:
+        import sglang
+    except ImportError as e:
+        raise ImportError(f"{INSTALL_HINT} (import failed: {e})") from None
+    return sglang.Engine
+
+
+def versioned_name(adapter: str, version: int) -> str:
+    return f"{adapter}@v{version}"
+
+
+def version_of(name: str) -> int | None:
+    """The version a versioned adapter name carries (`policy@v12` -> 12), else None."""
+    head, sep, tail = name.rpartition("@v")
+    return int(tail) if sep and head and tail.isdigit() else None
+
+
+def peft_config_dict(lora) -> dict[str, Any]:
+    """adapter_config.json as a dict (what SGLang's load_lora_adapter_from_tensors takes) for a LoRAConfig."""
+    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora.rank, "lora_alpha": float(lora.alpha),
+            "lora_dropout": 0.0, "target_modules": list(lora.targets), "use_rslora": bool(lora.use_rslora),
+            "bias": "none", "use_dora": False, "modules_to_save": None, "fan_in_fan_out": False}
+
+
+def check_result(result, what: str) -> None:
+    """SGLang reports a failed control call in its return value ((success, message), or an object with success and
+    error_message): raise RuntimeError with its message."""
+    if result is None:
+        return
+    if isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], bool):
+        ok, message = result
+    elif hasattr(result, "success"):
+        ok, message = result.success, getattr(result, "error_message", None)
+    else:
+        return
+    if not ok:
+        raise RuntimeError(f"sglang {what} failed: {message}")
+
+
+class SGLangEngine:
+    """The `RolloutEngine` interface over `sglang.Engine` (see the module docstring). Adapter tensors are pushed
+    under their PEFT names (`miles_k3.adapter.peft_tensors`), which SGLang loads. `stop_token_ids` end every sample
+    (added to each request's sampling params unless it names its own). `engine_cls` replaces sglang.Engine (tests
+    pass a double)."""
+
+    backend = "sglang"
+    push_needs_memory = True  # a push's parity probe runs a request: the loop resumes memory before it
+
+    def __init__(self, cfg: SGLangConfig, model_path: str, lora=None, seed: int = 0, tokenizer: Any = None,
+                 stop_token_ids: list[int] | None = None, max_context: int = 4096, engine_cls=None):
+        self.cfg, self.lora_config, self.tokenizer = cfg, lora, tokenizer
+        self.max_context = cfg.context_length or max_context  # prompt + completion tokens a request may hold
+        self.stop_token_ids = list(stop_token_ids or [])
+        args = server_args(cfg, model_path, lora, seed)
+        engine_cls = engine_cls or import_engine_class()
+        log.info("sglang engine: %s", ", ".join(f"{k}={v}" for k, v in args.items() if k != "model_path"))
+        self.engine = engine_cls(**args)
+        self.weight_version = 0
+        self._serving: dict[str, str] = {}  # adapter name -> the versioned SGLang name requests go to
+        self._configs: dict[str, Any] = {}
+        self._in_flight: Counter[str] = Counter()  # versioned name -> requests of ours running on it
+        self._retired: set[str] = set()  # replaced versions, unloaded once their requests finish
+        self._released: set[str] = set()
+        self._lock = threading.RLock()
+
+    # ---- generation ------------------------------------------------------------------------------------
+    def generate(self, input_ids: list[list[int]] | None = None, prompts: list[str] | None = None,
+                 sampling_params: dict | list[dict] | None = None, n: int = 1, return_logprob: bool = True,
+                 lora: str | list[str | None] | None = None) -> list[dict]:
+        """Samples for every prompt, `n` each, prompt i's sample j at i * n + j (see the module docstring)."""
+        ids, params, loras = generate_requests(input_ids, prompts, sampling_params, n, lora, self.tokenizer,
+                                               self._released)
+        with self._lock:
+            names = [self._route(name) for name in loras]
+            used = Counter(name for name in names for _ in range(n) if name is not None)
+            self._in_flight.update(used)
+        reqs, sps, paths = [], [], []
+        for p, sp, name in zip(ids, params, names):
+            for j in range(n):
+                one = dict(sp)
+                if self.stop_token_ids and "stop_token_ids" not in one:
+                    one["stop_token_ids"] = list(self.stop_token_ids)
+                if one.get("sampling_seed") is not None:
+                    one["sampling_seed"] = int(one["sampling_seed"]) + j
+                reqs.append(list(p))
+                sps.append(one)
+                paths.append(name)
+        try:
+            outs = self.engine.generate(input_ids=reqs, sampling_params=sps, return_logprob=return_logprob,
+                                        lora_path=paths if any(paths) else None) if reqs else []
+        finally:
+            with self._lock:
+                self._in_flight.subtract(used)
+                self._unload_drained()
+        if len(outs) != len(reqs):
+            raise RuntimeError(f"sglang returned {len(outs)} results for {len(reqs)} requests")
+        return [self._record(o, name, return_logprob) for o, name in zip(outs, paths)]
+
+    def prompt_logprobs(self, ids: list[int], adapter: str | None) -> list[float]:
+        """SGLang's log-probs of ids[1:] given their prefixes (prompt log-probs), with the adapter as served under
+        the versioned or plain SGLang name `adapter` (None: the base)."""
+        out = self.engine.generate(input_ids=[list(ids)], sampling_params=[{"max_new_tokens": 1,
+                                                                             "temperature": 0.0}],
+                                   return_logprob=True, logprob_start_len=0,
+                                   lora_path=[adapter] if adapter is not None else None)
+        rows = out[0]["meta_info"]["input_token_logprobs"]
+        values = [row[0] for row in rows]
+        if len(values) == len(ids) and values[0] is None:
+            values = values[1:]  # the first prompt token has no log-prob
+        if len(values) != len(ids) - 1 or any(v is None for v in values):
+            raise RuntimeError(f"sglang returned {len(values)} prompt log-probs for a {len(ids)}-token probe")
+        return [float(v) for v in values]
+
+    # ---- adapters and weights --------------------------------------------------------------------------
+    def load_lora_adapter_from_tensors(self, name: str, tensors: Mapping[str, torch.Tensor], config) -> None:
+        """Serve adapter `name` (config: its LoRAConfig) from the trainer's tensors, as version weight_version."""
+        self._configs[name] = config
+        staged = self.stage_adapter(name, tensors, self.weight_version)
+        self.commit_adapter(name, staged)
+
+    def update_weights_from_tensor(self, named_tensors: Mapping[str, torch.Tensor] | list[tuple[str, torch.Tensor]],
+                                   lora_name: str | None = None, weight_version: int | None = None) -> None:
+        """With `lora_name`: serve a new version of that adapter from `named_tensors` (the trainer's names). Without:
+        update base weights in place (HF names; SGLang's update_weights_from_tensor). The engine's weight_version
+        becomes `weight_version` (default: one more); versions only move forward."""
+        version = self._next_version(weight_version)
+        if lora_name is None:
+            check_result(self.engine.update_weights_from_tensor(
+                named_tensors=list(dict(named_tensors).items()), flush_cache=True), "update_weights_from_tensor")
+            self.weight_version = version
+            return
+        staged = self.stage_adapter(lora_name, named_tensors, version)
+        self.commit_adapter(lora_name, staged)
+
+    def stage_adapter(self, name: str, tensors: Mapping[str, torch.Tensor], version: int) -> str:
+        """Load the tensors as `name@v<version>` without serving it yet; returns the staged SGLang name. Refuses
+        (ValueError, nothing loaded) an unknown adapter, an empty push or a non-finite tensor."""
+        if name not in self._configs:
+            raise ValueError(f"adapter '{name}' is not loaded; load_lora_adapter_from_tensors first (loaded: "
+                             f"{sorted(self._configs)})")
+        if not tensors:
+            raise ValueError("empty push: no tensors given (a push must carry the whole adapter)")
+        for key, t in tensors.items():
+            if not torch.isfinite(t).all():
+                raise ValueError(f"tensor {key} has non-finite values; the push is refused")
+        staged = versioned_name(name, version)
+        peft = {key: t.detach().contiguous() for key, t in tensors.items()}
+        check_result(self.engine.load_lora_adapter_from_tensors(staged, peft, peft_config_dict(self._configs[name])),
+                     f"load_lora_adapter_from_tensors({staged})")
+        return staged
+
+    def commit_adapter(self, name: str, staged: str) -> None:
+        """Route new requests for `name` to the staged version; the one it replaces is unloaded once drained."""
+        with self._lock:
+            old = self._serving.get(name)
+            self._serving[name] = staged
+            self.weight_version = version_of(staged)
+            if old is not None and old != staged:
+                self._retired.add(old)
+            self._unload_drained()
+
+    def discard_adapter(self, staged: str) -> None:
+        """Unload a staged version that never served (a push that failed its check)."""
+        check_result(self.engine.unload_lora_adapter(staged), f"unload_lora_adapter({staged})")
+
+    def serving(self, name: str) -> str | None:
+        """The versioned SGLang name requests for adapter `name` go to."""
+        return self._serving.get(name)
+
+    # ---- memory and lifecycle --------------------------------------------------------------------------
+    def release_memory_occupation(self, tags: list[str] | None = None) -> None:
+        """Free SGLang's memory for `tags` (None = all three) while no request runs."""
+        tags = self._check_tags(tags)
+        check_result(self.engine.release_memory_occupation(tags=tags), "release_memory_occupation")
+        self._released |= set(tags)
+
+    def resume_memory_occupation(self, tags: list[str] | None = None) -> None:
+        tags = self._check_tags(tags)
+        check_result(self.engine.resume_memory_occupation(tags=tags), "resume_memory_occupation")
+        self._released -= set(tags)
+
+    def flush_cache(self) -> bool:
+        out = self.engine.flush_cache()
+        return bool(getattr(out, "success", True if out is None else out))
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+    close = shutdown
+
+    # ---- internals -------------------------------------------------------------------------------------
+    def _route(self, name: str | None) -> str | None:
+        if name is None:
+            return None
+        if name in self._serving:
+            return self._serving[name]
+        raise ValueError(f"lora: adapter '{name}' is not loaded (loaded: {sorted(self._serving)})")
+
+    def _unload_drained(self) -> None:
+        for old in sorted(self._retired):
+            if self._in_flight[old] <= 0:
+                check_result(self.engine.unload_lora_adapter(old), f"unload_lora_adapter({old})")
+                self._retired.discard(old)
+                del self._in_flight[old]
+
+    def _next_version(self, weight_version: int | None) -> int:
+        if weight_version is None:
+            return self.weight_version + 1
+        if weight_version <= self.weight_version:
+            raise ValueError(f"weight_version: versions only move forward; the engine serves version "
+                             f"{self.weight_version}, the push has {weight_version}")
+        return weight_version
+
+    def _record(self, out: dict, name: str | None, return_logprob: bool) -> dict:
+        """One SGLang result as the native engine's record."""
+        meta = out.get("meta_info", {})
+        finish = meta.get("finish_reason") or {"type": "abort", "message": "no finish reason"}
+        if isinstance(finish, dict) and finish.get("type") == "abort":
+            return {"error": finish.get("message", "aborted by sglang"), "meta_info": {"finish_reason": finish}}
+        ids = list(out.get("output_ids", []))
+        version = version_of(name) if name is not None else self.weight_version
+        record_meta = {"finish_reason": finish, "prompt_tokens": meta.get("prompt_tokens", 0),
+                       "completion_tokens": meta.get("completion_tokens", len(ids)),
+                       "cached_tokens": meta.get("cached_tokens", 0), "weight_version": version,
+                       "weight_versions": [version]}
+        if return_logprob:
+            rows = meta.get("output_token_logprobs") or []
+            pairs = [(float(row[0]), int(row[1])) for row in rows]
+            if [t for _, t in pairs] != ids:
+                raise RuntimeError(f"sglang returned log-probs of {len(pairs)} tokens for {len(ids)} output ids "
+                                   "(or of other tokens): the sample cannot be trained on")
+            record_meta["output_token_logprobs"] = pairs
+        return {"output_ids": ids, "meta_info": record_meta}
+
+    def _check_tags(self, tags: list[str] | None) -> list[str]:
+        tags = list(MEMORY_TAGS) if tags is None else list(tags)
+        bad = [t for t in tags if t not in MEMORY_TAGS]
+        if bad:
+            raise ValueError(f"memory tags {bad} are not SGLang's ({', '.join(MEMORY_TAGS)})")
+        if not self.cfg.enable_memory_saver:
+            raise ValueError("release/resume_memory_occupation: needs sglang.enable_memory_saver=true")
+        if "weights" in tags and not self.cfg.enable_weights_cpu_backup:
+            raise ValueError("releasing 'weights' without sglang.enable_weights_cpu_backup=true would resume them as "
+                             "garbage; enable the backup or release only kv_cache and cuda_graph")
+        return tags
