@@ -61,3 +61,23 @@ def test_default_recipe_runs_the_loop_and_prints_the_summary(tmp_path, capsys):
     assert (tmp_path / "run/checkpoints/step_00000002/adapter/adapter_config.json").is_file()
     rows = [json.loads(x) for x in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "eval/avg@4" in r] == [0, 2]
+
+
+QUICK_STEPS = 300
+MIN_GAIN = 0.03
+"""The shortened default run must raise held-out avg@4 by >= 3 points in 300 steps. Measured on 2 cores (README,
+"Quick start"): training seeds 0-4 gained +4.3, +5.7, +4.6, +4.4, +7.3 points at step 300 (the smallest clears the
+bar by 1.3); the eval alone (the base under 12 eval seeds) spreads 15.2-18.4% (sd 0.9 points: the bar is above 3
+sd); the same run rewarded by a coin that ignores the answer fell by 16.8 points (no signal does not look like a
+gain)."""
+
+
+def test_shortened_default_run_raises_held_out_accuracy(tmp_path):
+    from miles_k3.train import train
+
+    cfg = compose_config("train", [f"steps={QUICK_STEPS}", f"eval.every_n_steps={QUICK_STEPS}",
+                                   f"run_dir={tmp_path}/run"])
+    s = train(cfg, "").summary
+    assert (s["accuracy_before_step"], s["accuracy_after_step"]) == (0, QUICK_STEPS)
+    assert s["accuracy_after"] - s["accuracy_before"] >= MIN_GAIN, s
+    assert s["answer_rate_after"] >= 0.9  # the gain is in correctness: the answers stay well formed
