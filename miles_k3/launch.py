@@ -130,7 +130,8 @@ def _sglang_engine(cfg, model, tokenizer, problems, start: int):
     from miles_k3.weight_sync.sglang import SGLangChannel
 
     if not cfg.engine.eos_token_ids:
-        raise ValueError("engine.eos_token_ids: the stop tokens are unknown")
+        raise ValueError("engine.eos_token_ids: the model directory names no stop token (no eos_token_id in "
+                         "generation_config.json or the tokenizer); set engine.eos_token_ids=[ID, ...]")
     engine = SGLangEngine(cfg.sglang, cfg.model.hf_path or cfg.model.path, lora=cfg.lora, seed=cfg.seed,
                           tokenizer=tokenizer, stop_token_ids=list(cfg.engine.eos_token_ids),
                           max_context=getattr(model.config, "max_position_embeddings", None) or cfg.engine.max_context)

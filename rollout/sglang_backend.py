@@ -287,9 +287,10 @@ class SGLangEngine:
                              f"{sorted(self._configs)})")
         if not tensors:
             raise ValueError("empty push: no tensors given (a push must carry the whole adapter)")
-        for key, t in tensors.items():
-            if not torch.isfinite(t).all():
-                raise ValueError(f"tensor {key} has non-finite values; the push is refused")
+        finite = torch.stack([torch.isfinite(t).all() for t in tensors.values()]).tolist()  # one device sync
+        bad = next((key for key, ok in zip(tensors, finite) if not ok), None)
+        if bad is not None:
+            raise ValueError(f"tensor {bad} has non-finite values; the push is refused")
         staged = versioned_name(name, version)
         peft = {key: t.detach().contiguous() for key, t in tensors.items()}
         check_result(self.engine.load_lora_adapter_from_tensors(staged, peft, peft_config_dict(self._configs[name])),

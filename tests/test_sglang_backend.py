@@ -280,3 +280,15 @@ def test_three_grpo_steps_with_the_sglang_backend(qwen3_dir, tmp_path, monkeypat
     assert any("eval/avg@2" in r for r in rows) and run.summary["steps"] == 3
     adapter = json.loads((run.last_checkpoint / "adapter/adapter_config.json").read_text())
     assert adapter["base_model_name_or_path"] == str(qwen3_dir)
+
+
+def test_a_failing_parity_probe_refuses_the_push(qwen3_dir):
+    trainer, engine, channel = _channel(qwen3_dir)
+
+    def broken(ids, adapter):
+        raise RuntimeError("probe request aborted")
+
+    engine.prompt_logprobs = broken
+    with pytest.raises(SyncError, match="the parity probe failed .RuntimeError: probe request aborted."):
+        channel.push(_peft(trainer), version=1)
+    assert engine.serving("policy") == "policy@v0" and sorted(engine.engine.adapters) == ["policy@v0"]

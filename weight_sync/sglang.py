@@ -58,9 +58,10 @@ class SGLangChannel:
         if self.verify == "every" or (self.verify == "first" and self.pushes == 0):
             try:
                 parity = self._parity(staged)
-            except Exception:
+            except Exception as e:
                 self.engine.discard_adapter(staged)
-                raise
+                raise SyncError(f"push of version {version} refused: the parity probe failed ({type(e).__name__}: "
+                                f"{e}); the engine keeps serving version {self.engine.weight_version}") from e
             if parity > self.tolerance:
                 self.engine.discard_adapter(staged)
                 raise SyncError(f"push of version {version} refused: the engine's log-probs differ from the trainer's "
