@@ -127,6 +127,7 @@ def _sglang_engine(cfg, model, tokenizer, problems, start: int):
     from miles_k3.adapter import peft_tensors
     from miles_k3.evals.templates import render_prompt
     from miles_k3.rollout.sglang_backend import SGLangEngine
+    from miles_k3.trainer.step import sequence_logprobs
     from miles_k3.weight_sync.sglang import SGLangChannel
 
     if not cfg.engine.eos_token_ids:
@@ -142,21 +143,8 @@ def _sglang_engine(cfg, model, tokenizer, problems, start: int):
                              add_special_tokens=False)
     probe = (first * (cfg.sglang.probe_tokens // max(len(first), 1) + 1))[:cfg.sglang.probe_tokens]
     channel = SGLangChannel(engine, POLICY, verify=cfg.sglang.verify_push, tolerance=cfg.sglang.parity_tolerance,
-                            probe_ids=probe, trainer_logprobs=lambda ids: trainer_logprobs(model, ids))
+                            probe_ids=probe, trainer_logprobs=lambda ids: sequence_logprobs(model, ids, cfg.trainer))
     return engine, channel
-
-
-@torch.no_grad()
-def trainer_logprobs(model, ids: list[int]) -> list[float]:
-    """The trainer model's log-probs of ids[1:] given their prefixes (adapter on; autocast as in training)."""
-    from miles_k3.trainer.losses import token_logprobs
-
-    device = next(model.parameters()).device
-    x = torch.tensor([ids], device=device)
-    on_cuda = device.type == "cuda" and next(model.parameters()).dtype == torch.float32
-    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=on_cuda):
-        logits = model(x[:, :-1], seq_lens=torch.tensor([len(ids) - 1], device=device)).logits
-    return token_logprobs(logits.float(), x[:, 1:])[0].tolist()
 
 
 def _resume(ckpt: Path | None, model, opt, sched, stream: PromptStream) -> int:

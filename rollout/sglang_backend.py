@@ -195,7 +195,7 @@ class SGLangEngine:
 
     def __init__(self, cfg: SGLangConfig, model_path: str, lora=None, seed: int = 0, tokenizer: Any = None,
                  stop_token_ids: list[int] | None = None, max_context: int = 4096, engine_cls=None):
-        self.cfg, self.lora_config, self.tokenizer = cfg, lora, tokenizer
+        self.cfg, self.tokenizer = cfg, tokenizer
         self.max_context = cfg.context_length or max_context  # prompt + completion tokens a request may hold
         self.stop_token_ids = list(stop_token_ids or [])
         args = server_args(cfg, model_path, lora, seed)

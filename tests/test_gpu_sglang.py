@@ -102,7 +102,7 @@ def _gap(a, b):
 
 
 def test_generate_with_logprobs_the_trainer_reproduces(served):
-    from miles_k3.launch import trainer_logprobs
+    from miles_k3.trainer.step import sequence_logprobs as trainer_logprobs
 
     engine, model = served
     prompts = [[256, *b"12+30="], [256, *b"7-19+4="]]
@@ -125,8 +125,8 @@ def test_generate_with_logprobs_the_trainer_reproduces(served):
 
 def test_lora_push_changes_outputs_as_the_trainer_predicts(served):
     from miles_k3.adapter import peft_tensors
-    from miles_k3.launch import trainer_logprobs
     from miles_k3.model.lora import adapters_disabled
+    from miles_k3.trainer.step import sequence_logprobs as trainer_logprobs
 
     engine, model = served
     base_engine = engine.prompt_logprobs(PROBE, None)
@@ -179,8 +179,8 @@ def test_release_and_resume_keep_outputs(served):
 def test_full_weight_update_moves_the_base_as_the_trainer(served):
     """Base weights pushed with update_weights_from_tensor (HF names) change SGLang's base log-probs as the same
     change does the trainer's."""
-    from miles_k3.launch import trainer_logprobs
     from miles_k3.model.lora import adapters_disabled
+    from miles_k3.trainer.step import sequence_logprobs as trainer_logprobs
 
     engine, model = served
     norm = model.get_parameter("model.norm.weight")

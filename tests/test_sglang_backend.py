@@ -169,7 +169,7 @@ def test_memory_handoff_checks_its_preconditions():
 
 
 def _channel(qwen3_dir, verify="every", **kw):
-    from miles_k3.launch import trainer_logprobs
+    from miles_k3.trainer.step import sequence_logprobs as trainer_logprobs
 
     trainer = _policy(qwen3_dir, seed=0)
     engine = _engine(model=_policy(qwen3_dir, seed=1), **kw)  # the double's own copy, another adapter

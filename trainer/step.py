@@ -105,6 +105,18 @@ def split_minibatches(samples: list[Sample], n: int) -> list[list[Sample]]:
 
 
 @torch.no_grad()
+def sequence_logprobs(model, ids: list[int], cfg: TrainerConfig | None = None) -> list[float]:
+    """The policy's log-probs of ids[1:] given their prefixes, computed as the training forward computes them
+    (adapter on, `cfg`'s autocast): what an engine's log-probs of the same tokens are checked against."""
+    cfg = cfg or TrainerConfig()
+    device = next(model.parameters()).device
+    x = torch.tensor([ids], device=device)
+    with _autocast(model, cfg):
+        logits = model(x[:, :-1], seq_lens=torch.tensor([len(ids) - 1], device=device)).logits
+    return token_logprobs(logits.float(), x[:, 1:])[0].tolist()
+
+
+@torch.no_grad()
 def fill_old_logprobs(model, samples: list[Sample], cfg: TrainerConfig, pad_id: int, device: torch.device,
                       temperature: float) -> None:
     """Sets each sample's old_logprobs: the current policy's log-prob of every response token (the forward the

@@ -35,7 +35,6 @@ class SGLangChannel:
         self.engine, self.adapter, self.verify, self.tolerance = engine, adapter, verify, tolerance
         self.probe_ids, self.trainer_logprobs = probe_ids, trainer_logprobs
         self.pushes = 0
-        self.last_parity: float | None = None
 
     def push(self, tensors: Mapping[str, torch.Tensor], version: int) -> PushReport:
         """Serve `tensors` (the trainer's adapter parameters by name) as `version`. Raises SyncError (the engine
@@ -71,7 +70,6 @@ class SGLangChannel:
                                 f"{self.engine.weight_version}")
         self.engine.commit_adapter(self.adapter, staged)
         self.pushes += 1
-        self.last_parity = parity
         nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
         return SGLangPushReport(version, self.transport, nbytes, time.perf_counter() - t0, len(tensors), 1, None,
                                 load_seconds=load_s, parity=parity)
