@@ -147,7 +147,8 @@ def _check_lengths(problems, prompt_ids, cfg: EvalConfig, max_context: int) -> N
         if len(ids) + cfg.max_new_tokens > max_context:
             raise ValueError(f"problem {p.id}: its prompt is {len(ids)} tokens, and with eval.max_new_tokens="
                              f"{cfg.max_new_tokens} that exceeds the engine's max_context={max_context}; raise "
-                             "engine.max_context or lower eval.max_new_tokens")
+                             "engine.max_context (SGLang: sglang.context_length, up to the model's) or lower "
+                             "eval.max_new_tokens")
 
 
 def _generate(engine, prompt_ids: list[list[int]], cfg: EvalConfig, lora: str | None, progress: bool) -> list[dict]:

@@ -166,6 +166,42 @@ def read_adapter_config(adapter_dir: Path) -> LoRAConfig:
     return cfg
 
 
+def read_adapter(path: str | os.PathLike) -> tuple[LoRAConfig, dict[str, torch.Tensor]]:
+    """(config, PEFT-named tensors) of an adapter directory, for an engine that loads the tensors itself
+    (SGLang) rather than a model of ours. Checked without a model: every key is a `.lora_A.weight` /
+    `.lora_B.weight` of a module named in target_modules, each A has its B, A is [r, In] and B [Out, r] with the
+    config's r, and every tensor is floating point and finite. Errors name the file and key."""
+    adapter_dir = Path(path)
+    cfg = read_adapter_config(adapter_dir)
+    file = adapter_dir / WEIGHTS_FILE
+    tensors = _read_tensors(file)
+    if not tensors:
+        raise ValueError(f"{file}: holds no tensors; re-export the adapter")
+    pairs: dict[str, dict[str, torch.Tensor]] = {}
+    for key, t in tensors.items():
+        module, dot, part = key.rpartition(".lora_")
+        if not dot or part not in ("A.weight", "B.weight"):
+            raise ValueError(f"{file}: unexpected key {key}; an adapter holds only <module>.lora_A.weight and "
+                             "<module>.lora_B.weight")
+        if module.rpartition(".")[2] not in cfg.targets:
+            raise ValueError(f"{file}: {key} adapts a module that is not in target_modules {cfg.targets}; "
+                             "re-export the adapter")
+        if t.dim() != 2 or not t.is_floating_point() or not bool(torch.isfinite(t).all()):
+            raise ValueError(f"{file}: {key} must be a 2-D finite floating-point tensor, got "
+                             f"{t.dtype} {tuple(t.shape)}; re-export the adapter")
+        pairs.setdefault(module, {})[part[0]] = t
+    for module, ab in pairs.items():
+        if set(ab) != {"A", "B"}:
+            lacking = "B" if "A" in ab else "A"
+            raise ValueError(f"{file}: {module}.lora_{lacking}.weight is missing; the file is incomplete: "
+                             "re-export the adapter")
+        if ab["A"].shape[0] != cfg.rank or ab["B"].shape[1] != cfg.rank:
+            raise ValueError(f"{file}: {module} has lora_A {tuple(ab['A'].shape)} and lora_B "
+                             f"{tuple(ab['B'].shape)}, but r={cfg.rank} in {CONFIG_FILE}; the files do not "
+                             "belong together")
+    return cfg, tensors
+
+
 def _peft_cross_check(adapter_dir: Path) -> None:
     """Let peft parse the config too, when it is installed (it is optional on GPU hosts)."""
     try:

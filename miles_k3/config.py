@@ -27,7 +27,7 @@ from miles_k3.rollout.sglang_backend import SGLangConfig
 from miles_k3.tracking import TrackingConfig
 from miles_k3.trainer.checkpoint import ResumeError
 from miles_k3.trainer.optim import OptimConfig
-from miles_k3.trainer.rollouts import RolloutConfig
+from miles_k3.trainer.rollouts import BACKENDS, RolloutConfig
 from miles_k3.trainer.step import TrainerConfig
 from miles_k3.weight_sync.config import WeightSyncConfig
 
@@ -82,7 +82,7 @@ class TrainConfig:
     def validate(self) -> None:
         check_device(self.device)
         check_weights_given(self.model)
-        check_backend(self.model, self.rollout, self.sglang)
+        check_backend(self.model, self.rollout.backend, self.sglang, self.rollout.release_tags)
         for name in ("steps", "checkpoint_every"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}")
@@ -90,16 +90,20 @@ class TrainConfig:
             raise ValueError(f"keep_checkpoints: must be >= 1, got {self.keep_checkpoints}")
 
 
-def check_backend(model: ModelConfig, rollout: RolloutConfig, sglang: SGLangConfig) -> None:
-    """The rollout backend can serve the model: the native engine serves K3 only; SGLang serves a checkpoint."""
-    if rollout.backend == "native" and model.hf_path is not None:
-        raise ValueError("model.hf_path: an HF architecture is served by SGLang only; set rollout.backend=sglang "
+def check_backend(model: ModelConfig, backend: str, sglang: SGLangConfig, release_tags=(),
+                  field_name: str = "rollout.backend") -> None:
+    """The engine backend (`field_name`) can serve the model: the native engine serves K3 only; SGLang serves a
+    checkpoint directory."""
+    if backend not in BACKENDS:
+        raise ValueError(f"{field_name}: '{backend}' is not one of {', '.join(BACKENDS)}")
+    if backend == "native" and model.hf_path is not None:
+        raise ValueError(f"model.hf_path: an HF architecture is served by SGLang only; set {field_name}=sglang "
                          "(the native engine serves K3 models)")
-    if rollout.backend == "sglang":
+    if backend == "sglang":
         if model.hf_path is None and model.path is None:
-            raise ValueError("rollout.backend: sglang serves a checkpoint directory; set model.hf_path (an HF "
+            raise ValueError(f"{field_name}: sglang serves a checkpoint directory; set model.hf_path (an HF "
                              "architecture such as Qwen3) or model.path (K3, on SGLang releases that carry it)")
-        if "weights" in rollout.release_tags and not sglang.enable_weights_cpu_backup:
+        if "weights" in release_tags and not sglang.enable_weights_cpu_backup:
             raise ValueError("rollout.release_tags: releasing weights needs sglang.enable_weights_cpu_backup=true "
                              "(SGLang resumes released weights as garbage otherwise)")
 
@@ -157,10 +161,16 @@ class EvalRunConfig:
     """Where results.jsonl and summary.json go; None: runs/eval-<date>-<time>."""
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     """W&B (tracking.logger=wandb) besides the output directory's metrics.jsonl."""
+    backend: str = "native"
+    """The engine that generates: native (miles_k3's K3 engine) or sglang (sglang.Engine serving model.hf_path or
+    model.path, configured by the sglang: section; needs the sglang extra and a CUDA GPU)."""
+    sglang: SGLangConfig = field(default_factory=SGLangConfig)
+    """The SGLang engine of backend=sglang (its server arguments; push verification does not apply)."""
 
     def validate(self) -> None:
         check_device(self.device)
         check_weights_given(self.model)
+        check_backend(self.model, self.backend, self.sglang, field_name="backend")
 
 
 SFT_MODES = ("full", "lora")

@@ -1,5 +1,6 @@
 """`python -m miles_k3.eval [recipe=aime_eval] [model.path=...] [adapter=DIR] [eval.samples=16] ...`: evaluate a
-model (and optionally a PEFT LoRA adapter directory) on a dataset through the rollout engine (Hydra app).
+model (and optionally a PEFT LoRA adapter directory) on a dataset through the rollout engine (Hydra app); with
+`backend=sglang model.hf_path=DIR` through SGLang (any architecture it serves).
 
 It composes `recipes/eval.yaml`, validates every field, builds the model, its tokenizer and the engine, loads
 the adapter into the engine, runs `miles_k3.evals.harness.evaluate` and writes `results.jsonl` and `summary.json`
@@ -32,6 +33,8 @@ ADAPTER_NAME = "policy"
 
 def build_engine(cfg):
     """(engine, tokenizer, adapter name or None) for an EvalRunConfig."""
+    if cfg.backend == "sglang":
+        return _sglang_engine(cfg)
     device = resolve_device(cfg.device)
     model = build_model(cfg.model, device, resolve_dtype(cfg.model.dtype, device))
     tokenizer, stop_ids = build_tokenizer(cfg.model, model.config.vocab_size)
@@ -45,15 +48,40 @@ def build_engine(cfg):
     return engine, tokenizer, ADAPTER_NAME
 
 
+def _sglang_engine(cfg):
+    """backend=sglang: SGLang serves the checkpoint directory and loads the adapter directory's PEFT tensors as they
+    are (checked by `read_adapter`; no model is built in this process)."""
+    from miles_k3.adapter import read_adapter
+    from miles_k3.rollout.sglang_backend import serve_checkpoint
+
+    lora_cfg, tensors = read_adapter(cfg.adapter) if cfg.adapter else (None, None)
+    tokenizer, stop_ids = build_tokenizer(cfg.model, vocab_size=0)  # a checkpoint directory's own tokenizer
+    engine = serve_checkpoint(cfg.sglang, cfg.model, tokenizer, cfg.engine.eos_token_ids or stop_ids,
+                              lora=lora_cfg, seed=cfg.seed, fallback_context=cfg.engine.max_context)
+    if lora_cfg is None:
+        return engine, tokenizer, None
+    try:
+        engine.load_lora_adapter_from_tensors(ADAPTER_NAME, tensors, lora_cfg)
+    except BaseException:
+        engine.close()
+        raise
+    return engine, tokenizer, ADAPTER_NAME
+
+
 def run(cfg) -> dict:
     """The whole evaluation of an EvalRunConfig; returns the summary (with the output paths)."""
     torch.manual_seed(cfg.seed)
     problems = load_problems(cfg.eval.data)  # a bad dataset fails before the model is built
     engine, tokenizer, lora = build_engine(cfg)
-    out_dir = Path(cfg.output_dir or f"runs/eval-{time.strftime('%Y%m%d-%H%M%S')}")
-    result = evaluate(engine, tokenizer, problems, cfg.eval, lora=lora)
-    extra = {"model": cfg.model.path or cfg.model.name, "adapter": cfg.adapter, "data": cfg.eval.data.source,
-             "results": str(out_dir / "results.jsonl")}
+    try:
+        out_dir = Path(cfg.output_dir or f"runs/eval-{time.strftime('%Y%m%d-%H%M%S')}")
+        result = evaluate(engine, tokenizer, problems, cfg.eval, lora=lora)
+    finally:
+        close = getattr(engine, "close", None)
+        if close is not None:
+            close()  # SGLang's scheduler subprocesses end with the run
+    extra = {"model": cfg.model.hf_path or cfg.model.path or cfg.model.name, "adapter": cfg.adapter,
+             "data": cfg.eval.data.source, "backend": cfg.backend, "results": str(out_dir / "results.jsonl")}
     write_reports(result, out_dir, extra)
     with Tracker(cfg.tracking, out_dir, config={"eval": str(cfg.eval), "model": extra["model"]}) as tracker:
         log_eval(tracker, result, cfg.eval.table_rows)

@@ -126,16 +126,12 @@ def _sglang_engine(cfg, model, tokenizer, problems, start: int):
     The parity probe is the first training prompt's token ids, repeated to sglang.probe_tokens."""
     from miles_k3.adapter import peft_tensors
     from miles_k3.evals.templates import render_prompt
-    from miles_k3.rollout.sglang_backend import SGLangEngine
+    from miles_k3.rollout.sglang_backend import serve_checkpoint
     from miles_k3.trainer.step import sequence_logprobs
     from miles_k3.weight_sync.sglang import SGLangChannel
 
-    if not cfg.engine.eos_token_ids:
-        raise ValueError("engine.eos_token_ids: the model directory names no stop token (no eos_token_id in "
-                         "generation_config.json or the tokenizer); set engine.eos_token_ids=[ID, ...]")
-    engine = SGLangEngine(cfg.sglang, cfg.model.hf_path or cfg.model.path, lora=cfg.lora, seed=cfg.seed,
-                          tokenizer=tokenizer, stop_token_ids=list(cfg.engine.eos_token_ids),
-                          max_context=getattr(model.config, "max_position_embeddings", None) or cfg.engine.max_context)
+    engine = serve_checkpoint(cfg.sglang, cfg.model, tokenizer, cfg.engine.eos_token_ids, lora=cfg.lora,
+                              seed=cfg.seed, fallback_context=cfg.engine.max_context)
     engine.weight_version = start  # the adapter of step `start` is what it serves
     engine.load_lora_adapter_from_tensors(POLICY, {n: t.detach() for n, t in peft_tensors(model).items()},
                                           cfg.lora)

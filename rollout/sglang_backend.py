@@ -22,12 +22,14 @@ SGLang is an optional extra (`pip install 'miles-k3[sglang]'`), imported only wh
 """
 from __future__ import annotations
 
+import json
 import logging
 import math
 import threading
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -182,6 +184,31 @@ def check_result(result, what: str) -> None:
         return
     if not ok:
         raise RuntimeError(f"sglang {what} failed: {message}")
+
+
+def serve_checkpoint(cfg: SGLangConfig, model_cfg, tokenizer, stop_token_ids: list[int], lora=None, seed: int = 0,
+                     fallback_context: int = 4096) -> SGLangEngine:
+    """The SGLangEngine serving the checkpoint directory `model_cfg` names (`hf_path`, else `path`), with adapters
+    like `lora` (None: the base alone), ending every sample at `stop_token_ids`. A request may hold
+    `sglang.context_length`, else the checkpoint's max_position_embeddings (its config.json), else
+    `fallback_context` tokens."""
+    if not stop_token_ids:
+        raise ValueError("engine.eos_token_ids: the model directory names no stop token (no eos_token_id in "
+                         "generation_config.json or the tokenizer); set engine.eos_token_ids=[ID, ...]")
+    path = model_cfg.hf_path or model_cfg.path
+    return SGLangEngine(cfg, path, lora=lora, seed=seed, tokenizer=tokenizer, stop_token_ids=list(stop_token_ids),
+                        max_context=checkpoint_context(path) or fallback_context)
+
+
+def checkpoint_context(path: str) -> int | None:
+    """max_position_embeddings of the checkpoint directory `path` (config.json, or its text_config), or None."""
+    file = Path(path) / "config.json"
+    try:
+        raw = json.loads(file.read_text())
+    except (OSError, ValueError):
+        return None
+    value = raw.get("max_position_embeddings") or (raw.get("text_config") or {}).get("max_position_embeddings")
+    return int(value) if isinstance(value, int) and value > 0 else None
 
 
 class SGLangEngine:

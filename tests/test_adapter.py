@@ -15,7 +15,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from miles_k3.adapter import PEFT_PREFIX, WEIGHTS_FILE, load_adapter, save_adapter
+from miles_k3.adapter import PEFT_PREFIX, WEIGHTS_FILE, load_adapter, peft_tensors, read_adapter, save_adapter
 from miles_k3.model.lora import (
     DEFAULT_TARGETS,
     LoRAConfig,
@@ -217,3 +217,34 @@ def test_load_adapter_missing_files(exported, tmp_path):
         load_adapter(copy.deepcopy(base), adapter)
     with pytest.raises(FileNotFoundError, match="adapter_config.json: missing"):
         load_adapter(copy.deepcopy(base), tmp_path / "nowhere")
+
+
+# ---- read_adapter: the tensors as stored, for an engine that loads them itself (SGLang) -------------------------
+def test_read_adapter_returns_the_config_and_the_stored_tensors(exported):
+    _, model, cfg, path = exported
+    got_cfg, tensors = read_adapter(path)
+    assert (got_cfg.rank, got_cfg.alpha, sorted(got_cfg.targets)) == (cfg.rank, cfg.alpha, sorted(cfg.targets))
+    want = peft_tensors(model)
+    assert sorted(tensors) == sorted(want)
+    assert all(torch.equal(tensors[k], want[k].detach()) for k in want)
+
+
+READ_REJECTIONS = {
+    "no pair": (lambda t: t.pop(Q_A), re.escape(Q_A) + r" is missing; the file is incomplete"),
+    "rank": (lambda t: t.update({W2_B: torch.zeros(64, 5)}), r"experts.5.w2 has lora_A .* but r=4"),
+    "not a target": (lambda t: t.update({B_PROJ: torch.zeros(4, 128), B_PROJ.replace("lora_A", "lora_B"):
+                                         torch.zeros(128, 4)}), re.escape(B_PROJ) + " adapts a module that is not"),
+    "odd key": (lambda t: t.update({PEFT_PREFIX + "model.norm.weight": torch.zeros(4)}),
+                r"unexpected key .*model.norm.weight; an adapter holds only"),
+    "nan": (lambda t: t[Q_A].view(-1).__setitem__(0, float("nan")), re.escape(Q_A) + r" must be a 2-D finite"),
+}
+
+
+@pytest.mark.parametrize("case", list(READ_REJECTIONS))
+def test_read_adapter_rejects_a_file_that_is_not_its_configs_lora(exported, tmp_path, case):
+    _, _, _, path = exported
+    adapter = shutil.copytree(path, tmp_path / "adapter")
+    edit, match = READ_REJECTIONS[case]
+    _edit_tensors(adapter, edit)
+    with pytest.raises(ValueError, match=r"adapter_model.safetensors: .*" + match):
+        read_adapter(adapter)

@@ -73,6 +73,44 @@ def test_three_grpo_steps_on_sglang(qwen3_dir, tmp_path):
     print("SGLANG_LOOP", json.dumps([{k: r.get(k) for k in keys} for r in steps]))
 
 
+def test_eval_entry_point_on_sglang(qwen3_dir, tmp_path):
+    """python -m miles_k3.eval backend=sglang: the base and a saved adapter evaluated through SGLang; the adapter
+    (loaded from its directory, no model built) changes the greedy completions."""
+    from miles_k3.adapter import save_adapter
+    from miles_k3.config import compose_config
+    from miles_k3.eval import run
+    from miles_k3.model.hf import load_hf_model
+
+    model = load_hf_model(str(qwen3_dir), torch.device("cpu"), torch.float32)
+    torch.manual_seed(0)
+    apply_lora(model, LORA)
+    with torch.no_grad():
+        for n, p in lora_parameters(model).items():
+            if "lora_B" in n:
+                p.normal_(0, 0.05)
+    save_adapter(model, LORA, tmp_path / "adapter", base_model_name_or_path=str(qwen3_dir))
+    problems = tmp_path / "p.jsonl"
+    problems.write_text("".join(json.dumps({"problem": f"{a}+{b}=", "answer": str(a + b)}) + "\n"
+                                for a in range(10, 18) for b in range(3, 7)))
+    common = ["backend=sglang", "device=cuda", "model.path=null", f"model.hf_path={qwen3_dir}",
+              f"eval.data.source={problems}", "eval.samples=2", "eval.max_new_tokens=8", "eval.template=plain",
+              "eval.temperature=0", "sglang.mem_fraction_static=0.3"]
+    t0 = time.perf_counter()
+    tuned = run(compose_config("eval", [*common, f"adapter={tmp_path}/adapter", f"output_dir={tmp_path}/tuned"]))
+    t1 = time.perf_counter()
+    base = run(compose_config("eval", [*common, f"output_dir={tmp_path}/base"]))
+    t2 = time.perf_counter()
+    rows = [json.loads(x) for x in (tmp_path / "tuned/results.jsonl").read_text().splitlines()]
+    base_rows = [json.loads(x) for x in (tmp_path / "base/results.jsonl").read_text().splitlines()]
+    assert len(rows) == len(base_rows) == 64 and tuned["backend"] == base["backend"] == "sglang"
+    assert all(r["num_tokens"] >= 1 for r in rows)
+    assert [r["response"] for r in rows[::2]] == [r["response"] for r in rows[1::2]]  # greedy: samples agree
+    changed = sum(a["response"] != b["response"] for a, b in zip(rows, base_rows))
+    assert changed >= 32, changed  # the adapter moves greedy completions of most problems
+    print("SGLANG_EVAL", json.dumps({"tuned_s": round(t1 - t0, 1), "base_s": round(t2 - t1, 1),
+                                     "changed": changed, "of": len(rows)}))
+
+
 @pytest.fixture(scope="module")
 def served(qwen3_dir):
     """An SGLang engine on the tiny Qwen3 with adapter `policy` (random B) and the trainer's model with the same."""

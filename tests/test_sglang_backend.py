@@ -292,3 +292,99 @@ def test_a_failing_parity_probe_refuses_the_push(qwen3_dir):
     with pytest.raises(SyncError, match="the parity probe failed .RuntimeError: probe request aborted."):
         channel.push(_peft(trainer), version=1)
     assert engine.serving("policy") == "policy@v0" and sorted(engine.engine.adapters) == ["policy@v0"]
+
+
+def _greedy(model, ids, max_new, stop):
+    seq = list(ids)
+    with torch.no_grad():
+        for _ in range(max_new):
+            tok = int(model(torch.tensor([seq]), seq_lens=torch.tensor([len(seq)])).logits[0, -1].argmax())
+            seq.append(tok)
+            if tok == stop:
+                break
+    return seq[len(ids):]
+
+
+def test_eval_entry_point_with_the_sglang_backend(qwen3_dir, tmp_path, monkeypatch):
+    """python -m miles_k3.eval backend=sglang (over the double): SGLang gets the checkpoint directory and the adapter
+    file's tensors as stored, every eval request names the adapter, the greedy completions are the trainer model's
+    with that adapter (and differ from the base's), and the engine is shut down at the end."""
+    import miles_k3.rollout.sglang_backend as backend
+    from miles_k3.adapter import save_adapter
+    from miles_k3.config import compose_config
+    from miles_k3.eval import run
+    from miles_k3.model.build import build_tokenizer
+    from miles_k3.model.hf import load_hf_model
+
+    trainer = _policy(qwen3_dir)
+    save_adapter(trainer, LORA, tmp_path / "adapter", base_model_name_or_path=str(qwen3_dir))
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps({"problem": q, "answer": a}) + "\n"
+                                              for q, a in [("1+2", "3"), ("40-7", "033"), ("9*9", "81")]))
+    made = []
+
+    class Recording(FakeSGLangEngine):
+        def generate(self, **kw):
+            out = super().generate(**kw)
+            self.outputs.extend(zip(kw["input_ids"], (o["output_ids"] for o in out)))
+            return out
+
+    def double(**args):
+        model = load_hf_model(str(qwen3_dir), torch.device("cpu"), torch.float32)
+        apply_lora(model, LORA)
+        made.append(Recording(model=model, **args))
+        made[-1].outputs = []
+        return made[-1]
+
+    monkeypatch.setattr(backend, "import_engine_class", lambda: double)
+    common = ["backend=sglang", "model.path=null", f"model.hf_path={qwen3_dir}", f"eval.data.source={tmp_path}/p.jsonl",
+              "eval.samples=2", "eval.max_new_tokens=5", "eval.template=plain", "eval.temperature=0"]
+    tuned = run(compose_config("eval", [*common, f"adapter={tmp_path}/adapter", f"output_dir={tmp_path}/tuned"]))
+    base = run(compose_config("eval", [*common, f"output_dir={tmp_path}/base"]))
+    assert base["adapter"] is None and base["model"] == str(qwen3_dir)
+    eng, base_eng = made
+    assert eng.server_args["model_path"] == str(qwen3_dir) and eng.server_args["max_lora_rank"] == LORA.rank
+    assert "enable_lora" not in base_eng.server_args  # no adapter: SGLang serves the base alone
+    assert [c["lora_name"] for c in eng.calls_of("load_lora_adapter_from_tensors")] == ["policy@v0"]
+    stored = _peft(trainer)
+    assert sorted(eng.adapters["policy@v0"]) == sorted(stored)
+    assert all(torch.equal(eng.adapters["policy@v0"][k], stored[k]) for k in stored)
+    assert all(c["lora_path"] == ["policy@v0"] * 6 for c in eng.calls_of("generate"))
+    assert not eng.alive and not base_eng.alive
+    tokenizer, stops = build_tokenizer(compose_config("eval", common).model, 0)
+    rows = [json.loads(x) for x in (tmp_path / "tuned/results.jsonl").read_text().splitlines()]
+    base_rows = [json.loads(x) for x in (tmp_path / "base/results.jsonl").read_text().splitlines()]
+    assert len(rows) == 6 and tuned["backend"] == "sglang" and tuned["samples_per_problem"] == 2
+    assert len(eng.outputs) == 6
+    for r, (ids, out) in zip(rows, eng.outputs):
+        assert ids == tokenizer.encode(r["prompt"], add_special_tokens=False)
+        assert out == _greedy(trainer, ids, 5, stops[0])  # the trained adapter's own greedy tokens
+        assert r["response"] == tokenizer.decode([t for t in out if t not in stops], skip_special_tokens=False)
+    assert [o for _, o in eng.outputs] != [o for _, o in base_eng.outputs]
+    assert len(base_rows) == 6
+
+
+@pytest.mark.parametrize(("overrides", "match"), [
+    (["model.hf_path=/ckpt/qwen3"], r"model.hf_path: an HF architecture is served by SGLang only; set backend=sglang"),
+    (["backend=sglang"], r"backend: sglang serves a checkpoint directory; set model.hf_path"),
+    (["backend=vllm"], r"backend: 'vllm' is not one of native, sglang"),
+])
+def test_eval_backend_config_errors(overrides, match):
+    from miles_k3.config import ConfigFieldError, compose_config
+
+    with pytest.raises(ConfigFieldError, match=match):
+        compose_config("eval", overrides)
+
+
+def test_checkpoint_context_reads_the_model_config(tmp_path):
+    from miles_k3.rollout.sglang_backend import checkpoint_context
+
+    (tmp_path / "flat").mkdir()
+    (tmp_path / "flat/config.json").write_text(json.dumps({"max_position_embeddings": 40960}))
+    (tmp_path / "nested").mkdir()
+    (tmp_path / "nested/config.json").write_text(json.dumps({"text_config": {"max_position_embeddings": 8192}}))
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad/config.json").write_text("{not json")
+    assert checkpoint_context(str(tmp_path / "flat")) == 40960
+    assert checkpoint_context(str(tmp_path / "nested")) == 8192
+    assert checkpoint_context(str(tmp_path / "bad")) is None  # the fallback (engine.max_context) applies
+    assert checkpoint_context("moonshotai/Kimi-K3") is None  # a hub id: no local config
