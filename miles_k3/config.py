@@ -138,6 +138,8 @@ class ModelInfoConfig:
     def validate(self) -> None:
         if self.tp < 1:
             raise ValueError(f"tp: must be >= 1, got {self.tp}")
+        if self.model.hf_path is not None:
+            raise ValueError("model.hf_path: model_info sizes K3 configs (model.name, model.path), not HF models")
 
 
 @dataclass
@@ -227,6 +229,9 @@ class SFTConfig:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
         if self.mode not in SFT_MODES:
             raise ValueError(f"mode: '{self.mode}' is not one of {', '.join(SFT_MODES)}")
+        if self.model.hf_path is not None:
+            raise ValueError("model.hf_path: python -m miles_k3.sft trains K3 models (model.name, model.path); an HF "
+                             "architecture is trained by python -m miles_k3.train rollout.backend=sglang")
         if self.template not in template_names():
             raise ValueError(f"template: '{self.template}' is not one of {', '.join(template_names())}")
         if self.mode == "full" and self.model.experts == "mxfp4":

@@ -115,6 +115,8 @@ def test_unknown_keys_and_bad_types_fail_while_composing():
         compose_config("model_info", ["tp=two"])
     with pytest.raises(ConfigFieldError, match="^tp: "):
         compose_config("model_info", ["tp=0"])
+    with pytest.raises(ConfigFieldError, match="^model.hf_path: model_info sizes K3 configs"):
+        compose_config("model_info", ["model.hf_path=/ckpt/qwen3"])
 
 
 def test_train_entry_point_runs_the_embedded_default(tmp_path):

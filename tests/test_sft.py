@@ -141,6 +141,7 @@ def test_two_identical_runs_write_identical_bytes(tmp_path):
     ("template=no_such_template", "template"),
     ("model.experts=mxfp4", "model.experts"),
     ("optim.lr=0", "optim.lr"),
+    ("model.hf_path=/ckpt/qwen3", "model.hf_path"),  # sft builds K3 models: an ignored hf_path would train a K3
 ])
 def test_bad_values_fail_naming_the_field(override, field):
     with pytest.raises(ConfigFieldError, match=rf"^{field}: "):
