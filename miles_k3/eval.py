@@ -73,8 +73,8 @@ def run(cfg) -> dict:
     torch.manual_seed(cfg.seed)
     problems = load_problems(cfg.eval.data)  # a bad dataset fails before the model is built
     engine, tokenizer, lora = build_engine(cfg)
+    out_dir = Path(cfg.output_dir or f"runs/eval-{time.strftime('%Y%m%d-%H%M%S')}")
     try:
-        out_dir = Path(cfg.output_dir or f"runs/eval-{time.strftime('%Y%m%d-%H%M%S')}")
         result = evaluate(engine, tokenizer, problems, cfg.eval, lora=lora)
     finally:
         close = getattr(engine, "close", None)
