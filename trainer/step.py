@@ -123,9 +123,7 @@ def fill_old_logprobs(model, samples: list[Sample], cfg: TrainerConfig, pad_id: 
     training pass makes, without gradients)."""
     for idx in micro_batches(samples, cfg.micro_batch_tokens):
         mb = pack([samples[i] for i in idx], pad_id).to(device)
-        with _autocast(model, cfg):
-            logits = model(mb.input_ids_BT, seq_lens=mb.seq_lens_B).logits
-        logp = token_logprobs(logits / temperature, mb.targets_BT).float().cpu()
+        logp = _batch_logprobs(model, mb, cfg, temperature).float().cpu()
         for row, i in enumerate(idx):
             s = samples[i]
             p, n = len(s.prompt_ids), s.length - 1
@@ -195,7 +193,15 @@ def _micro_step(model, mb, cfg: TrainerConfig, totals: dict, has_rollout: bool,
 @torch.no_grad()
 def _reference_logprobs(model, mb, cfg: TrainerConfig, temperature: float) -> torch.Tensor:
     """The frozen base's log-probs (the adapter switched off: no second copy of the model)."""
-    with adapters_disabled(model), _autocast(model, cfg):
+    with adapters_disabled(model):
+        return _batch_logprobs(model, mb, cfg, temperature)
+
+
+@torch.no_grad()
+def _batch_logprobs(model, mb, cfg: TrainerConfig, temperature: float) -> torch.Tensor:
+    """The model's log-prob [B, T] of each target of `mb`, from the forward the training pass makes (without
+    gradients)."""
+    with _autocast(model, cfg):
         logits = model(mb.input_ids_BT, seq_lens=mb.seq_lens_B).logits
     return token_logprobs(logits / temperature, mb.targets_BT)
 
