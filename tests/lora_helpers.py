@@ -28,3 +28,19 @@ def randomize_adapters(model, seed=1, std=0.1):
     with torch.no_grad():
         for _, p in sorted(lora_parameters(model).items()):
             p.copy_(torch.randn(p.shape, generator=g) * std)
+
+
+def hf_policy(directory, lora, device="cpu", seed=0, std=0.05):
+    """The HF checkpoint at `directory` in fp32 on `device` with LoRA `lora` applied and random B (std `std`, after
+    torch.manual_seed(seed)): an adapter that changes the outputs."""
+    from miles_k3.model.hf import load_hf_model
+    from miles_k3.model.lora import apply_lora
+
+    model = load_hf_model(str(directory), torch.device(device), torch.float32)
+    torch.manual_seed(seed)
+    apply_lora(model, lora)
+    with torch.no_grad():
+        for n, p in lora_parameters(model).items():
+            if "lora_B" in n:
+                p.normal_(0, std)
+    return model

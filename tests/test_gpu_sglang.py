@@ -10,8 +10,9 @@ import time
 
 import pytest
 import torch
+from lora_helpers import hf_policy
 
-from miles_k3.model.lora import LoRAConfig, apply_lora, lora_parameters
+from miles_k3.model.lora import LoRAConfig, lora_parameters
 
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
@@ -79,15 +80,8 @@ def test_eval_entry_point_on_sglang(qwen3_dir, tmp_path):
     from miles_k3.adapter import save_adapter
     from miles_k3.config import compose_config
     from miles_k3.eval import run
-    from miles_k3.model.hf import load_hf_model
 
-    model = load_hf_model(str(qwen3_dir), torch.device("cpu"), torch.float32)
-    torch.manual_seed(0)
-    apply_lora(model, LORA)
-    with torch.no_grad():
-        for n, p in lora_parameters(model).items():
-            if "lora_B" in n:
-                p.normal_(0, 0.05)
+    model = hf_policy(qwen3_dir, LORA)
     save_adapter(model, LORA, tmp_path / "adapter", base_model_name_or_path=str(qwen3_dir))
     problems = tmp_path / "p.jsonl"
     problems.write_text("".join(json.dumps({"problem": f"{a}+{b}=", "answer": str(a + b)}) + "\n"
@@ -115,16 +109,9 @@ def test_eval_entry_point_on_sglang(qwen3_dir, tmp_path):
 def served(qwen3_dir):
     """An SGLang engine on the tiny Qwen3 with adapter `policy` (random B) and the trainer's model with the same."""
     from miles_k3.adapter import peft_tensors
-    from miles_k3.model.hf import load_hf_model
     from miles_k3.rollout.sglang_backend import SGLangConfig, SGLangEngine
 
-    model = load_hf_model(str(qwen3_dir), torch.device("cuda"), torch.float32)
-    torch.manual_seed(0)
-    apply_lora(model, LORA)
-    with torch.no_grad():
-        for n, p in lora_parameters(model).items():
-            if "lora_B" in n:
-                p.normal_(0, 0.05)
+    model = hf_policy(qwen3_dir, LORA, device="cuda")
     cfg = SGLangConfig(mem_fraction_static=0.3, enable_weights_cpu_backup=True)
     engine = SGLangEngine(cfg, str(qwen3_dir), lora=LORA, seed=0, stop_token_ids=[257, 259])
     engine.load_lora_adapter_from_tensors("policy", {k: v.detach() for k, v in peft_tensors(model).items()}, LORA)

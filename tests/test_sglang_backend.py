@@ -9,6 +9,7 @@ import sys
 
 import pytest
 import torch
+from lora_helpers import hf_policy
 
 from miles_k3.model.lora import LoRAConfig, apply_lora, lora_parameters
 from miles_k3.rollout.sglang_backend import (
@@ -35,16 +36,7 @@ def qwen3_dir(tmp_path_factory):
 
 
 def _policy(qwen3_dir, seed=0):
-    from miles_k3.model.hf import load_hf_model
-
-    model = load_hf_model(str(qwen3_dir), torch.device("cpu"), torch.float32)
-    torch.manual_seed(seed)
-    apply_lora(model, LORA)
-    with torch.no_grad():
-        for n, p in lora_parameters(model).items():
-            if "lora_B" in n:
-                p.normal_(0, 0.05)  # an adapter that changes the outputs
-    return model
+    return hf_policy(qwen3_dir, LORA, seed=seed)
 
 
 def _peft(model):
