@@ -4,10 +4,12 @@
 `(responses, golds) -> list[RewardResult]` with an optional `close()`. The built-ins `aime` and `math` grade in a
 `GradingPool` with the grader of the same name (the one the evals use, so reward and eval cannot disagree):
 1.0 for a correct answer, 0.0 otherwise, plus `cfg.format_bonus` when the answer was written in a box. The
-built-in `integer` (a response that is exactly the gold integer) is for short-answer generated tasks.
+built-in `integer` (a response that is exactly the gold integer) is for short-answer generated tasks; `coin` is a
+control that ignores the answer (a fair coin per response), for measuring what training without signal does.
 """
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -24,7 +26,7 @@ class RewardConfig:
 
     name: str = "aime"
     """A registered reward: aime (integer answers 0..999), math (math-verify), integer (the response is exactly the
-    gold integer), or one added by register_reward."""
+    gold integer), coin (a control: a fair coin that ignores the answer), or one added by register_reward."""
     format_bonus: float = 0.0
     """Added when the final answer was written in \\boxed{} (correct or not); 0 = off."""
     timeout_s: float = 5.0
@@ -42,6 +44,8 @@ class RewardConfig:
                              f"{', '.join(reward_names())}")
         if not (math.isfinite(self.format_bonus) and self.format_bonus >= 0):
             raise ValueError(f"format_bonus: must be a finite number >= 0, got {self.format_bonus}")
+        if self.name == "coin" and self.format_bonus:
+            raise ValueError("format_bonus: the coin reward ignores the response (a control); set format_bonus=0")
         if not (math.isfinite(self.timeout_s) and self.timeout_s > 0):
             raise ValueError(f"timeout_s: must be a finite number of seconds > 0, got {self.timeout_s}")
         if self.workers < 1:
@@ -60,6 +64,22 @@ class RewardResult:
     score: float
     correct: bool
     reasons: dict
+
+
+GRADE_TIMEOUT_PREFIX = "timeout"
+"""`GradingPool`'s reason for a response whose grading ran past its time limit ("timeout after 5.0s")."""
+GRADE_ERROR_PREFIXES = ("grader error", "gold error", "math-verify error")
+"""Reasons of grades that failed rather than judged: the grader raised or its worker died, the gold was unusable,
+math-verify failed on the gold or on the response (`GradingPool`, `graders.grade_math`)."""
+
+
+def grade_outcome(result: RewardResult) -> str:
+    """"timeout", "error" or "ok" (the grader judged the answer, right or wrong) from a reward's grade reason;
+    "ok" for rewards that record no grade."""
+    reason = str(result.reasons.get("grade", ""))
+    if reason.startswith(GRADE_TIMEOUT_PREFIX):
+        return "timeout"
+    return "error" if reason.startswith(GRADE_ERROR_PREFIXES) else "ok"
 
 
 class RewardFn(Protocol):
@@ -135,3 +155,23 @@ def math_reward(cfg: RewardConfig) -> RewardFn:
 @register_reward("integer")
 def integer_reward(cfg: RewardConfig) -> RewardFn:
     return GraderReward("integer", cfg)
+
+
+class CoinReward:
+    """The control reward: 1.0 or 0.0 by a fair coin keyed by a hash of (response, gold), so it ignores whether
+    the answer is right but is reproducible; nothing is graded (`correct` is False, rollout/accuracy reads 0).
+    Training on it measures drift without signal."""
+
+    def __call__(self, responses: list[str], golds: list[str]) -> list[RewardResult]:
+        return [RewardResult(float(_coin(r, g)), False, {"grade": "coin (not graded)"})
+                for r, g in zip(responses, golds)]
+
+
+def _coin(response: str, gold: str) -> bool:
+    digest = hashlib.sha256(f"{response}\0{gold}".encode("utf-8", "surrogatepass")).digest()
+    return bool(digest[0] & 1)
+
+
+@register_reward("coin")
+def coin_reward(cfg: RewardConfig) -> RewardFn:
+    return CoinReward()

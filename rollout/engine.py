@@ -29,7 +29,8 @@ from miles_k3.model.lora import LoRAConfig
 from miles_k3.rollout.adapters import AdapterBank, share_base
 from miles_k3.rollout.graph_decode import GraphDecoder
 from miles_k3.rollout.memory import KDAStatePool, PagedLatentCache, plan_memory, pooled_state, store_state
-from miles_k3.rollout.sampling import FinishReason, SamplingParams, check_stop, sample
+from miles_k3.rollout.sampling import (FinishReason, SamplingParams, check_stop, filters, sample,
+                                       unfiltered_logprobs)
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +84,7 @@ class _Request:
     cached: int = 0  # prompt tokens reused from a forked prefill
     output: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    unfiltered: list[float] = field(default_factory=list)  # requests that filter (top-p/top-k/min-p) only
     slot: int | None = None
     finish: FinishReason | None = None
     weight_versions: set[int] = field(default_factory=set)
@@ -175,7 +177,10 @@ class RolloutEngine:
         """Samples for every prompt: `n` per prompt, in order (prompt i's sample j at i * n + j).
 
         Each entry: `output_ids`, `meta_info` {finish_reason, prompt_tokens, completion_tokens,
-        cached_tokens, weight_version, output_token_logprobs [(logprob, token_id)] if return_logprob}, or
+        cached_tokens, weight_version (the newest the sample saw), weight_versions (all, sorted),
+        output_token_logprobs [(logprob, token_id)] if return_logprob (of the distribution sampled from: filtered
+        when top-p / top-k / min-p filter), and then output_token_logprobs_unfiltered [logprob] (the same tokens under
+        the unfiltered distribution) for a request that filters}, or
         `error` (with finish_reason {"type": "abort"}) for a request that was rejected. Sample j of a prompt
         with `sampling_seed` s uses seed s + j, so a fork equals n separate requests with those seeds.
         """
@@ -400,10 +405,15 @@ class RolloutEngine:
             logits = self._step([r.rid for r in reqs], [r.slot for r in reqs], [r.last_token for r in reqs])
             keys = torch.tensor([r.key for r in reqs])
             positions = torch.tensor([len(r.output) for r in reqs])
-            tokens, logprobs = sample(logits, [r.params for r in reqs], keys, positions)
-            for req, t, lp in zip(reqs, tokens.tolist(), logprobs.tolist()):
+            params = [r.params for r in reqs]
+            tokens, logprobs = sample(logits, params, keys, positions)
+            filtering = [filters(p, logits.shape[-1]) for p in params]
+            raw = unfiltered_logprobs(logits, params, tokens).tolist() if any(filtering) else None
+            for b, (req, t, lp) in enumerate(zip(reqs, tokens.tolist(), logprobs.tolist())):
                 req.output.append(t)
                 req.logprobs.append(lp)
+                if filtering[b]:
+                    req.unfiltered.append(raw[b])
                 req.weight_versions.add(self.weight_version)
                 req.finish = check_stop(req.output, req.params, self.config.eos_token_ids, self._text_fn)
                 if req.finish is not None:
@@ -435,6 +445,8 @@ class RolloutEngine:
                 "weight_version": max(req.weight_versions), "weight_versions": sorted(req.weight_versions)}
         if return_logprob:
             meta["output_token_logprobs"] = list(zip(req.logprobs, req.output))
+            if req.unfiltered:  # the sampling was filtered: the same tokens under the unfiltered distribution
+                meta["output_token_logprobs_unfiltered"] = list(req.unfiltered)
         return {"output_ids": list(req.output), "meta_info": meta}
 
     @property

@@ -124,10 +124,24 @@ def _need(ok: bool, field: str, value: object, allowed: str, where: str) -> None
         raise ValueError(f"{where}: sampling_params.{field}={value!r} is invalid; expected {allowed}")
 
 
+def filters(p: SamplingParams, vocab: int) -> bool:
+    """True when the request samples from a filtered distribution (not greedy, and top-k < vocab, top-p < 1 or
+    min-p > 0): its reported log-probs are then those of the filtered, renormalised distribution."""
+    return not p.greedy and ((0 < p.top_k < vocab) or p.top_p < 1.0 or p.min_p > 0.0)
+
+
 def _no_row_filters(params: Sequence[SamplingParams], vocab: int) -> bool:
     """True when no row filters: every row is greedy or has top-k off (or >= vocab), top-p 1 and min-p 0."""
-    return all(p.greedy or ((p.top_k <= 0 or p.top_k >= vocab) and p.top_p >= 1.0 and p.min_p <= 0.0)
-               for p in params)
+    return not any(filters(p, vocab) for p in params)
+
+
+def unfiltered_logprobs(logits_BV: Tensor, params: Sequence[SamplingParams], ids_B: Tensor) -> Tensor:
+    """fp32 [B]: the log-prob of token ids_B[b] under the unfiltered distribution at the row's temperature
+    (log-softmax of logits / temperature over the whole vocabulary; temperature 1 for greedy rows): what the
+    trainer computes, against the filtered log-prob `sample` reports for rows that filter."""
+    temp_B = torch.tensor([1.0 if p.greedy else p.temperature for p in params], device=logits_BV.device)
+    logp_BV = torch.log_softmax(logits_BV.float() / temp_B[:, None], dim=-1)
+    return logp_BV.gather(1, ids_B.to(logits_BV.device)[:, None]).squeeze(1)
 
 
 def filtered_logprobs(logits_BV: Tensor, params: Sequence[SamplingParams]) -> Tensor:

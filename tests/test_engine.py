@@ -241,3 +241,23 @@ def test_prefill_packs_rows_by_the_chunk_width_and_splitting_changes_nothing(bas
         prefills = [s for s in calls if s[1] > 1]  # decode steps go through model.step, not forward
         assert len(prefills) == forwards and all(s[1] == 2 for s in prefills)
     assert outputs[10] == outputs[2]
+
+
+def test_filtered_requests_also_report_the_unfiltered_logprobs_of_their_tokens(base):
+    """top-k: output_token_logprobs are the filtered distribution's, output_token_logprobs_unfiltered the full
+    one's (what the trainer computes); requests that do not filter carry no second list."""
+    res = _engine(base).generate(input_ids=PROMPTS[:2], sampling_params=[
+        {"temperature": 1.0, "top_k": 3, "max_new_tokens": 5, "sampling_seed": 1},
+        {"temperature": 1.0, "max_new_tokens": 5, "sampling_seed": 2}])
+    filtered, plain = res
+    assert "output_token_logprobs_unfiltered" not in plain["meta_info"]
+    prompt, out = PROMPTS[0], filtered["output_ids"]
+    with torch.no_grad():
+        logits = base(torch.tensor([prompt + out])).logits[0].float()
+    for i, t in enumerate(out):
+        row = logits[len(prompt) - 1 + i]
+        full = torch.log_softmax(row, -1)[t].item()
+        top3 = row.topk(3).values
+        kept = (row[t] - torch.logsumexp(top3, 0)).item()  # renormalised over the 3 survivors
+        assert filtered["meta_info"]["output_token_logprobs_unfiltered"][i] == pytest.approx(full, abs=LOGPROB_ATOL)
+        assert filtered["meta_info"]["output_token_logprobs"][i][0] == pytest.approx(kept, abs=LOGPROB_ATOL)

@@ -11,7 +11,9 @@ from miles_k3.rollout.sampling import (
     SamplingParams,
     check_stop,
     filtered_logprobs,
+    filters,
     sample,
+    unfiltered_logprobs,
 )
 
 # Probabilities of a hand-built 5-token distribution (sum 1), in shuffled id order.
@@ -308,3 +310,28 @@ def test_keyed_noise_is_strictly_positive_and_finite():
     assert e.min() < 1e-5 and e.max() > 12  # both tails of Exp(1) are sampled
     e48 = keyed_exp_noise(torch.tensor([48]), torch.tensor([16]), 110)[0, 109]  # the top of the hash range
     assert 0 < e48 < 1e-6
+
+
+def test_unfiltered_logprobs_of_the_drawn_tokens_hand_computed():
+    # top-k 2 keeps ids 1 (0.40) and 3 (0.25): renormalised 0.40 / 0.65 and 0.25 / 0.65
+    p = SamplingParams(top_k=2)
+    ids, logp = _draw(_logits(), p, 64)
+    raw = unfiltered_logprobs(_logits().expand(64, -1), [p] * 64, ids)
+    assert set(ids.tolist()) == {1, 3}
+    want_raw = {1: math.log(0.40), 3: math.log(0.25)}
+    want_filtered = {1: math.log(0.40 / 0.65), 3: math.log(0.25 / 0.65)}
+    for t, r, f in zip(ids.tolist(), raw.tolist(), logp.tolist()):
+        assert r == pytest.approx(want_raw[t], abs=1e-6) and f == pytest.approx(want_filtered[t], abs=1e-6)
+    # temperature 2 and greedy rows: over the whole vocabulary at the row's temperature (1 for greedy)
+    hot, greedy = SamplingParams(temperature=2.0, top_p=0.5), SamplingParams(temperature=0.0)
+    two = unfiltered_logprobs(_logits().expand(2, -1), [hot, greedy], torch.tensor([2, 2]))
+    z = sum(q ** 0.5 for q in PROBS)  # softmax(log q / 2) = sqrt(q) / sum sqrt(q)
+    assert two.tolist() == pytest.approx([math.log(0.05 ** 0.5 / z), math.log(0.05)], abs=1e-6)
+
+
+def test_filters_names_the_requests_whose_logprobs_are_filtered():
+    v = 5
+    assert not filters(SamplingParams(), v) and not filters(SamplingParams(top_k=5), v)
+    assert not filters(SamplingParams(temperature=0.0, top_p=0.5), v)  # greedy: raw log-probs
+    assert filters(SamplingParams(top_k=4), v) and filters(SamplingParams(top_p=0.9), v)
+    assert filters(SamplingParams(min_p=0.1), v)

@@ -26,11 +26,14 @@ class Sample:
     rollout_logprobs: list[float] = field(default_factory=list)  # the engine's, one per response token
     reward: float = 0.0
     advantage: float = 0.0
-    weight_version: int = 0  # the engine's weight version when it was sampled
+    weight_version: int = 0  # the oldest engine weight version any of its tokens was sampled with
     truncated: bool = False  # stopped by max_new_tokens
     group: int = 0  # the index of its prompt in the step (GRPO group)
-    in_loss: bool = True  # False: kept for the group's statistics but masked out of the loss (overlong=mask)
+    in_loss: bool = True  # False: left out of the loss, its normalisers and its group's baseline (overlong=mask)
     old_logprobs: list[float] = field(default_factory=list)  # the policy's before the step's first update
+    weight_version_max: int = 0  # the newest one it saw (== weight_version unless a push came mid-sample)
+    unfiltered_logprobs: list[float] = field(default_factory=list)  # engine log-probs under the unfiltered
+    # distribution, reported only when top-p / top-k filtered the sampling (rollout_logprobs are the filtered ones)
 
     @property
     def length(self) -> int:

@@ -6,25 +6,38 @@ goes into checkpoints so a resumed run draws the same prompts. `collect_rollouts
 `group_size` samples of each prompt with sampling seed `seed + draw * group_size + j` (draw = the prompt's
 index in the stream since the run began), so a resumed run also samples the same tokens. With
 `dynamic_sampling`, groups whose rewards are all equal (no gradient) are dropped and more prompts are drawn, up to
-`max_sampling_rounds` rounds, until `prompts_per_step` groups are kept. Overlong completions (stopped by
-max_new_tokens) are kept as they are (`overlong=none`), left out of the loss (`mask`), or rewarded with DAPO's
-soft penalty (`penalty`: 0 up to max_new_tokens - overlong_buffer tokens, then falling linearly to -1 at
-max_new_tokens).
+`max_sampling_rounds` rounds, until `prompts_per_step` groups are kept.
+
+Overlong handling (`overlong`): `none` keeps every completion as it is; `mask` leaves completions stopped by
+max_new_tokens out of training altogether: they contribute nothing to the loss, its normalisers or their group's
+baseline (the group's advantages and its zero-variance test are computed over the members that ended on their
+own; a group with fewer than two such members has no signal); `penalty` is DAPO's soft overlong penalty, applied
+by length to EVERY completion, truncated or not: 0 up to L_max - L_buf tokens (L_max = max_new_tokens, L_buf =
+overlong_buffer), then (L_max - L_buf - L) / L_buf, falling linearly to -1 at L_max.
+
+Grading outcomes are counted per step: `rollout/grader_timeout_rate` and `rollout/grader_error_rate` (grader
+timeouts and failures, both scored 0: a silent zero reward otherwise) and `rollout/accuracy` (the share of
+correct answers: the reward without its format bonus or penalties); a step whose grading failures exceed
+GRADER_FAILURE_WARN of its samples logs a warning.
 """
 from __future__ import annotations
 
+import logging
 import random
 from dataclasses import dataclass, field
 
 import torch
 
 from miles_k3.evals.datasets import Problem
+from miles_k3.evals.rewards import grade_outcome
 from miles_k3.evals.templates import render_prompt, response_text, template_names
 from miles_k3.trainer.advantages import ADVANTAGE_ESTIMATORS, group_advantages, zero_variance_groups
 from miles_k3.trainer.batch import Sample
 
 OVERLONG_MODES = ("none", "mask", "penalty")
 BACKENDS = ("native", "sglang")
+GRADER_FAILURE_WARN = 0.05  # a step whose grader timeouts + errors exceed this share of its samples warns
+log = logging.getLogger("miles_k3.train")
 
 
 @dataclass
@@ -52,9 +65,12 @@ class RolloutConfig:
     max_sampling_rounds: int = 4
     """Draw rounds per step with dynamic_sampling; after them the step trains on the groups it has."""
     overlong: str = "none"
-    """Samples stopped by max_new_tokens: none (kept), mask (no loss), penalty (DAPO soft penalty)."""
+    """none (every sample kept as it is), mask (samples stopped by max_new_tokens are left out of the loss, its
+    normalisers and their group's baseline) or penalty (DAPO's soft penalty by length on every sample)."""
     overlong_buffer: int = 0
-    """The penalty's ramp length in tokens (penalty mode)."""
+    """The penalty's ramp length L_buf in tokens (penalty mode): a response of L > max_new_tokens - L_buf tokens
+    gets (max_new_tokens - L_buf - L) / L_buf added to its reward (-1 at max_new_tokens); 0: -1 for a response
+    of max_new_tokens tokens, nothing below."""
     seed: int = 0
     """Prompt order and sampling seeds."""
     log_samples: int = 4
@@ -134,25 +150,71 @@ def collect_rollouts(engine, tokenizer, stream: PromptStream, reward_fn, cfg: Ro
     rewards and advantages; metrics under rollout/."""
     kept: list[list[Sample]] = []
     seen: list[list[Sample]] = []
+    outcomes: list[tuple[str, bool]] = []  # (grade outcome, correct) of every graded sample
     rounds = num_flat = 0
     while len(kept) < cfg.prompts_per_step and rounds < (cfg.max_sampling_rounds if cfg.dynamic_sampling else 1):
-        groups = _sample_groups(engine, tokenizer, stream.take(cfg.prompts_per_step - len(kept)), reward_fn, cfg,
-                                lora)
+        groups, graded = _sample_groups(engine, tokenizer, stream.take(cfg.prompts_per_step - len(kept)),
+                                        reward_fn, cfg, lora)
         seen += groups
-        rewards = torch.tensor([s.reward for g in groups for s in g])
-        flat = zero_variance_groups(rewards, cfg.group_size).tolist()
+        outcomes += graded
+        flat = [_is_flat(g) for g in groups]
         num_flat += sum(flat)
         kept += [g for g, flat_g in zip(groups, flat) if not (cfg.dynamic_sampling and flat_g)]
         rounds += 1
     for gi, g in enumerate(kept):
-        adv = group_advantages(torch.tensor([s.reward for s in g]), cfg.group_size, cfg.advantage)
-        for s, a in zip(g, adv.tolist()):
+        for s, a in zip(g, _advantages(g, cfg.advantage)):
             s.advantage, s.group = a, gi
     samples = [s for g in kept for s in g]
-    return samples, {**_metrics(seen, kept, rounds), "rollout/frac_zero_std": num_flat / len(seen)}
+    return samples, {**_metrics(seen, kept, rounds), **_grading_metrics(outcomes),
+                     "rollout/frac_zero_std": num_flat / len(seen)}
 
 
-def _sample_groups(engine, tokenizer, drawn, reward_fn, cfg: RolloutConfig, lora) -> list[list[Sample]]:
+def check_on_policy(samples: list[Sample], version: int) -> None:
+    """The loop is synchronous: every token of every sample must have been drawn with weight version `version`
+    (the trainer's adapter). Raises RuntimeError naming the first sample that was not (a push that landed during
+    a rollout, or an engine serving another adapter), since the loss takes the samples as on-policy."""
+    for i, s in enumerate(samples):
+        if s.weight_version != version or s.weight_version_max != version:
+            raise RuntimeError(f"rollout: sample {i} was drawn with weight versions {s.weight_version}.."
+                               f"{s.weight_version_max}, the trainer's adapter is version {version}; the engine "
+                               "must serve the trainer's adapter during the whole rollout")
+
+
+def _is_flat(group: list[Sample]) -> bool:
+    """No learning signal: the rewards of the group's in-loss members are all equal (or fewer than two are in
+    the loss)."""
+    members = [s.reward for s in group if s.in_loss]
+    return len(members) < 2 or bool(zero_variance_groups(torch.tensor(members), len(members))[0])
+
+
+def _advantages(group: list[Sample], estimator: str) -> list[float]:
+    """The group's advantages, its baseline over the members in the loss only; 0 for the others."""
+    members = [i for i, s in enumerate(group) if s.in_loss]
+    out = [0.0] * len(group)
+    if len(members) >= 2:
+        adv = group_advantages(torch.tensor([group[i].reward for i in members]), len(members), estimator)
+        for i, a in zip(members, adv.tolist()):
+            out[i] = a
+    return out
+
+
+def _grading_metrics(outcomes: list[tuple[str, bool]]) -> dict[str, float]:
+    """Shares of grader timeouts, grader errors and correct answers among the step's graded samples; warns when
+    timeouts + errors exceed GRADER_FAILURE_WARN."""
+    n = max(len(outcomes), 1)
+    timeouts = sum(o == "timeout" for o, _ in outcomes) / n
+    errors = sum(o == "error" for o, _ in outcomes) / n
+    if timeouts + errors > GRADER_FAILURE_WARN:
+        log.warning("rollout: %.0f%% of this step's samples were not graded (%.0f%% timeouts, %.0f%% grader errors) "
+                    "and scored 0: raise reward.timeout_s or reward.workers, or check the gold answers (a "
+                    "grader error on the gold is a dataset problem)", 100 * (timeouts + errors), 100 * timeouts,
+                    100 * errors)
+    return {"rollout/grader_timeout_rate": timeouts, "rollout/grader_error_rate": errors,
+            "rollout/accuracy": sum(c for _, c in outcomes) / n}
+
+
+def _sample_groups(engine, tokenizer, drawn, reward_fn, cfg: RolloutConfig,
+                   lora) -> tuple[list[list[Sample]], list[tuple[str, bool]]]:
     prompts = [tokenizer.encode(render_prompt(cfg.template, p.problem, tokenizer), add_special_tokens=False)
                for _, p in drawn]
     params = [{"max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature, "top_p": cfg.top_p,
@@ -166,33 +228,43 @@ def _sample_groups(engine, tokenizer, drawn, reward_fn, cfg: RolloutConfig, lora
     golds = [p.answer for _, p in drawn for _ in range(cfg.group_size)]
     results = reward_fn(texts, golds)
     samples = [_sample(prompts[i // cfg.group_size], o, r.score, cfg) for i, (o, r) in enumerate(zip(outs, results))]
-    return [samples[i:i + cfg.group_size] for i in range(0, len(samples), cfg.group_size)]
+    graded = [(grade_outcome(r), bool(r.correct)) for r in results]
+    return [samples[i:i + cfg.group_size] for i in range(0, len(samples), cfg.group_size)], graded
 
 
 def _sample(prompt: list[int], out: dict, reward: float, cfg: RolloutConfig) -> Sample:
     meta = out["meta_info"]
     truncated = (meta.get("finish_reason") or {}).get("type") == "length"
     ids = list(out["output_ids"])
-    if truncated and cfg.overlong == "penalty":
-        reward += _overlong_penalty(len(ids), cfg)
+    if cfg.overlong == "penalty":
+        reward += overlong_penalty(len(ids), cfg.max_new_tokens, cfg.overlong_buffer)
+    versions = meta.get("weight_versions") or [meta.get("weight_version", 0)]
     return Sample(list(prompt), ids, [lp for lp, _ in meta.get("output_token_logprobs", [])], reward,
-                  weight_version=meta.get("weight_version", 0), truncated=truncated,
-                  in_loss=not (truncated and cfg.overlong == "mask"))
+                  weight_version=min(versions), weight_version_max=max(versions), truncated=truncated,
+                  in_loss=not (truncated and cfg.overlong == "mask"),
+                  unfiltered_logprobs=list(meta.get("output_token_logprobs_unfiltered", [])))
 
 
-def _overlong_penalty(length: int, cfg: RolloutConfig) -> float:
-    """DAPO's soft overlong penalty: 0 up to L_max - L_buf tokens, then linear down to -1 at L_max."""
-    free = cfg.max_new_tokens - cfg.overlong_buffer
-    if length <= free:
-        return 0.0
-    return -1.0 if cfg.overlong_buffer == 0 else max(-1.0, (free - length) / cfg.overlong_buffer)
+def overlong_penalty(length: int, max_new_tokens: int, buffer: int) -> float:
+    """DAPO's soft overlong penalty of a response of `length` tokens: 0 up to L_max - L_buf tokens, then
+    (L_max - L_buf - length) / L_buf, down to -1 at L_max (and below it for longer responses: clamped at -1);
+    with no buffer, -1 from L_max on."""
+    if buffer == 0:
+        return -1.0 if length >= max_new_tokens else 0.0
+    free = max_new_tokens - buffer
+    return 0.0 if length <= free else max(-1.0, (free - length) / buffer)
 
 
 def _metrics(seen: list[list[Sample]], kept: list[list[Sample]], rounds: int) -> dict:
     flat = [s for g in seen for s in g]
     lens = [len(s.response_ids) for s in flat]
-    return {"rollout/reward_mean": sum(s.reward for s in flat) / len(flat),
-            "rollout/response_len_mean": sum(lens) / len(lens),
-            "rollout/truncated_frac": sum(s.truncated for s in flat) / len(flat),
-            "rollout/groups_kept": float(len(kept)), "rollout/groups_drawn": float(len(seen)),
-            "rollout/sampling_rounds": float(rounds)}
+    out = {"rollout/reward_mean": sum(s.reward for s in flat) / len(flat),
+           "rollout/response_len_mean": sum(lens) / len(lens),
+           "rollout/truncated_frac": sum(s.truncated for s in flat) / len(flat),
+           "rollout/groups_kept": float(len(kept)), "rollout/groups_drawn": float(len(seen)),
+           "rollout/sampling_rounds": float(rounds)}
+    gaps = [u - f for s in flat if s.unfiltered_logprobs
+            for f, u in zip(s.rollout_logprobs, s.unfiltered_logprobs)]
+    if gaps:  # top-p / top-k: the sampled tokens' log-probs under the filtered vs the full distribution
+        out["rollout/logprob_filter_gap"] = -sum(gaps) / len(gaps)
+    return out
