@@ -83,6 +83,12 @@ class TrainConfig:
         check_device(self.device)
         check_weights_given(self.model)
         check_backend(self.model, self.rollout.backend, self.sglang, self.rollout.release_tags)
+        check_sync(self.sync, self.rollout.backend)
+        if self.trainer.old_logprobs == "rollout" and self.trainer.loss.tis != "none":
+            raise ValueError(f"trainer.loss.tis: with trainer.old_logprobs=rollout the ratio's old log-probs are the "
+                             f"engine's, so the TIS weight exp(old - rollout) is exactly 1 and tis="
+                             f"{self.trainer.loss.tis} does nothing; set trainer.old_logprobs=recompute (TIS then "
+                             "corrects the engine/trainer mismatch) or trainer.loss.tis=none")
         for name in ("steps", "checkpoint_every"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}")
@@ -106,6 +112,23 @@ def check_backend(model: ModelConfig, backend: str, sglang: SGLangConfig, releas
         if "weights" in release_tags and not sglang.enable_weights_cpu_backup:
             raise ValueError("rollout.release_tags: releasing weights needs sglang.enable_weights_cpu_backup=true "
                              "(SGLang resumes released weights as garbage otherwise)")
+
+
+def check_sync(sync: WeightSyncConfig, backend: str) -> None:
+    """`python -m miles_k3.train` runs its engine in its own process: only the local transport applies, and with
+    the SGLang backend (pushes through SGLang's adapter API) no `sync:` field does anything."""
+    if backend == "sglang":
+        default = WeightSyncConfig()
+        changed = [f.name for f in dataclasses.fields(sync) if getattr(sync, f.name) != getattr(default, f.name)]
+        if changed:
+            raise ValueError(f"sync.{changed[0]}: does nothing with rollout.backend=sglang (a push goes through "
+                             "SGLang's adapter API, verified by sglang.verify_push); remove the sync: overrides")
+        return
+    if sync.transport != "local":
+        raise ValueError(f"sync.transport: '{sync.transport}' carries pushes to an engine in another process or on "
+                         "other ranks, and python -m miles_k3.train runs its engine in its own process; use "
+                         "sync.transport=local (ipc and dist are for launchers of your own: "
+                         "miles_k3.weight_sync.channel.open_sender / open_receiver)")
 
 
 def check_device(device: str) -> None:

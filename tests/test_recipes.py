@@ -57,8 +57,8 @@ def test_default_and_aime_recipe_values():
     assert (default.reward.name, default.reward.format_bonus) == ("integer", 0.0)
     rewarded = compose_config("train", ["reward=math", "reward.format_bonus=0.1", "reward.channel=k3"])
     assert (rewarded.reward.name, rewarded.reward.format_bonus, rewarded.reward.channel) == ("math", 0.1, "k3")
-    synced = compose_config("train", ["sync.transport=ipc", "sync.buffer_mb=64", "sync.max_staleness=2"])
-    assert (synced.sync.transport, synced.sync.buffer_bytes, synced.sync.max_staleness) == ("ipc", 64 * 2**20, 2)
+    synced = compose_config("train", ["sync.buffer_mb=64", "sync.readback=true"])
+    assert (synced.sync.transport, synced.sync.buffer_bytes, synced.sync.readback) == ("local", 64 * 2**20, True)
 
 
 def test_aime_grpo_recipe_values_and_required_checkpoint():
@@ -89,9 +89,8 @@ def test_aime_grpo_recipe_values_and_required_checkpoint():
     ("device=tpu", "device"),
     ("sync.transport=carrier_pigeon", "sync.transport"),
     ("sync.buffer_mb=0", "sync.buffer_mb"),
-    ("sync.max_staleness=-1", "sync.max_staleness"),
-    ("sync.stale_policy=ignore", "sync.stale_policy"),
-    ("sync.downweight=1.5", "sync.downweight"),
+    ("sync.transport=ipc", "sync.transport"),  # train's engine is in its own process
+    ("sync.transport=dist", "sync.transport"),
     ("sync.timeout_s=0", "sync.timeout_s"),
     ("reward.name=vibes", "reward.name"),
     ("reward.format_bonus=-1", "reward.format_bonus"),
@@ -100,6 +99,20 @@ def test_aime_grpo_recipe_values_and_required_checkpoint():
 def test_bad_values_fail_naming_the_field(override, field):
     with pytest.raises(ConfigFieldError, match=rf"^{field}: "):
         compose_config("train", [override])
+
+
+def test_settings_that_would_do_nothing_are_refused():
+    sglang = ["rollout.backend=sglang", "model.path=null", "model.hf_path=/ckpt/qwen3"]
+    assert compose_config("train", sglang).sync.transport == "local"  # the defaults are fine
+    for override in ("sync.readback=true", "sync.buffer_mb=64", "sync.checksum=false"):
+        field = override.split("=")[0]
+        with pytest.raises(ConfigFieldError, match=rf"^{field}: does nothing with rollout.backend=sglang"):
+            compose_config("train", [*sglang, override])
+    with pytest.raises(ConfigFieldError, match=r"^trainer.loss.tis: with trainer.old_logprobs=rollout .* exactly 1"):
+        compose_config("train", ["trainer.old_logprobs=rollout", "trainer.loss.tis=token_truncate"])
+    assert compose_config("train", ["trainer.old_logprobs=rollout"]).trainer.loss.tis == "none"
+    with pytest.raises(ConfigFieldError, match=r"^sync.transport: 'ipc' .* use sync.transport=local"):
+        compose_config("train", ["sync.transport=ipc"])
 
 
 def test_unknown_keys_and_bad_types_fail_while_composing():

@@ -1,5 +1,5 @@
 """The weight-sync channel's transaction (manifest, payload, checksums, Receiver), the `local` transport and the
-staleness accounting, on k3_tiny (fp32, CPU). The ipc and dist transports have their own files."""
+on k3_tiny (fp32, CPU). The ipc and dist transports have their own files."""
 import pytest
 import sync_helpers as sh
 import torch
@@ -7,7 +7,6 @@ import torch
 from miles_k3.weight_sync.local import LocalChannel
 from miles_k3.weight_sync.protocol import ALIGN, Manifest, PayloadWriter, SyncError, payload_checksums
 from miles_k3.weight_sync.receiver import Receiver
-from miles_k3.weight_sync.staleness import account, sample_version
 
 
 @pytest.fixture(scope="module")
@@ -214,25 +213,6 @@ def test_local_refusals_name_the_tensor_and_keep_the_old_version(engine):
         ch.push(good, v)
     with pytest.raises(ValueError, match="unknown adapter"):
         LocalChannel(engine, "nope")
-
-
-# ---- staleness -----------------------------------------------------------------------------------------------
-def test_staleness_drops_or_downweights_samples_older_than_the_bound():
-    samples = [{"meta_info": {"weight_version": v, "weight_versions": vs}}
-               for v, vs in [(5, [5]), (5, [4, 5]), (3, [3]), (1, [1])]]
-    assert [sample_version(s) for s in samples] == [5, 4, 3, 1]
-    rep = account(samples, trainer_version=5, max_staleness=1)
-    assert rep.staleness == [0, 1, 2, 4] and rep.weights == [1, 1, 0, 0] and rep.num_stale == 2
-    assert rep.histogram == {0: 1, 1: 1, 2: 1, 4: 1} and rep.metrics()["sync/stale_fraction"] == 0.5
-    rep = account(samples, 5, 1, policy="downweight", downweight=0.5)
-    assert rep.weights == [1, 1, 0.5, 0.125]
-    assert account(samples, 5, 4).weights == [1, 1, 1, 1]
-    with pytest.raises(ValueError, match="newer than the trainer"):
-        account(samples, 4, 0)
-    with pytest.raises(ValueError, match="policy"):
-        account(samples, 5, 0, policy="ignore")
-    with pytest.raises(ValueError, match="no meta_info.weight_version"):
-        sample_version({"meta_info": {}})
 
 
 def test_engine_samples_carry_the_version_they_were_sampled_with(engine):

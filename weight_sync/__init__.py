@@ -4,5 +4,5 @@ tensors from the trainer into the rollout engine's buffers.
 `channel.open_sender` / `open_receiver` pick the transport from `sync:` (`config.WeightSyncConfig`): `local`
 (same process), `ipc` (same host: shared memory / CUDA IPC) or `dist` (torch.distributed). `protocol` defines a
 push (manifest, payload, checksums, PushReport), `receiver` the engine side every byte-moving transport shares,
-and `staleness` how rollout samples older than `max_staleness` versions are dropped or down-weighted.
+and `sglang` the channel into an SGLang engine (versioned adapter loads checked by log-prob parity).
 """

@@ -3,7 +3,7 @@
     sender = open_sender(cfg.sync, engine=engine)                       # local: the engine is in this process
     sender = open_sender(cfg.sync, address=addr, authkey=key)           # ipc: the engine serves `addr`
     sender = open_sender(cfg.sync, src=0)                               # dist: on the trainer rank
-    report = sender.push(trainer_lora_tensors, version=step + 1)        # PushReport, or SyncError (nothing applied)
+    report = sender.push(trainer_lora_tensors, version=version + 1)     # PushReport, or SyncError (nothing applied)
 
     server = open_receiver(cfg.sync, engine, address=addr, authkey=key)  # ipc, in the engine's process (serving)
     server = open_receiver(cfg.sync, engine, src=0)                      # dist: call server.serve_forever()
