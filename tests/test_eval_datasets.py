@@ -492,6 +492,12 @@ def test_validate_names_the_field(field, value):
         load_problems(cfg)  # checked before anything is read
 
 
-def test_defaults_validate():
-    DatasetConfig().validate()
-    DatasetConfig(source="x.jsonl", limit=3, split="train").validate()
+def test_defaults_are_aime_2024_and_a_local_file_has_only_the_train_split(tmp_path):
+    default = DatasetConfig()
+    default.validate()
+    assert (default.source, default.split, default.answer_field) == ("HuggingFaceH4/aime_2024", None, "answer")
+    path = tmp_path / "q.jsonl"
+    path.write_text('{"problem": "P", "answer": "1"}\n')
+    assert load_problems(DatasetConfig(source=str(path), split="train")) == [Problem("0", "P", "1")]
+    with pytest.raises(DatasetError, match=r"^data.split='test': a local file has one split, 'train'"):
+        load_problems(DatasetConfig(source=str(path), split="test"))

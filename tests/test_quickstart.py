@@ -54,7 +54,11 @@ def test_default_recipe_runs_the_loop_and_prints_the_summary(tmp_path, capsys):
     out = capsys.readouterr().out
     s = run.summary
     assert s["steps"] == 2 and (s["accuracy_before_step"], s["accuracy_after_step"]) == (0, 2)
-    assert 0.0 <= s["accuracy_before"] <= 1.0 and s["answer_rate_before"] >= 0.8
+    assert s["answer_rate_before"] >= 0.8
+    # the summary's figures are the graded samples' own: the mean score of step 0's and step 2's results.jsonl
+    for step, key in ((0, "accuracy_before"), (2, "accuracy_after")):
+        graded = [json.loads(x) for x in (tmp_path / f"run/eval/step_{step:06d}/results.jsonl").read_text().splitlines()]
+        assert len(graded) == 24 * 4 and s[key] == pytest.approx(sum(r["score"] for r in graded) / len(graded))
     assert f"held-out avg@4: {100 * s['accuracy_before']:.1f}% (step 0)" in out
     for key in ("run_dir", "adapter", "metrics", "curves"):
         assert f"{key}:" in out and (tmp_path / "run").exists()
