@@ -208,7 +208,7 @@ def _loop(cfg, model, params, opt, sched, stream, examples, pad_id, device, trac
         if math.isfinite(value):
             loss.backward()
         metrics = optimizer_step(opt, sched, params, cfg.optim, loss=value)
-        guard.record(metrics["train/skipped"] == 1.0)
+        guard.record(metrics)
         losses.append(value)
         window.add(value, metrics, int(batch.seq_lens_B.sum()), time.perf_counter() - t)
         if step % cfg.log_every == 0 or step == cfg.steps:

@@ -214,18 +214,64 @@ def test_grad_clip_caps_the_global_norm():
 
 
 # ---- bad-step guard ------------------------------------------------------------------------------------
+GOOD = {"train/skipped": 0.0, "train/empty_step": 0.0}
+BAD = {"train/skipped": 1.0, "train/empty_step": 0.0}
+EMPTY = {"train/skipped": 0.0, "train/empty_step": 1.0}
+
+
 def test_bad_step_guard_raises_after_consecutive_skips_and_resets():
     guard = BadStepGuard(3, last_good="/runs/x/checkpoints/step_00000007")
-    guard.record(True)
-    guard.record(True)
-    guard.record(False)  # a good step resets the count
-    guard.record(True)
-    guard.record(True)
+    guard.record(BAD)
+    guard.record(BAD)
+    guard.record(GOOD)  # a good step resets the count
+    guard.record(BAD)
+    guard.record(BAD)
     with pytest.raises(RuntimeError, match=r"3 consecutive steps had non-finite loss or gradients; the last "
                                            r"good adapter is kept at /runs/x/checkpoints/step_00000007; "
                                            r"lower optim.lr"):
-        guard.record(True)
+        guard.record(BAD)
     with pytest.raises(RuntimeError, match="1 consecutive steps.*no checkpoint saved yet"):
-        BadStepGuard(1).record(True)
+        BadStepGuard(1).record({"train/skipped": 1.0})  # optimizer_step's metrics (SFT) have no empty_step
+    BadStepGuard(1).record({"train/skipped": 0.0})
     with pytest.raises(ValueError, match="^max_bad_steps: "):
         BadStepGuard(0)
+
+
+def test_empty_steps_are_counted_apart_from_bad_steps_with_their_own_limit_and_message():
+    guard = BadStepGuard(2, last_good="/runs/x/checkpoints/step_00000004", max_empty_steps=3)
+    for m in (EMPTY, EMPTY, BAD, GOOD):  # 2 empty and 1 bad, then a good update resets both counts ...
+        guard.record(m)
+    guard.record(BAD)  # ... so this is the first bad step (else: the second, raising) ...
+    for _ in range(2):
+        guard.record(EMPTY)  # ... and these the first empty ones (else: the 3rd and 4th); they neither reset nor
+        # advance the bad count ...
+    with pytest.raises(RuntimeError, match=r"^stopping: 2 consecutive steps had non-finite"):
+        guard.record(BAD)  # ... so this is the second bad step in a row
+    guard = BadStepGuard(2, last_good="/runs/x/checkpoints/step_00000004", max_empty_steps=3)
+    for m in (EMPTY, BAD, EMPTY):  # a bad step neither resets nor advances the empty count
+        guard.record(m)
+    with pytest.raises(RuntimeError) as err:
+        guard.record(EMPTY)
+    msg = str(err.value)
+    assert msg.startswith("stopping: 3 consecutive steps (optim.max_empty_steps) had no training signal (every "
+                          "group's rewards were equal, or every sample was masked out of the loss)")
+    assert "non-finite" not in msg and "/runs/x/checkpoints/step_00000004" in msg
+    for fix in ("easier", "rollout.group_size", "rollout.dynamic_sampling", "rollout.max_sampling_rounds"):
+        assert fix in msg, fix
+    with pytest.raises(RuntimeError, match="1 consecutive steps .*no training signal.*no checkpoint saved yet"):
+        BadStepGuard(5, max_empty_steps=1).record(EMPTY)
+    guard = BadStepGuard(1)  # the default empty limit is OptimConfig's
+    for _ in range(OptimConfig().max_empty_steps - 1):
+        guard.record(EMPTY)
+    with pytest.raises(RuntimeError, match="^stopping: 20 consecutive steps"):
+        guard.record(EMPTY)
+
+
+def test_bad_step_guard_checks_its_arguments():
+    with pytest.raises(ValueError, match="^max_empty_steps: must be an int >= 1, got 0"):
+        BadStepGuard(3, max_empty_steps=0)
+    with pytest.raises(TypeError, match="takes the step's metrics dict"):
+        BadStepGuard(3).record(True)  # the old API (skipped: bool)
+    assert OptimConfig().max_empty_steps == 20
+    with pytest.raises(ValueError, match="^max_empty_steps: must be an int >= 1, got 0"):
+        OptimConfig(max_empty_steps=0).validate()

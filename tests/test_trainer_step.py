@@ -1,6 +1,13 @@
 """One policy update (`miles_k3.trainer.step.train_step`) on k3_tiny with LoRA: the adapter moves and the base
-does not, micro-batching does not change the update, a non-finite loss skips it, the KL reference is the
-adapter-off base, and the trainer's log-probs of engine rollouts match the engine's own."""
+does not, micro-batching changes neither the update nor any metric, a non-finite loss skips it and a step with
+nothing to train on is empty (not skipped), masked samples take no part, the no-grad forwards run without
+dropout, the KL reference is the adapter-off base, and the trainer's log-probs of engine rollouts match the
+engine's own.
+
+Hand-worked values use `_samples()`: six samples with n_i = 2 + i response tokens (N = 27) and advantages
+A = -0.5, 0.6, -0.7, 0.8, -0.9, 1.0; `DELTAS` are per-sample log-prob offsets given to the engine's log-probs."""
+import math
+
 import pytest
 import torch
 
@@ -8,24 +15,45 @@ from miles_k3.model import K3Config, K3ForCausalLM
 from miles_k3.model.lora import LoRAConfig, apply_lora, lora_parameters, lora_state_dict
 from miles_k3.trainer.batch import Sample
 from miles_k3.trainer.losses import LossConfig
-from miles_k3.trainer.optim import OptimConfig, build_optimizer, build_scheduler
-from miles_k3.trainer.step import TrainerConfig, train_step
+from miles_k3.trainer.optim import BadStepGuard, OptimConfig, build_optimizer, build_scheduler
+from miles_k3.trainer.step import TrainerConfig, fill_old_logprobs, sequence_logprobs, train_step
 
 LORA = LoRAConfig(rank=4, alpha=8.0)
+CPU = torch.device("cpu")
+DELTAS = [0.1, -0.3, -0.3, 0.2, -0.02, 0.3]  # sample i's engine log-probs: the trainer's - DELTAS[i], every token
 
 
-def _policy(seed=0):
+def _policy(seed=0, dropout=0.0, lr=1e-2):
     torch.manual_seed(seed)
     model = K3ForCausalLM(K3Config.from_name("k3_tiny"), expert_format="mxfp4")
     model.requires_grad_(False)
-    apply_lora(model, LORA)
+    apply_lora(model, LoRAConfig(rank=LORA.rank, alpha=LORA.alpha, dropout=dropout))
     with torch.no_grad():  # B != 0 so that A gets gradients too, and the adapter already differs from the base
         for n, p in lora_parameters(model).items():
             if "lora_B" in n:
                 p.normal_(0, 0.02)
     params = lora_parameters(model)
-    opt = build_optimizer(params, OptimConfig(lr=1e-2, grad_clip=0.0))
-    return model, params, opt, build_scheduler(opt, OptimConfig(lr=1e-2))
+    opt = build_optimizer(params, OptimConfig(lr=lr, grad_clip=0.0))
+    return model, params, opt, build_scheduler(opt, OptimConfig(lr=lr))
+
+
+def _with_engine_logprobs(model, samples, deltas=DELTAS):
+    """`samples` with engine log-probs: `model`'s own log-prob of each response token minus deltas[i]."""
+    for s, d in zip(samples, deltas, strict=True):
+        own = sequence_logprobs(model, s.prompt_ids + s.response_ids)[len(s.prompt_ids) - 1:]
+        s.rollout_logprobs = [lp - d for lp in own]
+    return samples
+
+
+def _capture_grads(monkeypatch):
+    """The adapter gradients of every optimizer update train_step makes, in order."""
+    import miles_k3.trainer.step as step_mod
+
+    grads = []
+    real = step_mod.optimizer_step
+    monkeypatch.setattr(step_mod, "optimizer_step", lambda opt, sched, params, cfg: grads.append(
+        {n: p.grad.clone() for n, p in params.items()}) or real(opt, sched, params, cfg))
+    return grads
 
 
 def _samples():
@@ -47,12 +75,7 @@ def _step(cfg, samples=None, seed=0):
 
 
 def test_update_moves_only_the_adapter_and_micro_batching_does_not_change_it(monkeypatch):
-    import miles_k3.trainer.step as step_mod
-
-    grads = []
-    real = step_mod.optimizer_step
-    monkeypatch.setattr(step_mod, "optimizer_step", lambda opt, sched, params, cfg: grads.append(
-        {n: p.grad.clone() for n, p in params.items()}) or real(opt, sched, params, cfg))
+    grads = _capture_grads(monkeypatch)
     whole, base, before, m = _step(TrainerConfig(micro_batch_tokens=10_000))
     assert m["train/skipped"] == 0.0 and m["train/num_tokens"] == sum(2 + i for i in range(6))
     after = lora_state_dict(whole)
@@ -71,7 +94,7 @@ def test_non_finite_loss_skips_the_update():
     samples = _samples()
     samples[3].advantage = float("nan")
     model, _, before, m = _step(TrainerConfig(), samples)
-    assert m["train/skipped"] == 1.0
+    assert (m["train/skipped"], m["train/empty_step"], m["train/updates"]) == (1.0, 0.0, 0.0)
     assert all(torch.equal(t, before[n]) for n, t in lora_state_dict(model).items())
     assert all(p.grad is None for p in lora_parameters(model).values())
 
@@ -193,12 +216,7 @@ def test_split_minibatches_keeps_groups_whole_and_drops_empty_ones():
 
 
 def test_minibatches_make_one_update_each_against_the_pre_step_policy(monkeypatch):
-    import miles_k3.trainer.step as step_mod
-
-    grads = []
-    real = step_mod.optimizer_step
-    monkeypatch.setattr(step_mod, "optimizer_step", lambda opt, sched, params, cfg: grads.append(
-        {n: p.grad.clone() for n, p in params.items()}) or real(opt, sched, params, cfg))
+    grads = _capture_grads(monkeypatch)
     one, _, _, m1 = _step(TrainerConfig(), _grouped())
     assert (m1["train/updates"], m1["train/ratio_max"]) == (1.0, 1.0)  # on-policy: the ratio is exactly 1
     samples = _grouped()
@@ -214,7 +232,9 @@ def test_minibatches_make_one_update_each_against_the_pre_step_policy(monkeypatc
     model_r, params_r, opt_r, sched_r = _policy()
     m3 = train_step(model_r, ref, TrainerConfig(minibatches=3, old_logprobs="rollout"), opt_r, sched_r, params_r, 0,
                     torch.device("cpu"))
-    assert m3["train/rollout_logprob_abs_diff"] == 0.0
+    for k in ("train/loss", "train/pg_loss", "train/ratio_mean", "train/ratio_max", "train/clip_frac",
+              "train/grad_norm"):  # the same ratios, hence the same losses (the engine gap: see the next test)
+        assert m3[k] == pytest.approx(m2[k], rel=1e-5, abs=1e-7), k
     for (n, a), b in zip(lora_state_dict(model).items(), lora_state_dict(model_r).values()):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-7, msg=n)
     assert all(not torch.equal(a, b) for a, b in zip(lora_state_dict(model).values(),
@@ -247,3 +267,181 @@ def test_minibatch_settings_are_checked():
     with pytest.raises(ValueError, match="sample 0 has no engine log-probs"):
         train_step(model, _grouped(), TrainerConfig(old_logprobs="rollout"), opt, sched, params, 0,
                    torch.device("cpu"))
+
+
+# ---- A: a step with nothing to train on -------------------------------------------------------------------
+EMPTY = {"train/skipped": 0.0, "train/empty_step": 1.0, "train/num_tokens": 0.0, "train/num_seqs": 0.0,
+         "train/updates": 0.0}
+
+
+@pytest.mark.parametrize("cfg", [TrainerConfig(), TrainerConfig(minibatches=3),
+                                 TrainerConfig(old_logprobs="rollout")], ids=["one", "minibatches", "rollout"])
+def test_a_step_with_nothing_to_train_on_is_empty_not_skipped(cfg):
+    masked = _grouped()
+    for s in masked:
+        s.in_loss = False  # overlong=mask hit every sample
+    model, params, opt, sched = _policy()
+    before = {n: t.clone() for n, t in lora_state_dict(model).items()}
+    for samples in ([], masked):  # dynamic sampling kept no group: no samples at all
+        assert train_step(model, samples, cfg, opt, sched, params, 0, CPU) == EMPTY
+    assert sched.last_epoch == 0 and all(torch.equal(t, before[n]) for n, t in lora_state_dict(model).items())
+    guard = BadStepGuard(1, max_empty_steps=2)  # the loop's guard: an empty step is no bad step
+    guard.record(EMPTY)
+    with pytest.raises(RuntimeError, match="^stopping: 2 consecutive steps .*no training signal"):
+        guard.record(EMPTY)
+
+
+def test_a_step_that_trains_is_not_empty():
+    _, _, _, m = _step(TrainerConfig(minibatches=3), _grouped())
+    assert (m["train/empty_step"], m["train/skipped"], m["train/updates"]) == (0.0, 0.0, 3.0)
+    _, _, _, m = _step(TrainerConfig())
+    assert (m["train/empty_step"], m["train/skipped"], m["train/updates"]) == (0.0, 0.0, 1.0)
+
+
+# ---- B: metrics do not depend on micro-batching -------------------------------------------------------------
+@pytest.mark.parametrize("micro_batch_tokens", [10_000, 12, 1])
+@pytest.mark.parametrize("aggregation, want", [
+    ("token_mean", -3.6 / 27),  # -sum_i n_i A_i / N = -(-1.0 + 1.8 - 2.8 + 4.0 - 5.4 + 7.0) / 27
+    ("seq_mean", -0.3 / 6),  # -sum_i A_i / 6 = -(-0.5 + 0.6 - 0.7 + 0.8 - 0.9 + 1.0) / 6
+])
+def test_pg_loss_is_the_update_s_whatever_the_micro_batching(aggregation, want, micro_batch_tokens):
+    # on-policy the ratio is exactly 1 and the clip never binds, so every token's loss is -A_i
+    cfg = TrainerConfig(loss=LossConfig(aggregation=aggregation), micro_batch_tokens=micro_batch_tokens)
+    _, _, _, m = _step(cfg)
+    assert m["train/pg_loss"] == pytest.approx(want, rel=1e-6)
+    assert m["train/loss"] == pytest.approx(want, rel=1e-6)
+
+
+# old_logprobs=rollout: ratio exp(DELTAS[i]) on sample i's tokens and no engine gap; recompute: ratio 1, the gap
+# DELTAS[i]. Together every metric is non-trivial (the clip, dual clip, TIS truncation and TIS masking all bind).
+MODES = {"rollout": {"old_logprobs": "rollout", "tis": "token_truncate"},
+         "recompute": {"old_logprobs": "recompute", "tis": "seq_mask"}}
+
+
+def _loss_cfg(aggregation, tis):
+    return LossConfig(aggregation=aggregation, seq_sum_norm_len=8, kl_coef=0.1, entropy_coef=0.01, tis=tis,
+                      tis_clip=3.0, dual_clip_c=1.05)
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean", "seq_sum_norm"])
+def test_every_metric_is_the_same_with_one_or_several_micro_batches(aggregation, mode):
+    runs = []
+    for micro_batch_tokens in (10_000, 12):  # one micro-batch; five ([0, 1], [2], [3], [4], [5])
+        model, params, opt, sched = _policy()
+        samples = _with_engine_logprobs(model, _samples())
+        cfg = TrainerConfig(loss=_loss_cfg(aggregation, MODES[mode]["tis"]), micro_batch_tokens=micro_batch_tokens,
+                            old_logprobs=MODES[mode]["old_logprobs"])
+        runs.append(train_step(model, samples, cfg, opt, sched, params, 0, CPU))
+    one, several = runs
+    assert one.keys() == several.keys()
+    for k in ("train/pg_loss", "train/kl", "train/entropy", "train/clip_frac", "train/ratio_max",
+              "train/tis_weight_mean", "train/rollout_logprob_abs_diff", "train/dual_clip_frac"):
+        assert k in one, k
+    for k, v in one.items():
+        assert several[k] == pytest.approx(v, rel=1e-5, abs=1e-6), k
+    if mode == "rollout":  # ratio r_i = exp(DELTAS[i]): 1.105 0.741 0.741 1.221 0.980 1.350
+        # the clip binds for sample 2 (A < 0, r < 0.8; 4 tokens) and 5 (A > 0, r > 1.28; 7 tokens), the dual clip
+        # (A < 0, r > 1.05) for sample 0 (2 tokens)
+        assert one["train/ratio_max"] == pytest.approx(math.exp(0.3), rel=1e-5)
+        assert (one["train/clip_frac"], one["train/dual_clip_frac"]) == pytest.approx((11 / 27, 2 / 27))
+        if aggregation == "token_mean":  # sum_i n_i L_i: 2 * 0.525 (dual cap 1.05 * 0.5) - 3 * 0.6 * 0.74082
+            # + 4 * 0.7 * 0.8 - 5 * 0.8 * 1.22140 + 6 * 0.9 * 0.98020 - 7 * 1.0 * 1.28 = -6.59601
+            assert one["train/pg_loss"] == pytest.approx(-6.59601 / 27, rel=1e-5)
+    else:  # the gap |DELTAS[i]|; tis_clip 3: sample i is masked when n_i |DELTAS[i]| > ln 3 = 1.0986, which holds
+        # for sample 2 (1.2) and 5 (2.1): 2 of 6 rows, 11 of 27 tokens
+        assert one["train/rollout_logprob_abs_diff"] == pytest.approx(5.52 / 27, rel=1e-5)
+        assert one["train/tis_masked_frac"] == pytest.approx(2 / 6)
+        assert one["train/tis_weight_mean"] == pytest.approx(16 / 27)
+        assert one["train/ratio_max"] == 1.0
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_a_step_of_several_updates_merges_their_metrics(mode):
+    # lr 1e-9: the updates move the policy by ~1e-8, so the ratios stay exp(DELTAS[i]) (rollout) or 1 (recompute)
+    # across the step's three updates: samples {0, 1}, {2, 3}, {4, 5}, of 5, 9 and 13 tokens
+    model, params, opt, sched = _policy(lr=1e-9)
+    samples = _with_engine_logprobs(model, _grouped())
+    cfg = TrainerConfig(loss=_loss_cfg("token_mean", MODES[mode]["tis"]), minibatches=3,
+                        old_logprobs=MODES[mode]["old_logprobs"])
+    m = train_step(model, samples, cfg, opt, sched, params, 0, CPU)
+    if mode == "rollout":
+        # the largest ratio is in the third update; pg_loss: the updates' token-weighted mean, which for token_mean
+        # is the whole step's (see the single-update values above)
+        assert m["train/ratio_max"] == pytest.approx(math.exp(0.3), rel=1e-5)
+        assert m["train/pg_loss"] == pytest.approx(-6.59601 / 27, rel=1e-5)
+        assert m["train/clip_frac"] == pytest.approx(11 / 27, rel=1e-5)
+    else:  # masked rows per update: 0 of 2, 1 of 2, 1 of 2 -> 2 of 6 (a token-weighted mean would give 11/27)
+        assert m["train/tis_masked_frac"] == pytest.approx(2 / 6)
+        # kept samples 0, 1, 3, 4 at ratio 1: -(2 * -0.5 + 3 * 0.6 + 5 * 0.8 + 6 * -0.9) / 27
+        assert m["train/pg_loss"] == pytest.approx(0.6 / 27, rel=1e-5)
+    assert m["train/updates"] == 3.0 and (m["train/num_tokens"], m["train/num_seqs"]) == (27.0, 6.0)
+
+
+@pytest.mark.parametrize("minibatches, old", [(1, "recompute"), (3, "recompute"), (1, "rollout")])
+def test_the_reported_engine_gap_is_the_offset_the_engine_had(minibatches, old):
+    # the trainer's log-probs minus the engine's are DELTAS[i] on sample i's n_i = 2 + i tokens, so the mean gap
+    # is (2 * 0.1 + 3 * 0.3 + 4 * 0.3 + 5 * 0.2 + 6 * 0.02 + 7 * 0.3) / 27 = 5.52 / 27; with several updates it is
+    # the gap to the pre-step policy in every one, though the policy moves between them; with old_logprobs=rollout
+    # (the ratio's old log-probs are the engine's) it is measured on the policy of the update
+    model, params, opt, sched = _policy()
+    samples = _with_engine_logprobs(model, _grouped())
+    m = train_step(model, samples, TrainerConfig(minibatches=minibatches, old_logprobs=old), opt, sched, params, 0,
+                   CPU)
+    assert m["train/updates"] == minibatches
+    assert m["train/rollout_logprob_abs_diff"] == pytest.approx(5.52 / 27, rel=1e-5)
+
+
+# ---- D: masked samples take no part ------------------------------------------------------------------------
+def test_a_masked_sample_takes_no_part_in_the_loss_or_its_normalisers(monkeypatch):
+    grads = _capture_grads(monkeypatch)
+    cfg = TrainerConfig(loss=LossConfig(aggregation="seq_mean"), micro_batch_tokens=12)
+    samples = _samples()
+    samples[2].in_loss = False  # overlong=mask
+    _, _, _, m = _step(cfg, samples)
+    # seq_mean on-policy: -sum_i A_i / num_seqs over the five samples in the loss: -(0.3 - -0.7) / 5 = -0.2 (a
+    # denominator counting the masked sample would give -1.0 / 6)
+    assert m["train/pg_loss"] == pytest.approx(-0.2, rel=1e-6) and m["train/loss"] == pytest.approx(-0.2, rel=1e-6)
+    assert (m["train/num_seqs"], m["train/num_tokens"]) == (5.0, 27.0 - 4)
+    _, _, _, m_without = _step(cfg, [s for i, s in enumerate(_samples()) if i != 2])
+    assert m_without["train/loss"] == pytest.approx(m["train/loss"], rel=1e-6)
+    assert len(grads) == 2
+    for n, g in grads[1].items():
+        assert (grads[0][n] - g).norm() <= 1e-5 * g.norm(), n
+
+
+# ---- C: deterministic no-grad forwards ---------------------------------------------------------------------
+def _training_flags(model):
+    return {n: m.training for n, m in model.named_modules()}
+
+
+def test_no_grad_forwards_run_without_dropout_and_restore_the_training_flags():
+    model, _, _, _ = _policy(dropout=0.5)
+    plain, _, _, _ = _policy(dropout=0.0)
+    plain.load_state_dict(model.state_dict())  # the same weights (B != 0), no dropout
+    model.train()
+    next(m for m in model.modules() if isinstance(m, torch.nn.Dropout)).eval()  # flags restored one by one
+    flags = _training_flags(model)
+    s = _samples()[5]
+    ids = s.prompt_ids + s.response_ids
+    first, second = sequence_logprobs(model, ids), sequence_logprobs(model, ids)
+    assert first == second == sequence_logprobs(plain, ids)  # bitwise
+    assert _training_flags(model) == flags
+    runs = []
+    for m in (model, model, plain):
+        samples = _samples()
+        fill_old_logprobs(m, samples, TrainerConfig(micro_batch_tokens=12), 0, CPU, 1.0)
+        runs.append([x.old_logprobs for x in samples])
+    assert runs[0] == runs[1] == runs[2]
+    assert _training_flags(model) == flags
+
+
+def test_the_gradient_forward_keeps_dropout(monkeypatch):
+    grads = _capture_grads(monkeypatch)
+    cfg = TrainerConfig(loss=LossConfig(kl_coef=0.1))  # the reference forward runs between forward and backward
+    for seed in (1, 2):
+        model, params, opt, sched = _policy(dropout=0.5)  # the same weights
+        torch.manual_seed(seed)  # other dropout masks
+        train_step(model, _samples(), cfg, opt, sched, params, 0, CPU)
+        assert all(m.training for m in model.modules())
+    assert any(not torch.equal(grads[0][n], grads[1][n]) for n in grads[0])

@@ -1,7 +1,8 @@
 """The optimizer over the LoRA adapters: `OptimConfig` (the `optim` config section), AdamW over adapter
 Parameters only (the frozen base is refused), the learning-rate schedule (linear warmup, then constant or cosine
 decay), `optimizer_step` (global grad-norm clipping, and skipping an update whose gradients are not finite) and
-`BadStepGuard`, which stops a run after too many consecutive skipped steps.
+`BadStepGuard`, which stops a run after too many consecutive skipped steps (non-finite values) or too many
+consecutive steps with nothing to train on (no training signal), each with its own limit and diagnosis.
 
 Step numbering: optimizer updates are counted from 1, and `lr_at(step)` is the learning rate of update `step`.
 With W = warmup_steps, T = total_steps and m = min_lr_ratio:
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -28,7 +30,8 @@ ADAPTER_MARK = "lora_"  # every adapter Parameter name contains it (`...q_proj.l
 
 @dataclass
 class OptimConfig:
-    """AdamW over the LoRA adapters, its learning-rate schedule, gradient clipping and bad-step tolerance."""
+    """AdamW over the LoRA adapters, its learning-rate schedule, gradient clipping and bad- and empty-step
+    tolerance."""
 
     lr: float = 2e-5
     """Peak learning rate (reached at the end of warmup); > 0."""
@@ -49,6 +52,9 @@ class OptimConfig:
     """Maximum global L2 norm of the adapter gradients (they are scaled down to it when larger); 0: off."""
     max_bad_steps: int = 5
     """Consecutive updates skipped for non-finite loss or gradients before the run stops; >= 1."""
+    max_empty_steps: int = 20
+    """Consecutive steps with no training signal (every kept group's rewards were equal, or every sample was
+    masked out of the loss: train/empty_step) before the run stops; >= 1. They do not count as bad steps."""
 
     def validate(self) -> None:
         _check_positive("lr", self.lr)
@@ -70,6 +76,7 @@ class OptimConfig:
         if not (_is_real(self.grad_clip) and self.grad_clip >= 0.0):
             raise ValueError(f"grad_clip: must be finite and >= 0 (0 turns clipping off), got {self.grad_clip!r}")
         _check_int("max_bad_steps", self.max_bad_steps, 1)
+        _check_int("max_empty_steps", self.max_empty_steps, 1)
 
 
 def _is_real(x: object) -> bool:
@@ -157,25 +164,47 @@ def optimizer_step(opt: torch.optim.Optimizer, sched: LambdaLR, params: dict[str
 
 
 class BadStepGuard:
-    """Counts consecutive skipped updates; `record` raises RuntimeError when the count reaches max_bad_steps
-    (a good update resets it). Tell it where the last checkpoint went (`last_good`) so the message can say."""
+    """Counts consecutive bad steps (train/skipped: an update skipped for non-finite loss or gradients) and,
+    apart from them, consecutive empty steps (train/empty_step: nothing to train on); `record` raises
+    RuntimeError when either count reaches its limit, each with its own diagnosis. A step that applied an
+    update resets both counts; a bad step leaves the empty count as it is, and an empty step the bad count.
+    Tell it where the last checkpoint went (`last_good`) so the message can say."""
 
-    def __init__(self, max_bad_steps: int, last_good: str | os.PathLike | None = None):
+    def __init__(self, max_bad_steps: int, last_good: str | os.PathLike | None = None, max_empty_steps: int = 20):
         _check_int("max_bad_steps", max_bad_steps, 1)
+        _check_int("max_empty_steps", max_empty_steps, 1)
         self.max_bad_steps = max_bad_steps
+        self.max_empty_steps = max_empty_steps
         self.last_good = last_good
-        self.consecutive = 0
+        self.consecutive = 0  # bad steps
+        self.consecutive_empty = 0
 
-    def record(self, skipped: bool) -> None:
-        """Note one update's outcome (skipped: True for an update optimizer_step skipped)."""
-        if not skipped:
-            self.consecutive = 0
+    def record(self, metrics: Mapping[str, float]) -> None:
+        """Note one step's outcome from its metrics: train/skipped == 1.0 (required) is a bad step,
+        train/empty_step == 1.0 (absent: 0.0, as in optimizer_step's metrics) an empty one, else an update."""
+        if not isinstance(metrics, Mapping):
+            raise TypeError(f"BadStepGuard.record: takes the step's metrics dict (with train/skipped and "
+                            f"train/empty_step), got {type(metrics).__name__}")
+        if metrics["train/skipped"] == 1.0:
+            self.consecutive += 1
+            if self.consecutive >= self.max_bad_steps:
+                raise RuntimeError(
+                    f"stopping: {self.consecutive} consecutive steps had non-finite loss or gradients; the last "
+                    f"good adapter is kept at {self._where()}; lower optim.lr or optim.grad_clip, or raise "
+                    "optim.warmup_steps, check the rewards/data for NaN, then resume from that checkpoint "
+                    "(resume=<its path>)")
             return
-        self.consecutive += 1
-        if self.consecutive >= self.max_bad_steps:
-            where = str(self.last_good) if self.last_good is not None else "no checkpoint saved yet"
-            raise RuntimeError(
-                f"stopping: {self.consecutive} consecutive steps had non-finite loss or gradients; the last "
-                f"good adapter is kept at {where}; lower optim.lr or optim.grad_clip, or raise "
-                "optim.warmup_steps, check the rewards/data for NaN, then resume from that checkpoint "
-                "(resume=<its path>)")
+        if metrics.get("train/empty_step", 0.0) == 1.0:
+            self.consecutive_empty += 1
+            if self.consecutive_empty >= self.max_empty_steps:
+                raise RuntimeError(
+                    f"stopping: {self.consecutive_empty} consecutive steps (optim.max_empty_steps) had no training "
+                    "signal (every group's rewards were equal, or every sample was masked out of the loss); the "
+                    f"last adapter is kept at {self._where()}; make the problems easier or better matched to the "
+                    "policy, raise rollout.group_size, or enable rollout.dynamic_sampling / raise "
+                    "rollout.max_sampling_rounds, then resume from that checkpoint (resume=<its path>)")
+            return
+        self.consecutive = self.consecutive_empty = 0
+
+    def _where(self) -> str:
+        return str(self.last_good) if self.last_good is not None else "no checkpoint saved yet"

@@ -3,7 +3,9 @@ log-probs of every response token, the policy loss (with the engine's log-probs 
 and the adapter-off base as the KL reference), backward, then guarded AdamW updates over the LoRA parameters.
 
 The loss of each micro-batch is computed with its update's totals (response tokens, sequences), so the
-micro-batches' gradients add up to the gradient of the whole update (`losses.policy_loss`).
+micro-batches' gradients add up to the gradient of the whole update (`losses.policy_loss`). Only samples in the
+loss count: one with `in_loss=False` (overlong=mask) is left out of the update's forwards, its loss and both
+normalisers. The metrics of an update do not depend on how it is cut into micro-batches (`_merge`).
 
 By default a step is one on-policy update: the "old" log-probs are the trainer's own, detached, so the PPO ratio
 is 1 and the engine's log-probs enter only through TIS (`loss.tis`) and `train/rollout_logprob_abs_diff`.
@@ -12,7 +14,13 @@ PPO minibatches and Miles' several steps per rollout do): every update after the
 ratio is taken against the policy before the step's first update, which `old_logprobs` names: `recompute` (one
 no-grad forward over the step's samples before the first update) or `rollout` (the engine's sampling
 log-probs, no extra forward; the ratio then also carries any trainer/engine mismatch). A non-finite loss or
-gradient skips that update (the adapter keeps its last good values) and is reported.
+gradient skips that update (the adapter keeps its last good values) and is reported (train/skipped); a step with
+no sample in the loss (no samples at all, e.g. dynamic sampling kept no group, or every one masked) makes no
+update and is reported apart from it (train/empty_step).
+
+Every no-grad forward of the policy (the old log-probs, the KL reference, `sequence_logprobs`) runs with the model
+in eval mode, so LoRA dropout is off and they are deterministic; the gradient forward runs in the model's own mode
+(train mode: dropout on).
 """
 from __future__ import annotations
 
@@ -67,14 +75,20 @@ class TrainerConfig:
 def train_step(model, samples: list[Sample], cfg: TrainerConfig, opt, sched, params: dict, pad_id: int,
                device: torch.device, temperature: float = 1.0) -> dict[str, float]:
     """Backward over every micro-batch of each minibatch of `samples`, one optimizer update per minibatch (see the
-    module docstring); metrics under train/, each update's token-weighted mean, with train/updates (applied)
-    and train/skipped (1.0 when no update was applied). Log-probs are of logits / `temperature` (the rollouts'
-    sampling temperature; 0 = greedy counts as 1), the policy the engine sampled from and whose log-probs it
-    reports (without top-p / top-k filtering)."""
+    module docstring). Log-probs are of logits / `temperature` (the rollouts' sampling temperature; 0 = greedy
+    counts as 1), the policy the engine sampled from and whose log-probs it reports (without top-p / top-k
+    filtering).
+
+    Metrics under train/ (of one update: see `_update`; of several: `_combine`), always with
+    train/updates (updates applied), train/num_tokens and train/num_seqs (response tokens and sequences in the
+    loss), train/skipped (1.0 when there was something to train on but no update was applied: non-finite loss
+    or gradients) and train/empty_step (1.0 when no sample is in the loss, `samples` may be empty: nothing is
+    computed, train/skipped is 0.0; else 0.0)."""
     cfg.validate()
     temperature = temperature if temperature > 0 else 1.0
-    if not any(s.in_loss and s.response_ids for s in samples):
-        return {"train/skipped": 1.0, "train/num_tokens": 0.0, "train/updates": 0.0}
+    if not any(_in_loss(s) for s in samples):
+        return {"train/skipped": 0.0, "train/empty_step": 1.0, "train/num_tokens": 0.0, "train/num_seqs": 0.0,
+                "train/updates": 0.0}
     old = "current"
     if cfg.old_logprobs == "rollout":
         missing = [i for i, s in enumerate(samples) if not s.rollout_logprobs]
@@ -83,11 +97,16 @@ def train_step(model, samples: list[Sample], cfg: TrainerConfig, opt, sched, par
                              "must return them); use trainer.old_logprobs=recompute")
         old = "rollout"
     elif cfg.minibatches > 1:
-        fill_old_logprobs(model, samples, cfg, pad_id, device, temperature)
+        fill_old_logprobs(model, [s for s in samples if _in_loss(s)], cfg, pad_id, device, temperature)
         old = "old"
     results = [_update(model, part, cfg, opt, sched, params, pad_id, device, temperature, old)
                for part in split_minibatches(samples, cfg.minibatches)]
-    return _combine(results)
+    return _combine(results) | {"train/empty_step": 0.0}
+
+
+def _in_loss(s: Sample) -> bool:
+    """The sample has response tokens that count in the loss."""
+    return s.in_loss and bool(s.response_ids)
 
 
 def split_minibatches(samples: list[Sample], n: int) -> list[list[Sample]]:
@@ -101,17 +120,18 @@ def split_minibatches(samples: list[Sample], n: int) -> list[list[Sample]]:
             groups.append([s])
     n = min(n, len(groups))
     parts = [[s for g in groups[len(groups) * k // n:len(groups) * (k + 1) // n] for s in g] for k in range(n)]
-    return [p for p in parts if any(s.in_loss and s.response_ids for s in p)]
+    return [p for p in parts if any(_in_loss(s) for s in p)]
 
 
 @torch.no_grad()
 def sequence_logprobs(model, ids: list[int], cfg: TrainerConfig | None = None) -> list[float]:
     """The policy's log-probs of ids[1:] given their prefixes, computed as the training forward computes them
-    (adapter on, `cfg`'s autocast): what an engine's log-probs of the same tokens are checked against."""
+    (adapter on, `cfg`'s autocast) but in eval mode (no dropout; the modules' training flags are restored after):
+    what an engine's log-probs of the same tokens are checked against."""
     cfg = cfg or TrainerConfig()
     device = next(model.parameters()).device
     x = torch.tensor([ids], device=device)
-    with _autocast(model, cfg):
+    with _eval_mode(model), _autocast(model, cfg):
         logits = model(x[:, :-1], seq_lens=torch.tensor([len(ids) - 1], device=device)).logits
     return token_logprobs(logits.float(), x[:, 1:])[0].tolist()
 
@@ -120,7 +140,7 @@ def sequence_logprobs(model, ids: list[int], cfg: TrainerConfig | None = None) -
 def fill_old_logprobs(model, samples: list[Sample], cfg: TrainerConfig, pad_id: int, device: torch.device,
                       temperature: float) -> None:
     """Sets each sample's old_logprobs: the current policy's log-prob of every response token (the forward the
-    training pass makes, without gradients)."""
+    training pass makes, without gradients and in eval mode: no dropout)."""
     for idx in micro_batches(samples, cfg.micro_batch_tokens):
         mb = pack([samples[i] for i in idx], pad_id).to(device)
         logp = _batch_logprobs(model, mb, cfg, temperature).float().cpu()
@@ -132,42 +152,67 @@ def fill_old_logprobs(model, samples: list[Sample], cfg: TrainerConfig, pad_id: 
 
 def _update(model, samples: list[Sample], cfg: TrainerConfig, opt, sched, params: dict, pad_id: int,
             device: torch.device, temperature: float, old: str) -> dict[str, float]:
-    """One guarded optimizer update over `samples` (all their micro-batches)."""
-    num_tokens = sum(len(s.response_ids) for s in samples if s.in_loss)
+    """One guarded optimizer update over the samples of `samples` that are in the loss (all their micro-batches;
+    the others take no part). Its metrics: train/loss and train/pg_loss (each micro-batch's is normalised by
+    the update's totals, so they are summed), the rest of `policy_loss`'s merged over micro-batches by `_merge`
+    (the values one micro-batch of the whole update would give), optimizer_step's, train/num_tokens and
+    train/num_seqs (the update's loss denominators: response tokens and sequences in the loss)."""
+    samples = [s for s in samples if _in_loss(s)]
+    num_tokens = sum(len(s.response_ids) for s in samples)
+    counts = {"train/num_tokens": float(num_tokens), "train/num_seqs": float(len(samples))}
     totals = {"num_tokens": float(num_tokens), "num_seqs": float(len(samples)), "temperature": temperature}
-    sums: dict[str, float] = {}
-    loss_total, finite = 0.0, True
+    has_rollout = all(s.rollout_logprobs for s in samples)  # per update: every micro-batch gets the same terms
+    parts: list[tuple[dict[str, float], float, float]] = []
+    loss_total = 0.0
     for idx in micro_batches(samples, cfg.micro_batch_tokens):
         mb = pack([samples[i] for i in idx], pad_id).to(device)
-        weight = mb.num_tokens / num_tokens
-        has_rollout = all(samples[i].rollout_logprobs for i in idx)
         loss, m = _micro_step(model, mb, cfg, totals, has_rollout, old)
         if not math.isfinite(loss):
-            finite = False
-            break
+            opt.zero_grad(set_to_none=True)  # nothing of this update may reach the adapter
+            return {"train/skipped": 1.0, "train/loss": float("nan"), **counts}
         loss_total += loss
-        for k, v in m.items():
-            sums[k] = sums.get(k, 0.0) + v * weight
-    if not finite:
-        opt.zero_grad(set_to_none=True)  # nothing of this update may reach the adapter
-        return {"train/skipped": 1.0, "train/loss": float("nan"), "train/num_tokens": float(num_tokens)}
+        parts.append((m, float(mb.num_tokens), float(len(idx))))  # every row has tokens in the loss
     out = optimizer_step(opt, sched, params, cfg.optim)
-    return {**sums, **out, "train/loss": loss_total, "train/num_tokens": float(num_tokens)}
+    return {**_merge(parts, summed=("train/pg_loss",)), **out, "train/loss": loss_total, **counts}
 
 
 def _combine(results: list[dict[str, float]]) -> dict[str, float]:
-    """The step's metrics from its updates': one update's as they are; else token-weighted means over the
-    applied updates (train/lr: the first applied update's), train/num_tokens summed."""
+    """The step's metrics from its updates': one update's as they are; else, over the applied updates, `_merge`
+    with the updates' train/num_tokens and train/num_seqs as weights: train/loss, train/pg_loss and
+    train/grad_norm are token-weighted means of the updates' (each normalised by its own update's totals),
+    train/ratio_max the max, train/tis_masked_frac row-weighted; train/lr is the first applied update's, train/num_tokens and train/num_seqs the
+    sums over all updates."""
     applied = [r for r in results if r["train/skipped"] == 0.0]
-    tokens = sum(r["train/num_tokens"] for r in results)
+    counts = {k: sum(r[k] for r in results) for k in ("train/num_tokens", "train/num_seqs")}
     if len(results) == 1:
         return {**results[0], "train/updates": float(len(applied))}
     if not applied:
-        return {"train/skipped": 1.0, "train/loss": float("nan"), "train/num_tokens": tokens, "train/updates": 0.0}
-    weight = sum(r["train/num_tokens"] for r in applied)
-    out = {k: sum(r[k] * r["train/num_tokens"] for r in applied) / weight for k in applied[0]}
-    return out | {"train/lr": applied[0]["train/lr"], "train/num_tokens": tokens, "train/skipped": 0.0,
+        return {"train/skipped": 1.0, "train/loss": float("nan"), **counts, "train/updates": 0.0}
+    out = _merge([(r, r["train/num_tokens"], r["train/num_seqs"]) for r in applied])
+    return out | {"train/lr": applied[0]["train/lr"], **counts, "train/skipped": 0.0,
                   "train/updates": float(len(applied))}
+
+
+_MAXED = ("train/ratio_max",)
+_PER_ROW = ("train/tis_masked_frac",)  # a fraction of the rows with tokens in the loss
+
+
+def _merge(parts: list[tuple[dict[str, float], float, float]], summed: tuple[str, ...] = ()) -> dict[str, float]:
+    """Metrics of parts (micro-batches, or updates) as (metrics, tokens in the loss, rows in the loss) merged
+    into the whole's: a key of `summed` is summed, train/ratio_max is the max, train/tis_masked_frac the
+    row-weighted mean, every other key the token-weighted mean (each over the parts that report it)."""
+    out: dict[str, float] = {}
+    for k in dict.fromkeys(k for m, _, _ in parts for k in m):
+        have = [(m[k], tokens, rows) for m, tokens, rows in parts if k in m]
+        if k in summed:
+            out[k] = sum(v for v, _, _ in have)
+        elif k in _MAXED:
+            out[k] = max(v for v, _, _ in have)
+        else:
+            col = 2 if k in _PER_ROW else 1
+            weight = sum(p[col] for p in have)
+            out[k] = sum(p[0] * p[col] for p in have) / weight if weight else 0.0
+    return out
 
 
 def _micro_step(model, mb, cfg: TrainerConfig, totals: dict, has_rollout: bool,
@@ -184,6 +229,10 @@ def _micro_step(model, mb, cfg: TrainerConfig, totals: dict, has_rollout: bool,
                                 rollout_logp_BT=mb.rollout_logp_BT if has_rollout else None,
                                 ref_logp_BT=ref, entropy_BT=entropy, num_tokens=totals["num_tokens"],
                                 num_seqs=totals["num_seqs"])
+    if old == "rollout" and has_rollout:  # the old log-probs ARE the engine's: the gap is the current policy's
+        m_BT = mb.mask_BT.bool()
+        gap = (logp.detach().float() - mb.rollout_logp_BT.float())[m_BT].abs()
+        metrics["train/rollout_logprob_abs_diff"] = float(gap.mean()) if gap.numel() else 0.0
     value = float(loss.detach())
     if math.isfinite(value):
         loss.backward()
@@ -200,10 +249,23 @@ def _reference_logprobs(model, mb, cfg: TrainerConfig, temperature: float) -> to
 @torch.no_grad()
 def _batch_logprobs(model, mb, cfg: TrainerConfig, temperature: float) -> torch.Tensor:
     """The model's log-prob [B, T] of each target of `mb`, from the forward the training pass makes (without
-    gradients)."""
-    with _autocast(model, cfg):
+    gradients, and in eval mode: no dropout)."""
+    with _eval_mode(model), _autocast(model, cfg):
         logits = model(mb.input_ids_BT, seq_lens=mb.seq_lens_B).logits
     return token_logprobs(logits / temperature, mb.targets_BT)
+
+
+@contextlib.contextmanager
+def _eval_mode(model):
+    """The model in eval mode (LoRA dropout off: a deterministic forward) for the block; every module's training
+    flag is restored after it, as it was (a model partly in eval mode stays so)."""
+    was = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        yield
+    finally:
+        for m, training in was:
+            m.training = training
 
 
 @contextlib.contextmanager
