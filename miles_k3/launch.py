@@ -24,7 +24,14 @@ from miles_k3.model.lora import apply_lora, lora_parameters
 from miles_k3.rollout.engine import RolloutEngine
 from miles_k3.runtime import resolve_device, resolve_dtype
 from miles_k3.tracking import Tracker
-from miles_k3.trainer.checkpoint import RNG_FILE, load_checkpoint, resolve_resume, set_rng_state
+from miles_k3.trainer.checkpoint import (
+    RNG_FILE,
+    STATE_FILE,
+    ResumeError,
+    load_checkpoint,
+    resolve_resume,
+    set_rng_state,
+)
 from miles_k3.trainer.optim import BadStepGuard, build_optimizer, build_scheduler
 from miles_k3.trainer.rollouts import PromptStream
 from miles_k3.weight_sync.channel import open_sender
@@ -52,6 +59,7 @@ class Run:
     guard: BadStepGuard
     start_step: int = 0
     pad_id: int = 0
+    version: int = 0  # the weight version of the trainer's adapter: what the engine serves, pushed as version + 1
     last_checkpoint: Path | None = None
     summary: dict | None = None
 
@@ -99,15 +107,16 @@ def build_run(cfg) -> Run:
     sched = build_scheduler(opt, cfg.trainer.optim)
     stream = PromptStream(problems, cfg.rollout.seed)
     ckpt = resolve_resume(cfg.resume, run_dir)
-    start = _resume(ckpt, model, opt, sched, stream)
+    start, version = _resume(ckpt, model, opt, sched, stream)
     if not cfg.engine.eos_token_ids:
         cfg.engine.eos_token_ids = stop_ids
+    _warn_filtered_logprobs(cfg.rollout)
     if cfg.rollout.backend == "sglang":
-        engine, channel = _sglang_engine(cfg, model, tokenizer, problems, start)
+        engine, channel = _sglang_engine(cfg, model, tokenizer, problems, version)
     else:
         engine = RolloutEngine(model, cfg.engine, lora=cfg.lora, tokenizer=tokenizer)
         engine.load_lora_adapter_from_tensors(POLICY, {n: p.detach() for n, p in params.items()}, cfg.lora)
-        engine.weight_version = start  # the adapter of step `start` is what it serves
+        engine.weight_version = version  # the checkpoint's adapter is what it serves
         channel = open_sender(cfg.sync, engine=engine, adapter=POLICY)
     tracker = Tracker(cfg.tracking, run_dir, config=OmegaConf.to_container(OmegaConf.structured(cfg)))
     hook = None
@@ -116,37 +125,61 @@ def build_run(cfg) -> Run:
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     if ckpt is not None:  # building the engine may draw random numbers: the loop starts from the saved state
         set_rng_state(torch.load(ckpt / RNG_FILE, weights_only=True))
+    guard = BadStepGuard(cfg.trainer.optim.max_bad_steps, max_empty_steps=cfg.trainer.optim.max_empty_steps)
     return Run(cfg, run_dir, device, model, tokenizer, engine, params, opt, sched, channel,
-               build_reward(cfg.reward), stream, hook, tracker, BadStepGuard(cfg.trainer.optim.max_bad_steps),
-               start, pad)
+               build_reward(cfg.reward), stream, hook, tracker, guard, start, pad, version)
 
 
-def _sglang_engine(cfg, model, tokenizer, problems, start: int):
-    """The SGLang engine serving the run's checkpoint with the adapter of step `start`, and its verified channel.
+def _warn_filtered_logprobs(cfg) -> None:
+    """top-p / top-k: the engine's log-probs are of the filtered distribution, the trainer's of the full one."""
+    if cfg.top_p < 1.0 or cfg.top_k > 0:
+        log.warning("rollout.top_p=%s rollout.top_k=%s: the engine reports log-probs of the filtered, renormalised "
+                    "distribution it samples from, the trainer computes them over the full vocabulary, so "
+                    "train/rollout_logprob_abs_diff includes the filtering (rollout/logprob_filter_gap: that part, "
+                    "from the engine's own unfiltered log-probs) and TIS weights lean below 1", cfg.top_p,
+                    cfg.top_k)
+
+
+def _sglang_engine(cfg, model, tokenizer, problems, version: int):
+    """The SGLang engine serving the run's checkpoint with the trainer's adapter as weight version `version`, and its
+    verified channel.
     The parity probe is the first training prompt's token ids, repeated to sglang.probe_tokens."""
     from miles_k3.adapter import peft_tensors
     from miles_k3.evals.templates import render_prompt
+    from miles_k3.model.lora import adapters_disabled
     from miles_k3.rollout.sglang_backend import serve_checkpoint
     from miles_k3.trainer.step import sequence_logprobs
     from miles_k3.weight_sync.sglang import SGLangChannel
 
     engine = serve_checkpoint(cfg.sglang, cfg.model, tokenizer, cfg.engine.eos_token_ids, lora=cfg.lora,
                               seed=cfg.seed, fallback_context=cfg.engine.max_context)
-    engine.weight_version = start  # the adapter of step `start` is what it serves
+    engine.weight_version = version  # the trainer's adapter (a checkpoint's on resume) is what it serves
     engine.load_lora_adapter_from_tensors(POLICY, {n: t.detach() for n, t in peft_tensors(model).items()},
                                           cfg.lora)
     first = tokenizer.encode(render_prompt(cfg.rollout.template, problems[0].problem, tokenizer),
                              add_special_tokens=False)
     probe = (first * (cfg.sglang.probe_tokens // max(len(first), 1) + 1))[:cfg.sglang.probe_tokens]
-    channel = SGLangChannel(engine, POLICY, verify=cfg.sglang.verify_push, tolerance=cfg.sglang.parity_tolerance,
-                            probe_ids=probe, trainer_logprobs=lambda ids: sequence_logprobs(model, ids, cfg.trainer))
+
+    def base_logprobs(ids: list[int]) -> list[float]:
+        with adapters_disabled(model):
+            return sequence_logprobs(model, ids, cfg.trainer)
+
+    channel = SGLangChannel(engine, POLICY, cfg.sglang, probe_ids=probe,
+                            trainer_logprobs=lambda ids: sequence_logprobs(model, ids, cfg.trainer),
+                            trainer_base_logprobs=base_logprobs)
     return engine, channel
 
 
-def _resume(ckpt: Path | None, model, opt, sched, stream: PromptStream) -> int:
+def _resume(ckpt: Path | None, model, opt, sched, stream: PromptStream) -> tuple[int, int]:
+    """(step, weight version) of the checkpoint restored into the model, optimizer and prompt stream; (0, 0)
+    without one. The version is the checkpoint's own (extra_state.weight_version), not recomputed from the step."""
     if ckpt is None:
-        return 0
+        return 0, 0
     state = load_checkpoint(ckpt, model, opt, sched)
     stream.load_state(state["data_state"]["stream"])
-    log.info("resumed from %s at step %d", ckpt, state["step"])
-    return int(state["step"])
+    version = state.get("extra_state", {}).get("weight_version")
+    if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+        raise ResumeError(f"{ckpt / STATE_FILE}: extra_state.weight_version must be an int >= 0 (the adapter's "
+                          f"weight version), got {version!r}; the checkpoint is not a training run's")
+    log.info("resumed from %s at step %d (weight version %d)", ckpt, state["step"], version)
+    return int(state["step"]), version

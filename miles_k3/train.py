@@ -2,10 +2,10 @@
 
 It composes `recipes/train.yaml`, validates every field, builds the run (`miles_k3.launch.build_run`: model +
 adapter, engine sharing the base, sync channel, optimizer, reward, prompts, eval, tracker; resumed from a
-checkpoint with `resume=auto|PATH`) and runs the loop of ARCHITECTURE.md:
+checkpoint with `resume=auto|PATH`) and runs the loop (the README's "The loop"):
 
-    rollout -> rewards -> advantages -> release engine memory -> train step -> weight sync -> resume engine
-    memory -> log -> eval every N -> checkpoint every N (and on SIGINT / SIGTERM)
+    rollout -> rewards -> advantages -> release engine memory -> train step -> weight sync (version + 1) ->
+    resume engine memory -> log -> eval every N -> checkpoint every N (and on SIGINT / SIGTERM)
 
 (with rollout.backend=sglang the memory is resumed before the weight sync, whose parity probe runs a request).
 
@@ -26,7 +26,7 @@ from miles_k3.model.build import build_model
 from miles_k3.model.lora import adapter_num_params, apply_lora
 from miles_k3.runtime import resolve_device, resolve_dtype
 from miles_k3.trainer.checkpoint import ADAPTER_DIR, save_checkpoint
-from miles_k3.trainer.rollouts import collect_rollouts
+from miles_k3.trainer.rollouts import check_on_policy, collect_rollouts
 from miles_k3.trainer.step import train_step
 
 log = logging.getLogger("miles_k3.train")
@@ -107,19 +107,21 @@ def one_step(run: Run, step: int) -> tuple[dict[str, float], list]:
     cfg, tags = run.cfg, list(run.cfg.rollout.release_tags)
     timer = _Timer()
     samples, metrics = collect_rollouts(run.engine, run.tokenizer, run.stream, run.reward, cfg.rollout, POLICY)
+    check_on_policy(samples, run.version)
     timer.lap("rollout")
     if tags:
         run.engine.release_memory_occupation(tags)
     timer.lap("release")
     metrics |= train_step(run.model, samples, cfg.trainer, run.opt, run.sched, run.params, run.pad_id,
-                          run.device, temperature=cfg.rollout.temperature)  # no samples: a skipped step
-    run.guard.record(metrics["train/skipped"] == 1.0)
+                          run.device, temperature=cfg.rollout.temperature)  # no samples: an empty step
+    run.guard.record(metrics)
     timer.lap("train")
     resume_first = getattr(run.engine, "push_needs_memory", False)  # SGLang: a push's parity probe generates
     if tags and resume_first:
         run.engine.resume_memory_occupation(tags)
         timer.lap("resume")
-    report = run.channel.push(run.lora_tensors(), version=step)
+    report = run.channel.push(run.lora_tensors(), version=run.version + 1)
+    run.version += 1
     timer.lap("sync")
     if tags and not resume_first:
         run.engine.resume_memory_occupation(tags)
@@ -158,7 +160,7 @@ def log_samples(run: Run, samples: list, step: int) -> None:
 
 def checkpoint(run: Run, step: int, raw_yaml: str) -> None:
     path = save_checkpoint(run.run_dir, step, run.model, run.cfg.lora, run.opt, run.sched,
-                           {"stream": run.stream.state()}, {"weight_version": run.engine.weight_version},
+                           {"stream": run.stream.state()}, {"weight_version": run.version},
                            raw_yaml, keep=run.cfg.keep_checkpoints,
                            base_model_name_or_path=(run.cfg.model.hf_path or run.cfg.model.path
                                                     or run.cfg.model.name))

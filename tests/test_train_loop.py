@@ -118,6 +118,30 @@ def test_resume_after_a_stop_is_bit_identical_to_an_uninterrupted_run(tmp_path):
     assert any(r["train/grad_norm"] > 0 for r in rows)  # the updates were real, not zero steps
 
 
+def test_resume_restores_the_checkpoints_weight_version(tmp_path):
+    """The version comes from the checkpoint's extra_state, not from the step: a checkpoint of step 2 whose
+    adapter is version 7 (edited here; a run whose pushes and steps do not count alike) resumes pushing 8."""
+    from miles_k3.train import train
+    from miles_k3.trainer.checkpoint import ResumeError
+
+    train(_cfg(tmp_path, "steps=2", "checkpoint_every=1"))
+    state_file = tmp_path / "run/checkpoints/step_00000002/state.json"
+    state = json.loads(state_file.read_text())
+    assert state["extra_state"]["weight_version"] == 2
+    state["extra_state"]["weight_version"] = 7
+    state_file.write_text(json.dumps(state))
+    resumed = train(_cfg(tmp_path, "resume=auto"))
+    assert resumed.start_step == 2 and resumed.engine.weight_version == 8 and resumed.version == 8
+    rows = [json.loads(x) for x in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["step"] == 3 and rows[-1]["sync/version"] == 8
+    final = json.loads((tmp_path / "run/checkpoints/step_00000003/state.json").read_text())
+    assert final["extra_state"]["weight_version"] == 8
+    del state["extra_state"]["weight_version"]
+    state_file.write_text(json.dumps(state))
+    with pytest.raises(ResumeError, match="extra_state.weight_version must be an int >= 0"):
+        train(_cfg(tmp_path, f"resume={state_file.parent}"))
+
+
 DRIVER = """
 import sys
 sys.argv = ["miles_k3.train", *sys.argv[1:]]
@@ -158,27 +182,54 @@ def test_kill_9_mid_run_then_resume_is_bit_identical(tmp_path):
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_aime_grpo_recipe_scaled_down_trains_on_verl_format_data(tmp_path):
-    """recipe=aime_grpo with the model and sizes made small: DAPO-Math-17k-format rows (the problem at
-    prompt.0.content, the answer at reward_model.ground_truth) become prompts and golds, and a step trains with
-    the recipe's loss settings and activation checkpointing."""
-    from miles_k3.train import train
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_{{ m.role }}|>{{ m.content }}<|im_end|>{% endfor %}"
+                 "{% if add_generation_prompt %}<|im_assistant|>{% endif %}")
 
+
+def test_aime_grpo_recipe_scaled_down_trains_on_verl_format_data(tmp_path, monkeypatch):
+    """recipe=aime_grpo with the model and sizes made small: DAPO-Math-17k-format rows (the problem at
+    prompt.0.content, the answer at reward_model.ground_truth) become prompts and golds, sent as the user turn of
+    the checkpoint's chat template (chat_plain), graded by the math reward, and the step's loss runs with the
+    recipe's clip bounds, TIS and activation checkpointing."""
+    from miles_k3.init_checkpoint import init_checkpoint
+    from miles_k3.model.config import K3Config
+    from miles_k3.train import train
+    from miles_k3.trainer import step as step_module
+
+    ckpt = init_checkpoint(K3Config.from_name("k3_tiny"), tmp_path / "base")
+    tok_config = json.loads((ckpt / "tokenizer_config.json").read_text())
+    (ckpt / "tokenizer_config.json").write_text(json.dumps({**tok_config, "chat_template": CHAT_TEMPLATE}))
     data = tmp_path / "dapo.jsonl"
     rows = [{"data_source": "math_dapo", "prompt": [{"content": f"Compute {i} + {i}. Answer: $Answer", "role": "user"}],
              "ability": "MATH", "reward_model": {"ground_truth": str(2 * i), "style": "rule-lm"},
              "extra_info": {"index": f"u{i}"}} for i in range(4)]
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    losses, checkpointed = [], []
+    real_loss, real_recompute = step_module.policy_loss, step_module._recompute
+
+    def spy_loss(*args, **kw):
+        losses.append((args[4], kw))  # (the LossConfig, the keyword inputs)
+        return real_loss(*args, **kw)
+
+    def spy_recompute(model, on):
+        checkpointed.append(on)
+        return real_recompute(model, on)
+    monkeypatch.setattr(step_module, "policy_loss", spy_loss)
+    monkeypatch.setattr(step_module, "_recompute", spy_recompute)
     cfg = compose_config("train", [
-        "recipe=aime_grpo", "model=k3_tiny", "device=cpu", "steps=1", f"data.source={data}", f"run_dir={tmp_path}/run",
-        "rollout.template=plain", "rollout.prompts_per_step=2", "rollout.group_size=2", "rollout.max_new_tokens=6",
-        "rollout.overlong_buffer=2", "rollout.dynamic_sampling=false", "reward.workers=1", "eval.every_n_steps=0",
-        "engine.max_context=128", "engine.memory_budget_bytes=4194304", "lora.rank=4", "tracking.logger=none"])
-    assert cfg.trainer.activation_checkpointing and cfg.trainer.loss.eps_high == 0.28
+        "recipe=aime_grpo", "model=k3_tiny", f"model.path={ckpt}", "device=cpu", "steps=1", f"data.source={data}",
+        f"run_dir={tmp_path}/run", "rollout.prompts_per_step=2", "rollout.group_size=2",
+        "rollout.max_new_tokens=6", "rollout.overlong_buffer=2", "rollout.dynamic_sampling=false", "reward.workers=1",
+        "eval.every_n_steps=0", "engine.max_context=128", "engine.memory_budget_bytes=4194304", "lora.rank=4",
+        "tracking.logger=none"])
     run = train(cfg, "")
     table = [json.loads(x) for x in (tmp_path / "run/tables/rollout_samples.jsonl").read_text().splitlines()]
-    assert table and all(r["prompt"].startswith("Compute ") and r["prompt"].endswith("Answer: $Answer")
-                         for r in table)
+    assert table and all(r["prompt"].startswith("<|im_user|>Compute ")
+                         and r["prompt"].endswith("Answer: $Answer<|im_end|><|im_assistant|>") for r in table)
     assert {p.answer for p in run.stream.problems} == {"0", "2", "4", "6"}
+    assert run.reward.pool.grader == "math"
+    loss_cfg, inputs = losses[0]
+    assert (loss_cfg.eps_low, loss_cfg.eps_high, loss_cfg.tis, loss_cfg.tis_clip) == (0.2, 0.28, "token_truncate", 2.0)
+    assert inputs["rollout_logp_BT"] is not None and checkpointed and all(checkpointed)
     row = json.loads((tmp_path / "run/metrics.jsonl").read_text().splitlines()[0])
-    assert row["train/skipped"] == 0.0 and row["sync/version"] == 1
+    assert "train/tis_weight_mean" in row and row["sync/version"] == 1
