@@ -39,7 +39,7 @@ from miles_k3.rollout.engine import generate_requests
 log = logging.getLogger("miles_k3.rollout")
 
 MEMORY_TAGS = ("kv_cache", "weights", "cuda_graph")
-VERIFY_MODES = ("never", "first", "every")
+VERIFY_MODES = ("never", "every_n", "every")
 INSTALL_HINT = ("rollout.backend=sglang needs SGLang: pip install 'miles-k3[sglang]' (SGLang serves on CUDA GPUs; "
                 "releases pinning torch 2.11 end at sglang 0.5.17), or set rollout.backend=native")
 
@@ -77,11 +77,20 @@ class SGLangConfig:
     """Maximum prompt + completion tokens; null: the model config's."""
     log_level: str = "error"
     """SGLang's log level."""
-    verify_push: str = "first"
-    """Check a pushed adapter by logprob parity before it serves: never, first (the first push of the run) or
-    every push."""
+    verify_push: str = "every_n"
+    """Check a pushed adapter on the probe before it serves (`miles_k3.weight_sync.sglang` gives the rule): never,
+    every_n (push 1, then every verify_every-th push after a conclusive check) or every push. A check too small to
+    decide (the adapter's effect below the noise floor) and a refused push make the next push checked too."""
+    verify_every: int = 10
+    """With verify_push=every_n: a check that is conclusive and passes at push k makes push k + verify_every the next
+    one checked (all conclusive: pushes 1, 1 + n, 1 + 2n, ...). >= 1."""
     parity_tolerance: float = 0.05
     """Mean |trainer - engine| log-prob (nats/token) over the probe above which a push is refused."""
+    parity_min_effect: float = 0.01
+    """Noise floor (nats/token): a check is conclusive only when the adapter moves the trainer's probe log-probs by
+    at least this on average (and by 10x the engine-trainer gap on the base, the bf16 noise). Below 0.01 the
+    adapter changes the probe's token probabilities by ~1% on average: too little to tell a dropped or mis-scaled
+    adapter from noise, and too little to matter to the rollouts yet. > 0."""
     probe_tokens: int = 32
     """Length of the parity probe (token ids drawn from the first training prompt, repeated to this length)."""
     extra_args: dict[str, Any] = field(default_factory=dict)
@@ -99,10 +108,20 @@ class SGLangConfig:
         if self.enable_weights_cpu_backup and not self.enable_memory_saver:
             raise ValueError("enable_weights_cpu_backup: needs enable_memory_saver=true (the backup is what "
                              "resume restores after a release)")
+        if self.verify_push == "first":
+            raise ValueError("verify_push: 'first' was replaced by every_n (push 1, then every sglang.verify_every-th "
+                             "push, and the next push whenever a check is inconclusive): the first push alone, when "
+                             "LoRA B is ~0, cannot tell an applied adapter from an ignored one; set "
+                             "sglang.verify_push=every_n (or every, or never)")
         if self.verify_push not in VERIFY_MODES:
             raise ValueError(f"verify_push: '{self.verify_push}' is not one of {', '.join(VERIFY_MODES)}")
+        if isinstance(self.verify_every, bool) or not isinstance(self.verify_every, int) or self.verify_every < 1:
+            raise ValueError(f"verify_every: must be an integer >= 1 (pushes between checks), got "
+                             f"{self.verify_every!r}")
         if not (math.isfinite(self.parity_tolerance) and self.parity_tolerance > 0):
             raise ValueError(f"parity_tolerance: must be finite and > 0, got {self.parity_tolerance}")
+        if not (math.isfinite(self.parity_min_effect) and self.parity_min_effect > 0):
+            raise ValueError(f"parity_min_effect: must be finite and > 0 (nats/token), got {self.parity_min_effect}")
         if self.probe_tokens < 2:
             raise ValueError(f"probe_tokens: must be >= 2, got {self.probe_tokens}")
         clash = sorted(set(self.extra_args) & set(TYPED_ARGS))

@@ -32,7 +32,8 @@ def randomize_adapters(model, seed=1, std=0.1):
 
 def hf_policy(directory, lora, device="cpu", seed=0, std=0.05):
     """The HF checkpoint at `directory` in fp32 on `device` with LoRA `lora` applied and random B (std `std`, after
-    torch.manual_seed(seed)): an adapter that changes the outputs."""
+    torch.manual_seed(seed)): an adapter that changes the outputs. In training mode, as the trainer holds it
+    (`load_hf_model`); sequence_logprobs scores in eval mode."""
     from miles_k3.model.hf import load_hf_model
     from miles_k3.model.lora import apply_lora
 

@@ -10,9 +10,14 @@ logprob None)}; adapter loads and unloads report failure in their return value (
 SGLang's do, and a reused adapter name is refused as SGLang refuses it. `test_sglang_signatures_match_installed`
 (marked gpu: SGLang is installed on the GPU host only) checks these parameter names against the real sglang.Engine.
 
-With a `model` (an HFCausalLM with LoRA applied, this double's own copy), it computes real log-probs and samples:
-loading an adapter copies its PEFT-named tensors into that model, so a wrong name or layout shows up as a logprob
-difference, as with a real engine.
+With a `model` (an HFCausalLM with LoRA applied, this double's own copy, put in eval mode as an engine serves), it
+computes real log-probs and samples: loading an adapter copies its PEFT-named tensors into that model, so a wrong name
+or layout shows up as a logprob difference, as with a real engine. A request with lora_path None (or a None entry) is
+served by the base, as SGLang serves it: the model with its adapters zeroed.
+
+Fault injection, not SGLang behaviour: `adapter_scale` (settable at any time) multiplies the lora_B tensors of every
+adapter loaded after it is set, so 0.0 is an engine that ignores the pushed adapter and serves the base under its name,
+and 0.5 / 2.0 one that applies it at half / double scale (a wrong lora_alpha / rank scaling).
 """
 from __future__ import annotations
 
@@ -48,13 +53,14 @@ class _Output:
 class FakeSGLangEngine:
     """Not SGLang: see the module docstring. `calls` records (method, kwargs) in order."""
 
-    def __init__(self, model=None, fail_load: str | None = None, **server_args):
+    def __init__(self, model=None, fail_load: str | None = None, adapter_scale: float = 1.0, **server_args):
         unknown = sorted(set(server_args) - set(RECORDED_SERVER_ARGS))
         if unknown:  # SGLang's ServerArgs rejects unknown keywords too
             raise TypeError(f"ServerArgs.__init__() got unexpected keyword arguments {unknown}")
         self.server_args = server_args
-        self.model = model
+        self.model = model.eval() if model is not None else None
         self.fail_load = fail_load
+        self.adapter_scale = adapter_scale
         self.calls: list[tuple[str, dict]] = []
         self.adapters: dict[str, dict[str, torch.Tensor]] = {}
         self.released: set[str] = set()
@@ -90,7 +96,8 @@ class FakeSGLangEngine:
             missing = sorted(set(peft_tensors(self.model)) - set(tensors))
             if missing:
                 return _Output(False, f"LoRA adapter {lora_name}: missing weights {missing[:3]}")
-        self.adapters[lora_name] = {k: v.detach().to("cpu", copy=True) for k, v in tensors.items()}
+        scales = {k: self.adapter_scale if "lora_B" in k else 1.0 for k in tensors}  # the fault injection
+        self.adapters[lora_name] = {k: v.detach().to("cpu", copy=True) * scales[k] for k, v in tensors.items()}
         return _Output(True)
 
     def unload_lora_adapter(self, lora_name):

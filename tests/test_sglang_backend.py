@@ -21,7 +21,7 @@ from miles_k3.rollout.sglang_backend import (
     version_of,
 )
 from miles_k3.weight_sync.protocol import SyncError
-from miles_k3.weight_sync.sglang import SGLangChannel
+from miles_k3.weight_sync.sglang import Parity, SGLangChannel
 from tests.sglang_double import FakeSGLangEngine
 
 LORA = LoRAConfig(rank=4, alpha=8.0, targets=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
@@ -69,7 +69,12 @@ def test_server_args_map_the_typed_config():
 @pytest.mark.parametrize(("field", "value", "message"), [
     ("mem_fraction_static", 1.0, "mem_fraction_static: must be in"),
     ("max_loras_per_batch", 2, "max_loras_per_batch: must be >= 3"),
-    ("verify_push", "sometimes", "verify_push: 'sometimes' is not one of never, first, every"),
+    ("verify_push", "sometimes", "verify_push: 'sometimes' is not one of never, every_n, every"),
+    ("verify_push", "first", "verify_push: 'first' was replaced by every_n .* set sglang.verify_push=every_n"),
+    ("verify_every", 0, "verify_every: must be an integer >= 1"),
+    ("verify_every", True, "verify_every: must be an integer >= 1"),
+    ("parity_min_effect", 0.0, "parity_min_effect: must be finite and > 0"),
+    ("parity_min_effect", float("inf"), "parity_min_effect: must be finite and > 0"),
     ("parity_tolerance", float("nan"), "parity_tolerance"),
     ("extra_args", {"enable_lora": False}, r"extra_args: \['enable_lora'\] are set by typed fields"),
 ])
@@ -160,15 +165,38 @@ def test_memory_handoff_checks_its_preconditions():
         _engine(cfg=SGLangConfig(enable_memory_saver=False)).release_memory_occupation(["kv_cache"])
 
 
-def _channel(qwen3_dir, verify="every", **kw):
-    from miles_k3.trainer.step import sequence_logprobs as trainer_logprobs
+PROBE = [256, 49, 53, 45, 52, 51, 61, 49, 50]
 
-    trainer = _policy(qwen3_dir, seed=0)
-    engine = _engine(model=_policy(qwen3_dir, seed=1), **kw)  # the double's own copy, another adapter
+
+def _trainer_logprobs(trainer, ids, adapter=True):
+    from miles_k3.model.lora import adapters_disabled
+    from miles_k3.trainer.step import sequence_logprobs
+
+    if adapter:
+        return sequence_logprobs(trainer, ids)
+    with adapters_disabled(trainer):
+        return sequence_logprobs(trainer, ids)
+
+
+def _channel(qwen3_dir, std=0.05, engine_kw=None, **cfg):
+    """(trainer, engine, channel): the trainer's policy with random B of std `std`, an engine over the double's own
+    copy (another adapter until the trainer's is loaded), and a channel configured by SGLangConfig(**cfg)."""
+    trainer = hf_policy(qwen3_dir, LORA, seed=0, std=std)
+    engine = _engine(model=_policy(qwen3_dir, seed=1), **(engine_kw or {}))
     engine.load_lora_adapter_from_tensors("policy", _peft(trainer), LORA)
-    probe = [256, 49, 53, 45, 52, 51, 61, 49, 50]
-    return trainer, engine, SGLangChannel(engine, "policy", verify=verify, tolerance=1e-3, probe_ids=probe,
-                                          trainer_logprobs=lambda ids: trainer_logprobs(trainer, ids))
+    cfg = SGLangConfig(**({"verify_push": "every", "parity_tolerance": 1e-3} | cfg))
+    return trainer, engine, SGLangChannel(engine, "policy", cfg, probe_ids=PROBE,
+                                          trainer_logprobs=lambda ids: _trainer_logprobs(trainer, ids),
+                                          trainer_base_logprobs=lambda ids: _trainer_logprobs(trainer, ids, False))
+
+
+def _set_b(trainer, std, seed=3):
+    """LoRA B of `trainer` set to N(0, std) (0: zeros): the adapter's effect, an optimizer step's worth."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for n, p in sorted(lora_parameters(trainer).items()):
+            if "lora_B" in n:
+                p.copy_(torch.randn(p.shape, generator=g) * std)
 
 
 def test_push_is_verified_by_logprob_parity(qwen3_dir):
@@ -177,7 +205,7 @@ def test_push_is_verified_by_logprob_parity(qwen3_dir):
         for p in lora_parameters(trainer).values():
             p.add_(0.01)  # an optimizer step
     report = channel.push(_peft(trainer), version=1)
-    assert report.parity is not None and report.parity < 1e-5  # same fp32 math on both sides
+    assert report.parity is not None and report.parity.gap < 1e-5  # same fp32 math on both sides
     assert engine.serving("policy") == "policy@v1" and report.metrics()["sync/parity_logprob_abs_diff"] < 1e-5
     # a push whose tensors do not act as the trainer's (here: layouts swapped) is refused and never served
     bad = _peft(trainer)
@@ -190,10 +218,10 @@ def test_push_is_verified_by_logprob_parity(qwen3_dir):
 
 
 def test_failed_or_bad_pushes_leave_the_served_version(qwen3_dir):
-    trainer, engine, channel = _channel(qwen3_dir, verify="first", fail_load="@v3")
-    channel.push(_peft(trainer), version=1)
+    trainer, engine, channel = _channel(qwen3_dir, verify_push="every_n", engine_kw={"fail_load": "@v3"})
+    assert channel.push(_peft(trainer), version=1).parity.inconclusive is False
     checks = len(engine.engine.calls_of("generate"))
-    channel.push(_peft(trainer), version=2)  # verify=first: no probe after the first push
+    channel.push(_peft(trainer), version=2)  # verify_every=10 after a conclusive check: no probe
     assert len(engine.engine.calls_of("generate")) == checks
     with pytest.raises(SyncError, match=r"failed in sglang: RuntimeError: sglang load_lora_adapter_from_tensors\(policy@v3\) "
                        "failed: simulated load failure"):
@@ -234,8 +262,8 @@ def test_hf_model_adapters_are_peft_adapters(qwen3_dir, tmp_path):
 
 def test_three_grpo_steps_with_the_sglang_backend(qwen3_dir, tmp_path, monkeypatch):
     """The loop with rollout.backend=sglang (over the double, with its own copy of the tiny Qwen3): versions v0..v3
-    served in turn and the old ones unloaded, the first push checked by parity, the trainer's log-probs equal to the
-    engine's, and the checkpoint a PEFT adapter of the HF model."""
+    served in turn and the old ones unloaded, the first push checked by parity (and the next while checks are
+    inconclusive), the trainer's log-probs equal to the engine's, and the checkpoint a PEFT adapter of the HF model."""
     import miles_k3.rollout.sglang_backend as backend
     from miles_k3.config import compose_config
     from miles_k3.model.hf import load_hf_model
@@ -268,7 +296,8 @@ def test_three_grpo_steps_with_the_sglang_backend(qwen3_dir, tmp_path, monkeypat
     steps = [r for r in rows if "train/rollout_logprob_abs_diff" in r]
     assert len(steps) == 3 and all(r["train/rollout_logprob_abs_diff"] < 1e-4 for r in steps)
     assert "sync/parity_logprob_abs_diff" in steps[0] and steps[0]["sync/parity_logprob_abs_diff"] < 1e-3
-    assert "sync/parity_logprob_abs_diff" not in steps[1]  # verify_push=first
+    # verify_push=every_n: the push after step 1 is verified again only if step 1's check was inconclusive
+    assert ("sync/parity_logprob_abs_diff" in steps[1]) == (steps[0]["sync/parity_inconclusive"] == 1.0)
     assert any("eval/avg@2" in r for r in rows) and run.summary["steps"] == 3
     adapter = json.loads((run.last_checkpoint / "adapter/adapter_config.json").read_text())
     assert adapter["base_model_name_or_path"] == str(qwen3_dir)
@@ -284,6 +313,132 @@ def test_a_failing_parity_probe_refuses_the_push(qwen3_dir):
     with pytest.raises(SyncError, match="the parity probe failed .RuntimeError: probe request aborted."):
         channel.push(_peft(trainer), version=1)
     assert engine.serving("policy") == "policy@v0" and sorted(engine.engine.adapters) == ["policy@v0"]
+
+
+def _mean_abs(xs, ys):
+    return sum(abs(x - y) for x, y in zip(xs, ys)) / len(xs)
+
+
+def test_parity_rule_on_hand_worked_values():
+    """Four probe tokens, base log-probs b = d; the trainer's adapter moves them by (0.4, -0.4, 0.2, -0.2), so its
+    effect is 0.3 nats/token; an engine at half scale moves them by half that."""
+    d = [-2.0, -3.0, -1.0, -4.0]
+    c = [-1.6, -3.4, -0.8, -4.2]
+    half = Parity.of([-1.8, -3.2, -0.9, -4.1], d, c, d, min_effect=0.01)
+    assert half.gap == pytest.approx(0.15) and half.base_gap == 0.0 and half.floor == 0.01
+    assert half.effect_trainer == pytest.approx(0.3) and half.effect_engine == pytest.approx(0.15)
+    assert half.effect_diff == pytest.approx(0.15) and not half.inconclusive
+    assert "0.15 (> 0.25 x the trainer's effect)" in half.refusal(tolerance=0.2)  # 0.15 > 0.25 * 0.3
+    assert "differ from the trainer's by 0.15 nats/token" in half.refusal(tolerance=0.1)
+    faithful = Parity.of([-1.61, -3.39, -0.8, -4.2], d, c, d, min_effect=0.01)
+    assert faithful.effect_diff == pytest.approx(0.005) and faithful.refusal(tolerance=0.05) is None
+    # the engine and the trainer disagree on the base by 0.1 nats/token: an effect of 0.3 is below the floor
+    # (10 x 0.1), so even an engine that drops the adapter (a = b) is served, flagged inconclusive
+    b = [-2.1, -2.9, -1.1, -3.9]
+    dropped = Parity.of(b, b, c, d, min_effect=0.01)
+    assert dropped.base_gap == pytest.approx(0.1) and dropped.floor == pytest.approx(1.0)
+    assert dropped.inconclusive and dropped.refusal(tolerance=0.5) is None
+    assert dropped.metrics()["sync/parity_inconclusive"] == 1.0
+
+
+@pytest.mark.parametrize("scale", [0.0, 0.5, 2.0])
+def test_an_adapter_the_engine_drops_or_misscales_is_refused(qwen3_dir, scale):
+    """An engine that ignores the pushed adapter (scale 0) or applies it at half / double scale, with an adapter
+    whose effect is conclusive (> parity_min_effect) yet so small that |engine - trainer| alone stays under
+    parity_tolerance: the effect check refuses the push and the engine keeps serving the previous version."""
+    trainer, engine, channel = _channel(qwen3_dir, std=0.0, verify_push="every_n", parity_tolerance=0.05)
+    first = channel.push(_peft(trainer), version=1)  # B = 0: the adapter has no effect to check
+    assert first.metrics()["sync/parity_inconclusive"] == 1.0
+    engine.engine.adapter_scale = scale  # from here on the engine mis-loads what it is pushed
+    _set_b(trainer, 0.008)
+    effect = _mean_abs(_trainer_logprobs(trainer, PROBE), _trainer_logprobs(trainer, PROBE, adapter=False))
+    assert 0.015 < effect < 0.035, effect  # conclusive; at double scale |a - c| ~ effect < 0.05
+    with pytest.raises(SyncError, match=r"push of version 2 refused: the adapter moves the engine's log-probs by "
+                       r".* SGLang dropped or mis-scaled the adapter .* keeps serving version 1"):
+        channel.push(_peft(trainer), version=2)  # verified: the last check was inconclusive
+    assert engine.serving("policy") == "policy@v1" and engine.weight_version == 1
+    assert sorted(engine.engine.adapters) == ["policy@v1"]
+    engine.engine.adapter_scale = 1.0  # the fault fixed: the push after a refusal is verified, and passes
+    third = channel.push(_peft(trainer), version=3)
+    assert third.parity is not None and not third.parity.inconclusive and engine.serving("policy") == "policy@v3"
+
+
+def test_a_faithful_push_reports_the_adapter_effect(qwen3_dir, tmp_path):
+    """The effect metrics of a faithful push against PEFT's own LoRA on transformers' Qwen3 (the adapter saved and
+    loaded as a PEFT adapter; disable_adapter for the base): an independent computation of c and d."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from miles_k3.adapter import save_adapter
+
+    trainer, engine, channel = _channel(qwen3_dir, std=0.05, verify_push="every_n", parity_tolerance=0.05)
+    report = channel.push(_peft(trainer), version=1)
+    save_adapter(trainer, LORA, tmp_path / "adapter", base_model_name_or_path=str(qwen3_dir))
+    ref = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(qwen3_dir), dtype=torch.float32),
+                                    str(tmp_path / "adapter")).eval()
+    ids = torch.tensor([PROBE])
+
+    def logprobs():
+        with torch.no_grad():
+            logp = torch.log_softmax(ref(input_ids=ids[:, :-1]).logits.float(), -1)
+        return logp[0].gather(-1, ids[0, 1:, None])[:, 0].tolist()
+
+    with_adapter = logprobs()
+    with ref.disable_adapter():
+        base = logprobs()
+    effect = _mean_abs(with_adapter, base)
+    m = report.metrics()
+    assert effect > 0.05  # well above the floor (parity_min_effect=0.01; the fp32 base gap is ~0)
+    assert m["sync/parity_effect_trainer"] == pytest.approx(effect, abs=1e-5)
+    assert m["sync/parity_effect_engine"] == pytest.approx(effect, abs=1e-5)
+    assert m["sync/parity_effect_diff"] < 1e-5 and m["sync/parity_logprob_abs_diff"] < 1e-5
+    assert m["sync/parity_base_abs_diff"] < 1e-5 and m["sync/parity_inconclusive"] == 0.0
+    assert engine.serving("policy") == "policy@v1"
+
+
+def _pushes(channel, trainer, versions):
+    """The versions among `versions` whose push was verified (a refused push counts as verified)."""
+    verified = []
+    for v in versions:
+        try:
+            if channel.push(_peft(trainer), version=v).parity is not None:
+                verified.append(v)
+        except SyncError:
+            verified.append(v)
+    return verified
+
+
+def test_verify_every_n_checks_push_1_then_every_nth(qwen3_dir):
+    """verify_every=3 with conclusive checks: pushes 1, 4, 7, 10; push 10 is refused (an engine that drops the
+    adapter), so push 11 is verified, then 14."""
+    trainer, engine, channel = _channel(qwen3_dir, std=0.05, verify_push="every_n", verify_every=3)
+    assert _pushes(channel, trainer, range(1, 10)) == [1, 4, 7]
+    assert len(engine.engine.calls_of("generate")) == 2 * 3  # each check: the staged version and the base
+    engine.engine.adapter_scale = 0.0
+    with pytest.raises(SyncError, match="push of version 10 refused"):
+        channel.push(_peft(trainer), version=10)
+    engine.engine.adapter_scale = 1.0
+    assert _pushes(channel, trainer, range(11, 15)) == [11, 14]
+    assert engine.serving("policy") == "policy@v14" and channel.pushes == 13
+    quiet = SGLangChannel(engine, "policy", SGLangConfig(verify_push="never"))  # needs no probe
+    calls = len(engine.engine.calls_of("generate"))
+    assert quiet.push(_peft(trainer), version=15).parity is None
+    assert len(engine.engine.calls_of("generate")) == calls
+
+
+def test_an_inconclusive_check_makes_the_next_push_verified(qwen3_dir):
+    """B = 0 (the first pushes of a run): the adapter changes nothing, so the check cannot decide; pushes are
+    verified until a check is conclusive (push 3, once B is non-zero), then every verify_every-th (6)."""
+    trainer, engine, channel = _channel(qwen3_dir, std=0.0, verify_push="every_n", verify_every=3,
+                                        parity_tolerance=0.05)
+    reports = {v: channel.push(_peft(trainer), version=v) for v in (1, 2)}
+    _set_b(trainer, 0.05)
+    reports |= {v: channel.push(_peft(trainer), version=v) for v in range(3, 8)}
+    checked = {v: r.metrics()["sync/parity_inconclusive"] for v, r in reports.items() if r.parity is not None}
+    assert checked == {1: 1.0, 2: 1.0, 3: 0.0, 6: 0.0}
+    m = reports[1].metrics()  # B = 0: trainer and engine with the adapter are exactly their bases
+    assert m["sync/parity_effect_trainer"] == 0.0 and m["sync/parity_effect_engine"] == 0.0
+    assert engine.serving("policy") == "policy@v7"
 
 
 def _greedy(model, ids, max_new, stop):

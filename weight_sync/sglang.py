@@ -1,40 +1,120 @@
 """The channel into an SGLang engine (`rollout.backend=sglang`): the trainer's LoRA tensors are loaded as a new
 adapter version (`SGLangEngine.stage_adapter`: SGLang's load_lora_adapter_from_tensors under `policy@v<N>`), checked,
-then served (`commit_adapter`; the old version is unloaded once drained).
+then served (`commit_adapter`; the old version is unloaded once drained). Any error while loading is a SyncError,
+with nothing served from the failed push.
 
-SGLang cannot read adapter weights back, so a push is verified by logprob parity: the staged version's prompt
-log-probs of a fixed probe (token ids) are compared with the trainer's own log-probs of the same ids with the same
-adapter (`trainer_logprobs`), and a mean absolute difference above `tolerance` (nats/token) refuses the push: the
-staged version is unloaded and the engine keeps serving the previous one (SyncError). `verify` says when:
-never, first (the first push of this channel) or every push. Any error while loading is a SyncError too, with
-nothing served from the failed push.
+SGLang cannot read adapter weights back, so a push is verified by log-probs of a fixed probe (token ids), per token:
+a = the staged version in SGLang, b = SGLang's base (no adapter), c = the trainer with the adapter, d = the trainer
+with the adapter switched off. The adapter's effect is a - b in the engine and c - d in the trainer. Means over the
+probe's tokens (nats/token):
+
+    gap = mean|a - c|    base_gap = mean|b - d|    effect = mean|c - d|    effect_diff = mean|(a - b) - (c - d)|
+
+The push is refused (SyncError; the staged version is unloaded and the engine keeps serving the previous one) when
+  * gap > sglang.parity_tolerance (the engine does not compute what the trainer computes), or
+  * the check is conclusive and effect_diff > EFFECT_RTOL * effect (0.25: the engine's effect is off by more than a
+    quarter of the adapter's own). An adapter SGLang drops (a = b) has effect_diff = effect, one at half or double
+    scale about effect / 2 or effect, while a faithful one has only float noise, which the floor keeps below it.
+The check is conclusive when effect >= max(sglang.parity_min_effect, NOISE_FACTOR * base_gap): the adapter moves
+the probe's log-probs clearly more than the engine and the trainer disagree on the base, the float noise
+(NOISE_FACTOR = 10: effect_diff of a faithful push measured 1.0-1.6x base_gap with a bf16 model against an
+fp32-autocast one, on the CPU, tiny Qwen3s of 2 and 12 layers; at the floor the threshold effect / 4 is 2.5x
+base_gap). An inconclusive check (e.g. the first push, when LoRA B is still ~0) serves the push, says so in the
+report (sync/parity_inconclusive = 1), and makes the next push verified too.
+
+When (sglang.verify_push): never; every push; or every_n: push 1, and after a conclusive check that passed at push
+k, push k + sglang.verify_every (pushes 1, 1 + n, 1 + 2n, ... while every check is conclusive). A push that is
+refused or whose check is inconclusive makes the next push verified.
 """
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from miles_k3.weight_sync.protocol import PushReport, SyncError, sync_devices
 
+if TYPE_CHECKING:
+    from miles_k3.rollout.sglang_backend import SGLangConfig
+
+log = logging.getLogger("miles_k3.weight_sync")
+EFFECT_RTOL = 0.25  # refuse when the engine's effect differs from the trainer's by more than this part of it
+NOISE_FACTOR = 10.0  # a check is conclusive when the trainer's effect is this many times the base gap (or more)
+Logprobs = Callable[[list[int]], list[float]]
+
+
+@dataclass(frozen=True)
+class Parity:
+    """One push check's means over the probe (nats/token; see the module docstring for a, b, c, d)."""
+
+    gap: float  # mean|a - c|
+    base_gap: float  # mean|b - d|
+    effect_trainer: float  # mean|c - d|
+    effect_engine: float  # mean|a - b|
+    effect_diff: float  # mean|(a - b) - (c - d)|
+    floor: float  # the trainer's effect below which the check is inconclusive
+
+    @classmethod
+    def of(cls, a: list[float], b: list[float], c: list[float], d: list[float], min_effect: float) -> Parity:
+        def mean(xs) -> float:
+            return sum(xs) / len(xs)
+
+        base_gap = mean([abs(x - y) for x, y in zip(b, d)])
+        return cls(gap=mean([abs(x - y) for x, y in zip(a, c)]), base_gap=base_gap,
+                   effect_trainer=mean([abs(x - y) for x, y in zip(c, d)]),
+                   effect_engine=mean([abs(x - y) for x, y in zip(a, b)]),
+                   effect_diff=mean([abs((w - x) - (y - z)) for w, x, y, z in zip(a, b, c, d)]),
+                   floor=max(min_effect, NOISE_FACTOR * base_gap))
+
+    @property
+    def inconclusive(self) -> bool:
+        return self.effect_trainer < self.floor
+
+    def refusal(self, tolerance: float) -> str | None:
+        """Why the push is refused, or None."""
+        if self.gap > tolerance:
+            return (f"the engine's log-probs differ from the trainer's by {self.gap:.4g} nats/token on the probe "
+                    f"(> sglang.parity_tolerance={tolerance}); the adapter did not arrive as trained (names, layout "
+                    "or scaling)")
+        if not self.inconclusive and self.effect_diff > EFFECT_RTOL * self.effect_trainer:
+            return (f"the adapter moves the engine's log-probs by {self.effect_engine:.4g} nats/token and the "
+                    f"trainer's by {self.effect_trainer:.4g}: they differ by {self.effect_diff:.4g} (> "
+                    f"{EFFECT_RTOL} x the trainer's effect); SGLang dropped or mis-scaled the adapter (target "
+                    "modules, lora_alpha / rank scaling, a name it skipped)")
+        return None
+
+    def metrics(self) -> dict[str, float]:
+        return {"sync/parity_logprob_abs_diff": self.gap, "sync/parity_base_abs_diff": self.base_gap,
+                "sync/parity_effect_trainer": self.effect_trainer, "sync/parity_effect_engine": self.effect_engine,
+                "sync/parity_effect_diff": self.effect_diff, "sync/parity_inconclusive": float(self.inconclusive)}
+
 
 class SGLangChannel:
-    """`push(tensors, version)` into `engine` (an SGLangEngine) as adapter `adapter`."""
+    """`push(tensors, version)` into `engine` (an SGLangEngine) as adapter `adapter`, checked as `cfg` says
+    (verify_push, verify_every, parity_tolerance, parity_min_effect). `trainer_logprobs(ids)` and
+    `trainer_base_logprobs(ids)` are the trainer's log-probs of ids[1:] with the adapter and with it switched off,
+    without dropout."""
 
     transport = "sglang"
 
-    def __init__(self, engine, adapter: str, verify: str = "first", tolerance: float = 0.05,
-                 probe_ids: list[int] | None = None,
-                 trainer_logprobs: Callable[[list[int]], list[float]] | None = None):
+    def __init__(self, engine, adapter: str, cfg: SGLangConfig, probe_ids: list[int] | None = None,
+                 trainer_logprobs: Logprobs | None = None, trainer_base_logprobs: Logprobs | None = None):
+        cfg.validate()
         if engine.serving(adapter) is None:
             raise ValueError(f"adapter '{adapter}' is not loaded in the sglang engine; load it first")
-        if verify != "never" and (not probe_ids or len(probe_ids) < 2 or trainer_logprobs is None):
-            raise ValueError("a verified sglang push needs probe_ids (>= 2 token ids) and trainer_logprobs")
-        self.engine, self.adapter, self.verify, self.tolerance = engine, adapter, verify, tolerance
-        self.probe_ids, self.trainer_logprobs = probe_ids, trainer_logprobs
-        self.pushes = 0
+        if cfg.verify_push != "never" and (not probe_ids or len(probe_ids) < 2 or trainer_logprobs is None
+                                           or trainer_base_logprobs is None):
+            raise ValueError("a verified sglang push needs probe_ids (>= 2 token ids), trainer_logprobs and "
+                             "trainer_base_logprobs")
+        self.engine, self.adapter, self.cfg = engine, adapter, cfg
+        self.probe_ids, self.trainer_logprobs, self.trainer_base_logprobs = (probe_ids, trainer_logprobs,
+                                                                            trainer_base_logprobs)
+        self.pushes = 0  # pushes served
+        self._skips_left = 0  # pushes to serve unchecked before the next verified one
 
     def push(self, tensors: Mapping[str, torch.Tensor], version: int) -> PushReport:
         """Serve `tensors` (the trainer's adapter parameters by name) as `version`. Raises SyncError (the engine
@@ -53,34 +133,52 @@ class SGLangChannel:
         except Exception as e:  # SGLang's own failure to load: nothing was served
             raise SyncError(f"push of version {version} failed in sglang: {type(e).__name__}: {e}") from e
         load_s = time.perf_counter() - t0
-        parity = None
-        if self.verify == "every" or (self.verify == "first" and self.pushes == 0):
-            try:
-                parity = self._parity(staged)
-            except Exception as e:
-                self.engine.discard_adapter(staged)
-                raise SyncError(f"push of version {version} refused: the parity probe failed ({type(e).__name__}: "
-                                f"{e}); the engine keeps serving version {self.engine.weight_version}") from e
-            if parity > self.tolerance:
-                self.engine.discard_adapter(staged)
-                raise SyncError(f"push of version {version} refused: the engine's log-probs differ from the trainer's "
-                                f"by {parity:.4g} nats/token on the probe (> sglang.parity_tolerance="
-                                f"{self.tolerance}); the adapter did not arrive as trained (names, layout or "
-                                "scaling), the engine keeps serving version "
-                                f"{self.engine.weight_version}")
+        parity = self._check(staged, version) if self._due() else None
         self.engine.commit_adapter(self.adapter, staged)
         self.pushes += 1
         nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
         return SGLangPushReport(version, self.transport, nbytes, time.perf_counter() - t0, len(tensors), 1, None,
                                 load_seconds=load_s, parity=parity)
 
-    def _parity(self, staged: str) -> float:
-        """Mean |trainer - engine| log-prob over the probe with the staged adapter."""
-        engine = self.engine.prompt_logprobs(self.probe_ids, staged)
-        trainer = self.trainer_logprobs(self.probe_ids)
-        if len(engine) != len(trainer):
-            raise SyncError(f"parity probe: {len(engine)} engine log-probs vs {len(trainer)} of the trainer")
-        return sum(abs(a - b) for a, b in zip(engine, trainer)) / len(engine)
+    def _due(self) -> bool:
+        """Whether this push is verified (the schedule of the module docstring); counts the skipped ones."""
+        if self.cfg.verify_push == "never":
+            return False
+        if self._skips_left > 0:
+            self._skips_left -= 1
+            return False
+        return True
+
+    def _check(self, staged: str, version: int) -> Parity:
+        """The staged version's Parity; a refused push is discarded (SyncError)."""
+        serving = self.engine.weight_version
+        try:
+            parity = self._parity(staged)
+        except Exception as e:
+            self.engine.discard_adapter(staged)
+            raise SyncError(f"push of version {version} refused: the parity probe failed ({type(e).__name__}: "
+                            f"{e}); the engine keeps serving version {serving}") from e
+        why = parity.refusal(self.cfg.parity_tolerance)
+        if why is not None:
+            self.engine.discard_adapter(staged)
+            raise SyncError(f"push of version {version} refused: {why}; the engine keeps serving version {serving}")
+        if parity.inconclusive:
+            log.info("sglang push of version %d served, its check inconclusive: the adapter moves the probe's "
+                     "log-probs by %.3g nats/token (< %.3g, the noise floor); the next push is verified too",
+                     version, parity.effect_trainer, parity.floor)
+        else:
+            self._skips_left = (1 if self.cfg.verify_push == "every" else self.cfg.verify_every) - 1
+        return parity
+
+    def _parity(self, staged: str) -> Parity:
+        ids = self.probe_ids
+        rows = {"engine (staged)": self.engine.prompt_logprobs(ids, staged),
+                "engine (base)": self.engine.prompt_logprobs(ids, None),
+                "trainer": self.trainer_logprobs(ids), "trainer (base)": self.trainer_base_logprobs(ids)}
+        bad = {name: len(r) for name, r in rows.items() if len(r) != len(ids) - 1}
+        if bad:
+            raise SyncError(f"parity probe: {bad} log-probs for a {len(ids)}-token probe (want {len(ids) - 1})")
+        return Parity.of(*rows.values(), min_effect=self.cfg.parity_min_effect)
 
     def close(self) -> None:
         """Nothing to release: the engine is the run's and is shut down with it."""
@@ -88,13 +186,13 @@ class SGLangChannel:
 
 @dataclass
 class SGLangPushReport(PushReport):
-    """A PushReport with the adapter load time and the parity check's result (None when not checked)."""
+    """A PushReport with the adapter load time and the parity check (None when this push was not checked)."""
 
     load_seconds: float = 0.0
-    parity: float | None = None
+    parity: Parity | None = None
 
     def metrics(self) -> dict[str, float]:
         m = super().metrics() | {"sync/load_seconds": self.load_seconds}
         if self.parity is not None:
-            m["sync/parity_logprob_abs_diff"] = self.parity
+            m |= self.parity.metrics()
         return m

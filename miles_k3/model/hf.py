@@ -43,6 +43,8 @@ class HFCausalLM(nn.Module):
 
     @property
     def activation_checkpointing(self) -> bool:
+        """transformers' own checkpointing of every decoder layer (non-reentrant). It acts only in training mode
+        with gradients enabled (K3's needs gradients only), hence `load_hf_model` returns training mode."""
         return self._checkpointing
 
     @activation_checkpointing.setter
@@ -53,7 +55,17 @@ class HFCausalLM(nn.Module):
             self.hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         else:
             self.hf_model.gradient_checkpointing_disable()
+            self._remove_input_grad_hook()
         self._checkpointing = on
+
+    def _remove_input_grad_hook(self) -> None:
+        # transformers 5 registers an input-embedding hook at every enable and keeps it at disable (non-PEFT
+        # models): without this, the step's per-micro-batch toggle adds one hook per micro-batch. transformers 4
+        # registers none for a non-PEFT model, and its disable_input_require_grads then has no hook to remove.
+        try:
+            self.hf_model.disable_input_require_grads()
+        except AttributeError:
+            pass
 
     def forward(self, input_ids_BT: torch.Tensor, seq_lens: torch.Tensor | None = None):
         mask = None
@@ -64,7 +76,9 @@ class HFCausalLM(nn.Module):
 
 
 def load_hf_model(path: str, device: torch.device, dtype: torch.dtype) -> HFCausalLM:
-    """The checkpoint directory `path` as a frozen HFCausalLM on `device` in `dtype` (safetensors weights only)."""
+    """The checkpoint directory `path` as a frozen HFCausalLM on `device` in `dtype` (safetensors weights only), in
+    training mode like a freshly built K3 model: transformers checkpoints activations only in training mode, and
+    LoRA dropout acts only there. Forwards without gradients switch to eval mode themselves (the trainer's step)."""
     from transformers import AutoModelForCausalLM
 
     directory = Path(path)
@@ -78,6 +92,7 @@ def load_hf_model(path: str, device: torch.device, dtype: torch.dtype) -> HFCaus
         raise ConfigError(f"model.hf_path: transformers cannot load {path}: {e}") from None
     hf.to(device)
     hf.requires_grad_(False)
+    hf.train()  # from_pretrained returns eval mode; the trainer's model trains (see above)
     model = HFCausalLM(hf)
     log.info("model=%s (%s): %s parameters", path, type(hf).__name__, f"{sum(p.numel() for p in hf.parameters()):,}")
     return model
