@@ -220,8 +220,7 @@ def test_engine_samples_carry_the_version_they_were_sampled_with(engine):
     v = engine.weight_version + 3  # versions may skip, never go back
     LocalChannel(engine, sh.ADAPTER).push(sh.adapter_tensors(trainer), v)
     out = engine.generate(input_ids=sh.PROMPTS, sampling_params=sh.GREEDY, lora=sh.ADAPTER)
-    assert {sample_version(r) for r in out} == {v}
-    assert account(out, v + 2, 1).weights == [0.0] * len(out)
+    assert all(r["meta_info"]["weight_version"] == v and r["meta_info"]["weight_versions"] == [v] for r in out)
 
 
 # ---- the config-selected channel -----------------------------------------------------------------------------
