@@ -29,8 +29,14 @@ from miles_k3.model.lora import LoRAConfig
 from miles_k3.rollout.adapters import AdapterBank, share_base
 from miles_k3.rollout.graph_decode import GraphDecoder
 from miles_k3.rollout.memory import KDAStatePool, PagedLatentCache, plan_memory, pooled_state, store_state
-from miles_k3.rollout.sampling import (FinishReason, SamplingParams, check_stop, filters, sample,
-                                       unfiltered_logprobs)
+from miles_k3.rollout.sampling import (
+    FinishReason,
+    SamplingParams,
+    check_stop,
+    filters,
+    sample,
+    unfiltered_logprobs,
+)
 
 log = logging.getLogger(__name__)
 

@@ -6,8 +6,13 @@ import pytest
 from miles_k3.evals.datasets import Problem
 from miles_k3.evals.rewards import RewardResult
 from miles_k3.tokenizer import small_tokenizer
-from miles_k3.trainer.rollouts import (PromptStream, RolloutConfig, check_on_policy, collect_rollouts,
-                                      overlong_penalty)
+from miles_k3.trainer.rollouts import (
+    PromptStream,
+    RolloutConfig,
+    check_on_policy,
+    collect_rollouts,
+    overlong_penalty,
+)
 
 TOK = small_tokenizer(300)
 PROBLEMS = [Problem(f"p{i}", f"problem number {i}", str(i)) for i in range(5)]
