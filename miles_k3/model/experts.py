@@ -4,10 +4,16 @@ parameters or, as in the published checkpoint, as frozen native MXFP4 (compresse
 
 Tokens arrive grouped by expert (rows of expert 0, then expert 1, ...; `counts[e]` rows each). Every
 projection is a grouped matmul `y[rows of e] = x[rows of e] @ W_e^T`. In MXFP4 format the weights are
-dequantized on the fly, a chunk of experts at a time, by `MXFP4GroupedLinear`, an autograd function that
-saves only references to the uint8 storage and re-dequantizes in backward (input gradient only): no bf16
-copy of an expert weight is ever kept, neither as storage nor for backward. Optional per-expert LoRA
-deltas (`self.lora`, see `miles_k3.model.lora`) are added to each projection's output.
+multiplied by `MXFP4GroupedLinear`, an autograd function that saves only references to the uint8 storage and
+reads it again in backward (input gradient only): no bf16 copy of an expert weight is ever kept, neither as
+storage nor for backward. Its backend is one switch, `mxfp4_experts_backend` (resolved once per device type and
+logged): "triton" on CUDA with bf16 activations, a W4A16 grouped matmul that decodes the MXFP4 codes in registers
+and reads only the experts that have rows (`miles_k3.kernels.mxfp4_moe`, also inside captured decode steps), for
+projections of at least FUSED_MIN_WEIGHTS weights unless forced (real-width K3; k3_m's small experts keep the
+torch path); "torch" everywhere else (the CPU path and the reference): dequantize a chunk of experts to bf16,
+then a grouped matmul. Force one with `with mxfp4_experts_backend("torch"):` or MILES_K3_MXFP4_EXPERTS=torch|triton (read at
+import). Optional per-expert LoRA deltas (`self.lora`, see `miles_k3.model.lora`) are added to each projection's
+output.
 
 Legend: M routed rows (token-expert pairs), E experts, I expert width (moe_intermediate_size), Dl latent
 width, O/In a projection's output/input width.
@@ -15,6 +21,8 @@ width, O/In a projection's output/input width.
 from __future__ import annotations
 
 import contextlib
+import logging
+import os
 
 import torch
 from torch import nn
@@ -22,7 +30,10 @@ from torch import nn
 from miles_k3.model.layers import situ_glu
 from miles_k3.mxfp4 import GROUP_SIZE, dequantize_mxfp4, quantize_mxfp4
 
+log = logging.getLogger(__name__)
+
 EXPERT_FORMATS = ("bf16", "mxfp4")
+MXFP4_BACKENDS = ("torch", "triton")
 PROJS = ("w1", "w2", "w3")  # gate, down, up (checkpoint names)
 # Experts dequantized at once in MXFP4 format: bounds the transient bf16 buffer (K3: 64 x 22 MB = 1.4 GB).
 DEQUANT_CHUNK = 64
@@ -34,13 +45,73 @@ _SYNC_FREE = False
 @contextlib.contextmanager
 def sync_free_experts():
     """Within this block routed experts never copy row counts to the host (CUDA-graph capturable decode):
-    MXFP4 experts are dequantized all at once and every projection is one grouped matmul."""
+    every projection is one grouped matmul over device row ends (MXFP4 on the torch backend: all experts
+    dequantized at once; on the triton backend only the experts with rows are read)."""
     global _SYNC_FREE
     before, _SYNC_FREE = _SYNC_FREE, True
     try:
         yield
     finally:
         _SYNC_FREE = before
+
+
+_mxfp4_forced: str | None = os.environ.get("MILES_K3_MXFP4_EXPERTS", "auto").strip().lower() or "auto"
+_mxfp4_resolved: dict[str, tuple[str, str]] = {}  # device type -> (backend, reason), logged once
+
+
+@contextlib.contextmanager
+def mxfp4_experts_backend(name: str = "auto"):
+    """Within this block MXFP4 experts use backend `name` ("torch", "triton", or "auto": triton on CUDA, torch
+    elsewhere). Restores the previous choice on exit; not thread-local."""
+    global _mxfp4_forced
+    if name not in ("auto", *MXFP4_BACKENDS):
+        raise ValueError(f"mxfp4_experts_backend: '{name}' is not one of auto, {', '.join(MXFP4_BACKENDS)}")
+    before, _mxfp4_forced = _mxfp4_forced, name
+    try:
+        yield
+    finally:
+        _mxfp4_forced = before
+
+
+def resolve_mxfp4_backend(device: torch.device) -> tuple[str, str]:
+    """(backend, reason) of MXFP4 expert matmuls on `device`: resolved once per device type (and forced
+    choice) and logged, e.g. "mxfp4 experts=triton (cuda: fused W4A16 grouped matmul)"."""
+    if _mxfp4_forced not in ("auto", *MXFP4_BACKENDS):
+        raise ValueError(f"MILES_K3_MXFP4_EXPERTS: '{_mxfp4_forced}' is not one of auto, "
+                         f"{', '.join(MXFP4_BACKENDS)}")
+    key = f"{device.type}:{_mxfp4_forced}"
+    if key not in _mxfp4_resolved:
+        interpreting = os.environ.get("TRITON_INTERPRET", "0") == "1"
+        if _mxfp4_forced == "torch":
+            choice = ("torch", f"{device.type}: forced")
+        elif device.type == "cuda":
+            choice = ("triton", f"cuda: fused W4A16 grouped matmul{', forced' if _mxfp4_forced == 'triton' else ''}")
+        elif _mxfp4_forced == "triton" and interpreting:
+            choice = ("triton", f"{device.type}: forced, Triton interpreter")
+        elif _mxfp4_forced == "triton":
+            raise ValueError(f"MXFP4 experts backend 'triton' needs CUDA (or TRITON_INTERPRET=1), got "
+                             f"{device.type}; use 'torch' or 'auto'")
+        else:
+            choice = ("torch", f"{device.type}: dequantize + grouped matmul")
+        log.info("mxfp4 experts=%s (%s)", *choice)
+        _mxfp4_resolved[key] = choice
+    return _mxfp4_resolved[key]
+
+
+# "auto" takes the fused kernel for a projection of at least this many decoded weights (all experts): there the
+# bf16 copy the torch path writes and reads dominates (K3: 896 x 3072 x 3584 = 9.9e9). Below it (k3_m: 64 x 128 x
+# 384 = 3.1e6, a 6 MB copy) the torch path is kept: on an H200 k3_m engine decode measured 27.8k tok/s at batch
+# 256 with the kernel against 40.1k before it (tiny grids: 64 experts x 1-3 column tiles).
+FUSED_MIN_WEIGHTS = 2**27
+
+
+def _use_fused_mxfp4(x: torch.Tensor, packed: torch.Tensor) -> bool:
+    """The Triton W4A16 path: the resolved backend is triton, the activations are bf16 (its only activation
+    dtype; fp32 activations keep the exact torch path), and, unless triton is forced, the projection holds at
+    least FUSED_MIN_WEIGHTS weights."""
+    if x.dtype != torch.bfloat16 or resolve_mxfp4_backend(x.device)[0] != "triton":
+        return False
+    return _mxfp4_forced == "triton" or packed.numel() * 2 >= FUSED_MIN_WEIGHTS
 
 
 def _use_routing_kernel(flat_ids: torch.Tensor) -> bool:
@@ -111,19 +182,29 @@ def _mxfp4_grouped(x_MI: torch.Tensor, counts: Counts, packed: torch.Tensor, sca
 
 class MXFP4GroupedLinear(torch.autograd.Function):
     """y = grouped x @ dequant(W)^T for frozen MXFP4 experts. Saves only the uint8 storage (references, no
-    copy) and re-dequantizes in backward; returns the input gradient only (the base is frozen)."""
+    copy) and reads it again in backward, on the backend forward used; returns the input gradient only (the
+    base is frozen)."""
 
     @staticmethod
     def forward(ctx, x_MI, counts, packed, scale):
-        ctx.counts = counts
+        ctx.counts, ctx.fused = counts, _use_fused_mxfp4(x_MI, packed)
         ctx.save_for_backward(packed, scale)
-        return _mxfp4_grouped(x_MI, counts, packed, scale, transpose=False)
+        return _mxfp4_matmul(x_MI, counts, packed, scale, False, ctx.fused)
 
     @staticmethod
     def backward(ctx, grad_MO):
         packed, scale = ctx.saved_tensors
-        grad_x = _mxfp4_grouped(grad_MO.contiguous(), ctx.counts, packed, scale, transpose=True)
+        grad_x = _mxfp4_matmul(grad_MO.contiguous(), ctx.counts, packed, scale, True, ctx.fused)
         return grad_x, None, None, None
+
+
+def _mxfp4_matmul(x_MI: torch.Tensor, counts: Counts, packed: torch.Tensor, scale: torch.Tensor, transpose: bool,
+                  fused: bool) -> torch.Tensor:
+    """x @ W_e^T (x @ W_e with `transpose`) over MXFP4 experts by the chosen backend."""
+    if fused:
+        from miles_k3.kernels.mxfp4_moe import mxfp4_moe_matmul
+        return mxfp4_moe_matmul(x_MI, counts, packed, scale, transpose=transpose)
+    return _mxfp4_grouped(x_MI, counts, packed, scale, transpose=transpose)
 
 
 class RoutedExperts(nn.Module):
