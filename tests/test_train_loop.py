@@ -233,3 +233,18 @@ def test_aime_grpo_recipe_scaled_down_trains_on_verl_format_data(tmp_path, monke
     assert inputs["rollout_logp_BT"] is not None and checkpointed and all(checkpointed)
     row = json.loads((tmp_path / "run/metrics.jsonl").read_text().splitlines()[0])
     assert "train/tis_weight_mean" in row and row["sync/version"] == 1
+
+
+def test_filtered_sampling_is_announced_at_start(caplog):
+    """top-p / top-k: the run says at start that the engine's log-probs are of the filtered distribution."""
+    from miles_k3.launch import _warn_filtered_logprobs
+    from miles_k3.trainer.rollouts import RolloutConfig
+
+    with caplog.at_level("WARNING", logger="miles_k3.train"):
+        _warn_filtered_logprobs(RolloutConfig())
+    assert caplog.text == ""
+    with caplog.at_level("WARNING", logger="miles_k3.train"):
+        _warn_filtered_logprobs(RolloutConfig(top_p=0.9))
+        _warn_filtered_logprobs(RolloutConfig(top_k=20))
+    assert caplog.text.count("the engine reports log-probs of the filtered") == 2
+    assert "rollout/logprob_filter_gap" in caplog.text
