@@ -16,7 +16,10 @@ from __future__ import annotations
 
 import json
 import logging
+import re
+import threading
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -142,34 +145,70 @@ def evaluate(engine, tokenizer, problems: list[Problem], cfg: EvalConfig, lora: 
     return EvalResult(records, summary)
 
 
+class PromptLengthError(ValueError):
+    """A problem's prompt plus eval.max_new_tokens does not fit the engine's context (a user error: the message
+    names the problem and the settings to change)."""
+
+
 def _check_lengths(problems, prompt_ids, cfg: EvalConfig, max_context: int) -> None:
     for p, ids in zip(problems, prompt_ids):
         if len(ids) + cfg.max_new_tokens > max_context:
-            raise ValueError(f"problem {p.id}: its prompt is {len(ids)} tokens, and with eval.max_new_tokens="
-                             f"{cfg.max_new_tokens} that exceeds the engine's max_context={max_context}; raise "
-                             "engine.max_context (SGLang: sglang.context_length, up to the model's) or lower "
-                             "eval.max_new_tokens")
+            raise PromptLengthError(f"problem {p.id}: its prompt is {len(ids)} tokens, and with "
+                                    f"eval.max_new_tokens={cfg.max_new_tokens} that exceeds the engine's "
+                                    f"max_context={max_context}; raise engine.max_context (SGLang: "
+                                    "sglang.context_length, up to the model's) or lower eval.max_new_tokens")
 
 
 def _generate(engine, prompt_ids: list[list[int]], cfg: EvalConfig, lora: str | None, progress: bool) -> list[dict]:
+    """One engine.generate call per eval.batch_problems problems (the engine batches within a call; smaller
+    calls would cost throughput), the progress bar counting samples as each call returns and redrawn every
+    REDRAW_S seconds meanwhile, so its clock shows a long call is running."""
     from tqdm.auto import tqdm
 
     outputs: list[dict] = []
+    starts = range(0, len(prompt_ids), cfg.batch_problems)
     bar = tqdm(total=len(prompt_ids) * cfg.samples, desc="eval samples", unit="sample", disable=not progress)
-    for start in range(0, len(prompt_ids), cfg.batch_problems):
-        batch = prompt_ids[start:start + cfg.batch_problems]
-        params = [{"max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature, "top_p": cfg.top_p,
-                   "top_k": cfg.top_k, "sampling_seed": cfg.seed + (start + i) * cfg.samples}
-                  for i in range(len(batch))]
-        got = engine.generate(input_ids=batch, sampling_params=params, n=cfg.samples, return_logprob=False,
-                              lora=lora)
-        bad = next((o for o in got if "error" in o), None)
-        if bad is not None:
-            raise RuntimeError(f"eval: the engine rejected a request: {bad['error']}")
-        outputs.extend(got)
-        bar.update(len(got))
-    bar.close()
+    with bar, _redrawn(bar, REDRAW_S):
+        for k, start in enumerate(starts, 1):
+            batch = prompt_ids[start:start + cfg.batch_problems]
+            params = [{"max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature, "top_p": cfg.top_p,
+                       "top_k": cfg.top_k, "sampling_seed": cfg.seed + (start + i) * cfg.samples}
+                      for i in range(len(batch))]
+            bar.set_postfix_str(f"generating batch {k}/{len(starts)} ({len(batch) * cfg.samples} samples)")
+            got = engine.generate(input_ids=batch, sampling_params=params, n=cfg.samples, return_logprob=False,
+                                  lora=lora)
+            bad = next((o for o in got if "error" in o), None)
+            if bad is not None:
+                raise RuntimeError(f"eval: the engine rejected a request: {bad['error']}")
+            outputs.extend(got)
+            bar.update(len(got))
     return outputs
+
+
+REDRAW_S = 1.0
+"""Seconds between redraws of the eval progress bar while an engine.generate call runs."""
+
+
+@contextmanager
+def _redrawn(bar, every_s: float):
+    """Redraw `bar` every `every_s` seconds from a helper thread while the block runs (tqdm draws only when it is
+    updated, and the engine reports nothing until a generate call returns); nothing for a disabled bar."""
+    if bar.disable:
+        yield
+        return
+    stop = threading.Event()
+
+    def redraw() -> None:
+        while not stop.wait(every_s):
+            bar.refresh()
+
+    thread = threading.Thread(target=redraw, name="eval-progress", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
 
 
 def _record(p: Problem, j: int, prompt: str, response: str, g: Grade, out: dict) -> SampleRecord:
@@ -197,10 +236,21 @@ def write_reports(result: EvalResult, out_dir: str | Path, extra: dict | None = 
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    lines = "".join(json.dumps(asdict(r), ensure_ascii=False) + "\n" for r in result.records)
+    lines = "".join(json_line(asdict(r)) + "\n" for r in result.records)
     atomic_write_text(out / "results.jsonl", lines)
     atomic_write_text(out / "summary.json", json.dumps({**result.summary, **(extra or {})}, indent=2) + "\n")
     return out
+
+
+_SURROGATE = re.compile(r"[\ud800-\udfff]")
+
+
+def json_line(row: dict) -> str:
+    """`row` as one line of JSON that UTF-8 can always encode: text stays readable (ensure_ascii=False), but a
+    lone surrogate (a response holding "\\ud800", read from JSON) is written as its \\uXXXX escape, which reads
+    back as the same string."""
+    text = json.dumps(row, ensure_ascii=False)
+    return _SURROGATE.sub(lambda m: f"\\u{ord(m.group()):04x}", text)
 
 
 TABLE_COLUMNS = ["id", "sample", "response", "extracted", "gold", "score", "reason"]

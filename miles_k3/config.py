@@ -10,12 +10,13 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from hydra import compose, initialize_config_module
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
 from miles_k3.evals.datasets import DatasetConfig, DatasetError
-from miles_k3.evals.harness import EvalConfig
+from miles_k3.evals.harness import EvalConfig, PromptLengthError
 from miles_k3.evals.rewards import RewardConfig
 from miles_k3.evals.templates import template_names
 from miles_k3.model.build import ModelConfig
@@ -84,6 +85,11 @@ class TrainConfig:
         check_weights_given(self.model)
         check_backend(self.model, self.rollout.backend, self.sglang, self.rollout.release_tags)
         check_sync(self.sync, self.rollout.backend)
+        check_context("rollout.max_new_tokens", self.rollout.max_new_tokens, self.engine, self.rollout.backend,
+                      self.sglang)
+        if self.eval.every_n_steps > 0:
+            check_context("eval.max_new_tokens", self.eval.max_new_tokens, self.engine, self.rollout.backend,
+                          self.sglang)
         if self.trainer.old_logprobs == "rollout" and self.trainer.loss.tis != "none":
             raise ValueError(f"trainer.loss.tis: with trainer.old_logprobs=rollout the ratio's old log-probs are the "
                              f"engine's, so the TIS weight exp(old - rollout) is exactly 1 and tis="
@@ -132,8 +138,38 @@ def check_sync(sync: WeightSyncConfig, backend: str) -> None:
 
 
 def check_device(device: str) -> None:
-    if not (device in ("auto", "cpu", "cuda") or device.startswith("cuda:")):
+    """`device` is auto, cpu, cuda or cuda:N, and a CUDA device is one this machine has (checked with the config,
+    before any data or model loads; `runtime.resolve_device` checks again when it resolves it)."""
+    kind, colon, index = device.partition(":")
+    if not (device in ("auto", "cpu", "cuda") or (kind == "cuda" and colon and index.isdigit())):
         raise ValueError(f"device: '{device}' is not one of auto, cpu, cuda, cuda:N")
+    if kind != "cuda":
+        return
+    if not torch.cuda.is_available():
+        why = "this torch build has no CUDA" if torch.version.cuda is None else "no CUDA device is visible"
+        raise ValueError(f"device: {device} but CUDA is not available here ({why}); use device=cpu or device=auto")
+    count = torch.cuda.device_count()
+    if index and int(index) >= count:
+        raise ValueError(f"device: {device} but this machine has {count} CUDA device(s) (cuda:0..cuda:{count - 1}); "
+                         f"use device=cuda:0..cuda:{count - 1}, device=cuda or device=auto")
+
+
+def check_context(field_name: str, max_new_tokens: int, engine: EngineConfig, backend: str = "native",
+                  sglang: SGLangConfig | None = None) -> None:
+    """A request holds its prompt and up to `max_new_tokens` (the field `field_name`) in the engine's context, so
+    max_new_tokens must be below it: engine.max_context (native engine), sglang.context_length when set (SGLang;
+    unset, the checkpoint's own length applies, known only when it is served). Each prompt is checked against
+    the context when it is generated."""
+    if backend == "sglang":
+        if sglang is None or sglang.context_length is None:
+            return
+        limit_name, limit = "sglang.context_length", sglang.context_length
+    else:
+        limit_name, limit = "engine.max_context", engine.max_context
+    if max_new_tokens >= limit:
+        raise ValueError(f"{field_name}: {max_new_tokens} leaves no room for the prompt in {limit_name}={limit} "
+                         f"(a request holds its prompt plus up to {field_name} tokens); raise {limit_name} to at "
+                         f"least the longest prompt + {max_new_tokens}, or lower {field_name}")
 
 
 RANDOM_INIT_REFUSED = ("k3",)
@@ -196,6 +232,7 @@ class EvalRunConfig:
         check_device(self.device)
         check_weights_given(self.model)
         check_backend(self.model, self.backend, self.sglang, field_name="backend")
+        check_context("eval.max_new_tokens", self.eval.max_new_tokens, self.engine, self.backend, self.sglang)
 
 
 SFT_MODES = ("full", "lora")
@@ -260,9 +297,24 @@ class SFTConfig:
         if self.mode == "full" and self.model.experts == "mxfp4":
             raise ValueError("model.experts: mxfp4 experts are frozen storage and cannot train in mode=full; "
                              "set model.experts=bf16 (or auto), or train an adapter with mode=lora")
+        if self.eval.every_n_steps > 0:
+            check_context("eval.max_new_tokens", self.eval.max_new_tokens, self.engine)
+
+
+SHIPPED_BASES = {"k3_nano": "builtin:k3_nano_chain_sum"}
+"""Architectures with trained weights shipped in the package: `python -m miles_k3.eval`'s model.path when the
+command line gives neither model.path nor model.hf_path (recipes/eval.yaml: `${miles_k3.shipped_base:...}`)."""
+
+
+def shipped_base(name: str, hf_path: str | None) -> str | None:
+    """The resolver `miles_k3.shipped_base`: the shipped weights of model `name`, or None (its random init) when
+    it has none or an HF checkpoint (model.hf_path) is given instead."""
+    return None if hf_path is not None else SHIPPED_BASES.get(name)
 
 
 def register_schemas() -> None:
+    if not OmegaConf.has_resolver("miles_k3.shipped_base"):
+        OmegaConf.register_new_resolver("miles_k3.shipped_base", shipped_base)
     store = ConfigStore.instance()
     store.store(name="train_schema", node=TrainConfig)
     store.store(name="eval_schema", node=EvalRunConfig)
@@ -296,7 +348,8 @@ def typed_or_exit(raw: DictConfig, prog: str) -> Any:
         return to_typed(raw)
 
 
-USER_ERRORS = (ConfigFieldError, ConfigError, DatasetError, CheckpointError, ResumeError)
+USER_ERRORS = (ConfigFieldError, ConfigError, DatasetError, CheckpointError, ResumeError,
+               PromptLengthError)
 """Errors that are about the user's config, data or checkpoints: their messages say what to fix."""
 
 

@@ -31,6 +31,14 @@ register_schemas()
 ADAPTER_NAME = "policy"
 
 
+def warn_random_weights(model) -> None:
+    """A model without model.path or model.hf_path is its architecture's random init: its scores are noise."""
+    if model.path is None and model.hf_path is None:
+        log.warning("random weights: model.path and model.hf_path are unset, so model=%s is evaluated from its "
+                    "random init and its scores mean nothing; set model.path=DIR (a checkpoint directory, a hub "
+                    "id, or builtin:k3_nano_chain_sum, the shipped quickstart base)", model.name)
+
+
 def build_engine(cfg):
     """(engine, tokenizer, adapter name or None) for an EvalRunConfig."""
     if cfg.backend == "sglang":
@@ -71,6 +79,7 @@ def _sglang_engine(cfg):
 def run(cfg) -> dict:
     """The whole evaluation of an EvalRunConfig; returns the summary (with the output paths)."""
     torch.manual_seed(cfg.seed)
+    warn_random_weights(cfg.model)
     problems = load_problems(cfg.eval.data)  # a bad dataset fails before the model is built
     engine, tokenizer, lora = build_engine(cfg)
     out_dir = Path(cfg.output_dir or f"runs/eval-{time.strftime('%Y%m%d-%H%M%S')}")

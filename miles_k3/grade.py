@@ -26,32 +26,53 @@ class ResponsesError(ValueError):
 
 
 def read_responses(path: str | Path) -> dict[str, list[str]]:
-    """Rows {"id", "response"} of a JSONL file grouped by id (string ids), in file order."""
+    """Rows {"id", "response"} of a JSONL file grouped by id (string ids), in file order. Errors (ResponsesError)
+    name the file and the 1-based line: bad UTF-8, bad JSON, a row without "id" or a string "response"."""
     path = Path(path)
     if not path.is_file():
         raise ResponsesError(f"--responses {path}: no such file")
     by_id: dict[str, list[str]] = {}
-    with open(path, encoding="utf-8") as f:
-        for num, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ResponsesError(f"{path} line {num}: not valid JSON ({e.msg})") from None
-            if not isinstance(row, dict) or "id" not in row or not isinstance(row.get("response"), str):
-                raise ResponsesError(f"{path} line {num}: expected an object with \"id\" and a string "
-                                     f"\"response\", got {str(row)[:80]}")
-            by_id.setdefault(str(row["id"]), []).append(row["response"])
+    for num, line in enumerate(utf8_text(path, ResponsesError).split("\n"), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ResponsesError(f"{path} line {num}: not valid JSON ({e.msg} at column {e.colno}); write one "
+                                 "JSON object per line") from None
+        if not isinstance(row, dict) or "id" not in row or not isinstance(row.get("response"), str):
+            raise ResponsesError(f"{path} line {num}: expected an object with \"id\" and a string "
+                                 f"\"response\", got {str(row)[:80]}")
+        by_id.setdefault(str(row["id"]), []).append(row["response"])
     if not by_id:
         raise ResponsesError(f"{path}: no responses")
     return by_id
+
+
+def utf8_text(path: Path, error: type[ValueError]) -> str:
+    """The text of a UTF-8 file; anything else raises `error` naming the file, the 1-based line and the byte."""
+    raw = path.read_bytes()
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw.count(b"\n", 0, e.start) + 1
+        column = e.start - raw.rfind(b"\n", 0, e.start)  # 1-based, in bytes
+        raise error(f"{path} line {line}: not UTF-8 (byte 0x{raw[e.start]:02x} at byte {column} of the line: "
+                    f"{e.reason}); save the file as UTF-8") from None
+
+
+def _check_data_encoding(data: DatasetConfig) -> None:
+    """A local .jsonl / .json data file is UTF-8 (checked here, where the error can name the line)."""
+    path = Path(data.source).expanduser()
+    if path.is_file() and path.suffix.lower() in (".jsonl", ".json"):
+        utf8_text(path, DatasetError)
 
 
 def regrade(data: DatasetConfig, responses: dict[str, list[str]], grader: str, timeout_s: float = 5.0,
             workers: int = 1, channel: str = "auto", ks: list[int] | None = None) -> EvalResult:
     """Grade `responses` (id -> responses) against `data`'s answers; every id must be in the data and have
     the same number of responses."""
+    _check_data_encoding(data)
     gold = {p.id: p for p in load_problems(data)}
     unknown = [i for i in responses if i not in gold]
     if unknown:
@@ -100,9 +121,14 @@ def main(argv: list[str] | None = None) -> int:
     except (DatasetError, ResponsesError, ValueError) as e:
         print(f"miles_k3.grade: {e}", file=sys.stderr)
         return 2
+    print(json.dumps(result.summary, indent=2), flush=True)  # first: a failing --out cannot lose it
     if args.out:
-        write_reports(result, args.out)
-    print(json.dumps(result.summary, indent=2))
+        try:
+            write_reports(result, args.out)
+        except OSError as e:
+            print(f"miles_k3.grade: --out {args.out}: the reports could not be written ({e}); the summary on "
+                  "stdout is complete: choose a writable --out to also get results.jsonl", file=sys.stderr)
+            return 1
     return 0
 
 

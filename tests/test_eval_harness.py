@@ -8,11 +8,13 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
 
 from miles_k3.config import compose_config
+from miles_k3.evals import harness
 from miles_k3.evals.datasets import Problem
 from miles_k3.evals.harness import EvalConfig, EvalHook, evaluate, write_reports
 from miles_k3.grade import main as grade_main
@@ -87,6 +89,44 @@ def test_reports_and_hook(tmp_path):
     assert metrics["eval/avg@2"] == pytest.approx(0.5) and (tmp_path / "run/eval/step_000003/summary.json").is_file()
 
 
+class SlowEngine(ScriptedEngine):
+    """The scripted engine, taking `seconds` per generate call (as a real batch of long samples does)."""
+
+    def __init__(self, golds, seconds):
+        super().__init__(golds)
+        self.seconds = seconds
+
+    def generate(self, **kw):
+        time.sleep(self.seconds)
+        return super().generate(**kw)
+
+
+def test_progress_bar_keeps_moving_while_a_batch_generates(monkeypatch, capsys):
+    """One generate call per eval.batch_problems problems (no smaller calls: they would cost throughput); while
+    it runs the bar is redrawn, so its clock moves, and it counts the samples when the call returns."""
+    monkeypatch.setattr(harness, "REDRAW_S", 0.02)
+    engine = SlowEngine({p.problem: p.answer for p in PROBLEMS}, seconds=0.5)
+    res = evaluate(engine, TOK, PROBLEMS, EvalConfig(samples=4, batch_problems=32), progress=True)
+    assert len(engine.calls) == 1 and len(res.records) == 12  # the engine's batching is unchanged
+    frames = capsys.readouterr().err.split("\r")
+    waiting = [f for f in frames if "0/12 [" in f]
+    assert len(waiting) >= 5, frames  # redrawn while the call ran (tqdm alone draws 0/12 once)
+    assert "generating batch 1/1 (12 samples)" in waiting[-1] and any("12/12 [" in f for f in frames)
+    evaluate(engine, TOK, PROBLEMS, EvalConfig(samples=4), progress=False)
+    assert capsys.readouterr().err == ""  # the training loop's eval (progress=False) draws nothing
+
+
+def test_reports_keep_a_lone_surrogate_readable(tmp_path):
+    """A response read from JSON may hold a lone surrogate ("\\ud800"): results.jsonl escapes it, other text is
+    written as it is, and every row reads back unchanged."""
+    _, res = _scripted_eval()
+    res.records[0].response = "caf\u00e9 \ud800 \U0001f600"
+    write_reports(res, tmp_path)
+    text = (tmp_path / "results.jsonl").read_text(encoding="utf-8")
+    assert "\\ud800" in text and "caf\u00e9" in text and "\U0001f600" in text
+    assert json.loads(text.splitlines()[0])["response"] == "caf\u00e9 \ud800 \U0001f600"
+
+
 def test_prompt_too_long_for_the_engine_fails_naming_the_problem():
     engine = ScriptedEngine({})
     engine.max_context = 64
@@ -156,10 +196,11 @@ def test_eval_entry_point_with_an_adapter_and_wandb_offline(tiny, tmp_path):
             p.normal_(0, 0.5)
     save_adapter(tiny, lora, tmp_path / "adapter", base_model_name_or_path="k3_tiny")
     remove_lora(tiny)
-    common = ["device=cpu", f"eval.data.source={data}", "eval.samples=2", "eval.max_new_tokens=5",
+    common = ["device=cpu", "model=k3_tiny", f"eval.data.source={data}", "eval.samples=2", "eval.max_new_tokens=5",
               "engine.max_context=256", "eval.template=plain", "eval.temperature=0"]
     base = _run(["miles_k3.eval", *common, f"output_dir={tmp_path}/base"], tmp_path)
     assert base.returncode == 0, base.stderr[-3000:]
+    assert "random weights: model.path and model.hf_path are unset, so model=k3_tiny" in base.stderr
     tuned = _run(["miles_k3.eval", *common, f"output_dir={tmp_path}/tuned", f"adapter={tmp_path}/adapter",
                   "tracking.logger=wandb"], tmp_path, {"WANDB_MODE": "offline", "WANDB_SILENT": "true"})
     assert tuned.returncode == 0, tuned.stderr[-3000:]

@@ -23,7 +23,11 @@ def test_recipes_are_found():
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
-def test_every_recipe_composes_and_starts_with_its_command(recipe):
+def test_every_recipe_composes_and_starts_with_its_command(recipe, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # composed as on the machine it is written for
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)  # (device=cuda recipes: one GPU)
     text = resources.files("miles_k3.recipes").joinpath(f"recipe/{recipe}.yaml").read_text()
     commands = [line for line in text.splitlines() if line.startswith("# python -m miles_k3.")]
     assert commands, f"recipe/{recipe}.yaml must start with the command that runs it"
@@ -42,8 +46,13 @@ def test_aime_eval_recipe_values():
                                                                     "HuggingFaceH4/aime_2024")
     assert (cfg.eval.samples, cfg.eval.channel, cfg.eval.grader) == (16, "k3", "aime")
     assert cfg.engine.max_context >= cfg.eval.max_new_tokens + 1024
-    default = compose_config("eval")
-    assert (default.model.name, default.adapter, default.eval.template) == ("k3_tiny", None, "boxed")
+    default = compose_config("eval")  # the shipped quickstart base, not a random init
+    assert (default.model.name, default.model.path, default.adapter, default.eval.template) == (
+        "k3_nano", "builtin:k3_nano_chain_sum", None, "boxed")
+    random = compose_config("eval", ["model=k3_tiny"])  # an architecture without shipped weights: its random init
+    assert (random.model.name, random.model.path) == ("k3_tiny", None)
+    served = compose_config("eval", ["backend=sglang", "model.hf_path=/ckpt/qwen3"])
+    assert (served.model.path, served.model.hf_path) == (None, "/ckpt/qwen3")
 
 
 def test_default_and_aime_recipe_values():

@@ -512,7 +512,7 @@ def test_eval_entry_point_with_the_sglang_backend(qwen3_dir, tmp_path, monkeypat
 
 @pytest.mark.parametrize(("overrides", "match"), [
     (["model.hf_path=/ckpt/qwen3"], r"model.hf_path: an HF architecture is served by SGLang only; set backend=sglang"),
-    (["backend=sglang"], r"backend: sglang serves a checkpoint directory; set model.hf_path"),
+    (["backend=sglang", "model=k3_tiny"], r"backend: sglang serves a checkpoint directory; set model.hf_path"),
     (["backend=vllm"], r"backend: 'vllm' is not one of native, sglang"),
 ])
 def test_eval_backend_config_errors(overrides, match):

@@ -311,6 +311,34 @@ def test_optimizer_over_other_parameters_is_refused(base, tmp_path):
         load_checkpoint(path, run.model, opt, build_scheduler(opt, OPTIM))
 
 
+@pytest.mark.parametrize("change, was, now", [
+    ({"rank": 8}, "lora.rank=4", "lora.rank=8"),
+    ({"alpha": 16.0}, "lora.alpha=8.0", "lora.alpha=16.0"),
+    ({"targets": ["q_proj", "o_proj"]}, f"lora.targets=[{','.join(sorted(LORA.targets))}]",
+     "lora.targets=[o_proj,q_proj]"),
+    ({"rank": 8, "use_rslora": True}, "lora.rank=4, lora.use_rslora=false", "lora.rank=8, lora.use_rslora=true"),
+])
+def test_resume_with_another_lora_config_names_both_and_is_not_called_corrupt(base, tmp_path, change, was, now):
+    """A changed lora.rank (alpha, targets) is a config mismatch, not a damaged checkpoint: resuming from an
+    earlier checkpoint of the same run would fail the same way."""
+    run = Run(base)
+    run.save(tmp_path, 1)
+    second = run.save(tmp_path, 2)
+    other = copy.deepcopy(base)
+    apply_lora(other, LoRAConfig(**{**vars(LORA), **change}))
+    params = lora_parameters(other)
+    opt = build_optimizer(params, OPTIM)
+    before = {k: p.detach().clone() for k, p in params.items()}
+    with pytest.raises(ResumeError) as err:
+        load_checkpoint(second, other, opt, build_scheduler(opt, OPTIM))
+    assert str(err.value) == (f"{second}: the checkpoint was written with {was} and this run is configured with "
+                              f"{now}; set {was} to resume from it, or start a new run in another run_dir (its "
+                              "adapter and optimizer state hold the LoRA it was written with)")
+    assert "earlier" not in str(err.value) and "previous" not in str(err.value)
+    assert all(torch.equal(p, before[k]) for k, p in params.items())  # nothing was loaded
+    run.load(second)  # the run's own LoRA config resumes
+
+
 # ---- resume setting ------------------------------------------------------------------------------------
 def test_resolve_resume(base, tmp_path):
     assert resolve_resume("auto", tmp_path) is None

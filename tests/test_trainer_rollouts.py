@@ -216,6 +216,7 @@ def test_real_aime_reward_through_the_pool():
 @pytest.mark.parametrize("override, field", [({"group_size": 0}, "group_size"), ({"advantage": "ppo"}, "advantage"),
                                              ({"overlong": "cut"}, "overlong"), ({"template": "x"}, "template"),
                                              ({"advantage": "rloo", "group_size": 1}, "group_size"),
+                                             ({"group_size": 1}, "group_size"),  # grpo: no signal either
                                              ({"overlong_buffer": 512}, "overlong_buffer")])
 def test_config_errors_name_the_field(override, field):
     with pytest.raises(ValueError, match=rf"^{field}: "):

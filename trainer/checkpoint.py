@@ -30,7 +30,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from miles_k3.adapter import CONFIG_FILE, WEIGHTS_FILE, load_adapter, save_adapter
+from miles_k3.adapter import CONFIG_FILE, WEIGHTS_FILE, load_adapter, read_adapter_config, save_adapter
 from miles_k3.atomic import atomic_directory, atomic_write_text
 from miles_k3.model.lora import LoRAConfig, applied_lora_config
 
@@ -227,8 +227,9 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.
     is read and checked before anything is changed. Returns the state.json dict.
 
     Raises ResumeError naming the file for a missing directory or a missing, truncated or corrupt member (with
-    the earlier checkpoint to resume from instead), or for a model/optimizer that does not match the
-    checkpoint."""
+    the earlier checkpoint to resume from instead), for a run configured with another LoRA rank, alpha, targets
+    or use_rslora than the checkpoint was written with (both named, and how to resume or start over), or for an
+    optimizer that does not match the checkpoint."""
     path = Path(path)
     if not path.is_dir():
         raise ResumeError(f"{path}: checkpoint directory does not exist")
@@ -238,6 +239,7 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.
     for member in MEMBER_FILES:
         if not (path / member).is_file():
             raise _corrupt(path, path / member, "missing: the checkpoint is incomplete")
+    _check_lora_matches(path, applied_lora_config(model))
     state = _read_state(path)
     blobs = _read_pt(path, OPTIMIZER_FILE, ("optimizer", "scheduler"))
     rng = _read_pt(path, RNG_FILE, ("torch", "cuda", "python", "numpy"))
@@ -251,6 +253,35 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.
     scheduler.load_state_dict(blobs["scheduler"])
     set_rng_state(rng)
     return state
+
+
+LORA_FIELDS = ("rank", "alpha", "targets", "use_rslora")
+"""The LoRA settings a checkpoint's tensors and optimizer state depend on (dropout does not matter)."""
+
+
+def _check_lora_matches(path: Path, have: LoRAConfig) -> None:
+    """The run's LoRA is the one the checkpoint was written with; a difference is a config change, not damage."""
+    try:
+        saved = read_adapter_config(path / ADAPTER_DIR)
+    except (ValueError, FileNotFoundError) as e:  # its message starts with the adapter file's path
+        raise ResumeError(f"{e}. This checkpoint cannot be resumed; {_earlier_hint(path)}") from None
+    differ = [f for f in LORA_FIELDS if _lora_value(saved, f) != _lora_value(have, f)]
+    if differ:
+        was = ", ".join(f"lora.{f}={_lora_value(saved, f)}" for f in differ)
+        now = ", ".join(f"lora.{f}={_lora_value(have, f)}" for f in differ)
+        raise ResumeError(f"{path}: the checkpoint was written with {was} and this run is configured with {now}; "
+                          f"set {was} to resume from it, or start a new run in another run_dir (its adapter "
+                          "and optimizer state hold the LoRA it was written with)")
+
+
+def _lora_value(cfg: LoRAConfig, name: str) -> str:
+    """A LoRA setting as a Hydra override value (targets sorted: their order does not matter)."""
+    value = getattr(cfg, name)
+    if name == "targets":
+        return "[" + ",".join(sorted(value)) + "]"
+    if name == "use_rslora":
+        return str(bool(value)).lower()
+    return str(float(value)) if name == "alpha" else str(value)
 
 
 def _check_rng(path: Path, rng: dict) -> None:

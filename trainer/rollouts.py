@@ -84,15 +84,18 @@ class RolloutConfig:
     SGLang's subprocess; configured by the sglang: section; needs the sglang extra and a CUDA GPU)."""
 
     def validate(self) -> None:
-        for name in ("prompts_per_step", "group_size", "max_new_tokens", "max_sampling_rounds"):
+        for name in ("prompts_per_step", "max_new_tokens", "max_sampling_rounds"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        if self.group_size < 2:  # a lone sample is its own baseline: advantage 0, an empty step every step
+            raise ValueError(f"group_size: must be >= 2, got {self.group_size}: GRPO-family advantages "
+                             f"({'/'.join(ADVANTAGE_ESTIMATORS)}) compare each sample with the other samples of "
+                             "its prompt, so a group of one has advantage 0 and no step trains; set "
+                             "rollout.group_size=2 or more (8 is typical)")
         if self.log_samples < 0:
             raise ValueError(f"log_samples: must be >= 0, got {self.log_samples}")
         if self.advantage not in ADVANTAGE_ESTIMATORS:
             raise ValueError(f"advantage: '{self.advantage}' is not one of {', '.join(ADVANTAGE_ESTIMATORS)}")
-        if self.advantage == "rloo" and self.group_size < 2:
-            raise ValueError("group_size: rloo needs at least 2 samples per prompt")
         if self.overlong not in OVERLONG_MODES:
             raise ValueError(f"overlong: '{self.overlong}' is not one of {', '.join(OVERLONG_MODES)}")
         if not 0 <= self.overlong_buffer < self.max_new_tokens:

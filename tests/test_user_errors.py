@@ -1,0 +1,203 @@
+"""A new user's first mistakes fail at once with one line naming the field and the fix, before any data or model
+loads: device=cuda without CUDA, a generation budget that fills the engine's context, rollout.group_size=1 (no
+GRPO signal); `python -m miles_k3.eval` evaluates the shipped base by default; `python -m miles_k3.grade` names
+the file and line of a non-UTF-8 row and cannot lose its summary to a lone surrogate or an unwritable --out.
+
+Entry points run as subprocesses where the user's view matters: exit status, no traceback, and the last stderr
+line `miles_k3.<prog>: <field>: ...`.
+"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from miles_k3.config import ConfigFieldError, compose_config
+from miles_k3.grade import main as grade_main
+from miles_k3.trainer.rollouts import RolloutConfig
+
+
+def _entry(prog: str, *overrides: str, cwd=None, timeout: int = 300, env=None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", **(env or {})}
+    return subprocess.run([sys.executable, "-m", f"miles_k3.{prog}", *overrides], capture_output=True, text=True,
+                          env=env, cwd=cwd, timeout=timeout, check=False)
+
+
+def _assert_user_error(proc: subprocess.CompletedProcess, prog: str, message: str, status: int = 1) -> None:
+    assert proc.returncode == status and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines()[-1].startswith(f"miles_k3.{prog}: {message}"), proc.stderr[-3000:]
+
+
+def _write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+@pytest.fixture
+def no_cuda(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+
+# ---- the entry points, as a user runs them ---------------------------------------------------------------------
+@pytest.mark.parametrize("prog, overrides, message", [
+    # the data file is missing too: the device is checked first, with the config, before any data loads
+    ("train", ["device=cuda", "steps=1", "data.source={tmp}/missing.jsonl"],
+     "device: cuda but CUDA is not available here ("),
+    ("eval", ["device=cuda", "eval.data.source={tmp}/missing.jsonl"],
+     "device: cuda but CUDA is not available here ("),
+    ("train", ["rollout.max_new_tokens=64"],  # the quickstart's engine.max_context is 64
+     "rollout.max_new_tokens: 64 leaves no room for the prompt in engine.max_context=64"),
+    ("train", ["rollout.group_size=1"], "rollout.group_size: must be >= 2, got 1: GRPO-family advantages"),
+    # a prompt too long for the context with the budget: found before generating, one line as well
+    ("eval", ["eval.data.source={tmp}/p.jsonl", "eval.max_new_tokens=2040", "device=cpu"],
+     "problem 0: its prompt is "),
+])
+def test_entry_points_refuse_bad_settings_with_one_line(prog, overrides, message, tmp_path):
+    _write_jsonl(tmp_path / "p.jsonl", [{"problem": "12+5=", "answer": "17"}])
+    where = "run_dir" if prog == "train" else "output_dir"
+    proc = _entry(prog, *[o.format(tmp=tmp_path) for o in overrides], f"{where}={tmp_path}/out",
+                  f"hydra.run.dir={tmp_path}/hydra", env={"CUDA_VISIBLE_DEVICES": ""})
+    _assert_user_error(proc, prog, message)
+    if "prompt is" in message:
+        assert "with eval.max_new_tokens=2040 that exceeds the engine's max_context=2048" in proc.stderr
+    if "device" in message:
+        assert proc.stderr.strip().splitlines()[-1].endswith("; use device=cpu or device=auto")
+
+
+def test_the_readme_eval_command_evaluates_the_shipped_base(tmp_path):
+    """`python -m miles_k3.eval eval.data.source=problems.jsonl eval.samples=4` scores the quickstart's trained
+    base (not a random init), and says nothing about random weights."""
+    _write_jsonl(tmp_path / "problems.jsonl", [{"problem": "12+5=", "answer": "17"},
+                                               {"problem": "3+4=", "answer": "7"}])
+    proc = _entry("eval", "eval.data.source=problems.jsonl", "eval.samples=4", "device=cpu",
+                  f"output_dir={tmp_path}/out", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads(proc.stdout)
+    assert summary["model"] == "builtin:k3_nano_chain_sum" and summary["samples_per_problem"] == 4
+    assert "random weights" not in proc.stderr
+
+
+# ---- device ----------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("app", ["train", "eval", "sft"])
+def test_device_cuda_without_cuda_fails_with_the_config(app, no_cuda):
+    with pytest.raises(ConfigFieldError, match=r"^device: cuda but CUDA is not available here \((this torch build "
+                                               r"has no CUDA|no CUDA device is visible)\); use device=cpu or "
+                                               r"device=auto$"):
+        compose_config(app, ["device=cuda"])
+    with pytest.raises(ConfigFieldError, match=r"^device: cuda:0 but CUDA is not available here"):
+        compose_config(app, ["device=cuda:0"])
+    assert compose_config(app, ["device=auto"]).device == "auto"
+
+
+def test_device_index_and_name_are_checked(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert compose_config("eval", ["device=cuda:1"]).device == "cuda:1"
+    with pytest.raises(ConfigFieldError, match=r"^device: cuda:2 but this machine has 2 CUDA device\(s\) "
+                                               r"\(cuda:0..cuda:1\); use device=cuda:0..cuda:1"):
+        compose_config("eval", ["device=cuda:2"])
+    for bad in ("cuda:x", "cuda:", "gpu"):
+        with pytest.raises(ConfigFieldError, match=rf"^device: '{bad}' is not one of auto, cpu, cuda, cuda:N"):
+            compose_config("eval", [f"device={bad}"])
+
+
+def test_runtime_keeps_its_own_device_check(no_cuda):
+    from miles_k3.runtime import resolve_device
+
+    with pytest.raises(ValueError, match="device=cuda but CUDA is not available here; use device=cpu or device=auto"):
+        resolve_device("cuda")
+
+
+# ---- generation budget vs the engine's context -----------------------------------------------------------------
+@pytest.mark.parametrize("app, overrides, field, value, limit", [
+    ("train", ["rollout.max_new_tokens=64"], "rollout.max_new_tokens", 64, "engine.max_context=64"),
+    ("train", ["rollout.max_new_tokens=100"], "rollout.max_new_tokens", 100, "engine.max_context=64"),
+    ("train", ["eval.max_new_tokens=64"], "eval.max_new_tokens", 64, "engine.max_context=64"),  # eval every 100
+    ("eval", ["eval.max_new_tokens=2048"], "eval.max_new_tokens", 2048, "engine.max_context=2048"),
+    ("eval", ["backend=sglang", "model.hf_path=/ckpt/qwen3", "sglang.context_length=512"], "eval.max_new_tokens",
+     1024, "sglang.context_length=512"),
+    ("sft", ["eval.every_n_steps=10", "eval.max_new_tokens=2048"], "eval.max_new_tokens", 2048,
+     "engine.max_context=2048"),
+])
+def test_max_new_tokens_must_leave_room_for_a_prompt(app, overrides, field, value, limit):
+    with pytest.raises(ConfigFieldError) as err:
+        compose_config(app, overrides)
+    limit_name = limit.split("=")[0]
+    assert str(err.value) == (f"{field}: {value} leaves no room for the prompt in {limit} (a request holds its "
+                              f"prompt plus up to {field} tokens); raise {limit_name} to at least the longest "
+                              f"prompt + {value}, or lower {field}")
+
+
+@pytest.mark.parametrize("app, overrides", [
+    ("train", ["rollout.max_new_tokens=63"]),  # a 1-token prompt fits; longer prompts are checked as they run
+    ("train", ["eval.every_n_steps=0", "eval.max_new_tokens=64"]),  # no eval: its budget does not matter
+    ("sft", ["eval.max_new_tokens=4096"]),  # sft evaluates only with eval.every_n_steps > 0
+    ("eval", ["backend=sglang", "model.hf_path=/ckpt/qwen3", "eval.max_new_tokens=100000"]),  # the checkpoint's
+])
+def test_budgets_that_fit_or_are_checked_later_are_accepted(app, overrides):
+    compose_config(app, overrides)
+
+
+# ---- group size --------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("advantage", ["grpo", "dr_grpo", "rloo"])
+def test_group_size_1_is_refused_for_every_advantage(advantage):
+    with pytest.raises(ValueError, match=r"^group_size: must be >= 2, got 1: GRPO-family advantages \(grpo/dr_grpo/"
+                                         r"rloo\) compare each sample with the other samples of its prompt, so a "
+                                         r"group of one has advantage 0 and no step trains; set "
+                                         r"rollout.group_size=2 or more"):
+        RolloutConfig(group_size=1, advantage=advantage).validate()
+    RolloutConfig(group_size=2, advantage=advantage).validate()
+
+
+# ---- python -m miles_k3.grade -------------------------------------------------------------------------------------
+@pytest.fixture
+def gold(tmp_path):
+    return _write_jsonl(tmp_path / "d.jsonl", [{"id": "a", "problem": "x", "answer": "7"},
+                                               {"id": "b", "problem": "y", "answer": "8"}])
+
+
+def test_grade_with_a_lone_surrogate_writes_its_reports_and_prints_the_summary(gold, tmp_path):
+    resp = _write_jsonl(tmp_path / "r.jsonl", [{"id": "a", "response": "\\boxed{7} \ud800"},
+                                               {"id": "b", "response": "\\boxed{9}"}])
+    proc = _entry("grade", "--data", str(gold), "--responses", str(resp), "--out", str(tmp_path / "o"))
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert json.loads(proc.stdout)["avg@1"] == pytest.approx(0.5)
+    rows = [json.loads(x) for x in (tmp_path / "o/results.jsonl").read_text(encoding="utf-8").splitlines()]
+    assert rows[0]["response"] == "\\boxed{7} \ud800" and rows[0]["score"] == 1.0
+
+
+def test_grade_names_the_file_and_line_of_bad_utf8(gold, tmp_path):
+    resp = tmp_path / "r.jsonl"
+    bad_line = b'{"id": "b", "response": "caf\xe9"}'  # latin-1, not UTF-8
+    resp.write_bytes(b'{"id": "a", "response": "7"}\n' + bad_line + b"\n")
+    at = bad_line.index(b"\xe9") + 1
+    proc = _entry("grade", "--data", str(gold), "--responses", str(resp))
+    _assert_user_error(proc, "grade", f"{resp} line 2: not UTF-8 (byte 0xe9 at byte {at} of the line: invalid "
+                                      "continuation byte); save the file as UTF-8", status=2)
+    assert proc.stdout == ""
+
+
+def test_grade_errors_name_the_data_line_and_the_json_column(gold, tmp_path, capsys):
+    bad_gold = tmp_path / "g.jsonl"
+    bad_line = b'{"id": "b", "problem": "\xff", "answer": "8"}'
+    bad_gold.write_bytes(b'{"id": "a", "problem": "x", "answer": "7"}\n\n' + bad_line + b"\n")
+    good = _write_jsonl(tmp_path / "ok.jsonl", [{"id": "a", "response": "7"}])
+    at = bad_line.index(b"\xff") + 1
+    assert grade_main(["--data", str(bad_gold), "--responses", str(good)]) == 2
+    assert capsys.readouterr().err == (f"miles_k3.grade: {bad_gold} line 3: not UTF-8 (byte 0xff at byte {at} of "
+                                       "the line: invalid start byte); save the file as UTF-8\n")
+    (tmp_path / "j.jsonl").write_text('{"id": "a", "response": "7"}\n{"id": "b" "response": "8"}\n')
+    assert grade_main(["--data", str(gold), "--responses", str(tmp_path / "j.jsonl")]) == 2
+    assert f"{tmp_path / 'j.jsonl'} line 2: not valid JSON (Expecting ',' delimiter at column 12)" in \
+        capsys.readouterr().err
+
+
+def test_grade_prints_the_summary_even_when_out_cannot_be_written(gold, tmp_path, capsys):
+    resp = _write_jsonl(tmp_path / "r.jsonl", [{"id": "a", "response": "\\boxed{7}"}, {"id": "b", "response": "8"}])
+    (tmp_path / "file").write_text("not a directory")
+    assert grade_main(["--data", str(gold), "--responses", str(resp), "--out", str(tmp_path / "file/o")]) == 1
+    out, err = capsys.readouterr()
+    assert json.loads(out)["num_problems"] == 2
+    assert err.startswith(f"miles_k3.grade: --out {tmp_path / 'file/o'}: the reports could not be written (")
