@@ -1,13 +1,15 @@
 """Everything a training run holds, built once from the validated config (`build_run`): the trainer's model with
 its LoRA adapter, the colocated rollout engine sharing the base, the weight-sync channel, optimizer and LR
 schedule, the reward, the prompt stream, the eval hook, the tracker and the run directory, restored from a
-checkpoint when `resume` names one. `miles_k3/train.py` then only runs the loop over these.
+checkpoint when `resume` names one (the run directory's metrics.jsonl and tables cut back to its step).
+`miles_k3/train.py` then only runs the loop over these.
 """
 from __future__ import annotations
 
 import logging
 import random
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,7 +25,7 @@ from miles_k3.model.build import build_model, build_tokenizer
 from miles_k3.model.lora import apply_lora, lora_parameters
 from miles_k3.rollout.engine import RolloutEngine
 from miles_k3.runtime import resolve_device, resolve_dtype
-from miles_k3.tracking import Tracker
+from miles_k3.tracking import Tracker, truncate_after
 from miles_k3.trainer.checkpoint import (
     RNG_FILE,
     STATE_FILE,
@@ -38,6 +40,20 @@ from miles_k3.weight_sync.channel import open_sender
 
 log = logging.getLogger("miles_k3.train")
 POLICY = "policy"  # the engine's name for the trained adapter
+FLA_CPU_WARNING = "Triton is not supported on current platform"
+"""fla-core's UserWarning at import on a machine without a Triton GPU (its Triton kernels are not used on CPU)."""
+
+
+def silence_fla_cpu_warning() -> None:
+    """An entry point's first call, before fla is imported: on CPU the KDA backend is torch (logged as kda=...)
+    and fla's Triton kernels are not used, so its "roll back to CPU" warning says nothing to act on."""
+    warnings.filterwarnings("ignore", message=FLA_CPU_WARNING, category=UserWarning)
+
+
+def engine_line(engine: RolloutEngine) -> str:
+    """The native engine's sizes in one line (its full memory plan is logged at DEBUG)."""
+    return (f"rollout engine: {engine.kda.num_slots} slots, {engine.cache.num_pages} pages of "
+            f"{engine.cache.page_size} tokens, decode={engine.decode_mode}")
 
 
 @dataclass
@@ -108,6 +124,10 @@ def build_run(cfg) -> Run:
     stream = PromptStream(problems, cfg.rollout.seed)
     ckpt = resolve_resume(cfg.resume, run_dir)
     start, version = _resume(ckpt, model, opt, sched, stream)
+    if ckpt is not None:  # before the tracker appends: the rows a killed run logged past its checkpoint go
+        dropped = truncate_after(run_dir, start)
+        if dropped:
+            log.info("resume: dropped %d logged rows of steps after %d from %s", dropped, start, run_dir)
     if not cfg.engine.eos_token_ids:
         cfg.engine.eos_token_ids = stop_ids
     _warn_filtered_logprobs(cfg.rollout)
@@ -115,6 +135,7 @@ def build_run(cfg) -> Run:
         engine, channel = _sglang_engine(cfg, model, tokenizer, problems, version)
     else:
         engine = RolloutEngine(model, cfg.engine, lora=cfg.lora, tokenizer=tokenizer)
+        log.info(engine_line(engine))
         engine.load_lora_adapter_from_tensors(POLICY, {n: p.detach() for n, p in params.items()}, cfg.lora)
         engine.weight_version = version  # the checkpoint's adapter is what it serves
         channel = open_sender(cfg.sync, engine=engine, adapter=POLICY)

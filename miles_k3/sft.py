@@ -17,8 +17,8 @@ in full mode the engine sees every update in place; in lora mode the current ada
 before each evaluation. The result goes to `output_dir` (default runs/sft-<date>-<time>): `model/` in full
 mode (a checkpoint directory with its tokenizer: `model.path=<output_dir>/model` loads it for train, eval or
 more SFT), `adapter/` in lora mode (PEFT; `python -m miles_k3.eval adapter=<output_dir>/adapter`), plus
-`config.yaml`, `metrics.jsonl`, `curves.png` and eval reports (`eval/step_N`). With the same seed, config and
-thread count on the CPU, two runs write bit-identical weights.
+`config.yaml`, `metrics.jsonl`, `curves.png`, eval reports (`eval/step_N`) and Hydra's record (`.hydra/`,
+`sft.log`). With the same seed, config and thread count on the CPU, two runs write bit-identical weights.
 
 On CUDA, `model.dtype=auto` trains in bf16; for full-parameter training set `model.dtype=fp32` to keep fp32
 master weights (the forward then runs under bf16 autocast).
@@ -44,7 +44,7 @@ from miles_k3.config import ConfigFieldError, exit_on_user_error, register_schem
 from miles_k3.evals.datasets import DatasetError, Problem, load_problems
 from miles_k3.evals.harness import EvalHook
 from miles_k3.evals.templates import render_prompt
-from miles_k3.launch import seed_everything
+from miles_k3.launch import engine_line, seed_everything, silence_fla_cpu_warning
 from miles_k3.model.build import ModelConfig, build_model, build_tokenizer, checkpoint_dir, num_params
 from miles_k3.model.checkpoint_writer import save_checkpoint
 from miles_k3.model.config import ConfigError
@@ -263,6 +263,7 @@ def _build_eval(cfg, model, tokenizer, stop_ids, params, problems, out_dir, trac
             engine.load_lora_adapter_from_tensors(POLICY, adapter, cfg.lora)
         else:
             engine = RolloutEngine(model, cfg.engine, tokenizer=tokenizer)
+    log.info(engine_line(engine))
     for p in problems:  # the harness checks this too, but only after training
         text = render_prompt(cfg.eval.template, p.problem, tokenizer)
         n = len(tokenizer.encode(text, add_special_tokens=False))
@@ -308,9 +309,10 @@ def _autocast(model: nn.Module):
 
 @hydra.main(version_base=None, config_path="pkg://miles_k3.recipes", config_name="sft")
 def main(raw: DictConfig) -> None:
+    silence_fla_cpu_warning()
     cfg = typed_or_exit(raw, "miles_k3.sft")
     with exit_on_user_error("miles_k3.sft"):
-        result = train_sft(cfg, OmegaConf.to_yaml(raw))
+        result = train_sft(cfg, OmegaConf.to_yaml(raw, resolve=True))  # the run's own output_dir
     print(result.summary_line())
 
 

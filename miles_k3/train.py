@@ -9,7 +9,8 @@ checkpoint with `resume=auto|PATH`) and runs the loop (the README's "The loop"):
 
 (with rollout.backend=sglang the memory is resumed before the weight sync, whose parity probe runs a request).
 
-`steps=0` builds everything and stops (a dry run of the config).
+`steps=0` builds everything and stops (a dry run of the config). Everything a run writes, Hydra's record
+(`.hydra/`, `train.log`) included, goes into `run_dir`; log lines are written above the progress bar.
 """
 import logging
 import signal
@@ -19,9 +20,10 @@ import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
 
 from miles_k3.config import exit_on_user_error, register_schemas, typed_or_exit
-from miles_k3.launch import POLICY, Run, build_run, seed_everything
+from miles_k3.launch import POLICY, Run, build_run, seed_everything, silence_fla_cpu_warning
 from miles_k3.model.build import build_model
 from miles_k3.model.lora import adapter_num_params, apply_lora
 from miles_k3.runtime import resolve_device, resolve_dtype
@@ -36,8 +38,7 @@ register_schemas()
 def train(cfg, raw_yaml: str = "") -> Run:
     t0 = time.perf_counter()
     run = build_run(cfg)
-    log.info("LoRA rank %d on %s: %s trainable params (the base is frozen); run dir %s", cfg.lora.rank,
-             ",".join(cfg.lora.targets), f"{adapter_num_params(run.model):,}", run.run_dir)
+    log_adapter(cfg.lora, run.model, f"; run dir {run.run_dir}")
     evals: dict[int, dict] = {}
     if run.eval_hook is not None and cfg.eval.at_start and run.start_step == 0:
         evals[0] = run.eval_hook.maybe_run(0, POLICY, force=True)  # the adapter starts as a no-op: the base
@@ -45,22 +46,24 @@ def train(cfg, raw_yaml: str = "") -> Run:
     bar = tqdm(total=cfg.steps, initial=run.start_step, desc="train", unit="step")
     step = run.start_step
     try:
-        for step in range(run.start_step + 1, cfg.steps + 1):
-            metrics, samples = one_step(run, step)
-            run.tracker.log(metrics, step=step)
-            log_samples(run, samples, step)
-            log.info(_line(step, cfg.steps, metrics))
-            bar.update(1)
-            if run.eval_hook is not None:
-                result = run.eval_hook.maybe_run(step, POLICY, force=step == cfg.steps)
-                if result is not None:
-                    evals[step] = result
-            if stop.requested or step == cfg.steps or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0):
-                checkpoint(run, step, raw_yaml)
-            if stop.requested:
-                log.warning("stopping at step %d on %s; resume with resume=auto run_dir=%s", step, stop.requested,
-                            run.run_dir)
-                break
+        with logging_redirect_tqdm(tqdm_class=tqdm):  # log lines go above the bar, not into it
+            for step in range(run.start_step + 1, cfg.steps + 1):
+                metrics, samples = one_step(run, step)
+                run.tracker.log(metrics, step=step)
+                log_samples(run, samples, step)
+                log.info(step_line(step, cfg.steps, metrics))
+                bar.update(1)
+                if run.eval_hook is not None:
+                    result = run.eval_hook.maybe_run(step, POLICY, force=step == cfg.steps)
+                    if result is not None:
+                        evals[step] = result
+                every = cfg.checkpoint_every
+                if stop.requested or step == cfg.steps or (every and step % every == 0):
+                    checkpoint(run, step, raw_yaml)
+                if stop.requested:
+                    log.warning("stopping at step %d on %s; resume with resume=auto run_dir=%s", step,
+                                stop.requested, run.run_dir)
+                    break
     finally:
         bar.close()
         stop.restore()
@@ -71,8 +74,10 @@ def train(cfg, raw_yaml: str = "") -> Run:
 
 
 def final_summary(run: Run, step: int, evals: dict[int, dict], wall_s: float) -> dict:
-    """What the run did and where its outputs are; with evals, the accuracy (avg@n) at the first and the last."""
-    out = {"steps": step, "wall_s": round(wall_s, 1), "run_dir": str(run.run_dir),
+    """What this call did (steps: those run now, first_step..last_step; a resumed run starts after its checkpoint)
+    and where its outputs are; with evals, the accuracy (avg@n) at the first and the last."""
+    out = {"steps": step - run.start_step, "first_step": run.start_step + 1, "last_step": step,
+           "wall_s": round(wall_s, 1), "run_dir": str(run.run_dir),
            "metrics": str(run.run_dir / "metrics.jsonl"), "curves": str(run.run_dir / "curves.png")}
     if run.last_checkpoint is not None:
         out["adapter"] = str(run.last_checkpoint / ADAPTER_DIR)
@@ -88,7 +93,9 @@ def final_summary(run: Run, step: int, evals: dict[int, dict], wall_s: float) ->
 
 
 def format_summary(s: dict) -> str:
-    lines = [f"miles_k3.train: {s['steps']} steps in {s['wall_s']:.0f} s"]
+    n = s["steps"]
+    steps = f"{n} step{'s' * (n != 1)}" + (f" ({s['first_step']}-{s['last_step']})" if n else "")
+    lines = [f"miles_k3.train: {steps} in {s['wall_s']:.0f} s"]
     if "accuracy_before" in s:
         gain = 100 * (s["accuracy_after"] - s["accuracy_before"])
         lines.append(f"  held-out {s['accuracy_metric']}: {100 * s['accuracy_before']:.1f}% (step "
@@ -169,10 +176,33 @@ def checkpoint(run: Run, step: int, raw_yaml: str) -> None:
     log.info("checkpoint: %s", path)
 
 
-def _line(step: int, total: int, m: dict) -> str:
-    keys = ("rollout/reward_mean", "train/loss", "train/grad_norm", "train/rollout_logprob_abs_diff", "sync/seconds",
-            "perf/step_s")
-    return f"step {step}/{total} " + " ".join(f"{k.split('/')[1]}={m[k]:.4g}" for k in keys if k in m)
+STEP_LINE = (("reward", "rollout/reward_mean"), ("accuracy", "rollout/accuracy"), ("loss", "train/loss"),
+             ("grad_norm", "train/grad_norm"), ("logprob_gap", "train/rollout_logprob_abs_diff"),
+             ("sync_s", "sync/seconds"), ("step_s", "perf/step_s"))
+"""The step line's fields, in order: (label, metric key); a metric the step did not log prints as "-"."""
+
+
+def step_line(step: int, total: int, m: dict) -> str:
+    """`step 3/500 reward=0.19 accuracy=19.5% loss=... grad_norm=... logprob_gap=... sync_s=... step_s=...`, plus
+    `empty=1` on a step with nothing to train on (train/empty_step)."""
+    fields = [f"{label}={_value(key, m.get(key))}" for label, key in STEP_LINE]
+    if m.get("train/empty_step") == 1.0:
+        fields.append("empty=1")
+    return f"step {step}/{total} " + " ".join(fields)
+
+
+def _value(key: str, v) -> str:
+    if v is None:
+        return "-"
+    return f"{100 * v:.1f}%" if key == "rollout/accuracy" else f"{v:.4g}"
+
+
+def log_adapter(lora, model, suffix: str = "") -> None:
+    """One INFO line on the adapter (rank, how many target module names, trainable parameters); the names at
+    DEBUG."""
+    log.info("LoRA rank %d on %d target module names: %s trainable params (the base is frozen)%s", lora.rank,
+             len(lora.targets), f"{adapter_num_params(model):,}", suffix)
+    log.debug("LoRA targets: %s", ",".join(lora.targets))
 
 
 class _StopFlag:
@@ -192,13 +222,14 @@ class _StopFlag:
 
 @hydra.main(version_base=None, config_path="pkg://miles_k3.recipes", config_name="train")
 def main(raw: DictConfig) -> None:
+    silence_fla_cpu_warning()
     cfg = typed_or_exit(raw, "miles_k3.train")
     with exit_on_user_error("miles_k3.train"):
         if cfg.steps == 0:
             seed_everything(cfg.seed)
             dry_run(cfg)
             return
-        train(cfg, OmegaConf.to_yaml(raw))
+        train(cfg, OmegaConf.to_yaml(raw, resolve=True))  # the run's own run_dir, not ${now:...}
 
 
 def dry_run(cfg) -> None:
@@ -206,8 +237,7 @@ def dry_run(cfg) -> None:
     device = resolve_device(cfg.device)
     model = build_model(cfg.model, device, resolve_dtype(cfg.model.dtype, device))
     apply_lora(model, cfg.lora)
-    log.info("LoRA rank %d on %s: %s trainable params (the base is frozen)", cfg.lora.rank,
-             ",".join(cfg.lora.targets), f"{adapter_num_params(model):,}")
+    log_adapter(cfg.lora, model)
     log.warning("steps=0: built the model and adapter and stopping; set steps=N and data.source=... to train")
 
 

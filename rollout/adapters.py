@@ -22,6 +22,7 @@ def share_base(model: K3ForCausalLM) -> K3ForCausalLM:
     """A K3ForCausalLM whose base tensors ARE `model`'s (same Parameter / buffer objects, no copy), without
     `model`'s adapters: the engine attaches its own LoRA buffers."""
     twin = meta_model(model.config, model.expert_format, model.kda_backend_name)
+    twin._backends = model._backends  # the same KDA backends, resolved (and logged) once for both
     tensors = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
     for name, t in tensors:
         if "lora_" in name:

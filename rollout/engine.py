@@ -160,8 +160,8 @@ class RolloutEngine:
             raise ValueError(f"decode: graph needs a bf16 CUDA model (grouped expert matmuls without host "
                              f"syncs), got {self.dtype} on {device}; use eager or static")
         self._graph = self._make_graph_decoder()
-        log.info("rollout engine: %d slots, %d pages of %d tokens, decode=%s (%s)", num_slots, num_pages,
-                 self.config.page_size, self.decode_mode, plan.summary())
+        log.debug("rollout engine: %d slots, %d pages of %d tokens, decode=%s (%s)", num_slots, num_pages,
+                  self.config.page_size, self.decode_mode, plan.summary())
         self.weight_version = 0
         self.num_preempted = 0  # requests preempted (and later recomputed) for lack of latent pages
         self._rids = itertools.count()

@@ -1,4 +1,5 @@
-"""A regular (non-editable) build ships every mapped package and the data files the code reads at run time."""
+"""A regular (non-editable) build ships every mapped package, the data files the code reads at run time and the
+console scripts."""
 import subprocess
 import sys
 import zipfile
@@ -22,3 +23,7 @@ def test_wheel_contains_mapped_packages_recipes_and_model_configs(tmp_path):
         assert data in names, data
     top_level = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
     assert top_level == {"miles_k3"}  # the only import name
+    (entry_points,) = [n for n in names if n.endswith(".dist-info/entry_points.txt")]
+    scripts = zipfile.ZipFile(wheel).read(entry_points).decode().split("[console_scripts]\n")[1].split("\n[")[0]
+    assert sorted(x for x in scripts.splitlines() if x.strip()) == ["miles-k3-eval = miles_k3.eval:main", "miles-k3-grade = miles_k3.grade:main",
+                                           "miles-k3-sft = miles_k3.sft:main", "miles-k3-train = miles_k3.train:main"]

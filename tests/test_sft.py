@@ -166,3 +166,22 @@ def test_entry_point_user_error_is_one_line_without_traceback(tmp_path):
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("miles_k3.sft: data.source: no such file"), proc.stderr
+
+
+def test_entry_point_in_a_fresh_directory_writes_one_tree(tmp_path):
+    """Run in a fresh working directory: everything, Hydra's record included, lands in the default output_dir
+    (no ./outputs), the config it saves names that directory, and fla's CPU warning is not printed."""
+    _data(tmp_path)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONWARNINGS"} | {"OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "miles_k3.sft", "data.source=add.jsonl", "model=k3_tiny",
+                           "device=cpu", "steps=1", "batch_size=4", "eval.every_n_steps=1",
+                           "eval.data.source=add.jsonl", *EVAL], cwd=tmp_path, capture_output=True, text=True,
+                          env=env, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Triton is not supported" not in proc.stderr and "{'mem/" not in proc.stdout
+    assert not (tmp_path / "outputs").exists()
+    (out_dir,) = (tmp_path / "runs").iterdir()
+    assert out_dir.name.startswith("sft-")
+    for name in (".hydra/config.yaml", "sft.log", "config.yaml", "metrics.jsonl", "model/config.json"):
+        assert (out_dir / name).exists(), name
+    assert f"output_dir: runs/{out_dir.name}\n" in (out_dir / "config.yaml").read_text()

@@ -109,13 +109,20 @@ def test_resume_after_a_stop_is_bit_identical_to_an_uninterrupted_run(tmp_path):
     train(_cfg(tmp_path / "a", "checkpoint_every=1"))
     (tmp_path / "b").mkdir()
     train(_cfg(tmp_path / "b", "steps=2", "checkpoint_every=1"))
+    with open(tmp_path / "b/run/metrics.jsonl", "a") as f:  # what a run killed after logging step 3 leaves
+        f.write(json.dumps({"step": 3, "train/loss": 9.0}) + "\n")
+    with open(tmp_path / "b/run/tables/rollout_samples.jsonl", "a") as f:
+        f.write(json.dumps({"step": 3, "response": "killed"}) + "\n")
     resumed = train(_cfg(tmp_path / "b", "resume=auto"))
     assert resumed.start_step == 2
+    assert (resumed.summary["steps"], resumed.summary["first_step"], resumed.summary["last_step"]) == (1, 3, 3)
     a, b = _final_adapter(tmp_path / "a/run"), _final_adapter(tmp_path / "b/run")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     rows = [json.loads(x) for x in (tmp_path / "b/run/metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3] and all(r["train/skipped"] == 0.0 for r in rows)
     assert any(r["train/grad_norm"] > 0 for r in rows)  # the updates were real, not zero steps
+    table = [json.loads(x) for x in (tmp_path / "b/run/tables/rollout_samples.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in table] == [1] * 4 + [2] * 4 + [3] * 4 and "killed" not in {r["response"] for r in table}
 
 
 def test_resume_restores_the_checkpoints_weight_version(tmp_path):
@@ -180,6 +187,8 @@ def test_kill_9_mid_run_then_resume_is_bit_identical(tmp_path):
     assert resumed.start_step == 2
     a, b = _final_adapter(tmp_path / "a/run"), _final_adapter(tmp_path / "b/run")
     assert all(torch.equal(a[k], b[k]) for k in a)
+    rows = [json.loads(x) for x in (tmp_path / "b/run/metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3]  # whatever the killed run had logged of step 3 is gone
 
 
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_{{ m.role }}|>{{ m.content }}<|im_end|>{% endfor %}"

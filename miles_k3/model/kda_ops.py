@@ -335,6 +335,6 @@ def resolve_kda_backend(name: str, device: torch.device | str,
     }
     prefill, decode, what = impls[name]
     if auto and name == "torch_chunk":
-        what = "torch chunked form (measured fastest on CPU)"
+        what = "torch chunked form (measured fastest on CPU; fla's Triton kernels are not used on CPU)"
     reason = f"{device.type}: {what}" + ("" if auto else " (requested by name)")
     return KDABackend(name, reason, prefill, decode, _decode_into_fla if name == "fla" else None)
