@@ -1,4 +1,4 @@
-"""LoRA push latency on one GPU: SGLang (rollout.backend=sglang: the adapter loaded from tensors under a new
+"""LoRA push latency on one GPU: SGLang (engine.backend=sglang: the adapter loaded from tensors under a new
 versioned name, the previous version unloaded) against the native engine (sync.transport=local: an in-place copy
 into the engine's adapter buffers), each pushing the trainer's fp32 LoRA tensors after every "step".
 

@@ -24,6 +24,7 @@ from typing import Any
 
 from miles_k3.evals.fields import MISSING, FieldPath, follow, parse_path, path_failure, show
 from miles_k3.evals.tasks import TaskError, generate_rows, is_task, task_name
+from miles_k3.evals.textfile import numbered_lines, utf8_text
 
 LOCAL_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 """Local file suffix -> the `datasets` builder that reads it."""
@@ -303,10 +304,10 @@ def _scan_parquet(path: Path) -> tuple[None, None]:
 # ---- our scan of JSON files ------------------------------------------------------------------------------------
 def _scan_json(path: Path, fmt: str, cfg: DatasetConfig) -> tuple[list[dict], list[int | None]]:
     """The rows of a .jsonl / .json file and their line numbers, after checking the file parses, every row is
-    an object, and the columns that may be mapped do not mix JSON types."""
+    an object, and the columns that may be mapped do not mix JSON types. Bad UTF-8 is named by its line."""
     try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
+        text = utf8_text(path, DatasetError)
+    except OSError as e:
         raise DatasetError(f"data file {path} could not be read as {fmt.lstrip('.')}: {e}") from e
     if fmt == ".json" and text.lstrip().startswith("["):
         rows, lines = _scan_json_list(path, text), None
@@ -323,7 +324,7 @@ def _scan_json(path: Path, fmt: str, cfg: DatasetConfig) -> tuple[list[dict], li
 
 def _scan_json_lines(path: Path, text: str) -> tuple[list[dict], list[int]]:
     rows, lines = [], []
-    for num, line in enumerate(text.splitlines(), 1):
+    for num, line in numbered_lines(text):  # "\n" only: a JSON string may hold U+2028 or U+0085 raw
         if not line.strip():
             continue
         try:

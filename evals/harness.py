@@ -129,9 +129,10 @@ def evaluate(engine, tokenizer, problems: list[Problem], cfg: EvalConfig, lora: 
         raise ValueError("evaluate: no problems to evaluate")
     t0 = time.perf_counter()
     prompts = [render_prompt(cfg.template, p.problem, tokenizer) for p in problems]
-    prompt_ids = [tokenizer.encode(text, add_special_tokens=False) for text in prompts]
-    _check_lengths(problems, prompt_ids, cfg, engine.max_context)
-    outputs = _generate(engine, prompt_ids, cfg, lora, progress)
+    ids = [tokenizer.encode(text, add_special_tokens=False) for text in prompts]
+    check_prompt_lengths(problems, ids, "eval.max_new_tokens", cfg.max_new_tokens, engine.max_context,
+                         "engine.max_context (SGLang: sglang.context_length, up to the model's)")
+    outputs = _generate(engine, ids, cfg, lora, progress)
     responses = [response_text(tokenizer, o) for o in outputs]
     golds = [p.answer for p in problems for _ in range(cfg.samples)]
     with GradingPool(cfg.grader, timeout_s=cfg.timeout_s, workers=cfg.grading_workers, channel=cfg.channel,
@@ -146,17 +147,27 @@ def evaluate(engine, tokenizer, problems: list[Problem], cfg: EvalConfig, lora: 
 
 
 class PromptLengthError(ValueError):
-    """A problem's prompt plus eval.max_new_tokens does not fit the engine's context (a user error: the message
-    names the problem and the settings to change)."""
+    """A problem's prompt plus its generation budget does not fit the engine's context (a user error: the message
+    names the problem, its prompt's length and the settings to change)."""
 
 
-def _check_lengths(problems, prompt_ids, cfg: EvalConfig, max_context: int) -> None:
-    for p, ids in zip(problems, prompt_ids):
-        if len(ids) + cfg.max_new_tokens > max_context:
-            raise PromptLengthError(f"problem {p.id}: its prompt is {len(ids)} tokens, and with "
-                                    f"eval.max_new_tokens={cfg.max_new_tokens} that exceeds the engine's "
-                                    f"max_context={max_context}; raise engine.max_context (SGLang: "
-                                    "sglang.context_length, up to the model's) or lower eval.max_new_tokens")
+def prompt_ids(problems: list[Problem], template: str, tokenizer) -> list[list[int]]:
+    """Each problem's prompt as the rollouts and the harness tokenize it: the template's text, no special tokens
+    added."""
+    return [tokenizer.encode(render_prompt(template, p.problem, tokenizer), add_special_tokens=False)
+            for p in problems]
+
+
+def check_prompt_lengths(problems: list[Problem], ids: list[list[int]], budget_field: str, max_new_tokens: int,
+                         max_context: int, raise_hint: str, what: str = "problem") -> None:
+    """Every prompt (`ids`, one per problem) plus `max_new_tokens` (the field `budget_field`) fits in `max_context`
+    tokens; else PromptLengthError naming the first problem that does not, its length, `raise_hint` (the field
+    that raises the context) and `budget_field`."""
+    for p, prompt in zip(problems, ids):
+        if len(prompt) + max_new_tokens > max_context:
+            raise PromptLengthError(f"{what} {p.id}: its prompt is {len(prompt)} tokens, and with "
+                                    f"{budget_field}={max_new_tokens} that exceeds the engine's "
+                                    f"max_context={max_context}; raise {raise_hint} or lower {budget_field}")
 
 
 def _generate(engine, prompt_ids: list[list[int]], cfg: EvalConfig, lora: str | None, progress: bool) -> list[dict]:

@@ -6,8 +6,8 @@ COMMANDS = (
     ("miles-k3-eval", "miles_k3.eval", "evaluate a model (+ adapter) on a dataset (--help)"),
     ("miles-k3-sft", "miles_k3.sft", "supervised fine-tuning, full or LoRA (--help)"),
     ("miles-k3-grade", "miles_k3.grade", "regrade saved responses (--help)"),
-    ("", "miles_k3.init_checkpoint", "random-init checkpoint of a K3 config (model=NAME out=DIR)"),
-    ("", "miles_k3.model_info", "sizing figures of a K3 config as JSON (model=NAME tp=N)"),
+    ("", "miles_k3.init_checkpoint", "random-init checkpoint of a K3 config (--help)"),
+    ("", "miles_k3.model_info", "sizing figures of a K3 config as JSON (--help)"),
     ("", "miles_k3.quantize", "bf16 K3 checkpoint -> MXFP4 routed experts (--help)"),
 )
 """(console script or "" for a module-only command, module run by `python -m`, one line on what it does)."""

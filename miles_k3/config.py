@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from hydra import compose, initialize_config_module
 from hydra.core.config_store import ConfigStore
+from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 
 from miles_k3.evals.datasets import DatasetConfig, DatasetError
@@ -23,12 +24,12 @@ from miles_k3.model.build import ModelConfig
 from miles_k3.model.checkpoint import CheckpointError
 from miles_k3.model.config import ConfigError
 from miles_k3.model.lora import LoRAConfig
-from miles_k3.rollout.engine import EngineConfig
+from miles_k3.rollout.engine import MEMORY_TAGS, EngineConfig
 from miles_k3.rollout.sglang_backend import SGLangConfig
 from miles_k3.tracking import TrackingConfig
 from miles_k3.trainer.checkpoint import ResumeError
 from miles_k3.trainer.optim import OptimConfig
-from miles_k3.trainer.rollouts import BACKENDS, RolloutConfig
+from miles_k3.trainer.rollouts import RolloutConfig
 from miles_k3.trainer.step import TrainerConfig
 from miles_k3.weight_sync.config import WeightSyncConfig
 
@@ -64,15 +65,17 @@ class TrainConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     """Policy loss, optimizer and LR schedule, micro-batching, precision."""
     engine: EngineConfig = field(default_factory=EngineConfig)
-    """The colocated rollout engine's sizes (max_context must hold prompt + rollout.max_new_tokens)."""
+    """The colocated rollout engine: engine.backend (native | sglang) and the native engine's sizes (max_context
+    must hold every training prompt + rollout.max_new_tokens: checked when the data loads)."""
     sglang: SGLangConfig = field(default_factory=SGLangConfig)
-    """The SGLang engine of rollout.backend=sglang: server arguments and push verification."""
+    """The SGLang engine of engine.backend=sglang: server arguments and push verification."""
     eval: EvalConfig = field(default_factory=lambda: EvalConfig(samples=4))
     """Evaluation during training (eval.every_n_steps > 0): dataset, sampling, grading."""
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     """W&B (tracking.logger=wandb) besides the run directory's metrics.jsonl."""
     run_dir: str | None = None
-    """Checkpoints, metrics.jsonl, eval reports; None: runs/train-<date>-<time>."""
+    """Checkpoints, metrics.jsonl, eval reports and Hydra's record; None (run_dir=null): the default,
+    runs/train-<date>-<time>."""
     resume: str = "none"
     """none, auto (the latest complete checkpoint in run_dir) or a checkpoint directory."""
     checkpoint_every: int = 0
@@ -83,13 +86,12 @@ class TrainConfig:
     def validate(self) -> None:
         check_device(self.device)
         check_weights_given(self.model)
-        check_backend(self.model, self.rollout.backend, self.sglang, self.rollout.release_tags)
-        check_sync(self.sync, self.rollout.backend)
-        check_context("rollout.max_new_tokens", self.rollout.max_new_tokens, self.engine, self.rollout.backend,
-                      self.sglang)
+        check_backend(self.model, self.engine.backend)
+        check_release_tags(self.rollout.release_tags, self.engine.backend, self.sglang)
+        check_sync(self.sync, self.engine.backend)
+        check_context("rollout.max_new_tokens", self.rollout.max_new_tokens, self.engine, self.sglang)
         if self.eval.every_n_steps > 0:
-            check_context("eval.max_new_tokens", self.eval.max_new_tokens, self.engine, self.rollout.backend,
-                          self.sglang)
+            check_context("eval.max_new_tokens", self.eval.max_new_tokens, self.engine, self.sglang)
         if self.trainer.old_logprobs == "rollout" and self.trainer.loss.tis != "none":
             raise ValueError(f"trainer.loss.tis: with trainer.old_logprobs=rollout the ratio's old log-probs are the "
                              f"engine's, so the TIS weight exp(old - rollout) is exactly 1 and tis="
@@ -102,22 +104,28 @@ class TrainConfig:
             raise ValueError(f"keep_checkpoints: must be >= 1, got {self.keep_checkpoints}")
 
 
-def check_backend(model: ModelConfig, backend: str, sglang: SGLangConfig, release_tags=(),
-                  field_name: str = "rollout.backend") -> None:
-    """The engine backend (`field_name`) can serve the model: the native engine serves K3 only; SGLang serves a
-    checkpoint directory."""
-    if backend not in BACKENDS:
-        raise ValueError(f"{field_name}: '{backend}' is not one of {', '.join(BACKENDS)}")
+def check_backend(model: ModelConfig, backend: str) -> None:
+    """engine.backend (`backend`, one of rollout.engine.BACKENDS: EngineConfig checks) can serve the model: the
+    native engine serves K3 only; SGLang serves a checkpoint directory."""
     if backend == "native" and model.hf_path is not None:
-        raise ValueError(f"model.hf_path: an HF architecture is served by SGLang only; set {field_name}=sglang "
+        raise ValueError("model.hf_path: an HF architecture is served by SGLang only; set engine.backend=sglang "
                          "(the native engine serves K3 models)")
-    if backend == "sglang":
-        if model.hf_path is None and model.path is None:
-            raise ValueError(f"{field_name}: sglang serves a checkpoint directory; set model.hf_path (an HF "
-                             "architecture such as Qwen3) or model.path (K3, on SGLang releases that carry it)")
-        if "weights" in release_tags and not sglang.enable_weights_cpu_backup:
-            raise ValueError("rollout.release_tags: releasing weights needs sglang.enable_weights_cpu_backup=true "
-                             "(SGLang resumes released weights as garbage otherwise)")
+    if backend == "sglang" and model.hf_path is None and model.path is None:
+        raise ValueError("engine.backend: sglang serves a checkpoint directory; set model.hf_path (an HF "
+                         "architecture such as Qwen3) or model.path (K3, on SGLang releases that carry it)")
+
+
+def check_release_tags(tags: list[str], backend: str, sglang: SGLangConfig) -> None:
+    """rollout.release_tags are memory tags of the engine engine.backend names (SGLang can also release its
+    weights, given a CPU backup to restore them from)."""
+    allowed = (*MEMORY_TAGS, "weights") if backend == "sglang" else MEMORY_TAGS
+    bad = [t for t in tags if t not in allowed]
+    if bad:
+        raise ValueError(f"rollout.release_tags: {bad} are not {backend} engine memory tags ({', '.join(allowed)}; "
+                         f"engine.backend={backend})")
+    if "weights" in tags and not sglang.enable_weights_cpu_backup:
+        raise ValueError("rollout.release_tags: releasing weights needs sglang.enable_weights_cpu_backup=true "
+                         "(SGLang resumes released weights as garbage otherwise)")
 
 
 def check_sync(sync: WeightSyncConfig, backend: str) -> None:
@@ -127,7 +135,7 @@ def check_sync(sync: WeightSyncConfig, backend: str) -> None:
         default = WeightSyncConfig()
         changed = [f.name for f in dataclasses.fields(sync) if getattr(sync, f.name) != getattr(default, f.name)]
         if changed:
-            raise ValueError(f"sync.{changed[0]}: does nothing with rollout.backend=sglang (a push goes through "
+            raise ValueError(f"sync.{changed[0]}: does nothing with engine.backend=sglang (a push goes through "
                              "SGLang's adapter API, verified by sglang.verify_push); remove the sync: overrides")
         return
     if sync.transport != "local":
@@ -154,13 +162,13 @@ def check_device(device: str) -> None:
                          f"use device=cuda:0..cuda:{count - 1}, device=cuda or device=auto")
 
 
-def check_context(field_name: str, max_new_tokens: int, engine: EngineConfig, backend: str = "native",
+def check_context(field_name: str, max_new_tokens: int, engine: EngineConfig,
                   sglang: SGLangConfig | None = None) -> None:
     """A request holds its prompt and up to `max_new_tokens` (the field `field_name`) in the engine's context, so
-    max_new_tokens must be below it: engine.max_context (native engine), sglang.context_length when set (SGLang;
-    unset, the checkpoint's own length applies, known only when it is served). Each prompt is checked against
-    the context when it is generated."""
-    if backend == "sglang":
+    max_new_tokens must be below it: engine.max_context (engine.backend=native), sglang.context_length when set
+    (sglang; unset, the checkpoint's own length applies, known only when it is served). The prompts themselves
+    are checked when the data loads (train) or before they are generated (eval)."""
+    if engine.backend == "sglang":
         if sglang is None or sglang.context_length is None:
             return
         limit_name, limit = "sglang.context_length", sglang.context_length
@@ -215,24 +223,24 @@ class EvalRunConfig:
     """A PEFT LoRA adapter directory (save_adapter / a training run's adapter) evaluated on the base; None: the
     base alone."""
     engine: EngineConfig = field(default_factory=EngineConfig)
-    """The rollout engine's sizes (max_context must hold the longest prompt + eval.max_new_tokens)."""
+    """The engine that generates: engine.backend (native: miles_k3's K3 engine; sglang: sglang.Engine serving
+    model.hf_path or model.path) and the native engine's sizes (max_context must hold the longest prompt +
+    eval.max_new_tokens)."""
     eval: EvalConfig = field(default_factory=EvalConfig)
     """Dataset, template, sampling, grading and metrics."""
-    output_dir: str | None = None
-    """Where results.jsonl and summary.json go; None: runs/eval-<date>-<time>."""
+    run_dir: str | None = None
+    """Where results.jsonl, summary.json, metrics.jsonl and Hydra's record go; None (run_dir=null): the default,
+    runs/eval-<date>-<time>."""
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
-    """W&B (tracking.logger=wandb) besides the output directory's metrics.jsonl."""
-    backend: str = "native"
-    """The engine that generates: native (miles_k3's K3 engine) or sglang (sglang.Engine serving model.hf_path or
-    model.path, configured by the sglang: section; needs the sglang extra and a CUDA GPU)."""
+    """W&B (tracking.logger=wandb) besides the run directory's metrics.jsonl."""
     sglang: SGLangConfig = field(default_factory=SGLangConfig)
-    """The SGLang engine of backend=sglang (its server arguments; push verification does not apply)."""
+    """The SGLang engine of engine.backend=sglang (its server arguments; push verification does not apply)."""
 
     def validate(self) -> None:
         check_device(self.device)
         check_weights_given(self.model)
-        check_backend(self.model, self.backend, self.sglang, field_name="backend")
-        check_context("eval.max_new_tokens", self.eval.max_new_tokens, self.engine, self.backend, self.sglang)
+        check_backend(self.model, self.engine.backend)
+        check_context("eval.max_new_tokens", self.eval.max_new_tokens, self.engine, self.sglang)
 
 
 SFT_MODES = ("full", "lora")
@@ -273,10 +281,10 @@ class SFTConfig:
     never; eval.at_start: also before the first update); its own dataset (eval.data), template, sampling and
     grader."""
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
-    """W&B (tracking.logger=wandb) besides the output directory's metrics.jsonl."""
-    output_dir: str | None = None
-    """metrics.jsonl, eval reports and the result (model/ in full mode, adapter/ in lora mode); None:
-    runs/sft-<date>-<time>."""
+    """W&B (tracking.logger=wandb) besides the run directory's metrics.jsonl."""
+    run_dir: str | None = None
+    """metrics.jsonl, eval reports, Hydra's record and the result (model/ in full mode, adapter/ in lora mode);
+    None (run_dir=null): the default, runs/sft-<date>-<time>."""
     log_every: int = 10
     """Log train/loss (mean since the last log), train/lr, train/grad_norm, perf/tokens_per_s every N steps
     (and at the last step); >= 1."""
@@ -291,7 +299,10 @@ class SFTConfig:
             raise ValueError(f"mode: '{self.mode}' is not one of {', '.join(SFT_MODES)}")
         if self.model.hf_path is not None:
             raise ValueError("model.hf_path: python -m miles_k3.sft trains K3 models (model.name, model.path); an HF "
-                             "architecture is trained by python -m miles_k3.train rollout.backend=sglang")
+                             "architecture is trained by python -m miles_k3.train engine.backend=sglang")
+        if self.engine.backend != "native":
+            raise ValueError(f"engine.backend: python -m miles_k3.sft evaluates through the native engine, which "
+                             f"shares the trained model's tensors; remove engine.backend={self.engine.backend}")
         if self.template not in template_names():
             raise ValueError(f"template: '{self.template}' is not one of {', '.join(template_names())}")
         if self.mode == "full" and self.model.experts == "mxfp4":
@@ -312,9 +323,27 @@ def shipped_base(name: str, hf_path: str | None) -> str | None:
     return None if hf_path is not None else SHIPPED_BASES.get(name)
 
 
+def or_default(value: Any, default: Any) -> Any:
+    """The resolver `miles_k3.or_default`: `value`, or `default` where it is null. The recipes' hydra.run.dir is
+    `${miles_k3.or_default:${run_dir},runs/<app>-${now:%Y%m%d-%H%M%S}}`: run_dir=null is the default directory
+    (`typed_or_exit` gives run_dir the same one)."""
+    return default if value is None else value
+
+
+def schedule_steps(steps: Any) -> int | None:
+    """The resolver `miles_k3.schedule_steps`: a run's `steps` as an LR schedule's total_steps (the quickstart
+    decays over its whole run), or None (a constant lr) for steps < 1 (steps=0 is a dry run; a negative steps is
+    refused by its own field)."""
+    return steps if isinstance(steps, int) and not isinstance(steps, bool) and steps >= 1 else None
+
+
 def register_schemas() -> None:
+    if not OmegaConf.has_resolver("miles_k3.schedule_steps"):
+        OmegaConf.register_new_resolver("miles_k3.schedule_steps", schedule_steps)
     if not OmegaConf.has_resolver("miles_k3.shipped_base"):
         OmegaConf.register_new_resolver("miles_k3.shipped_base", shipped_base)
+    if not OmegaConf.has_resolver("miles_k3.or_default"):
+        OmegaConf.register_new_resolver("miles_k3.or_default", or_default)
     store = ConfigStore.instance()
     store.store(name="train_schema", node=TrainConfig)
     store.store(name="eval_schema", node=EvalRunConfig)
@@ -324,9 +353,25 @@ def register_schemas() -> None:
 
 def to_typed(cfg: DictConfig) -> Any:
     """The composed config as its dataclasses, every section validated (errors name the field path)."""
+    _check_added_keys(cfg, "")
     obj = OmegaConf.to_object(cfg)
     _validate_tree(obj, "")
     return obj
+
+
+def _check_added_keys(node: DictConfig, path: str) -> None:
+    """Every key of a section typed by a dataclass is one of its fields. Hydra refuses `key=value` for a key the
+    schema lacks, but `+key=value` (which its refusal suggests) adds it, and OmegaConf.to_object would drop it
+    without a word: e.g. an old name, +output_dir=DIR, would be ignored. Free-form dicts (data.task_args) take
+    any key."""
+    schema = OmegaConf.get_type(node)
+    names = {f.name for f in dataclasses.fields(schema)} if dataclasses.is_dataclass(schema) else None
+    for key, value in node.items_ex(resolve=False):
+        if names is not None and key not in names:
+            raise ConfigFieldError(f"{path}{key}: not a field of {schema.__name__}, so it would do nothing; remove "
+                                   f"the +{path}{key} override (--cfg job prints the fields and their values)")
+        if isinstance(value, DictConfig):
+            _check_added_keys(value, f"{path}{key}.")
 
 
 def _validate_tree(obj: Any, path: str) -> None:
@@ -343,9 +388,19 @@ def _validate_tree(obj: Any, path: str) -> None:
 
 
 def typed_or_exit(raw: DictConfig, prog: str) -> Any:
-    """An entry point's composed config as its dataclasses; an invalid field exits with its name (no traceback)."""
+    """An entry point's composed config as its dataclasses; an invalid field exits with its name (no traceback).
+    run_dir=null is made the default run directory first (`default_null_run_dir`)."""
+    default_null_run_dir(raw, prog.removeprefix("miles_k3."))
     with exit_on_user_error(prog):
         return to_typed(raw)
+
+
+def default_null_run_dir(raw: DictConfig, app: str) -> None:
+    """run_dir=null means the default, runs/<app>-<date>-<time>: the directory hydra.run.dir fell back to (its
+    `or_default`), with the same time (Hydra's `now` resolver is cached per run), so the run and Hydra's record
+    share one tree."""
+    if "run_dir" in raw and raw.run_dir is None:
+        raw.run_dir = f"runs/{app}-${{now:%Y%m%d-%H%M%S}}"
 
 
 USER_ERRORS = (ConfigFieldError, ConfigError, DatasetError, CheckpointError, ResumeError,
@@ -360,6 +415,25 @@ def exit_on_user_error(prog: str):
         yield
     except USER_ERRORS as e:
         raise SystemExit(f"{prog}: {e}") from None
+
+
+def compose_cli(config_name: str, argv: list[str], prog: str, usage: str) -> Any:
+    """The config of a `python -m <prog> key=value ...` command that is not a Hydra app (model_info,
+    init_checkpoint): --help / -h prints `usage` and exits 0; another --flag, a bad override (Hydra's message) or
+    an invalid field exits with one line naming it; else `compose_config(config_name, argv)`."""
+    if any(a in ("-h", "--help") for a in argv):
+        print(usage.strip("\n"))
+        raise SystemExit(0)
+    flag = next((a for a in argv if a.startswith("-")), None)
+    if flag is not None:
+        raise SystemExit(f"{prog}: {flag}: not an option; arguments are key=value overrides (python -m {prog} "
+                         "--help)")
+    try:
+        with exit_on_user_error(prog):
+            return compose_config(config_name, argv)
+    except HydraException as e:  # Hydra's message (with its cause: the override's own error), no traceback
+        cause = f"\n{e.__cause__}" if e.__cause__ is not None else ""
+        raise SystemExit(f"{prog}: {e}{cause}\n(the fields: python -m {prog} --help)") from None
 
 
 def compose_config(config_name: str, overrides: list[str] | tuple[str, ...] = ()) -> Any:

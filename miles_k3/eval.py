@@ -1,11 +1,11 @@
 """`python -m miles_k3.eval [recipe=aime_eval] [model.path=...] [adapter=DIR] [eval.samples=16] ...`: evaluate a
 model (and optionally a PEFT LoRA adapter directory) on a dataset through the rollout engine (Hydra app); with
-`backend=sglang model.hf_path=DIR` through SGLang (any architecture it serves).
+`engine.backend=sglang model.hf_path=DIR` through SGLang (any architecture it serves).
 
 It composes `recipes/eval.yaml`, validates every field, builds the model, its tokenizer and the engine, loads
 the adapter into the engine, runs `miles_k3.evals.harness.evaluate` and writes `results.jsonl` and `summary.json`
-into `output_dir` (default `runs/eval-<time>`), logs `eval/*` metrics and a table of completions to the tracker
-(`tracking.logger=wandb`), and prints the summary as JSON.
+into `run_dir` (default `runs/eval-<time>`, beside Hydra's record), logs `eval/*` metrics and a table of
+completions to the tracker (`tracking.logger=wandb`), and prints the summary as JSON.
 """
 import json
 import logging
@@ -20,6 +20,7 @@ from miles_k3.adapter import load_adapter
 from miles_k3.config import exit_on_user_error, register_schemas, typed_or_exit
 from miles_k3.evals.datasets import load_problems
 from miles_k3.evals.harness import evaluate, log_eval, write_reports
+from miles_k3.launch import engine_line, silence_fla_cpu_warning
 from miles_k3.model.build import build_model, build_tokenizer
 from miles_k3.model.lora import lora_state_dict
 from miles_k3.rollout.engine import RolloutEngine
@@ -41,7 +42,7 @@ def warn_random_weights(model) -> None:
 
 def build_engine(cfg):
     """(engine, tokenizer, adapter name or None) for an EvalRunConfig."""
-    if cfg.backend == "sglang":
+    if cfg.engine.backend == "sglang":
         return _sglang_engine(cfg)
     device = resolve_device(cfg.device)
     model = build_model(cfg.model, device, resolve_dtype(cfg.model.dtype, device))
@@ -50,6 +51,7 @@ def build_engine(cfg):
         cfg.engine.eos_token_ids = stop_ids
     lora_cfg = load_adapter(model, cfg.adapter) if cfg.adapter else None
     engine = RolloutEngine(model, cfg.engine, lora=lora_cfg, tokenizer=tokenizer)
+    log.info(engine_line(engine))
     if lora_cfg is None:
         return engine, tokenizer, None
     engine.load_lora_adapter_from_tensors(ADAPTER_NAME, lora_state_dict(model), lora_cfg)
@@ -57,13 +59,13 @@ def build_engine(cfg):
 
 
 def _sglang_engine(cfg):
-    """backend=sglang: SGLang serves the checkpoint directory and loads the adapter directory's PEFT tensors as they
-    are (checked by `read_adapter`; no model is built in this process)."""
+    """engine.backend=sglang: SGLang serves the checkpoint directory and loads the adapter directory's PEFT tensors
+    as they are (checked by `read_adapter`; no model is built in this process)."""
     from miles_k3.adapter import read_adapter
     from miles_k3.rollout.sglang_backend import serve_checkpoint
 
     lora_cfg, tensors = read_adapter(cfg.adapter) if cfg.adapter else (None, None)
-    tokenizer, stop_ids = build_tokenizer(cfg.model, vocab_size=0)  # a checkpoint directory's own tokenizer
+    tokenizer, stop_ids = build_tokenizer(cfg.model)  # a checkpoint directory's own tokenizer
     engine = serve_checkpoint(cfg.sglang, cfg.model, tokenizer, cfg.engine.eos_token_ids or stop_ids,
                               lora=lora_cfg, seed=cfg.seed, fallback_context=cfg.engine.max_context)
     if lora_cfg is None:
@@ -82,7 +84,7 @@ def run(cfg) -> dict:
     warn_random_weights(cfg.model)
     problems = load_problems(cfg.eval.data)  # a bad dataset fails before the model is built
     engine, tokenizer, lora = build_engine(cfg)
-    out_dir = Path(cfg.output_dir or f"runs/eval-{time.strftime('%Y%m%d-%H%M%S')}")
+    run_dir = Path(cfg.run_dir or f"runs/eval-{time.strftime('%Y%m%d-%H%M%S')}")
     try:
         result = evaluate(engine, tokenizer, problems, cfg.eval, lora=lora)
     finally:
@@ -90,15 +92,16 @@ def run(cfg) -> dict:
         if close is not None:
             close()  # SGLang's scheduler subprocesses end with the run
     extra = {"model": cfg.model.hf_path or cfg.model.path or cfg.model.name, "adapter": cfg.adapter,
-             "data": cfg.eval.data.source, "backend": cfg.backend, "results": str(out_dir / "results.jsonl")}
-    write_reports(result, out_dir, extra)
-    with Tracker(cfg.tracking, out_dir, config={"eval": str(cfg.eval), "model": extra["model"]}) as tracker:
+             "data": cfg.eval.data.source, "backend": cfg.engine.backend, "results": str(run_dir / "results.jsonl")}
+    write_reports(result, run_dir, extra)
+    with Tracker(cfg.tracking, run_dir, config={"eval": str(cfg.eval), "model": extra["model"]}) as tracker:
         log_eval(tracker, result, cfg.eval.table_rows)
-    return {**result.summary, **extra, "summary": str(out_dir / "summary.json")}
+    return {**result.summary, **extra, "summary": str(run_dir / "summary.json")}
 
 
 @hydra.main(version_base=None, config_path="pkg://miles_k3.recipes", config_name="eval")
 def main(raw: DictConfig) -> None:
+    silence_fla_cpu_warning()
     cfg = typed_or_exit(raw, "miles_k3.eval")
     with exit_on_user_error("miles_k3.eval"):
         summary = run(cfg)

@@ -19,6 +19,7 @@ from miles_k3.evals.graders import MAX_RESPONSE_CHARS, grader_names
 from miles_k3.evals.grading_pool import GradingPool
 from miles_k3.evals.harness import EvalResult, SampleRecord, outcomes_by_problem, write_reports
 from miles_k3.evals.metrics import summarize
+from miles_k3.evals.textfile import numbered_lines, utf8_text
 
 
 class ResponsesError(ValueError):
@@ -32,7 +33,7 @@ def read_responses(path: str | Path) -> dict[str, list[str]]:
     if not path.is_file():
         raise ResponsesError(f"--responses {path}: no such file")
     by_id: dict[str, list[str]] = {}
-    for num, line in enumerate(utf8_text(path, ResponsesError).split("\n"), 1):
+    for num, line in numbered_lines(utf8_text(path, ResponsesError)):
         if not line.strip():
             continue
         try:
@@ -49,30 +50,10 @@ def read_responses(path: str | Path) -> dict[str, list[str]]:
     return by_id
 
 
-def utf8_text(path: Path, error: type[ValueError]) -> str:
-    """The text of a UTF-8 file; anything else raises `error` naming the file, the 1-based line and the byte."""
-    raw = path.read_bytes()
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        line = raw.count(b"\n", 0, e.start) + 1
-        column = e.start - raw.rfind(b"\n", 0, e.start)  # 1-based, in bytes
-        raise error(f"{path} line {line}: not UTF-8 (byte 0x{raw[e.start]:02x} at byte {column} of the line: "
-                    f"{e.reason}); save the file as UTF-8") from None
-
-
-def _check_data_encoding(data: DatasetConfig) -> None:
-    """A local .jsonl / .json data file is UTF-8 (checked here, where the error can name the line)."""
-    path = Path(data.source).expanduser()
-    if path.is_file() and path.suffix.lower() in (".jsonl", ".json"):
-        utf8_text(path, DatasetError)
-
-
 def regrade(data: DatasetConfig, responses: dict[str, list[str]], grader: str, timeout_s: float = 5.0,
             workers: int = 1, channel: str = "auto", ks: list[int] | None = None) -> EvalResult:
     """Grade `responses` (id -> responses) against `data`'s answers; every id must be in the data and have
     the same number of responses."""
-    _check_data_encoding(data)
     gold = {p.id: p for p in load_problems(data)}
     unknown = [i for i in responses if i not in gold]
     if unknown:

@@ -21,7 +21,7 @@ import torch
 from hydra.core.config_store import ConfigStore
 from torch import nn
 
-from miles_k3.config import compose_config
+from miles_k3.config import compose_cli
 from miles_k3.model.build import ModelConfig, load_k3_config
 from miles_k3.model.checkpoint import (
     CONFIG_FILE,
@@ -37,6 +37,23 @@ from miles_k3.tokenizer import BOS, END_OF_MSG, PAD, save_small_tokenizer, speci
 
 log = logging.getLogger("miles_k3.init_checkpoint")
 
+USAGE = """
+python -m miles_k3.init_checkpoint [model=NAME | model.path=DIR] out=DIR [seed=N] [format=bf16|mxfp4]
+Write a randomly initialised checkpoint directory (HF layout: config.json, one safetensors shard per decoder
+layer, then the embedding, head and norms) of any K3 config, one layer in memory at a time; a seed gives the
+same bytes every time. Configs with vocab_size <= 65536 also get the byte-level tokenizer.
+
+Fields (InitCheckpointConfig in miles_k3/init_checkpoint.py):
+  model=k3|k3_m|k3_nano|k3_tiny   the architecture (default k3_tiny)
+  model.path=DIR|HUB_ID           a checkpoint's config.json instead
+  out=DIR                         the directory to write (required), written atomically
+  seed=0                          seed of the initialisation
+  format=bf16|mxfp4               routed-expert storage (mxfp4: native, as published)
+  overwrite=false                 replace out if it exists (once the new directory is complete)
+  max_shard_bytes=null            split a layer's shard above this size (null: one shard per layer)
+
+Example:  python -m miles_k3.init_checkpoint model=k3_tiny out=/tmp/k3_tiny_init format=mxfp4
+"""
 SMALL_VOCAB = 65536  # configs up to this vocabulary get the small byte-level tokenizer
 _PART_STRIDE = 1 << 20  # seed * stride + part: distinct streams for up to 2^20 parts per seed
 
@@ -138,8 +155,10 @@ def _write_layer(writer: CheckpointWriter, layer: K3DecoderLayer, specs: dict) -
 
 
 def main(argv: list[str]) -> Path:
+    """Write the checkpoint of `argv`'s config (key=value overrides of recipes/init_checkpoint.yaml; --help:
+    USAGE); returns its directory."""
     register_schema()
-    cfg = compose_config("init_checkpoint", argv)
+    cfg = compose_cli("init_checkpoint", argv, "miles_k3.init_checkpoint", USAGE)
     try:
         return init_checkpoint(load_k3_config(cfg.model), cfg.out, cfg.seed, cfg.format, cfg.overwrite,
                                cfg.max_shard_bytes)

@@ -19,11 +19,12 @@ import torch
 from omegaconf import OmegaConf
 
 from miles_k3.evals.datasets import load_problems
-from miles_k3.evals.harness import EvalHook
+from miles_k3.evals.harness import EvalHook, check_prompt_lengths, prompt_ids
 from miles_k3.evals.rewards import build_reward
 from miles_k3.model.build import build_model, build_tokenizer
 from miles_k3.model.lora import apply_lora, lora_parameters
 from miles_k3.rollout.engine import RolloutEngine
+from miles_k3.rollout.sglang_backend import checkpoint_context
 from miles_k3.runtime import resolve_device, resolve_dtype
 from miles_k3.tracking import Tracker, truncate_after
 from miles_k3.trainer.checkpoint import (
@@ -81,8 +82,8 @@ class Run:
 
     def lora_tensors(self) -> dict[str, torch.Tensor]:
         """What a push carries: the adapter parameters by name (native engine), or their PEFT-named views, the
-        names SGLang loads (rollout.backend=sglang)."""
-        if self.cfg.rollout.backend == "sglang":
+        names SGLang loads (engine.backend=sglang)."""
+        if self.cfg.engine.backend == "sglang":
             from miles_k3.adapter import peft_tensors
 
             return {n: t.detach() for n, t in peft_tensors(self.model).items()}
@@ -107,6 +108,9 @@ def build_run(cfg) -> Run:
     are the same in every run with that seed; a resumed run then restores the checkpoint's RNG states)."""
     seed_everything(cfg.seed)
     problems = load_problems(cfg.data)  # bad data fails before the model is built
+    eval_problems = load_problems(cfg.eval.data) if cfg.eval.every_n_steps > 0 else None
+    tokenizer, stop_ids = build_tokenizer(cfg.model)  # the model config's: a prompt too long fails before it
+    check_prompts_fit(cfg, tokenizer, problems, eval_problems)
     run_dir = Path(cfg.run_dir or f"runs/train-{time.strftime('%Y%m%d-%H%M%S')}")
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.model.dtype, device)
@@ -116,7 +120,6 @@ def build_run(cfg) -> Run:
         model = load_hf_model(cfg.model.hf_path, device, dtype)
     else:
         model = build_model(cfg.model, device, dtype)
-    tokenizer, stop_ids = build_tokenizer(cfg.model, model.config.vocab_size)
     apply_lora(model, cfg.lora)
     params = lora_parameters(model)
     opt = build_optimizer(params, cfg.trainer.optim)
@@ -131,7 +134,7 @@ def build_run(cfg) -> Run:
     if not cfg.engine.eos_token_ids:
         cfg.engine.eos_token_ids = stop_ids
     _warn_filtered_logprobs(cfg.rollout)
-    if cfg.rollout.backend == "sglang":
+    if cfg.engine.backend == "sglang":
         engine, channel = _sglang_engine(cfg, model, tokenizer, problems, version)
     else:
         engine = RolloutEngine(model, cfg.engine, lora=cfg.lora, tokenizer=tokenizer)
@@ -141,14 +144,38 @@ def build_run(cfg) -> Run:
         channel = open_sender(cfg.sync, engine=engine, adapter=POLICY)
     tracker = Tracker(cfg.tracking, run_dir, config=OmegaConf.to_container(OmegaConf.structured(cfg)))
     hook = None
-    if cfg.eval.every_n_steps > 0:
-        hook = EvalHook(cfg.eval, engine, tokenizer, load_problems(cfg.eval.data), run_dir, tracker)
+    if eval_problems is not None:
+        hook = EvalHook(cfg.eval, engine, tokenizer, eval_problems, run_dir, tracker)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     if ckpt is not None:  # building the engine may draw random numbers: the loop starts from the saved state
         set_rng_state(torch.load(ckpt / RNG_FILE, weights_only=True))
     guard = BadStepGuard(cfg.trainer.optim.max_bad_steps, max_empty_steps=cfg.trainer.optim.max_empty_steps)
     return Run(cfg, run_dir, device, model, tokenizer, engine, params, opt, sched, channel,
                build_reward(cfg.reward), stream, hook, tracker, guard, start, pad, version)
+
+
+def check_prompts_fit(cfg, tokenizer, problems: list, eval_problems: list | None) -> None:
+    """Every training prompt (rendered with rollout.template and tokenized as the rollouts do) plus
+    rollout.max_new_tokens fits the engine's context, and every eval prompt plus eval.max_new_tokens when the run
+    evaluates: checked once, at start (a prompt too long would otherwise fail its step mid-run). PromptLengthError
+    names the first problem that does not fit."""
+    limit, raise_hint = engine_context(cfg)
+    check_prompt_lengths(problems, prompt_ids(problems, cfg.rollout.template, tokenizer), "rollout.max_new_tokens",
+                         cfg.rollout.max_new_tokens, limit, raise_hint, what="training problem")
+    if eval_problems is not None:
+        check_prompt_lengths(eval_problems, prompt_ids(eval_problems, cfg.eval.template, tokenizer),
+                             "eval.max_new_tokens", cfg.eval.max_new_tokens, limit, raise_hint, what="eval problem")
+
+
+def engine_context(cfg) -> tuple[int, str]:
+    """(tokens a request may hold, the field that raises it) of the engine engine.backend names: engine.max_context
+    (native); sglang.context_length, else the checkpoint's max_position_embeddings, else engine.max_context
+    (sglang: what `serve_checkpoint` gives the engine)."""
+    if cfg.engine.backend != "sglang":
+        return cfg.engine.max_context, "engine.max_context"
+    served = checkpoint_context(cfg.model.hf_path or cfg.model.path)
+    limit = cfg.sglang.context_length or served or cfg.engine.max_context
+    return limit, "sglang.context_length" + (" (up to the model's)" if served else "")
 
 
 def _warn_filtered_logprobs(cfg) -> None:

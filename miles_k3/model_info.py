@@ -17,7 +17,7 @@ import sys
 
 import torch
 
-from miles_k3.config import compose_config
+from miles_k3.config import compose_cli
 from miles_k3.model.build import load_k3_config, num_params
 from miles_k3.model.checkpoint import meta_model, stored_dtype
 from miles_k3.model.experts import RoutedExperts
@@ -27,6 +27,22 @@ from miles_k3.model.lora import adapter_num_params, apply_lora
 from miles_k3.model.mla import MLAAttention
 
 STORED_BYTES = {"U8": 1, "BF16": 2, "F32": 4}
+USAGE = """
+python -m miles_k3.model_info [model=NAME | model.path=DIR] [tp=N] [key=value ...]
+Sizing figures of a K3 config as one JSON object on stdout: parameters (total, active per token, routed
+experts), base bytes as stored (MXFP4 routed experts) and with bf16 experts, KDA state bytes per request (at
+tp=1 and tp=N), MLA KV bytes per token, layer counts, and the LoRA adapter's trainable parameters. Computed
+from the modules on the meta device: no memory, no weights, any size (the full 2.78T K3 included).
+
+Fields (ModelInfoConfig in miles_k3/config.py):
+  model=k3|k3_m|k3_nano|k3_tiny   the shipped architecture (default k3)
+  model.path=DIR|HUB_ID           a checkpoint's config.json instead (its weights are not read)
+  model.experts=auto|mxfp4|bf16   routed-expert storage counted in base_bytes (auto: mxfp4)
+  tp=8                            tensor-parallel degree of the per-rank KDA state figure
+  lora.rank=8                     the adapter adapter_params counts (lora.targets=[q_proj,...]: its modules)
+
+Example:  python -m miles_k3.model_info model=k3 tp=8
+"""
 
 
 def stored_bytes(model: torch.nn.Module) -> int:
@@ -68,7 +84,8 @@ def model_figures(model: K3ForCausalLM, tp: int) -> dict:
 
 
 def main(argv: list[str]) -> dict:
-    cfg = compose_config("model_info", argv)
+    """The figures of `argv`'s config (key=value overrides of recipes/model_info.yaml; --help: USAGE)."""
+    cfg = compose_cli("model_info", argv, "miles_k3.model_info", USAGE)
     k3 = load_k3_config(cfg.model)
     fmt = "mxfp4" if cfg.model.experts == "auto" else cfg.model.experts
     model = meta_model(k3, fmt)

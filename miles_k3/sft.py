@@ -14,9 +14,9 @@ seeds torch/python/numpy, and runs:
 
 Evaluation runs the eval harness through the rollout engine, which shares the trained model's base tensors:
 in full mode the engine sees every update in place; in lora mode the current adapter is pushed into the engine
-before each evaluation. The result goes to `output_dir` (default runs/sft-<date>-<time>): `model/` in full
-mode (a checkpoint directory with its tokenizer: `model.path=<output_dir>/model` loads it for train, eval or
-more SFT), `adapter/` in lora mode (PEFT; `python -m miles_k3.eval adapter=<output_dir>/adapter`), plus
+before each evaluation. The result goes to `run_dir` (default runs/sft-<date>-<time>): `model/` in full
+mode (a checkpoint directory with its tokenizer: `model.path=<run_dir>/model` loads it for train, eval or
+more SFT), `adapter/` in lora mode (PEFT; `python -m miles_k3.eval adapter=<run_dir>/adapter`), plus
 `config.yaml`, `metrics.jsonl`, `curves.png`, eval reports (`eval/step_N`) and Hydra's record (`.hydra/`,
 `sft.log`). With the same seed, config and thread count on the CPU, two runs write bit-identical weights.
 
@@ -42,7 +42,7 @@ from torch import nn
 from miles_k3.atomic import atomic_write_text
 from miles_k3.config import ConfigFieldError, exit_on_user_error, register_schemas, typed_or_exit
 from miles_k3.evals.datasets import DatasetError, Problem, load_problems
-from miles_k3.evals.harness import EvalHook
+from miles_k3.evals.harness import EvalHook, check_prompt_lengths, prompt_ids
 from miles_k3.evals.templates import render_prompt
 from miles_k3.launch import engine_line, seed_everything, silence_fla_cpu_warning
 from miles_k3.model.build import ModelConfig, build_model, build_tokenizer, checkpoint_dir, num_params
@@ -66,9 +66,9 @@ POLICY = "policy"  # the engine's name for the trained adapter (lora mode)
 class SFTResult:
     """What `train_sft` did: per-step losses, the last eval's metrics, where the result went."""
 
-    output_dir: Path
+    run_dir: Path
     saved: Path
-    """`output_dir/model` (full mode) or `output_dir/adapter` (lora mode)."""
+    """`run_dir/model` (full mode) or `run_dir/adapter` (lora mode)."""
     losses: list[float]
     """The training loss of every step (NaN for a step whose update was skipped)."""
     evals: dict[int, dict[str, float]]
@@ -150,20 +150,24 @@ def train_sft(cfg, raw_yaml: str = "") -> SFTResult:
     """The whole SFT run of a validated SFTConfig (see the module docstring)."""
     t0 = time.perf_counter()
     seed_everything(cfg.seed)
-    out_dir = Path(cfg.output_dir or f"runs/sft-{time.strftime('%Y%m%d-%H%M%S')}")
-    target = out_dir / ("model" if cfg.mode == "full" else "adapter")
+    run_dir = Path(cfg.run_dir or f"runs/sft-{time.strftime('%Y%m%d-%H%M%S')}")
+    target = run_dir / ("model" if cfg.mode == "full" else "adapter")
     if target.exists():
-        raise ConfigFieldError(f"output_dir: {target} already exists; choose another output_dir (a result is "
-                               "never overwritten)")
+        raise ConfigFieldError(f"run_dir: {target} already exists; choose another run_dir (a result is never "
+                               "overwritten)")
     problems = load_problems(cfg.data)  # bad data fails before the model is built
     eval_problems = load_problems(cfg.eval.data) if cfg.eval.every_n_steps > 0 else None
-    device = resolve_device(cfg.device)
     model_cfg = model_config_for(cfg)
-    model = build_model(model_cfg, device, resolve_dtype(model_cfg.dtype, device))
-    tokenizer, stop_ids = build_tokenizer(model_cfg, model.config.vocab_size)
+    tokenizer, stop_ids = build_tokenizer(model_cfg)  # the model config's: data problems fail before the model
     if not stop_ids:
         raise ConfigError(f"model={model_cfg.path or model_cfg.name}: the tokenizer has no eos token to end "
                           "the targets with; give the model directory a generation_config.json eos_token_id")
+    if eval_problems is not None:  # the harness checks this too, but only after training
+        check_prompt_lengths(eval_problems, prompt_ids(eval_problems, cfg.eval.template, tokenizer),
+                             "eval.max_new_tokens", cfg.eval.max_new_tokens, cfg.engine.max_context,
+                             "engine.max_context", what="eval problem")
+    device = resolve_device(cfg.device)
+    model = build_model(model_cfg, device, resolve_dtype(model_cfg.dtype, device))
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     examples = {id(p): encode_example(p, cfg.template, tokenizer, stop_ids[0]) for p in problems}
     params = trainable_parameters(model, cfg)
@@ -174,13 +178,13 @@ def train_sft(cfg, raw_yaml: str = "") -> SFTResult:
     log.info("sft mode=%s: %s trainable of %s parameters, %d problems, %d steps of %d", cfg.mode,
              f"{sum(p.numel() for p in params.values()):,}", f"{num_params(model):,}", len(problems),
              cfg.steps, cfg.batch_size)
-    tracker = Tracker(cfg.tracking, out_dir, config=OmegaConf.to_container(OmegaConf.structured(cfg)))
+    tracker = Tracker(cfg.tracking, run_dir, config=OmegaConf.to_container(OmegaConf.structured(cfg)))
     if raw_yaml:
-        atomic_write_text(out_dir / "config.yaml", raw_yaml)
+        atomic_write_text(run_dir / "config.yaml", raw_yaml)
     try:
         engine = hook = None
         if eval_problems is not None:
-            engine, hook = _build_eval(cfg, model, tokenizer, stop_ids, params, eval_problems, out_dir,
+            engine, hook = _build_eval(cfg, model, tokenizer, stop_ids, params, eval_problems, run_dir,
                                        tracker)
         losses, evals = _loop(cfg, model, params, opt, sched, stream, examples, pad_id, device, tracker,
                                      engine, hook)
@@ -188,7 +192,7 @@ def train_sft(cfg, raw_yaml: str = "") -> SFTResult:
     finally:
         tracker.finish()
     log.info("saved the %s to %s", "model" if cfg.mode == "full" else "adapter", saved)
-    result = SFTResult(out_dir, saved, losses, evals, time.perf_counter() - t0, model, tokenizer, engine)
+    result = SFTResult(run_dir, saved, losses, evals, time.perf_counter() - t0, model, tokenizer, engine)
     log.info(result.summary_line())
     return result
 
@@ -251,8 +255,9 @@ def _rng_isolated(device: torch.device):
     return torch.random.fork_rng(devices=[device] if device.type == "cuda" else [])
 
 
-def _build_eval(cfg, model, tokenizer, stop_ids, params, problems, out_dir, tracker):
-    """The rollout engine over the model's own base tensors (no copy) and the eval hook."""
+def _build_eval(cfg, model, tokenizer, stop_ids, params, problems, run_dir, tracker):
+    """The rollout engine over the model's own base tensors (no copy) and the eval hook (the prompts' lengths are
+    checked by `train_sft` before the model is built)."""
     device = next(model.parameters()).device
     if not cfg.engine.eos_token_ids:
         cfg.engine.eos_token_ids = list(stop_ids)
@@ -264,15 +269,7 @@ def _build_eval(cfg, model, tokenizer, stop_ids, params, problems, out_dir, trac
         else:
             engine = RolloutEngine(model, cfg.engine, tokenizer=tokenizer)
     log.info(engine_line(engine))
-    for p in problems:  # the harness checks this too, but only after training
-        text = render_prompt(cfg.eval.template, p.problem, tokenizer)
-        n = len(tokenizer.encode(text, add_special_tokens=False))
-        if n + cfg.eval.max_new_tokens > cfg.engine.max_context:
-            raise ConfigFieldError(f"engine.max_context: eval problem {p.id} has a {n}-token prompt, and "
-                                   f"with eval.max_new_tokens={cfg.eval.max_new_tokens} that exceeds "
-                                   f"engine.max_context={cfg.engine.max_context}; raise it or lower "
-                                   "eval.max_new_tokens")
-    return engine, EvalHook(cfg.eval, engine, tokenizer, problems, out_dir, tracker)
+    return engine, EvalHook(cfg.eval, engine, tokenizer, problems, run_dir, tracker)
 
 
 def _evaluate(cfg, hook: EvalHook, engine: RolloutEngine, params: dict, step: int) -> dict[str, float]:
@@ -312,7 +309,7 @@ def main(raw: DictConfig) -> None:
     silence_fla_cpu_warning()
     cfg = typed_or_exit(raw, "miles_k3.sft")
     with exit_on_user_error("miles_k3.sft"):
-        result = train_sft(cfg, OmegaConf.to_yaml(raw, resolve=True))  # the run's own output_dir
+        result = train_sft(cfg, OmegaConf.to_yaml(raw, resolve=True))  # the run's own run_dir
     print(result.summary_line())
 
 

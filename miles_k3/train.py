@@ -7,7 +7,7 @@ checkpoint with `resume=auto|PATH`) and runs the loop (the README's "The loop"):
     rollout -> rewards -> advantages -> release engine memory -> train step -> weight sync (version + 1) ->
     resume engine memory -> log -> eval every N -> checkpoint every N (and on SIGINT / SIGTERM)
 
-(with rollout.backend=sglang the memory is resumed before the weight sync, whose parity probe runs a request).
+(with engine.backend=sglang the memory is resumed before the weight sync, whose parity probe runs a request).
 
 `steps=0` builds everything and stops (a dry run of the config). Everything a run writes, Hydra's record
 (`.hydra/`, `train.log`) included, goes into `run_dir`; log lines are written above the progress bar.

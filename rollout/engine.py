@@ -41,18 +41,25 @@ from miles_k3.rollout.sampling import (
 log = logging.getLogger(__name__)
 
 MEMORY_TAGS = ("kv_cache", "cuda_graph")
+BACKENDS = ("native", "sglang")
+"""The rollout engines `EngineConfig.backend` names."""
 
 
 @dataclass
 class EngineConfig:
-    """The rollout engine's sizes and limits."""
+    """Which rollout engine generates (`backend`), and the native engine's sizes and limits."""
 
+    backend: str = "native"
+    """native (miles_k3's K3 engine in this process, sized by the fields below) or sglang (sglang.Engine serving
+    model.hf_path or model.path, its scheduler in SGLang's subprocess, configured by the sglang: section; needs the
+    sglang extra and a CUDA GPU). One switch for python -m miles_k3.train and python -m miles_k3.eval."""
     memory_budget_bytes: int = 256 * 2**20
     """Bytes for the KDA state slots and MLA latent pages together (sized by `memory.plan_memory`)."""
     page_size: int = 16
     """Tokens per MLA latent page."""
     max_context: int = 2048
-    """Longest prompt + completion a request may reach."""
+    """Longest prompt + completion a request may reach (backend=sglang: only where neither sglang.context_length
+    nor the checkpoint's max_position_embeddings says)."""
     prefill_chunk: int = 256
     """Tokens per request per prefill forward (chunked prefill bounds activation memory)."""
     max_prefill_tokens: int = 16384
@@ -69,6 +76,8 @@ class EngineConfig:
     eager."""
 
     def validate(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend: '{self.backend}' is not one of {', '.join(BACKENDS)}")
         for name in ("memory_budget_bytes", "page_size", "max_context", "prefill_chunk", "max_prefill_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")

@@ -1,4 +1,4 @@
-"""`rollout.backend=sglang`: the rollout-engine interface of `RolloutEngine` over a real `sglang.Engine`.
+"""`engine.backend=sglang`: the rollout-engine interface of `RolloutEngine` over a real `sglang.Engine`.
 
 The engine is built in the training process (SGLang runs its scheduler and model in its own subprocesses) from
 the typed `sglang:` config (`SGLangConfig`), token in / token out (`skip_tokenizer_init`). What the loop sees is
@@ -40,13 +40,13 @@ log = logging.getLogger("miles_k3.rollout")
 
 MEMORY_TAGS = ("kv_cache", "weights", "cuda_graph")
 VERIFY_MODES = ("never", "every_n", "every")
-INSTALL_HINT = ("rollout.backend=sglang needs SGLang: pip install 'miles-k3[sglang]' (SGLang serves on CUDA GPUs; "
-                "releases pinning torch 2.11 end at sglang 0.5.17), or set rollout.backend=native")
+INSTALL_HINT = ("engine.backend=sglang needs SGLang: pip install 'miles-k3[sglang]' (SGLang serves on CUDA GPUs; "
+                "releases pinning torch 2.11 end at sglang 0.5.17), or set engine.backend=native")
 
 
 @dataclass
 class SGLangConfig:
-    """The SGLang engine of `rollout.backend=sglang` (its server arguments, typed) and how pushes are verified."""
+    """The SGLang engine of `engine.backend=sglang` (its server arguments, typed) and how pushes are verified."""
 
     attention_backend: str = "triton"
     """SGLang attention backend (triton, flashinfer, fa3, ...)."""

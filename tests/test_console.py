@@ -104,6 +104,31 @@ def test_help_is_short_and_lists_its_own_recipes_only(app, tmp_path):
     assert not list(tmp_path.iterdir())  # --help writes nothing
 
 
+@pytest.mark.parametrize("flag", ["--help", "-h"])
+@pytest.mark.parametrize("app, fields", [
+    ("model_info", ["model", "model.path", "model.experts", "tp", "lora.rank"]),
+    ("init_checkpoint", ["model", "model.path", "out", "seed", "format", "overwrite", "max_shard_bytes"]),
+])
+def test_module_commands_print_their_usage(app, fields, flag, tmp_path):
+    """The commands that are not Hydra apps: --help is a short usage text (what it does, its fields, an example
+    that composes), not Hydra's override parse error; another --flag is refused in one line."""
+    proc = _run([f"miles_k3.{app}", flag], tmp_path)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    text = proc.stdout
+    assert text.startswith(f"python -m miles_k3.{app} ") and len(text.splitlines()) < 30
+    listed = re.findall(r"^  ([\w.]+)=\S*\s{2,}\S", text, re.MULTILINE)
+    assert listed == fields, listed
+    (example,) = re.findall(rf"^Example:  python -m miles_k3\.{app} (.*)$", text, re.MULTILINE)
+    if app == "init_checkpoint":
+        importlib.import_module("miles_k3.init_checkpoint").register_schema()
+    compose_config(app, example.split())
+    assert not list(tmp_path.iterdir())
+    bad = _run([f"miles_k3.{app}", "--tp=2"], tmp_path)
+    assert bad.returncode == 1 and "Traceback" not in bad.stderr, bad.stderr[-3000:]
+    refusal = f"miles_k3.{app}: --tp=2: not an option; arguments are key=value overrides (python -m miles_k3.{app} --help)"
+    assert bad.stderr.strip().splitlines() == [refusal]
+
+
 # ---- a first run ---------------------------------------------------------------------------------------------
 STEP = re.compile(r"step (\d)/2 reward=\S+ accuracy=[\d.]+% loss=\S+ grad_norm=\S+ logprob_gap=\S+ sync_s=\S+ "
                   r"step_s=\S+$")
@@ -133,23 +158,50 @@ def test_quickstart_in_a_fresh_directory(tmp_path):
     assert f"run_dir: runs/{run_dir.name}\n" in saved  # the record names its own run directory
 
 
-def test_eval_in_a_fresh_directory_keeps_hydra_in_its_output_dir(tmp_path):
+def test_eval_in_a_fresh_directory_keeps_hydra_in_its_run_dir(tmp_path):
     (tmp_path / "p.jsonl").write_text(json.dumps({"id": "a", "question": "1 + 1 = ?", "answer": "2"}) + "\n")
     proc = _run(["miles_k3.eval", "model=k3_tiny", "device=cpu", "eval.data.source=p.jsonl", "eval.samples=1",
                  "eval.max_new_tokens=2", "eval.template=plain", "eval.temperature=0", "engine.max_context=64",
                  "engine.memory_budget_bytes=2097152"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads(proc.stdout)  # stdout is the summary alone
+    assert "Triton is not supported" not in proc.stderr and "UserWarning" not in proc.stderr
+    assert re.search(r"rollout engine: \d+ slots, \d+ pages of \d+ tokens, decode=eager$", proc.stderr, re.MULTILINE)
     assert not (tmp_path / "outputs").exists()
-    (out_dir,) = (tmp_path / "runs").iterdir()
-    assert out_dir.name.startswith("eval-") and summary["summary"] == f"runs/{out_dir.name}/summary.json"
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    assert run_dir.name.startswith("eval-") and summary["summary"] == f"runs/{run_dir.name}/summary.json"
     for name in (".hydra/config.yaml", "eval.log", "summary.json", "results.jsonl"):
-        assert (out_dir / name).exists(), name
+        assert (run_dir / name).exists(), name
+
+
+@pytest.mark.parametrize("app, overrides, made", [
+    ("train", ["data.source=p.jsonl", "data.problem_field=question", "steps=1", "rollout.prompts_per_step=1",
+               "eval.every_n_steps=0"], ["train.log", "metrics.jsonl", "checkpoints/latest"]),
+    ("eval", ["model=k3_tiny", "eval.data.source=p.jsonl", "eval.samples=1", "eval.max_new_tokens=2",
+              "eval.template=plain", "engine.max_context=64", "engine.memory_budget_bytes=2097152"],
+     ["eval.log", "summary.json", "results.jsonl"]),
+    ("sft", ["data.source=p.jsonl", "steps=1", "batch_size=1"], ["sft.log", "config.yaml", "model/config.json"]),
+])
+def test_run_dir_null_is_the_default_run_dir(app, overrides, made, tmp_path):
+    """run_dir=null (hydra.run.dir falls back through miles_k3.or_default): the default runs/<app>-<date>-<time>,
+    one directory holding Hydra's record and the run's files, as without the override."""
+    (tmp_path / "p.jsonl").write_text(json.dumps({"id": "a", "question": "1+1", "answer": "2"}) + "\n")
+    proc = _run([f"miles_k3.{app}", "run_dir=null", "device=cpu", *overrides], tmp_path)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    assert re.fullmatch(rf"{app}-\d{{8}}-\d{{6}}", run_dir.name), run_dir.name
+    for name in (".hydra/config.yaml", *made):
+        assert (run_dir / name).exists(), name
+    if app == "eval":
+        assert json.loads(proc.stdout)["summary"] == f"runs/{run_dir.name}/summary.json"
+    else:  # the config the run saves names its directory
+        saved = run_dir / ("checkpoints/step_00000001/config.yaml" if app == "train" else "config.yaml")
+        assert f"run_dir: runs/{run_dir.name}\n" in saved.read_text()
 
 
 @pytest.mark.parametrize("argv, made", [(["miles_k3.model_info", "model=k3_tiny"], set()),
                                         (["miles_k3.init_checkpoint", "model=k3_tiny", "out=ckpt"], {"ckpt"})])
-def test_commands_without_an_output_dir_leave_only_what_they_make(tmp_path, argv, made):
+def test_commands_without_a_run_dir_leave_only_what_they_make(tmp_path, argv, made):
     proc = _run(argv, tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert {p.name for p in tmp_path.iterdir()} == made

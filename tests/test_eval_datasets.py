@@ -159,6 +159,37 @@ def test_malformed_json_files(tmp_path):
     assert error(path) == f"{path} row 1: expected a JSON object, got str 'text'"
 
 
+@pytest.mark.parametrize("suffix, head", [(".jsonl", b'{"problem": "a", "answer": "1"}\n\n'),
+                                          (".json", b'[\n{"problem": "a", "answer": "1"},\n')])
+def test_bad_utf8_names_the_file_and_line(tmp_path, suffix, head):
+    """The message grade gives for its own files (evals.textfile.utf8_text): file, line, byte and the fix."""
+    bad = b'{"problem": "caf\xe9", "answer": "2"}'  # latin-1, not UTF-8
+    path = tmp_path / f"latin1{suffix}"
+    path.write_bytes(head + bad + (b"]\n" if suffix == ".json" else b"\n"))
+    at = bad.index(b"\xe9") + 1
+    assert error(path) == (f"{path} line 3: not UTF-8 (byte 0xe9 at byte {at} of the line: invalid continuation "
+                           "byte); save the file as UTF-8")
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".json"])
+def test_line_separators_inside_json_strings_stay_in_their_row(tmp_path, suffix):
+    """JSON strings may hold U+2028, U+2029 and U+0085 unescaped: they are text, not line breaks (rows are split
+    on "\\n" only), and the lines named in messages still count "\\n"s."""
+    texts = ["x\u2028y", "p\x85q\u2029r", "plain"]
+    rows = [{"id": str(i), "problem": t, "answer": str(i)} for i, t in enumerate(texts)]
+    path = tmp_path / f"seps{suffix}"
+    if suffix == ".jsonl":
+        path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
+    else:
+        path.write_text(json.dumps(rows, ensure_ascii=False), encoding="utf-8")
+    assert "\u2028" in path.read_text(encoding="utf-8")  # raw, not escaped
+    assert [p.problem for p in load(path)] == texts
+    if suffix == ".jsonl":
+        with path.open("a", encoding="utf-8") as f:
+            f.write('{"id": "3", "problem": "z\u2028", "answer": ""}\n')
+        assert error(path).startswith(f"{path} row 3 (line 4): field 'answer' (the gold answer) is empty")
+
+
 def test_unreadable_parquet_names_the_file(tmp_path):
     path = tmp_path / "broken.parquet"
     path.write_bytes(b"PAR1 this is not parquet at all")

@@ -198,10 +198,10 @@ def test_eval_entry_point_with_an_adapter_and_wandb_offline(tiny, tmp_path):
     remove_lora(tiny)
     common = ["device=cpu", "model=k3_tiny", f"eval.data.source={data}", "eval.samples=2", "eval.max_new_tokens=5",
               "engine.max_context=256", "eval.template=plain", "eval.temperature=0"]
-    base = _run(["miles_k3.eval", *common, f"output_dir={tmp_path}/base"], tmp_path)
+    base = _run(["miles_k3.eval", *common, f"run_dir={tmp_path}/base"], tmp_path)
     assert base.returncode == 0, base.stderr[-3000:]
     assert "random weights: model.path and model.hf_path are unset, so model=k3_tiny" in base.stderr
-    tuned = _run(["miles_k3.eval", *common, f"output_dir={tmp_path}/tuned", f"adapter={tmp_path}/adapter",
+    tuned = _run(["miles_k3.eval", *common, f"run_dir={tmp_path}/tuned", f"adapter={tmp_path}/adapter",
                   "tracking.logger=wandb"], tmp_path, {"WANDB_MODE": "offline", "WANDB_SILENT": "true"})
     assert tuned.returncode == 0, tuned.stderr[-3000:]
     summary = json.loads((tmp_path / "tuned/summary.json").read_text())

@@ -1,4 +1,4 @@
-"""rollout.backend=sglang against the real SGLang on a GPU (marked gpu; SGLang is installed there, not on the CPU CI):
+"""engine.backend=sglang against the real SGLang on a GPU (marked gpu; SGLang is installed there, not on the CPU CI):
 the test double's recorded interface matches the installed sglang.Engine, 3 GRPO steps of the loop on a tiny
 Qwen3, generation with log-probs that the trainer reproduces, a LoRA push that changes the engine's log-probs as the
 trainer's model with that adapter predicts, and release/resume (weights included, with the CPU backup) that keeps
@@ -55,7 +55,7 @@ def test_three_grpo_steps_on_sglang(qwen3_dir, tmp_path):
             f"eval.data.source={problems}", "eval.data.problem_field=problem", "eval.data.limit=16",
             "eval.data.split=train", "eval.data.task_args={}"]
     cfg = compose_config("train", data + [
-        "steps=3", f"run_dir={tmp_path}/run", "device=cuda", "rollout.backend=sglang", "model.path=null",
+        "steps=3", f"run_dir={tmp_path}/run", "device=cuda", "engine.backend=sglang", "model.path=null",
         f"model.hf_path={qwen3_dir}", "lora.rank=8", "lora.alpha=16",
         "lora.targets=[q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj]", "rollout.prompts_per_step=8",
         "rollout.group_size=8", "rollout.max_new_tokens=8", "rollout.dynamic_sampling=false",
@@ -75,7 +75,7 @@ def test_three_grpo_steps_on_sglang(qwen3_dir, tmp_path):
 
 
 def test_eval_entry_point_on_sglang(qwen3_dir, tmp_path):
-    """python -m miles_k3.eval backend=sglang: the base and a saved adapter evaluated through SGLang; the adapter
+    """python -m miles_k3.eval engine.backend=sglang: the base and a saved adapter evaluated through SGLang; the adapter
     (loaded from its directory, no model built) changes the greedy completions."""
     from miles_k3.adapter import save_adapter
     from miles_k3.config import compose_config
@@ -86,13 +86,13 @@ def test_eval_entry_point_on_sglang(qwen3_dir, tmp_path):
     problems = tmp_path / "p.jsonl"
     problems.write_text("".join(json.dumps({"problem": f"{a}+{b}=", "answer": str(a + b)}) + "\n"
                                 for a in range(10, 18) for b in range(3, 7)))
-    common = ["backend=sglang", "device=cuda", "model.path=null", f"model.hf_path={qwen3_dir}",
+    common = ["engine.backend=sglang", "device=cuda", "model.path=null", f"model.hf_path={qwen3_dir}",
               f"eval.data.source={problems}", "eval.samples=2", "eval.max_new_tokens=8", "eval.template=plain",
               "eval.temperature=0", "sglang.mem_fraction_static=0.3"]
     t0 = time.perf_counter()
-    tuned = run(compose_config("eval", [*common, f"adapter={tmp_path}/adapter", f"output_dir={tmp_path}/tuned"]))
+    tuned = run(compose_config("eval", [*common, f"adapter={tmp_path}/adapter", f"run_dir={tmp_path}/tuned"]))
     t1 = time.perf_counter()
-    base = run(compose_config("eval", [*common, f"output_dir={tmp_path}/base"]))
+    base = run(compose_config("eval", [*common, f"run_dir={tmp_path}/base"]))
     t2 = time.perf_counter()
     rows = [json.loads(x) for x in (tmp_path / "tuned/results.jsonl").read_text().splitlines()]
     base_rows = [json.loads(x) for x in (tmp_path / "base/results.jsonl").read_text().splitlines()]

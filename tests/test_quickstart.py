@@ -31,7 +31,7 @@ def test_shipped_base_answers_in_form_and_is_often_wrong(tmp_path):
     """RL gains must come from correctness: >= 90% well-formed answers; and the base leaves room to learn."""
     from miles_k3.eval import run
 
-    cfg = compose_config("eval", [f"model.path={BASE}", "device=cpu", f"output_dir={tmp_path}",
+    cfg = compose_config("eval", [f"model.path={BASE}", "device=cpu", f"run_dir={tmp_path}",
                                   "engine.max_context=64", "eval.template=equation", "eval.grader=integer",
                                   "eval.data.source=reasoning_gym:chain_sum", "eval.data.split=test",
                                   "eval.data.size=300", "eval.data.distinct=false",

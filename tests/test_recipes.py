@@ -51,7 +51,7 @@ def test_aime_eval_recipe_values():
         "k3_nano", "builtin:k3_nano_chain_sum", None, "boxed")
     random = compose_config("eval", ["model=k3_tiny"])  # an architecture without shipped weights: its random init
     assert (random.model.name, random.model.path) == ("k3_tiny", None)
-    served = compose_config("eval", ["backend=sglang", "model.hf_path=/ckpt/qwen3"])
+    served = compose_config("eval", ["engine.backend=sglang", "model.hf_path=/ckpt/qwen3"])
     assert (served.model.path, served.model.hf_path) == (None, "/ckpt/qwen3")
 
 
@@ -111,17 +111,43 @@ def test_bad_values_fail_naming_the_field(override, field):
 
 
 def test_settings_that_would_do_nothing_are_refused():
-    sglang = ["rollout.backend=sglang", "model.path=null", "model.hf_path=/ckpt/qwen3"]
+    sglang = ["engine.backend=sglang", "model.path=null", "model.hf_path=/ckpt/qwen3"]
     assert compose_config("train", sglang).sync.transport == "local"  # the defaults are fine
     for override in ("sync.readback=true", "sync.buffer_mb=64", "sync.checksum=false"):
         field = override.split("=")[0]
-        with pytest.raises(ConfigFieldError, match=rf"^{field}: does nothing with rollout.backend=sglang"):
+        with pytest.raises(ConfigFieldError, match=rf"^{field}: does nothing with engine.backend=sglang"):
             compose_config("train", [*sglang, override])
     with pytest.raises(ConfigFieldError, match=r"^trainer.loss.tis: with trainer.old_logprobs=rollout .* exactly 1"):
         compose_config("train", ["trainer.old_logprobs=rollout", "trainer.loss.tis=token_truncate"])
     assert compose_config("train", ["trainer.old_logprobs=rollout"]).trainer.loss.tis == "none"
     with pytest.raises(ConfigFieldError, match=r"^sync.transport: 'ipc' .* use sync.transport=local"):
         compose_config("train", ["sync.transport=ipc"])
+
+
+def test_engine_backend_is_one_switch_checked_against_the_run():
+    """engine.backend (train and eval; sft evaluates natively only): the value, the model it can serve and the
+    memory tags train may release are checked with the config, each naming engine.backend."""
+    hf = ["model.path=null", "model.hf_path=/ckpt/qwen3"]
+    assert compose_config("train", ["engine.backend=sglang", *hf]).engine.backend == "sglang"
+    assert compose_config("eval", ["engine.backend=sglang", *hf]).engine.backend == "sglang"
+    assert compose_config("train").engine.backend == compose_config("eval").engine.backend == "native"
+    for app in ("train", "eval", "sft"):
+        with pytest.raises(ConfigFieldError, match=r"^engine.backend: 'vllm' is not one of native, sglang$"):
+            compose_config(app, ["engine.backend=vllm"])
+    with pytest.raises(ConfigFieldError, match=r"^model.hf_path: an HF architecture is served by SGLang only; set "
+                                               r"engine.backend=sglang"):
+        compose_config("train", hf)
+    with pytest.raises(ConfigFieldError, match=r"^rollout.release_tags: \['weights'\] are not native engine memory "
+                                               r"tags \(kv_cache, cuda_graph; engine.backend=native\)$"):
+        compose_config("train", ["rollout.release_tags=[weights]"])
+    with pytest.raises(ConfigFieldError, match=r"^rollout.release_tags: releasing weights needs "
+                                               r"sglang.enable_weights_cpu_backup=true"):
+        compose_config("train", ["engine.backend=sglang", *hf, "rollout.release_tags=[weights]"])
+    tags = ["engine.backend=sglang", *hf, "rollout.release_tags=[weights]", "sglang.enable_weights_cpu_backup=true"]
+    assert compose_config("train", tags).rollout.release_tags == ["weights"]
+    with pytest.raises(ConfigFieldError, match=r"^engine.backend: python -m miles_k3.sft evaluates through the "
+                                               r"native engine"):
+        compose_config("sft", ["engine.backend=sglang"])
 
 
 def test_unknown_keys_and_bad_types_fail_while_composing():

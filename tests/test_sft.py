@@ -40,7 +40,7 @@ def _data(tmp_path) -> str:
 
 
 def _cfg(tmp_path, out: str, *extra: str):
-    return compose_config("sft", [f"data.source={_data(tmp_path)}", f"output_dir={tmp_path / out}",
+    return compose_config("sft", [f"data.source={_data(tmp_path)}", f"run_dir={tmp_path / out}",
                                   "device=cpu", "batch_size=4", "log_every=5", "optim.lr=3e-3", *extra])
 
 
@@ -154,14 +154,14 @@ def test_mxfp4_experts_are_fine_for_an_adapter():
 
 def test_existing_result_is_refused_before_any_work(tmp_path):
     (tmp_path / "run/model").mkdir(parents=True)
-    with pytest.raises(ConfigFieldError, match=r"^output_dir: .*run/model already exists"):
+    with pytest.raises(ConfigFieldError, match=r"^run_dir: .*run/model already exists"):
         train_sft(_cfg(tmp_path, "run", "steps=1"))
 
 
 def test_entry_point_user_error_is_one_line_without_traceback(tmp_path):
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-m", "miles_k3.sft", f"data.source={tmp_path}/missing.jsonl",
-                           f"output_dir={tmp_path}/run", f"hydra.run.dir={tmp_path}"],
+                           f"run_dir={tmp_path}/run", f"hydra.run.dir={tmp_path}"],
                           capture_output=True, text=True, env=env, timeout=300, check=False)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
     last = proc.stderr.strip().splitlines()[-1]
@@ -169,7 +169,7 @@ def test_entry_point_user_error_is_one_line_without_traceback(tmp_path):
 
 
 def test_entry_point_in_a_fresh_directory_writes_one_tree(tmp_path):
-    """Run in a fresh working directory: everything, Hydra's record included, lands in the default output_dir
+    """Run in a fresh working directory: everything, Hydra's record included, lands in the default run_dir
     (no ./outputs), the config it saves names that directory, and fla's CPU warning is not printed."""
     _data(tmp_path)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONWARNINGS"} | {"OMP_NUM_THREADS": "1"}
@@ -180,8 +180,8 @@ def test_entry_point_in_a_fresh_directory_writes_one_tree(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "Triton is not supported" not in proc.stderr and "{'mem/" not in proc.stdout
     assert not (tmp_path / "outputs").exists()
-    (out_dir,) = (tmp_path / "runs").iterdir()
-    assert out_dir.name.startswith("sft-")
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    assert run_dir.name.startswith("sft-")
     for name in (".hydra/config.yaml", "sft.log", "config.yaml", "metrics.jsonl", "model/config.json"):
-        assert (out_dir / name).exists(), name
-    assert f"output_dir: runs/{out_dir.name}\n" in (out_dir / "config.yaml").read_text()
+        assert (run_dir / name).exists(), name
+    assert f"run_dir: runs/{run_dir.name}\n" in (run_dir / "config.yaml").read_text()

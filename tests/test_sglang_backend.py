@@ -87,7 +87,7 @@ def test_missing_sglang_says_how_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "sglang", None)  # import sglang raises ImportError
     with pytest.raises(ImportError, match=r"pip install 'miles-k3\[sglang\]'"):
         import_engine_class()
-    assert "rollout.backend=native" in INSTALL_HINT
+    assert "engine.backend=native" in INSTALL_HINT
 
 
 def test_generate_sends_per_sample_seeds_and_maps_results():
@@ -261,7 +261,7 @@ def test_hf_model_adapters_are_peft_adapters(qwen3_dir, tmp_path):
 
 
 def test_three_grpo_steps_with_the_sglang_backend(qwen3_dir, tmp_path, monkeypatch):
-    """The loop with rollout.backend=sglang (over the double, with its own copy of the tiny Qwen3): versions v0..v3
+    """The loop with engine.backend=sglang (over the double, with its own copy of the tiny Qwen3): versions v0..v3
     served in turn and the old ones unloaded, the first push checked by parity (and the next while checks are
     inconclusive), the trainer's log-probs equal to the engine's, and the checkpoint a PEFT adapter of the HF model."""
     import miles_k3.rollout.sglang_backend as backend
@@ -279,7 +279,7 @@ def test_three_grpo_steps_with_the_sglang_backend(qwen3_dir, tmp_path, monkeypat
 
     monkeypatch.setattr(backend, "import_engine_class", lambda: double)
     cfg = compose_config("train", [
-        "steps=3", f"run_dir={tmp_path}/run", "rollout.backend=sglang", "model.path=null",
+        "steps=3", f"run_dir={tmp_path}/run", "engine.backend=sglang", "model.path=null",
         f"model.hf_path={qwen3_dir}", "lora.rank=4", "lora.alpha=8",
         "lora.targets=[q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj]", "rollout.prompts_per_step=4",
         "rollout.group_size=4", "rollout.max_new_tokens=4", "rollout.dynamic_sampling=false", "data.size=64",
@@ -453,7 +453,7 @@ def _greedy(model, ids, max_new, stop):
 
 
 def test_eval_entry_point_with_the_sglang_backend(qwen3_dir, tmp_path, monkeypatch):
-    """python -m miles_k3.eval backend=sglang (over the double): SGLang gets the checkpoint directory and the adapter
+    """python -m miles_k3.eval engine.backend=sglang (over the double): SGLang gets the checkpoint directory and the adapter
     file's tensors as stored, every eval request names the adapter, the greedy completions are the trainer model's
     with that adapter (and differ from the base's), and the engine is shut down at the end."""
     import miles_k3.rollout.sglang_backend as backend
@@ -483,10 +483,10 @@ def test_eval_entry_point_with_the_sglang_backend(qwen3_dir, tmp_path, monkeypat
         return made[-1]
 
     monkeypatch.setattr(backend, "import_engine_class", lambda: double)
-    common = ["backend=sglang", "model.path=null", f"model.hf_path={qwen3_dir}", f"eval.data.source={tmp_path}/p.jsonl",
-              "eval.samples=2", "eval.max_new_tokens=5", "eval.template=plain", "eval.temperature=0"]
-    tuned = run(compose_config("eval", [*common, f"adapter={tmp_path}/adapter", f"output_dir={tmp_path}/tuned"]))
-    base = run(compose_config("eval", [*common, f"output_dir={tmp_path}/base"]))
+    common = ["engine.backend=sglang", "model.path=null", f"model.hf_path={qwen3_dir}",
+              f"eval.data.source={tmp_path}/p.jsonl", "eval.samples=2", "eval.max_new_tokens=5", "eval.template=plain", "eval.temperature=0"]
+    tuned = run(compose_config("eval", [*common, f"adapter={tmp_path}/adapter", f"run_dir={tmp_path}/tuned"]))
+    base = run(compose_config("eval", [*common, f"run_dir={tmp_path}/base"]))
     assert base["adapter"] is None and base["model"] == str(qwen3_dir)
     eng, base_eng = made
     assert eng.server_args["model_path"] == str(qwen3_dir) and eng.server_args["max_lora_rank"] == LORA.rank
@@ -511,9 +511,11 @@ def test_eval_entry_point_with_the_sglang_backend(qwen3_dir, tmp_path, monkeypat
 
 
 @pytest.mark.parametrize(("overrides", "match"), [
-    (["model.hf_path=/ckpt/qwen3"], r"model.hf_path: an HF architecture is served by SGLang only; set backend=sglang"),
-    (["backend=sglang", "model=k3_tiny"], r"backend: sglang serves a checkpoint directory; set model.hf_path"),
-    (["backend=vllm"], r"backend: 'vllm' is not one of native, sglang"),
+    (["model.hf_path=/ckpt/qwen3"],
+     r"^model.hf_path: an HF architecture is served by SGLang only; set engine.backend=sglang"),
+    (["engine.backend=sglang", "model=k3_tiny"],
+     r"^engine.backend: sglang serves a checkpoint directory; set model.hf_path"),
+    (["engine.backend=vllm"], r"^engine.backend: 'vllm' is not one of native, sglang"),
 ])
 def test_eval_backend_config_errors(overrides, match):
     from miles_k3.config import ConfigFieldError, compose_config

@@ -29,7 +29,7 @@ def _overrides(tmp_path, *extra) -> list[str]:
             "trainer.optim.betas=[0.9,0.999]", "reward.name=first_byte_even",
             "rollout.prompts_per_step=2", "rollout.group_size=4", "rollout.max_new_tokens=6", "rollout.template=plain",
             "engine.max_context=128", "engine.memory_budget_bytes=4194304", "trainer.optim.lr=0.01", "lora.rank=4",
-            *extra]
+            "trainer.optim.total_steps=null", *extra]  # a constant lr: runs of 2 and 3 steps share a schedule
 
 
 def _cfg(tmp_path, *extra):

@@ -56,8 +56,7 @@ def no_cuda(monkeypatch):
 ])
 def test_entry_points_refuse_bad_settings_with_one_line(prog, overrides, message, tmp_path):
     _write_jsonl(tmp_path / "p.jsonl", [{"problem": "12+5=", "answer": "17"}])
-    where = "run_dir" if prog == "train" else "output_dir"
-    proc = _entry(prog, *[o.format(tmp=tmp_path) for o in overrides], f"{where}={tmp_path}/out",
+    proc = _entry(prog, *[o.format(tmp=tmp_path) for o in overrides], f"run_dir={tmp_path}/out",
                   f"hydra.run.dir={tmp_path}/hydra", env={"CUDA_VISIBLE_DEVICES": ""})
     _assert_user_error(proc, prog, message)
     if "prompt is" in message:
@@ -66,13 +65,55 @@ def test_entry_points_refuse_bad_settings_with_one_line(prog, overrides, message
         assert proc.stderr.strip().splitlines()[-1].endswith("; use device=cpu or device=auto")
 
 
+@pytest.mark.parametrize("prog, override, key, leaf, schema", [
+    ("eval", "output_dir=x", "output_dir", "output_dir", "EvalRunConfig"),  # renamed run_dir
+    ("sft", "output_dir=x", "output_dir", "output_dir", "SFTConfig"),
+    ("train", "rollout.backend=sglang", "rollout.backend", "backend", "RolloutConfig"),  # renamed engine.backend
+    ("eval", "backend=sglang", "backend", "backend", "EvalRunConfig"),
+])
+def test_old_names_fail_naming_the_key(prog, override, key, leaf, schema, tmp_path):
+    """run_dir and engine.backend are the one name of each in train, eval and sft: an old name is refused by Hydra
+    while composing (its message names the key and the schema it is not in), before anything is written; added
+    with a +, by the config's validation."""
+    proc = _entry(prog, override, cwd=tmp_path)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert f"Could not override '{key}'." in proc.stderr and f"Key '{leaf}' not in '{schema}'" in proc.stderr
+    assert not list(tmp_path.iterdir())
+    # Hydra's message suggests +KEY=VALUE, which adds the key: refused too (OmegaConf would drop it silently)
+    added = _entry(prog, f"+{override}", f"hydra.run.dir={tmp_path}/hydra", cwd=tmp_path)
+    _assert_user_error(added, prog, f"{key}: not a field of {schema}, so it would do nothing; remove the +{key} "
+                                    "override")
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["data.source=long.jsonl", "eval.every_n_steps=0"],
+     ("training problem long: its prompt is 201 tokens, and with rollout.max_new_tokens=8 that exceeds the "
+      "engine's max_context=64; raise engine.max_context or lower rollout.max_new_tokens")),
+    (["data.source=short.jsonl", "eval.every_n_steps=5", "eval.data.source=long.jsonl",
+      "eval.data.problem_field=problem", "eval.data.split=null"],
+     ("eval problem long: its prompt is 201 tokens, and with eval.max_new_tokens=8 that exceeds the engine's "
+      "max_context=64; raise engine.max_context or lower eval.max_new_tokens")),
+])
+def test_a_prompt_too_long_for_the_context_fails_when_the_data_loads(overrides, message, tmp_path):
+    """The quickstart (engine.max_context=64, 8 new tokens) with one 200-character problem: one line naming the
+    problem, its prompt's tokens (the equation template adds "=") and the fields, before the model is built (not
+    mid-run, as the engine's refusal of the request)."""
+    _write_jsonl(tmp_path / "long.jsonl", [{"id": "short", "problem": "1+2", "answer": "3"},
+                                           {"id": "long", "problem": "1+" * 100, "answer": "0"}])
+    _write_jsonl(tmp_path / "short.jsonl", [{"id": "a", "problem": "1+2", "answer": "3"}])
+    proc = _entry("train", *overrides, "data.problem_field=problem", "steps=2", "device=cpu",
+                  f"run_dir={tmp_path}/run", cwd=tmp_path)
+    _assert_user_error(proc, "train", message)
+    assert "parameters, experts" not in proc.stderr  # build_model's line: the model was never built
+
+
 def test_the_readme_eval_command_evaluates_the_shipped_base(tmp_path):
     """`python -m miles_k3.eval eval.data.source=problems.jsonl eval.samples=4` scores the quickstart's trained
     base (not a random init), and says nothing about random weights."""
     _write_jsonl(tmp_path / "problems.jsonl", [{"problem": "12+5=", "answer": "17"},
                                                {"problem": "3+4=", "answer": "7"}])
     proc = _entry("eval", "eval.data.source=problems.jsonl", "eval.samples=4", "device=cpu",
-                  f"output_dir={tmp_path}/out", cwd=tmp_path)
+                  f"run_dir={tmp_path}/out", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads(proc.stdout)
     assert summary["model"] == "builtin:k3_nano_chain_sum" and summary["samples_per_problem"] == 4
@@ -116,7 +157,7 @@ def test_runtime_keeps_its_own_device_check(no_cuda):
     ("train", ["rollout.max_new_tokens=100"], "rollout.max_new_tokens", 100, "engine.max_context=64"),
     ("train", ["eval.max_new_tokens=64"], "eval.max_new_tokens", 64, "engine.max_context=64"),  # eval every 100
     ("eval", ["eval.max_new_tokens=2048"], "eval.max_new_tokens", 2048, "engine.max_context=2048"),
-    ("eval", ["backend=sglang", "model.hf_path=/ckpt/qwen3", "sglang.context_length=512"], "eval.max_new_tokens",
+    ("eval", ["engine.backend=sglang", "model.hf_path=/ckpt/qwen3", "sglang.context_length=512"], "eval.max_new_tokens",
      1024, "sglang.context_length=512"),
     ("sft", ["eval.every_n_steps=10", "eval.max_new_tokens=2048"], "eval.max_new_tokens", 2048,
      "engine.max_context=2048"),
@@ -134,7 +175,7 @@ def test_max_new_tokens_must_leave_room_for_a_prompt(app, overrides, field, valu
     ("train", ["rollout.max_new_tokens=63"]),  # a 1-token prompt fits; longer prompts are checked as they run
     ("train", ["eval.every_n_steps=0", "eval.max_new_tokens=64"]),  # no eval: its budget does not matter
     ("sft", ["eval.max_new_tokens=4096"]),  # sft evaluates only with eval.every_n_steps > 0
-    ("eval", ["backend=sglang", "model.hf_path=/ckpt/qwen3", "eval.max_new_tokens=100000"]),  # the checkpoint's
+    ("eval", ["engine.backend=sglang", "model.hf_path=/ckpt/qwen3", "eval.max_new_tokens=100000"]),  # the checkpoint's
 ])
 def test_budgets_that_fit_or_are_checked_later_are_accepted(app, overrides):
     compose_config(app, overrides)

@@ -35,7 +35,6 @@ from miles_k3.trainer.advantages import ADVANTAGE_ESTIMATORS, group_advantages, 
 from miles_k3.trainer.batch import Sample
 
 OVERLONG_MODES = ("none", "mask", "penalty")
-BACKENDS = ("native", "sglang")
 GRADER_FAILURE_WARN = 0.05  # a step whose grader timeouts + errors exceed this share of its samples warns
 log = logging.getLogger("miles_k3.train")
 
@@ -78,10 +77,8 @@ class RolloutConfig:
     release_tags: list[str] = field(default_factory=lambda: ["kv_cache", "cuda_graph"])
     """Engine memory released while the trainer steps (SGLang tags kv_cache, cuda_graph; [] keeps it all, for a
     model small enough to share the GPU; a release drops the captured decode graphs, recaptured next rollout).
-    With backend=sglang also weights (needs sglang.enable_weights_cpu_backup)."""
-    backend: str = "native"
-    """The rollout engine: native (miles_k3's K3 engine in this process) or sglang (sglang.Engine, its scheduler in
-    SGLang's subprocess; configured by the sglang: section; needs the sglang extra and a CUDA GPU)."""
+    With engine.backend=sglang also weights (needs sglang.enable_weights_cpu_backup); checked against the engine
+    by `TrainConfig.validate`."""
 
     def validate(self) -> None:
         for name in ("prompts_per_step", "max_new_tokens", "max_sampling_rounds"):
@@ -102,12 +99,6 @@ class RolloutConfig:
             raise ValueError(f"overlong_buffer: must be in [0, max_new_tokens), got {self.overlong_buffer}")
         if self.template not in template_names():
             raise ValueError(f"template: '{self.template}' is not one of {', '.join(template_names())}")
-        if self.backend not in BACKENDS:
-            raise ValueError(f"backend: '{self.backend}' is not one of {', '.join(BACKENDS)}")
-        tags = ("kv_cache", "cuda_graph", "weights") if self.backend == "sglang" else ("kv_cache", "cuda_graph")
-        bad = [t for t in self.release_tags if t not in tags]
-        if bad:
-            raise ValueError(f"release_tags: {bad} are not {self.backend} engine memory tags ({', '.join(tags)})")
         if not (self.temperature >= 0 and 0 < self.top_p <= 1):
             raise ValueError(f"temperature/top_p: need temperature >= 0 and 0 < top_p <= 1, got "
                              f"{self.temperature}, {self.top_p}")

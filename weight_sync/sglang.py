@@ -1,4 +1,4 @@
-"""The channel into an SGLang engine (`rollout.backend=sglang`): the trainer's LoRA tensors are loaded as a new
+"""The channel into an SGLang engine (`engine.backend=sglang`): the trainer's LoRA tensors are loaded as a new
 adapter version (`SGLangEngine.stage_adapter`: SGLang's load_lora_adapter_from_tensors under `policy@v<N>`), checked,
 then served (`commit_adapter`; the old version is unloaded once drained). Any error while loading is a SyncError,
 with nothing served from the failed push.

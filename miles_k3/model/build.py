@@ -46,7 +46,7 @@ class ModelConfig:
     """Run the tokenizer code shipped in the model directory (the real K3: tokenization_kimi.py)."""
     hf_path: Optional[str] = None  # noqa: UP045
     """A Hugging Face causal-LM checkpoint directory (e.g. Qwen3) loaded with transformers instead of a K3: the
-    trainer's base when SGLang serves that architecture (needs rollout.backend=sglang)."""
+    trainer's base when SGLang serves that architecture (needs engine.backend=sglang)."""
 
     def validate(self) -> None:
         if self.hf_path is not None and self.path is not None:
@@ -186,16 +186,18 @@ def build_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> K
     return model
 
 
-def build_tokenizer(cfg: ModelConfig, vocab_size: int):
+def build_tokenizer(cfg: ModelConfig, vocab_size: int | None = None):
     """(tokenizer, stop token ids) of the model `cfg` describes: the checkpoint directory's tokenizer and its
-    generation_config eos ids with `path`, else the small byte-level tokenizer (shipped configs, random init)."""
+    generation_config eos ids with `path` (or `hf_path`), else the small byte-level tokenizer of `vocab_size`
+    ids (shipped configs, random init; None: the shipped config's vocab_size). Needs no model: a caller may
+    build it first."""
     from miles_k3.tokenizer import load_tokenizer, small_tokenizer, stop_token_ids
 
     if cfg.hf_path is not None:
         tok = load_tokenizer(cfg.hf_path, trust_remote_code=cfg.trust_remote_code)
         return tok, stop_token_ids(tok, cfg.hf_path)
     if cfg.path is None:
-        tok = small_tokenizer(vocab_size)
+        tok = small_tokenizer(K3Config.from_name(cfg.name).vocab_size if vocab_size is None else vocab_size)
         return tok, stop_token_ids(tok)
     directory = checkpoint_dir(cfg)
     tok = load_tokenizer(directory, trust_remote_code=cfg.trust_remote_code)

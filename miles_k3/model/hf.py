@@ -1,4 +1,4 @@
-"""`model.hf_path`: a Hugging Face causal LM as the trainer's frozen base, for `rollout.backend=sglang`.
+"""`model.hf_path`: a Hugging Face causal LM as the trainer's frozen base, for `engine.backend=sglang`.
 
 SGLang serves many architectures (Qwen3 and the other HF causal LMs it implements); with `model.hf_path` the trainer
 loads the same checkpoint with `transformers` and the same LoRA modules as K3's (`miles_k3.model.lora.apply_lora`:
