@@ -1,0 +1,51 @@
+"""Which ranks' gradients of a trainable (LoRA) parameter are summed after backward, and the summing itself.
+
+Every trainable parameter's gradient is summed over the groups `grad_groups(p)` names (ParallelContext group
+names). The default is ("dp",): DP replicas see different samples. The sharding code marks the exceptions
+(`mark_grad_groups`): a tensor-parallel layer's replicated LoRA half (A under a column-parallel base, B under a
+row-parallel one) gets only its own shard's contribution on each rank, so ("dp", "tp"); routed-expert LoRA and
+the latent projections of the MoE's routed path (tokens split over tp) are summed over the ranks that hold the
+same copy (("expert_replica",), resp. ("dp", "tp")). Losses are normalised by global totals, so the sums give
+the gradient of the one global loss.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+
+from miles_k3.parallel.comm import all_reduce_
+from miles_k3.parallel.mesh import ParallelContext
+
+GRAD_GROUPS_ATTR = "_miles_k3_grad_groups"
+DEFAULT_GROUPS = ("dp",)
+
+
+def mark_grad_groups(param: torch.Tensor, *groups: str) -> None:
+    setattr(param, GRAD_GROUPS_ATTR, tuple(groups))
+
+
+def grad_groups(param: torch.Tensor) -> tuple[str, ...]:
+    return getattr(param, GRAD_GROUPS_ATTR, DEFAULT_GROUPS)
+
+
+@torch.no_grad()
+def reduce_gradients(params, ctx: ParallelContext) -> None:
+    """Sum the gradients of `params` (an iterable of tensors; those without a gradient are skipped) over their
+    groups, one flat all-reduce per (group, dtype) bucket. No-op in one process."""
+    if not ctx.distributed:
+        return
+    buckets: dict[tuple[str, torch.dtype], list[torch.Tensor]] = defaultdict(list)
+    for p in params:
+        if p.grad is None:
+            continue
+        for name in grad_groups(p):
+            if ctx.size(name) > 1:
+                buckets[(name, p.grad.dtype)].append(p.grad)
+    for (name, _), grads in sorted(buckets.items(), key=lambda kv: (kv[0][0], str(kv[0][1]))):
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        all_reduce_(flat, ctx.group(name))
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset: offset + g.numel()].view_as(g))
+            offset += g.numel()

@@ -1,0 +1,141 @@
+"""The process groups of a run: `init_parallel` reads torchrun's environment (WORLD_SIZE, RANK, LOCAL_RANK),
+starts the process group (NCCL on CUDA, gloo on CPU, with `parallel.timeout_s`), and builds the DeviceMesh
+`("dp", "tp")` plus the EP groups (`config.py` gives the layout). Without torchrun it returns `SINGLE`: every
+group trivial, today's one-process run unchanged.
+"""
+from __future__ import annotations
+
+import contextlib
+import datetime
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from miles_k3.parallel.config import ParallelConfig, ParallelConfigError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ParallelContext:
+    """Where this process sits: its rank and each group it belongs to (None: a group of one)."""
+
+    rank: int = 0
+    world_size: int = 1
+    dp_rank: int = 0
+    dp_size: int = 1
+    tp_rank: int = 0
+    tp_size: int = 1
+    ep_rank: int = 0
+    ep_size: int = 1
+    dp_group: object = None
+    tp_group: object = None
+    ep_group: object = None
+    expert_replica_group: object = None
+    """The ranks holding the same routed experts (same ep_rank in each EP group): their expert grads are summed."""
+    mesh: object = None
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0: the one that writes logs, W&B, the PEFT adapter and the run summary."""
+        return self.rank == 0
+
+    def name(self) -> str:
+        """`rank 3 (dp 1, tp 1, ep 3)`: how messages name this process."""
+        return f"rank {self.rank} (dp {self.dp_rank}, tp {self.tp_rank}, ep {self.ep_rank})"
+
+    def group(self, name: str):
+        return {"dp": self.dp_group, "tp": self.tp_group, "ep": self.ep_group,
+                "expert_replica": self.expert_replica_group}[name]
+
+    def size(self, name: str) -> int:
+        return {"dp": self.dp_size, "tp": self.tp_size, "ep": self.ep_size,
+                "expert_replica": self.world_size // self.ep_size}[name]
+
+
+SINGLE = ParallelContext()
+
+
+def launched_by_torchrun() -> bool:
+    return "WORLD_SIZE" in os.environ and "RANK" in os.environ
+
+
+def init_parallel(cfg: ParallelConfig, device_type: str) -> ParallelContext:
+    """Start this process's groups for `cfg` (validated) on `device_type` ("cpu": gloo, "cuda": NCCL, the device
+    cuda:LOCAL_RANK made current). One process (no torchrun, dp = tp = ep = 1): SINGLE, nothing started."""
+    launched = launched_by_torchrun()
+    world = int(os.environ["WORLD_SIZE"]) if launched else 1
+    cfg.check_world(world, launched)
+    if world == 1:
+        return SINGLE
+    rank = int(os.environ["RANK"])
+    if device_type == "cuda":
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        if local >= torch.cuda.device_count():
+            raise ParallelConfigError(f"rank {rank}: LOCAL_RANK={local} but this node has "
+                                      f"{torch.cuda.device_count()} CUDA device(s); start at most that many "
+                                      "processes per node (torchrun --nproc-per-node)")
+        torch.cuda.set_device(local)
+    backend = "nccl" if device_type == "cuda" else "gloo"
+    if not dist.is_initialized():
+        try:
+            dist.init_process_group(backend, timeout=datetime.timedelta(seconds=cfg.timeout_s))
+        except Exception as err:  # the rendezvous: MASTER_ADDR/PORT unreachable, a peer that never came
+            raise RuntimeError(f"rank {rank}: could not join the process group ({backend}, MASTER_ADDR="
+                               f"{os.environ.get('MASTER_ADDR')}, MASTER_PORT={os.environ.get('MASTER_PORT')}) "
+                               f"within parallel.timeout_s={cfg.timeout_s}: {err}") from err
+    return build_context(cfg, rank, world, device_type)
+
+
+def build_context(cfg: ParallelConfig, rank: int, world: int, device_type: str) -> ParallelContext:
+    """The groups of `rank` in an initialised default group of `world` ranks (every rank calls this together:
+    creating a group is itself a collective)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(device_type, (cfg.dp, cfg.tp), mesh_dim_names=("dp", "tp"))
+    ep_groups = [dist.new_group(list(range(s, s + cfg.ep))) for s in range(0, world, cfg.ep)]
+    replica_groups = [dist.new_group(list(range(i, world, cfg.ep))) for i in range(cfg.ep)]
+    ctx = ParallelContext(
+        rank=rank, world_size=world, dp_rank=rank // cfg.tp, dp_size=cfg.dp, tp_rank=rank % cfg.tp,
+        tp_size=cfg.tp, ep_rank=rank % cfg.ep, ep_size=cfg.ep,
+        dp_group=mesh.get_group("dp") if cfg.dp > 1 else None,
+        tp_group=mesh.get_group("tp") if cfg.tp > 1 else None,
+        ep_group=ep_groups[rank // cfg.ep] if cfg.ep > 1 else None,
+        expert_replica_group=replica_groups[rank % cfg.ep] if world // cfg.ep > 1 else None,
+        mesh=mesh)
+    log.info("parallel: %s of %d (dp=%d x tp=%d, ep=%d; %s)", ctx.name(), world, cfg.dp, cfg.tp, cfg.ep,
+             dist.get_backend())
+    return ctx
+
+
+@contextlib.contextmanager
+def naming_rank(ctx: ParallelContext):
+    """Errors raised inside (a collective that timed out, a peer that died) say which rank saw them."""
+    try:
+        yield
+    except Exception as err:
+        if not ctx.distributed or str(err).startswith(f"rank {ctx.rank}"):
+            raise
+        if not _reconstructible(err):
+            raise
+        raise type(err)(f"{ctx.name()}: {err}") from err
+
+
+def _reconstructible(err: Exception) -> bool:
+    try:
+        type(err)("x")
+        return True
+    except Exception:
+        return False
+
+
+def shutdown(ctx: ParallelContext) -> None:
+    if ctx.distributed and dist.is_initialized():
+        dist.destroy_process_group()
