@@ -49,3 +49,35 @@ def reduce_gradients(params, ctx: ParallelContext) -> None:
         for g in grads:
             g.copy_(flat[offset: offset + g.numel()].view_as(g))
             offset += g.numel()
+
+
+SHARDED_ATTR = "_miles_k3_sharded_over"
+
+
+def mark_sharded(param: torch.Tensor, *groups: str) -> None:
+    """`param` is one shard of a tensor split over `groups` (e.g. ("tp",) for a column-parallel LoRA B, ("ep",) for
+    routed-expert LoRA): its squares are summed over those groups for the global gradient norm."""
+    setattr(param, SHARDED_ATTR, tuple(groups))
+
+
+def sharded_over(param: torch.Tensor) -> tuple[str, ...]:
+    return getattr(param, SHARDED_ATTR, ())
+
+
+@torch.no_grad()
+def global_grad_norm(params, ctx: ParallelContext) -> torch.Tensor:
+    """The L2 norm of the whole (unsharded) gradient, the same on every rank: each shard's squares summed over the
+    groups it is split across, replicated tensors counted once. Call after `reduce_gradients`. fp32 scalar."""
+    params = [p for p in params if p.grad is not None]
+    if not params:
+        return torch.zeros(())
+    device = params[0].grad.device
+    buckets: dict[tuple[str, ...], torch.Tensor] = defaultdict(lambda: torch.zeros((), device=device))
+    for p in params:
+        buckets[sharded_over(p)] += p.grad.detach().float().pow(2).sum()
+    total = torch.zeros((), device=device)
+    for groups, sq in sorted(buckets.items()):
+        for name in groups:
+            all_reduce_(sq, ctx.group(name))
+        total += sq
+    return total.sqrt()
