@@ -12,6 +12,12 @@ bad request gets an error entry; the others are served.
 
 Decode modes (`EngineConfig.decode`): eager (the reference: `model.step` on pooled copies), static and graph
 (`graph_decode.py`: a fixed-shape step writing the pools directly, captured per batch bucket on CUDA).
+
+Tensor parallelism: over a model sharded by `shard_model_tp`, every rank of the TP group runs this engine on the
+same prompts with its own shard (its pools hold its KDA heads; the MLA latents are replicated). Each step's
+logits are gathered over the vocabulary, so every rank samples the same tokens, and drawn sampling seeds are
+rank 0's: the ranks schedule identically and enter every collective together. CUDA-graph decode is not used
+under tp > 1 (auto decodes eagerly, saying why).
 """
 from __future__ import annotations
 
@@ -23,12 +29,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
+from miles_k3.model.experts import RoutedExperts
 from miles_k3.model.k3 import K3ForCausalLM
 from miles_k3.model.lora import LoRAConfig
+from miles_k3.parallel.expert_parallel import adopt_ep_layout
+from miles_k3.parallel.tensor_parallel import adopt_tp_layout
 from miles_k3.rollout.adapters import AdapterBank, share_base
 from miles_k3.rollout.graph_decode import GraphDecoder
 from miles_k3.rollout.memory import KDAStatePool, PagedLatentCache, plan_memory, pooled_state, store_state
+from miles_k3.rollout.push_copy import check_tensors
 from miles_k3.rollout.sampling import (
     FinishReason,
     SamplingParams,
@@ -148,26 +159,28 @@ class RolloutEngine:
         self.cfg = model.config
         self.tokenizer = tokenizer
         self.model = share_base(model)
+        self.tp_context = model.tp_context
+        if self.tp_context is not None:
+            adopt_tp_layout(self.model, self.tp_context)
+        adopt_ep_layout(self.model, model)  # before the adapters: expert LoRA sized for the held experts
+        tp = 1 if self.tp_context is None else self.tp_context.tp_size
+        ep = max((m.total_experts // m.num_experts for m in self.model.modules() if isinstance(m, RoutedExperts)),
+                 default=1)
         self.lora_config = lora
         self.adapters = AdapterBank(self.model, lora)
         self.device = device = model.lm_head.weight.device
         self.dtype = model.lm_head.weight.dtype
         plan = plan_memory(self.cfg, self.config.memory_budget_bytes, self.config.page_size,
-                           self.config.max_context, self.dtype)
+                           self.config.max_context, self.dtype, tp)
         num_slots = self.config.num_slots or plan.num_slots
         num_pages = self.config.num_pages or plan.num_pages
         if num_pages < plan.pages_per_request:
             raise ValueError(f"num_pages: {num_pages} pages of {self.config.page_size} tokens cannot hold one "
                              f"request of max_context={self.config.max_context}; raise num_pages")
-        self.kda = KDAStatePool(self.cfg, num_slots, device, self.dtype)
+        self.kda = KDAStatePool(self.cfg, num_slots, device, self.dtype, tp)
         self.cache = PagedLatentCache(self.cfg, num_pages, self.config.page_size, device, self.dtype)
         self._pages_per_request = plan.pages_per_request
-        mode = self.config.decode
-        graphable = device.type == "cuda" and self.dtype == torch.bfloat16
-        self.decode_mode = ("graph" if graphable else "eager") if mode == "auto" else mode
-        if self.decode_mode == "graph" and not graphable:
-            raise ValueError(f"decode: graph needs a bf16 CUDA model (grouped expert matmuls without host "
-                             f"syncs), got {self.dtype} on {device}; use eager or static")
+        self.decode_mode = self._decode_mode(tp, ep)
         self._graph = self._make_graph_decoder()
         log.debug("rollout engine: %d slots, %d pages of %d tokens, decode=%s (%s)", num_slots, num_pages,
                   self.config.page_size, self.decode_mode, plan.summary())
@@ -229,11 +242,23 @@ class RolloutEngine:
         name, shape, dtype and value is checked before anything is copied: a bad push changes nothing. The
         engine's `weight_version` becomes `weight_version` (default: one more); versions only move forward."""
         with self._lock:
-            if weight_version is not None and weight_version <= self.weight_version:
-                raise ValueError(f"weight_version: versions only move forward; the engine serves version "
-                                 f"{self.weight_version}, the push has {weight_version}")
+            self._check_version(weight_version)
             self.adapters.update(lora_name, dict(named_tensors))
             self.weight_version = self.weight_version + 1 if weight_version is None else weight_version
+
+    def check_weights_from_tensor(self, named_tensors: dict[str, torch.Tensor] | list[tuple[str, torch.Tensor]],
+                                  lora_name: str, weight_version: int | None = None) -> None:
+        """Every check `update_weights_from_tensor` makes (version, adapter name, tensor names, shapes, dtypes,
+        finite values), nothing copied: raises the ValueError it would raise. The first phase of a push across
+        ranks (`weight_sync.local`): every rank checks, and all apply or none does."""
+        with self._lock:
+            self._check_version(weight_version)
+            check_tensors(self.adapters.buffers(lora_name), dict(named_tensors), f"adapter {lora_name!r}")
+
+    def _check_version(self, weight_version: int | None) -> None:
+        if weight_version is not None and weight_version <= self.weight_version:
+            raise ValueError(f"weight_version: versions only move forward; the engine serves version "
+                             f"{self.weight_version}, the push has {weight_version}")
 
     def flush_cache(self) -> bool:
         """The engine keeps no cross-request prefix cache, so there is nothing to drop; like SGLang, returns
@@ -276,6 +301,31 @@ class RolloutEngine:
                 self._graph = self._make_graph_decoder()
             self._released -= set(tags)
 
+    def _decode_mode(self, tp: int, ep: int) -> str:
+        """The decode mode `config.decode` resolves to (auto: graph for a bf16 CUDA model of one TP rank; eager
+        under expert parallelism, whose all-to-all sizes come from host-side counts)."""
+        mode, device = self.config.decode, self.device
+        if ep > 1:
+            if mode in ("graph", "static"):
+                raise ValueError(f"decode: {mode} decodes without host syncs, and expert parallelism (parallel.ep="
+                                 f"{ep}) sizes its all-to-all from host-side row counts; use decode=eager or auto")
+            if mode == "auto":
+                log.info("rollout engine: decode=eager (expert parallelism, ep=%d: the all-to-all needs host-side "
+                         "row counts)", ep)
+            return "eager"
+        graphable = device.type == "cuda" and self.dtype == torch.bfloat16
+        if mode == "graph" and not graphable:
+            raise ValueError(f"decode: graph needs a bf16 CUDA model (grouped expert matmuls without host "
+                             f"syncs), got {self.dtype} on {device}; use eager or static")
+        if mode == "graph" and tp > 1:
+            raise ValueError(f"decode: graph is not supported under tensor parallelism (parallel.tp={tp}): "
+                             "captured collectives are untested; use eager or static")
+        if mode == "auto" and graphable and tp > 1:
+            log.info("rollout engine: decode=eager (CUDA-graph decode is not used under tensor parallelism, "
+                     "tp=%d: captured collectives are untested)", tp)
+            return "eager"
+        return ("graph" if graphable else "eager") if mode == "auto" else mode
+
     def _make_graph_decoder(self) -> GraphDecoder | None:
         if self.decode_mode == "eager":
             return None
@@ -302,8 +352,18 @@ class RolloutEngine:
             raise ValueError(f"{where}: n={n} samples exceed the engine's {self.kda.num_slots} state slots")
         seed = params.sampling_seed
         if seed is None:  # reproducible under torch.manual_seed, different per call
-            seed = int(torch.randint(0, 2**62, (1,)).item())
+            seed = self._drawn_seed()
         return [_Request(next(self._rids), i * n + j, list(prompt), params, seed + j, name) for j in range(n)]
+
+    def _drawn_seed(self) -> int:
+        """A sampling seed from torch's global RNG; under TP rank 0's (broadcast), so every rank of the group
+        samples the same tokens whatever its RNG state."""
+        seed = torch.randint(0, 2**62, (1,))
+        if self.tp_context is not None:
+            group = self.tp_context.tp_group
+            seed = seed.to(self.device)
+            dist.broadcast(seed, src=dist.get_global_rank(group, 0), group=group)
+        return int(seed.item())
 
     # ---- scheduling --------------------------------------------------------------------------------
     def _run(self, waiting: deque, results: list, return_logprob: bool) -> None:

@@ -6,7 +6,8 @@ state. `PagedLatentCache` holds MLA latents in fixed pages of `page_size` tokens
 GRPO group forked from one prompt shares the prompt's full pages. Both pools allocate their storage once (CUDA
 graphs capture the addresses); `release()` frees the storage and `resume()` reallocates the same shapes, at
 possibly different addresses, so the engine recaptures its graphs after a resume. `plan_memory` sizes both from
-a byte budget. Legend: B requests, T new tokens, S latent positions, N pool slots, C = 3 * H * K conv channels,
+a byte budget. Under tensor parallelism each rank's KDA pool holds its H / tp heads (`tp`), the latent cache is
+replicated. Legend: B requests, T new tokens, S latent positions, N pool slots, C = 3 * H * K conv channels,
 W conv taps, H heads, K/V head dims, M MLA layers, G pages, Z tokens per page, L = kv_lora_rank + rope dims.
 """
 from __future__ import annotations
@@ -23,10 +24,11 @@ Lens = Sequence[int] | torch.Tensor
 
 
 # ---- shapes and sizing ---------------------------------------------------------------------------------
-def kda_slot_shapes(cfg: K3Config) -> tuple[tuple[int, int], tuple[int, int, int]]:
-    """Per-slot shapes of one KDA layer: conv (C, W-1) and recurrent (H, K, V)."""
+def kda_slot_shapes(cfg: K3Config, tp: int = 1) -> tuple[tuple[int, int], tuple[int, int, int]]:
+    """Per-slot shapes of one KDA layer on one of `tp` tensor-parallel ranks (each holds H / tp heads, as its
+    sharded KDA modules do): conv (C, W-1) and recurrent (H / tp, K, V)."""
     lac = cfg.linear_attn_config
-    h, k = lac.num_heads, lac.head_dim
+    h, k = lac.num_heads // tp, lac.head_dim
     return (3 * h * k, lac.short_conv_kernel_size - 1), (h, k, k)
 
 
@@ -35,10 +37,10 @@ def latent_width(cfg: K3Config) -> int:
     return cfg.kv_lora_rank + cfg.qk_rope_head_dim
 
 
-def slot_bytes(cfg: K3Config, dtype: torch.dtype) -> int:
-    """One request's KDA state over all KDA layers: recurrent fp32 (= `KDAAttention.state_bytes_per_request`,
-    tp=1) plus the conv window in `dtype`."""
-    (c, w1), (h, k, v) = kda_slot_shapes(cfg)
+def slot_bytes(cfg: K3Config, dtype: torch.dtype, tp: int = 1) -> int:
+    """One request's KDA state over all KDA layers on one of `tp` ranks: recurrent fp32
+    (= `KDAAttention.state_bytes_per_request(tp)` of the full module) plus the conv window in `dtype`."""
+    (c, w1), (h, k, v) = kda_slot_shapes(cfg, tp)
     per_layer = h * k * v * 4 + c * w1 * dtype.itemsize
     return len(cfg.kda_layer_ids) * per_layer
 
@@ -77,12 +79,13 @@ class MemoryPlan:
 
 
 def plan_memory(cfg: K3Config, budget_bytes: int, page_size: int, max_context: int,
-                dtype: torch.dtype = torch.bfloat16) -> MemoryPlan:
-    """num_slots = budget // (bytes_per_slot + pages_per_request * bytes_per_page); raises ValueError naming
-    the shortfall when not even one request of `max_context` tokens fits."""
+                dtype: torch.dtype = torch.bfloat16, tp: int = 1) -> MemoryPlan:
+    """num_slots = budget // (bytes_per_slot + pages_per_request * bytes_per_page), per rank of `tp` tensor-parallel
+    ranks (KDA heads split, MLA latents replicated); raises ValueError naming the shortfall when not even one
+    request of `max_context` tokens fits."""
     if page_size <= 0 or max_context <= 0:
         raise ValueError(f"page_size ({page_size}) and max_context ({max_context}) must be positive")
-    per_slot, per_page = slot_bytes(cfg, dtype), page_bytes(cfg, page_size, dtype)
+    per_slot, per_page = slot_bytes(cfg, dtype, tp), page_bytes(cfg, page_size, dtype)
     pages = -(-max_context // page_size)
     per_request = per_slot + pages * per_page
     num_slots = budget_bytes // per_request
@@ -130,13 +133,14 @@ class _Releasable:
 
 # ---- KDA state slots ----------------------------------------------------------------------------------------
 class KDAStatePool(_Releasable):
-    """Per KDA layer (model order): conv_NCW [N, C, W-1] in `dtype` and recurrent_NHKV [N, H, K, V] fp32."""
+    """Per KDA layer (model order): conv_NCW [N, C, W-1] in `dtype` and recurrent_NHKV [N, H, K, V] fp32, with
+    H the heads of one of `tp` tensor-parallel ranks."""
 
     def __init__(self, cfg: K3Config, num_slots: int, device: torch.device | str = "cpu",
-                 dtype: torch.dtype = torch.bfloat16):
+                 dtype: torch.dtype = torch.bfloat16, tp: int = 1):
         if num_slots <= 0:
             raise ValueError(f"num_slots must be positive, got {num_slots}")
-        (c, w1), (h, k, v) = kda_slot_shapes(cfg)
+        (c, w1), (h, k, v) = kda_slot_shapes(cfg, tp)
         self.num_slots = num_slots
         n_layers = len(cfg.kda_layer_ids)
         self.conv_NCW = [torch.zeros(num_slots, c, w1, device=device, dtype=dtype) for _ in range(n_layers)]

@@ -29,6 +29,15 @@ def copy_checked(buffers: dict[str, torch.Tensor], tensors: Mapping[str, torch.T
             torch._foreach_copy_(dst, src)
 
 
+def check_tensors(buffers: dict[str, torch.Tensor], tensors: Mapping[str, torch.Tensor], what: str,
+                  require_all: bool = False) -> None:
+    """The checks of `copy_checked` without the copy (the first phase of a push that several ranks apply
+    together or not at all): raises the ValueError `copy_checked` would, nothing copied either way."""
+    names, src, _ = _validated(buffers, tensors, what, require_all)
+    if names:
+        _check_finite(names, src, what)
+
+
 def _validated(buffers, tensors, what, require_all):
     unknown = sorted(set(tensors) - set(buffers))
     missing = sorted(set(buffers) - set(tensors)) if require_all else []

@@ -80,8 +80,12 @@ def _collectives(rank: int):
     p, q = torch.zeros(2, requires_grad=True), torch.zeros(2, requires_grad=True)
     grads.mark_grad_groups(q, "dp", "tp")
     p.grad, q.grad = torch.full((2,), float(rank + 1)), torch.full((2,), float(rank + 1))
-    grads.reduce_gradients([p, q], ctx)
-    out["p_grad"], out["q_grad"] = p.grad.tolist(), q.grad.tolist()
+    # u: a gradient on rank 0 only (nothing reached it on rank 1): rank 1 takes part with zeros
+    u = torch.zeros(3, requires_grad=True)
+    grads.mark_grad_groups(u, "tp")
+    u.grad = torch.ones(3) if rank == 0 else None
+    grads.reduce_gradients([p, u, q], ctx)
+    out["p_grad"], out["q_grad"], out["u_grad"] = p.grad.tolist(), q.grad.tolist(), u.grad.tolist()
     grads.mark_sharded(q, "tp")
     out["norm"] = float(grads.global_grad_norm([p, q], ctx))
     return out
@@ -103,6 +107,7 @@ def test_collectives_on_two_ranks_hand_worked():
     assert r0["a2a_grad"] == [1.0, 1.0, 2.0] and r1["a2a_grad"] == [2.0, 3.0, 4.0]
     for r in (r0, r1):
         assert r["q_grad"] == [3.0, 3.0]  # 1 + 2 over tp
+        assert r["u_grad"] == [1.0, 1.0, 1.0]
     assert r0["p_grad"] == [1.0, 1.0] and r1["p_grad"] == [2.0, 2.0]  # dp group of one: untouched
     # rank 0: p (1, 1) + q shards over tp (3, 3) on each of 2 ranks: sqrt(2 + 36) = sqrt(38)
     assert r0["norm"] == pytest.approx(38 ** 0.5) and r1["norm"] == pytest.approx((8 + 36) ** 0.5)

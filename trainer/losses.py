@@ -1,7 +1,8 @@
 """GRPO-family policy losses: the PPO clipped surrogate with asymmetric (DAPO clip-higher) bounds, token- or
 sequence-level (GSPO) ratios, optional dual clip, truncated importance sampling (TIS) against the rollout engine's
 log-probs, a KL penalty to a reference policy (k1 / k2 / k3), an entropy bonus, three aggregations over tokens,
-and the chunked per-token log-prob and entropy of logits that feed them.
+and the chunked per-token log-prob and entropy of logits that feed them (vocab-parallel under tensor
+parallelism: logits split by vocabulary rows over the ranks, `vocab_shard`).
 
 `policy_loss` works on one micro-batch of right-padded rows; `mask_BT` marks the response tokens that count and
 every value outside it is ignored (it may be anything, even non-finite). The loss is micro-batch additive: when
@@ -19,10 +20,17 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 from torch.autograd.function import once_differentiable
+
+from miles_k3.parallel.comm import all_reduce_
+
+if TYPE_CHECKING:
+    from miles_k3.parallel.tensor_parallel import VocabShard
 
 RATIO_LEVELS = ("token", "sequence")
 AGGREGATIONS = ("token_mean", "seq_mean", "seq_sum_norm")
@@ -308,23 +316,38 @@ def _check_mask(mask_BT: Tensor, shape: tuple[int, ...]) -> None:
 # ---------------------------------------------------------------------------------------------- logits
 
 
-def token_logprobs(logits_BTV: Tensor, tokens_BT: Tensor, chunk_size: int = CHUNK) -> Tensor:
+def token_logprobs(logits_BTV: Tensor, tokens_BT: Tensor, chunk_size: int = CHUNK,
+                   vocab_shard: VocabShard | None = None) -> Tensor:
     """log softmax(logits)[token] per position: float32 [B, T] (float64 for float64 logits), differentiable
     wrt logits_BTV.
 
     Works `chunk_size` positions at a time in forward and backward, so the float32 copy of the logits exists
     one chunk ([B, chunk_size, V]) at a time; autograd saves only the logits themselves and a [B, T] logsumexp.
-    tokens_BT: integer ids in [0, V)."""
+    tokens_BT: integer ids in [0, V).
+
+    Vocab-parallel with `vocab_shard` (the model's `vocab_shard` under tensor parallelism): logits_BTV is this
+    rank's vocabulary rows [start, end) of V, the softmax is over all V (per chunk the max and the sum of exps
+    are all-reduced over the shard's group; the target's logit comes from the rank holding it), every rank of
+    the group returns the same [B, T], and the gradient is this rank's slice of the whole vocabulary's (backward
+    needs no communication). Every rank of the group must call it with the same tokens and chunk_size."""
     _check_logits(logits_BTV, chunk_size)
-    _check_tokens(tokens_BT, logits_BTV.shape)
-    return _TokenLogprobs.apply(logits_BTV, tokens_BT.long(), chunk_size)
+    if vocab_shard is None:
+        _check_tokens(tokens_BT, logits_BTV.shape)
+        return _TokenLogprobs.apply(logits_BTV, tokens_BT.long(), chunk_size)
+    _check_vocab_shard(logits_BTV, vocab_shard)
+    _check_tokens(tokens_BT, (*logits_BTV.shape[:2], vocab_shard.size))
+    return _ShardedTokenLogprobs.apply(logits_BTV, tokens_BT.long(), chunk_size, vocab_shard)
 
 
-def token_entropy(logits_BTV: Tensor, chunk_size: int = CHUNK) -> Tensor:
+def token_entropy(logits_BTV: Tensor, chunk_size: int = CHUNK, vocab_shard: VocabShard | None = None) -> Tensor:
     """Entropy of softmax(logits) per position, -sum_v p_v log p_v from log_softmax (stable; -inf logits allowed):
-    float32 [B, T] (float64 for float64 logits), differentiable wrt logits_BTV, chunked like token_logprobs."""
+    float32 [B, T] (float64 for float64 logits), differentiable wrt logits_BTV, chunked like token_logprobs.
+    With `vocab_shard`: the entropy over the whole vocabulary from this rank's rows, as in token_logprobs."""
     _check_logits(logits_BTV, chunk_size)
-    return _TokenEntropy.apply(logits_BTV, chunk_size)
+    if vocab_shard is None:
+        return _TokenEntropy.apply(logits_BTV, chunk_size)
+    _check_vocab_shard(logits_BTV, vocab_shard)
+    return _ShardedTokenEntropy.apply(logits_BTV, chunk_size, vocab_shard)
 
 
 def _compute_dtype(logits_BTV: Tensor) -> torch.dtype:
@@ -392,6 +415,90 @@ class _TokenEntropy(torch.autograd.Function):
         return grad_BTV, None
 
 
+def _global_max(z_BCV: Tensor, group) -> Tensor:
+    """max_v z over the whole vocabulary [B, C] (all-reduced); 0 where it is not finite (an all -inf row), as
+    torch.logsumexp shifts."""
+    m_BC = z_BCV.amax(dim=-1)
+    all_reduce_(m_BC, group, dist.ReduceOp.MAX)
+    return torch.where(torch.isfinite(m_BC), m_BC, torch.zeros((), dtype=m_BC.dtype, device=m_BC.device))
+
+
+class _ShardedTokenLogprobs(torch.autograd.Function):
+    """`_TokenLogprobs` over vocabulary rows split across a group: lse = m + log sum_ranks sum_v exp(z_v - m) with
+    m the global max; z_t[y_t] from the rank holding y_t (0 elsewhere, summed). Backward: this rank's slice of
+    onehot(y_t) - softmax(z_t)."""
+
+    @staticmethod
+    def forward(ctx, logits_BTV: Tensor, tokens_BT: Tensor, chunk_size: int, shard: VocabShard) -> Tensor:
+        dt = _compute_dtype(logits_BTV)
+        b, t, n = logits_BTV.shape
+        local_BT = tokens_BT - shard.start
+        inside_BT = (local_BT >= 0) & (local_BT < n)
+        local_BT = local_BT.clamp(0, n - 1)
+        logp_BT = torch.empty(b, t, dtype=dt, device=logits_BTV.device)
+        lse_BT = torch.empty_like(logp_BT)
+        for c in _chunks(t, chunk_size):
+            z_BCV = logits_BTV[:, c].to(dt)
+            m_BC = _global_max(z_BCV, shard.group)
+            target_BC = z_BCV.gather(-1, local_BT[:, c, None])[..., 0].masked_fill(~inside_BT[:, c], 0)
+            sums_2BC = torch.stack([torch.exp(z_BCV - m_BC[..., None]).sum(dim=-1), target_BC])
+            all_reduce_(sums_2BC, shard.group)  # one collective for the sum of exps and the target logit
+            lse_BT[:, c] = m_BC + sums_2BC[0].log()
+            logp_BT[:, c] = sums_2BC[1] - lse_BT[:, c]
+        ctx.save_for_backward(logits_BTV, local_BT, inside_BT, lse_BT)
+        ctx.chunk_size = chunk_size
+        return logp_BT
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_BT: Tensor) -> tuple[Tensor, None, None, None]:
+        logits_BTV, local_BT, inside_BT, lse_BT = ctx.saved_tensors
+        grad_BTV = torch.empty_like(logits_BTV)
+        for c in _chunks(logits_BTV.shape[1], ctx.chunk_size):
+            g_BC1 = grad_BT[:, c, None].to(lse_BT.dtype)
+            g_BCV = torch.exp(logits_BTV[:, c].to(lse_BT.dtype) - lse_BT[:, c, None]) * -g_BC1
+            g_BCV.scatter_add_(-1, local_BT[:, c, None], g_BC1 * inside_BT[:, c, None])
+            grad_BTV[:, c] = g_BCV
+        return grad_BTV, None, None, None
+
+
+class _ShardedTokenEntropy(torch.autograd.Function):
+    """`_TokenEntropy` over vocabulary rows split across a group: with e_v = exp(z_v - m) (m the global max),
+    s = sum e_v and w = sum e_v (z_v - m), both summed over the group, H = log s - w / s and lse = m + log s.
+    Backward (local): dH/dz_v = -p_v (log p_v + H), log p_v = z_v - lse."""
+
+    @staticmethod
+    def forward(ctx, logits_BTV: Tensor, chunk_size: int, shard: VocabShard) -> Tensor:
+        dt = _compute_dtype(logits_BTV)
+        b, t, _ = logits_BTV.shape
+        ent_BT = torch.empty(b, t, dtype=dt, device=logits_BTV.device)
+        lse_BT = torch.empty_like(ent_BT)
+        for c in _chunks(t, chunk_size):
+            z_BCV = logits_BTV[:, c].to(dt)
+            m_BC = _global_max(z_BCV, shard.group)
+            shifted_BCV = z_BCV - m_BC[..., None]
+            e_BCV = torch.exp(shifted_BCV)
+            ez_BCV = torch.where(e_BCV > 0, e_BCV * shifted_BCV, torch.zeros((), dtype=dt, device=e_BCV.device))
+            sums_2BC = torch.stack([e_BCV.sum(dim=-1), ez_BCV.sum(dim=-1)])
+            all_reduce_(sums_2BC, shard.group)
+            lse_BT[:, c] = m_BC + sums_2BC[0].log()
+            ent_BT[:, c] = sums_2BC[0].log() - sums_2BC[1] / sums_2BC[0]
+        ctx.save_for_backward(logits_BTV, lse_BT, ent_BT)
+        ctx.chunk_size = chunk_size
+        return ent_BT
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_BT: Tensor) -> tuple[Tensor, None, None]:
+        logits_BTV, lse_BT, ent_BT = ctx.saved_tensors
+        grad_BTV = torch.empty_like(logits_BTV)
+        for c in _chunks(logits_BTV.shape[1], ctx.chunk_size):
+            logp_BCV = logits_BTV[:, c].to(ent_BT.dtype) - lse_BT[:, c, None]
+            g_BCV = -_p_times(logp_BCV, logp_BCV + ent_BT[:, c, None]) * grad_BT[:, c, None].to(ent_BT.dtype)
+            grad_BTV[:, c] = g_BCV
+        return grad_BTV, None, None
+
+
 def _p_times(logp_BCV: Tensor, x_BCV: Tensor) -> Tensor:
     """exp(logp) * x, 0 where the probability is 0 (so a -inf logit gives 0, not 0 * inf = NaN)."""
     p_BCV = torch.exp(logp_BCV)
@@ -408,7 +515,13 @@ def _check_logits(logits_BTV: Tensor, chunk_size: int) -> None:
         raise ValueError(f"chunk_size: must be an int >= 1, got {chunk_size!r}")
 
 
-def _check_tokens(tokens_BT: Tensor, shape_BTV: torch.Size) -> None:
+def _check_vocab_shard(logits_BTV: Tensor, shard: VocabShard) -> None:
+    if logits_BTV.shape[2] != shard.end - shard.start:
+        raise ValueError(f"logits_BTV: {logits_BTV.shape[2]} vocabulary rows, but vocab_shard holds rows "
+                         f"[{shard.start}, {shard.end}) of {shard.size}; pass the model's own vocab_shard")
+
+
+def _check_tokens(tokens_BT: Tensor, shape_BTV: tuple[int, int, int]) -> None:
     if not isinstance(tokens_BT, Tensor) or tuple(tokens_BT.shape) != tuple(shape_BTV[:2]):
         got = tuple(tokens_BT.shape) if isinstance(tokens_BT, Tensor) else type(tokens_BT).__name__
         raise ValueError(f"tokens_BT: must have shape {tuple(shape_BTV[:2])}, got {got}")

@@ -55,6 +55,11 @@ def sync_free_experts():
         _SYNC_FREE = before
 
 
+def sync_free_active() -> bool:
+    """True inside `sync_free_experts()` (a decode step that may be captured in a CUDA graph)."""
+    return _SYNC_FREE
+
+
 _mxfp4_forced: str | None = os.environ.get("MILES_K3_MXFP4_EXPERTS", "auto").strip().lower() or "auto"
 _mxfp4_resolved: dict[str, tuple[str, str]] = {}  # device type -> (backend, reason), logged once
 
@@ -142,8 +147,8 @@ def grouped_linear(x_MI: torch.Tensor, counts: Counts, w_EOI: torch.Tensor) -> t
             return torch._grouped_mm(x_MI, w_EOI.transpose(1, 2), offs=counts)
         counts = torch.diff(counts, prepend=counts.new_zeros(1)).tolist()  # CPU: a host list is free
     assert len(counts) == w_EOI.shape[0] and sum(counts) == x_MI.shape[0], (len(counts), w_EOI.shape)
-    if x_MI.shape[0] == 0:
-        return x_MI.new_zeros(0, w_EOI.shape[1])
+    if x_MI.shape[0] == 0:  # [0, O], still a function of w: an expert shard that got no rows has a zero gradient
+        return x_MI @ w_EOI[0].t()
     if _use_grouped_mm(x_MI, w_EOI):
         offs = torch.tensor(counts, device=x_MI.device, dtype=torch.int32).cumsum(0, dtype=torch.int32)
         return torch._grouped_mm(x_MI, w_EOI.transpose(1, 2), offs=offs)
@@ -207,6 +212,15 @@ def _mxfp4_matmul(x_MI: torch.Tensor, counts: Counts, packed: torch.Tensor, scal
     return _mxfp4_grouped(x_MI, counts, packed, scale, transpose=transpose)
 
 
+def combine_slots(y_MD: torch.Tensor, order_M: torch.Tensor, w_NK: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """u [N, D] in `dtype`: expert outputs y (row i is slot order[i] of the flattened [N, K] routing) put back in
+    (token, slot) order and summed over the K slots with the routing weights in fp32. Deterministic (no
+    atomics), so the trainer and the engine reproduce each other bit for bit."""
+    n_tok, top_k = w_NK.shape
+    y_NKD = torch.empty_like(y_MD).index_copy_(0, order_M, y_MD).view(n_tok, top_k, y_MD.shape[-1])
+    return (y_NKD.float() * w_NK.unsqueeze(-1)).sum(1).to(dtype)
+
+
 class RoutedExperts(nn.Module):
     """E SiTU-GLU experts: w1 (gate), w3 (up) [E, I, Dl] and w2 (down) [E, Dl, I].
 
@@ -214,6 +228,9 @@ class RoutedExperts(nn.Module):
     `w1_packed` [E, I, Dl/2], `w1_scale` [E, I, Dl/32] (same for w3; w2: [E, Dl, I/2], [E, Dl, I/32]) and
     never a bf16 copy. The state dict exposes the checkpoint's per-expert names, as views into the stacked
     storage: `{e}.w1.weight` (bf16) or `{e}.w1.weight_packed` + `{e}.w1.weight_scale` (mxfp4).
+    `num_experts` is the number of experts held here: all `total_experts` (E), or under expert parallelism
+    (`keep_experts`) the global ids expert_offset .. expert_offset + num_experts - 1; state-dict keys always
+    carry global ids, and a shard refuses another shard's experts.
     `lora`: None, or an nn.ModuleDict over some of w1/w2/w3 whose modules map (x [M, In], counts) to a
     delta [M, O] added to that projection's output.
     """
@@ -224,6 +241,8 @@ class RoutedExperts(nn.Module):
         if expert_format not in EXPERT_FORMATS:
             raise ValueError(f"expert_format: '{expert_format}' is not one of {', '.join(EXPERT_FORMATS)}")
         self.num_experts, self.latent, self.inter = num_experts, latent, inter
+        self.total_experts = num_experts  # E of the whole model, whether all are held here or not
+        self.expert_offset = 0  # global id of the first expert held here (expert parallelism: keep_experts)
         self.beta, self.linear_beta, self.expert_format = beta, linear_beta, expert_format
         self.lora: nn.ModuleDict | None = None
         for name in PROJS:
@@ -258,6 +277,13 @@ class RoutedExperts(nn.Module):
             y = y + self.lora[name](x_MI, counts).to(y.dtype)
         return y
 
+    def grouped_glu(self, z_MI: torch.Tensor, counts: Counts) -> torch.Tensor:
+        """The SiTU-GLU expert of each row: rows grouped by (local) expert, counts[e] rows each -> [M, Dl] in
+        z's dtype."""
+        h = situ_glu(self.project("w1", z_MI, counts), self.project("w3", z_MI, counts),
+                     self.beta, self.linear_beta)
+        return self.project("w2", h, counts)
+
     def forward(self, z_ND: torch.Tensor, ids_NK: torch.Tensor, w_NK: torch.Tensor) -> torch.Tensor:
         """u = sum_k w[n,k] * E_{ids[n,k]}(z[n]); expert outputs rounded to z's dtype, weighted in fp32."""
         n_tok, top_k = ids_NK.shape
@@ -276,14 +302,7 @@ class RoutedExperts(nn.Module):
                 counts = counts.index_add_(0, flat_ids, ones).cumsum(0, dtype=torch.int32)
             else:
                 counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()  # one host sync per layer
-        z_MI = z_ND[token_of]
-        h = situ_glu(self.project("w1", z_MI, counts), self.project("w3", z_MI, counts),
-                     self.beta, self.linear_beta)
-        y_MD = self.project("w2", h, counts)
-        # Back to (token, slot) order and a sum over the K slots in fp32: deterministic (no atomics), so the
-        # trainer and the engine reproduce each other bit for bit.
-        y_NKD = torch.empty_like(y_MD).index_copy_(0, order, y_MD).view(n_tok, top_k, -1)
-        return (y_NKD.float() * w_NK.unsqueeze(-1)).sum(1).to(z_ND.dtype)
+        return combine_slots(self.grouped_glu(z_ND[token_of], counts), order, w_NK, z_ND.dtype)
 
     # ---- storage -----------------------------------------------------------------------------------
     def dequantized(self, name: str, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
@@ -307,6 +326,29 @@ class RoutedExperts(nn.Module):
                 w = torch.empty(out_f, in_f, device=packed.device).normal_(0.0, std)
                 packed[e], scale[e] = quantize_mxfp4(w, scale_rule)
 
+    @torch.no_grad()
+    def keep_experts(self, first: int, count: int) -> None:
+        """Keep only the experts of global ids first .. first + count - 1, in their native storage (bf16
+        Parameters, the same objects, or MXFP4 uint8 buffers): a copy of that slice, so the rest is freed. The
+        LoRA deltas are the caller's to slice (`miles_k3.parallel.expert_parallel`)."""
+        lo = first - self.expert_offset
+        assert 0 <= lo and count >= 1 and lo + count <= self.num_experts, (first, count, self.expert_offset)
+        for name in PROJS:
+            if self.expert_format == "bf16":
+                w = getattr(self, name)
+                w.data = w.data[lo: lo + count].clone()
+                continue
+            for kind in ("packed", "scale"):
+                setattr(self, f"{name}_{kind}", getattr(self, f"{name}_{kind}")[lo: lo + count].clone())
+        self.set_held_experts(first, count)
+
+    def set_held_experts(self, first: int, count: int) -> None:
+        """Record that the storage holds experts first .. first + count - 1 (global ids), as `keep_experts` leaves
+        it, for a module given another module's sliced tensors (the rollout engine's twin); checks the shapes."""
+        for suffix, stacked in self._stored().items():
+            assert stacked.shape[0] == count, (suffix, tuple(stacked.shape), count)
+        self.expert_offset, self.num_experts = first, count
+
     def _stored(self) -> dict[str, torch.Tensor]:
         """Checkpoint suffix (`w1.weight`, or `w1.weight_packed`/`w1.weight_scale`) -> stacked tensor."""
         if self.expert_format == "bf16":
@@ -316,14 +358,15 @@ class RoutedExperts(nn.Module):
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         for suffix, stacked in self._stored().items():
             for e in range(self.num_experts):
-                destination[f"{prefix}{e}.{suffix}"] = stacked[e] if keep_vars else stacked[e].detach()
+                key = f"{prefix}{self.expert_offset + e}.{suffix}"  # global ids: a shard's keys are unambiguous
+                destination[key] = stacked[e] if keep_vars else stacked[e].detach()
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):
         expected = set()
         for suffix, stacked in self._stored().items():
             for e in range(self.num_experts):
-                key = f"{prefix}{e}.{suffix}"
+                key = f"{prefix}{self.expert_offset + e}.{suffix}"
                 expected.add(key)
                 if key not in state_dict:
                     missing_keys.append(key)
@@ -338,5 +381,15 @@ class RoutedExperts(nn.Module):
                         stacked[e].copy_(state_dict[key])
         if strict:
             # Own direct entries only; keys of child modules (the LoRA deltas) are theirs to claim.
-            unexpected_keys.extend(k for k in state_dict if k.startswith(prefix) and k not in expected
-                                   and not k[len(prefix):].startswith("lora."))
+            extra = [k for k in state_dict if k.startswith(prefix) and k not in expected
+                     and not k[len(prefix):].startswith("lora.")]
+            held = range(self.expert_offset, self.expert_offset + self.num_experts)
+            foreign = [k for k in extra if self.num_experts < self.total_experts
+                       and k[len(prefix):].split(".", 1)[0].isdigit()
+                       and int(k[len(prefix):].split(".", 1)[0]) in range(self.total_experts)]
+            if foreign:
+                error_msgs.append(f"{foreign[0]} (and {len(foreign) - 1} more): experts this module does not "
+                                  f"hold: it holds experts {held.start}..{held.stop - 1} of {self.total_experts} "
+                                  "(a parallel.ep shard); load the checkpoint shard of this ep rank, or load "
+                                  "before shard_experts_ep")
+            unexpected_keys.extend(k for k in extra if k not in foreign)

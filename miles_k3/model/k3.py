@@ -9,12 +9,18 @@ sublayer outputs since the current block started. Each sublayer input is a depth
 embedding). Modes: `forward` (full sequence: training and prefill, optionally continuing from a `K3State` and
 returning one) and `step` (one decode token per request from a `K3State`); they agree numerically.
 
+Tensor parallelism (`miles_k3.parallel.tensor_parallel.shard_model_tp`) shards the vocabulary: each rank holds
+rows [start, end) of the embedding (ids outside give 0, summed over the group) and of the lm_head. `forward` then
+returns this rank's logits [B, T, V/tp] (the loss is vocab-parallel: `trainer.losses.token_logprobs` with
+`vocab_shard`); `step` returns the gathered logits [B, V] for the sampler.
+
 Legend: B batch, T tokens, D hidden, V vocabulary.
 """
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -28,6 +34,11 @@ from miles_k3.model.layers import RMSNorm, SiTUMLP, attn_res_mix
 from miles_k3.model.mla import MLAAttention
 from miles_k3.model.moe import LatentMoE
 from miles_k3.model.state import K3State
+from miles_k3.parallel.comm import copy_to, gather_from, reduce_from
+
+if TYPE_CHECKING:
+    from miles_k3.parallel.mesh import ParallelContext
+    from miles_k3.parallel.tensor_parallel import VocabShard
 
 log = logging.getLogger(__name__)
 
@@ -84,12 +95,24 @@ class K3Model(nn.Module):
         self.norm = RMSNorm(d, cfg.rms_norm_eps)
         self.output_attn_res_norm = RMSNorm(d, cfg.rms_norm_eps)
         self.output_attn_res_proj = nn.Linear(d, 1, bias=False)
+        self.vocab_shard: VocabShard | None = None
+        """The embedding rows this rank holds under tensor parallelism (None: the whole vocabulary)."""
+
+    def embed(self, input_ids_BT: torch.Tensor) -> torch.Tensor:
+        """Token embeddings [B, T, D]; vocab-parallel: this rank's rows, ids outside them 0, summed over TP."""
+        shard = self.vocab_shard
+        if shard is None:
+            return self.embed_tokens(input_ids_BT)
+        local_BT = input_ids_BT - shard.start
+        outside_BT = (local_BT < 0) | (local_BT >= shard.end - shard.start)
+        x_BTD = self.embed_tokens(local_BT.masked_fill(outside_BT, 0)).masked_fill(outside_BT[..., None], 0)
+        return reduce_from(x_BTD, shard.group)
 
     def run(self, input_ids_BT: torch.Tensor, attn_fn, recompute: bool = False) -> torch.Tensor:
         """Embedding -> layers -> output mixer -> final norm; returns the final hidden states [B, T, D].
         `recompute`: keep only each layer's inputs for backward and recompute the rest (activation
         checkpointing; `attn_fn` then runs again during backward)."""
-        partial = self.embed_tokens(input_ids_BT)
+        partial = self.embed(input_ids_BT)
         bank: list[torch.Tensor] = []
         for layer in self.layers:
             partial = _checkpointed_layer(layer, bank, partial, attn_fn) if recompute \
@@ -132,6 +155,8 @@ class K3ForCausalLM(nn.Module):
         """Recompute each layer's activations in backward instead of keeping them (`forward` while autograd
         records, without `return_state`: training; prefill and decode are unaffected)."""
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.tp_context: ParallelContext | None = None
+        """The parallel context this model was sharded for (`shard_model_tp`); None: the whole model."""
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.reset_parameters()
@@ -146,13 +171,23 @@ class K3ForCausalLM(nn.Module):
             self._backends[key] = backend
         return self._backends[key]
 
+    @property
+    def vocab_shard(self) -> VocabShard | None:
+        """The vocabulary rows of this rank's logits (tensor parallelism), None when they cover it all."""
+        return self.model.vocab_shard
+
+    def _logits(self, hidden_BTD: torch.Tensor) -> torch.Tensor:
+        """lm_head logits [B, T, V] (this rank's [B, T, V/tp] under TP: hidden enters through `copy_to`)."""
+        shard = self.vocab_shard
+        return self.lm_head(hidden_BTD if shard is None else copy_to(hidden_BTD, shard.group))
+
     def forward(self, input_ids_BT: torch.Tensor, seq_lens: torch.Tensor | None = None,
                 state: K3State | None = None, return_state: bool = False, return_logits: bool = True
                 ) -> K3Output:
         """Full-sequence forward (training, prefill). Tokens are left-aligned; `seq_lens` [B] counts the real
         ones (default: all T). With `state`, continues each request after its `state.seq_lens` tokens.
-        Returns logits [B, T, V] (None with `return_logits=False`) and, if `return_state`, the state after each
-        request's last real token.
+        Returns logits [B, T, V] (None with `return_logits=False`; under TP this rank's vocabulary rows,
+        [B, T, V/tp], see `vocab_shard`) and, if `return_state`, the state after each request's last real token.
         """
         b, t = input_ids_BT.shape
         backend = self.kda_backend(input_ids_BT.device)
@@ -171,7 +206,7 @@ class K3ForCausalLM(nn.Module):
 
         recompute = self.activation_checkpointing and torch.is_grad_enabled() and not return_state
         hidden = self.model.run(input_ids_BT, attn_fn, recompute)
-        logits = self.lm_head(hidden) if return_logits else None  # prefill for a cache needs no logits
+        logits = self._logits(hidden) if return_logits else None  # prefill for a cache needs no logits
         if not return_state:
             return K3Output(logits, None)
         new_lens = torch.full((b,), t, device=input_ids_BT.device) if seq_lens is None else seq_lens
@@ -180,7 +215,8 @@ class K3ForCausalLM(nn.Module):
 
     @torch.no_grad()
     def step(self, input_ids_B: torch.Tensor, state: K3State) -> K3Output:
-        """One decode token per request: logits [B, V] and the advanced state (KDA recurrent, MLA absorbed).
+        """One decode token per request: logits [B, V] (the whole vocabulary, gathered under TP) and the advanced
+        state (KDA recurrent, MLA absorbed).
         With pooled layer states (KDA slots_B, MLA table_BT) the step updates the pools in place and reads
         nothing on the host, so it can be captured in a CUDA graph together with `experts.sync_free_experts`."""
         backend = self.kda_backend(input_ids_B.device)
@@ -195,8 +231,11 @@ class K3ForCausalLM(nn.Module):
             states.append(st)
             return y
 
-        logits = self.lm_head(self.model.run(input_ids_B[:, None], attn_fn))
-        return K3Output(logits[:, 0], K3State(state.seq_lens + 1, states))
+        logits_B1V = self._logits(self.model.run(input_ids_B[:, None], attn_fn))
+        shard = self.vocab_shard
+        if shard is not None:
+            logits_B1V = gather_from(logits_B1V, shard.group, dim=-1, total=shard.size)
+        return K3Output(logits_B1V[:, 0], K3State(state.seq_lens + 1, states))
 
     def empty_state(self, batch: int, device=None, dtype=None) -> K3State:
         """The state of B requests that have consumed no tokens yet."""

@@ -5,6 +5,12 @@ q/k (in the backend); decay gate g = lower_bound * sigmoid(exp(A_log) * (f_b(f_a
 beta = sigmoid(b_proj x); the delta-rule recurrence (fla-core: kernels on CUDA, references or our torch chunked
 form on CPU, chosen by `KDABackend`); per-head RMSNorm gated by sigmoid(g_proj x); o_proj.
 
+Tensor parallelism (`miles_k3.parallel.tensor_parallel`): heads are split over the `tp_group` ranks, so
+`num_heads` is this rank's count and the states hold this rank's heads. x enters the column projections
+(q/k/v/g, b_proj, f_b_proj) through `copy_to`; f_a_proj (D -> K) is replicated and its output enters f_b_proj
+through `copy_to`; o_proj takes this rank's head columns and its partial outputs are summed by `reduce_from`.
+With `tp_group` None (one process) every one of these is the identity.
+
 Right padding: positions t >= seq_lens[b] get g = 0 and beta = 0, which leaves the recurrent state untouched, so
 the returned state is the state after each request's last real token.
 
@@ -20,6 +26,7 @@ from miles_k3.model.config import K3Config
 from miles_k3.model.kda_ops import KDABackend
 from miles_k3.model.layers import use_fused_kernels
 from miles_k3.model.state import KDALayerState
+from miles_k3.parallel.comm import copy_to, reduce_from
 
 
 class KDAAttention(nn.Module):
@@ -46,10 +53,12 @@ class KDAAttention(nn.Module):
         self.o_norm = _HeadNormWeight(self.head_dim)
         self.o_proj = nn.Linear(p, d, bias=False)
         self.norm_eps = cfg.rms_norm_eps
+        self.tp_group = None
+        """The tensor-parallel group the heads are split over (None: all heads here)."""
 
     def state_bytes_per_request(self, tp: int = 1) -> int:
         """Recurrent state of this layer per request on the busiest of `tp` ranks: ceil(H/tp) x K x V fp32
-        values (heads are sharded across ranks; with tp > H they are replicated)."""
+        values, H this module's heads (heads are sharded across ranks; with tp > H they are replicated)."""
         return -(-self.num_heads // tp) * self.head_dim * self.head_dim * 4
 
     def empty_state(self, batch: int, device, dtype) -> KDALayerState:
@@ -78,12 +87,13 @@ class KDAAttention(nn.Module):
                 raise ValueError("a pooled KDA state (slots_B set) is only for decode steps (decode=True, no "
                                  "seq_lens)")
             return self._pooled_step(x_BTD, backend, state), state
-        qkv_BTC, conv_BCW = self._short_conv(x_BTD, state.conv_BCW, seq_lens)
+        x_col = copy_to(x_BTD, self.tp_group)  # the input of the head-split (column) projections
+        qkv_BTC, conv_BCW = self._short_conv(x_col, state.conv_BCW, seq_lens)
         shape = (b, t, self.num_heads, self.head_dim)
         q, k, v = (z.reshape(shape) for z in qkv_BTC.chunk(3, dim=-1))
-        g_BTHK = naive_kda_lowerbound_gate(self.f_b_proj(self.f_a_proj(x_BTD)).view(shape), self.A_log,
-                                           self.dt_bias, lower_bound=self.lower_bound)
-        beta_BTH = torch.sigmoid(self.b_proj(x_BTD).float())
+        g_BTHK = naive_kda_lowerbound_gate(self._decay(x_BTD).view(shape), self.A_log, self.dt_bias,
+                                           lower_bound=self.lower_bound)
+        beta_BTH = torch.sigmoid(self.b_proj(x_col).float())
         if seq_lens is not None:
             real_BT = torch.arange(t, device=x_BTD.device) < seq_lens[:, None]
             g_BTHK = g_BTHK * real_BT[:, :, None, None]
@@ -93,7 +103,7 @@ class KDAAttention(nn.Module):
         else:
             o_BTHV, rec = backend.prefill(q, k, v, g_BTHK, beta_BTH, initial_state=state.recurrent_BHKV,
                                           output_final_state=True)
-        return self._gated_output(o_BTHV, x_BTD), KDALayerState(conv_BCW, rec)
+        return self._gated_output(o_BTHV, x_col), KDALayerState(conv_BCW, rec)
 
     def _pooled_step(self, x_B1D: torch.Tensor, backend: KDABackend, state: KDALayerState) -> torch.Tensor:
         """One decode token on the engine's pools: each request's conv window row is read and shifted in place,
@@ -102,23 +112,29 @@ class KDAAttention(nn.Module):
         gated head norm are one fused kernel each (`miles_k3.kernels.kda_decode`); otherwise the torch code.
         q, k, v come out of one copy, each dense."""
         b = x_B1D.shape[0]
+        x_col = copy_to(x_B1D, self.tp_group)
         convs = (self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight)
         fused = use_fused_kernels(x_B1D, *convs, self.o_norm.weight)
         if fused:
             from miles_k3.kernels.kda_decode import short_conv_step
-            act_B1C = short_conv_step(self._qkv(x_B1D)[:, 0], state.conv_BCW, state.slots_B, convs)[:, None]
+            act_B1C = short_conv_step(self._qkv(x_col)[:, 0], state.conv_BCW, state.slots_B, convs)[:, None]
         else:
-            act_B1C, conv_BCW = self._short_conv(x_B1D, state.conv_BCW[state.slots_B], None)
+            act_B1C, conv_BCW = self._short_conv(x_col, state.conv_BCW[state.slots_B], None)
             state.conv_BCW.index_copy_(0, state.slots_B, conv_BCW.to(state.conv_BCW.dtype))
         qkv = act_B1C.view(b, 1, 3, self.num_heads, self.head_dim).permute(2, 0, 1, 3, 4).contiguous()
-        f_B1HK = self.f_b_proj(self.f_a_proj(x_B1D)).view(b, 1, self.num_heads, self.head_dim)
-        o_B1HV = backend.decode_into(*qkv.unbind(0), f_B1HK, self.b_proj(x_B1D), self.A_log, self.dt_bias,
+        f_B1HK = self._decay(x_B1D).view(b, 1, self.num_heads, self.head_dim)
+        o_B1HV = backend.decode_into(*qkv.unbind(0), f_B1HK, self.b_proj(x_col), self.A_log, self.dt_bias,
                                      self.lower_bound, state.recurrent_BHKV, state.slots_B)
         if fused:
             from miles_k3.kernels.kda_decode import gated_head_norm
-            return self.o_proj(gated_head_norm(o_B1HV, self.g_proj(x_B1D), self.o_norm.weight, self.norm_eps,
-                                               x_B1D.dtype))
-        return self._gated_output(o_B1HV, x_B1D)
+            o_B1P = gated_head_norm(o_B1HV, self.g_proj(x_col), self.o_norm.weight, self.norm_eps, x_B1D.dtype)
+            return reduce_from(self.o_proj(o_B1P), self.tp_group)
+        return self._gated_output(o_B1HV, x_col)
+
+    def _decay(self, x_BTD: torch.Tensor) -> torch.Tensor:
+        """The raw decay-gate logits f_b(f_a(x)) [B, T, H*K] of this rank's heads. f_a is replicated: its output
+        enters the head-split f_b through `copy_to`, so f_a (and its adapter) gets the whole gradient."""
+        return self.f_b_proj(copy_to(self.f_a_proj(x_BTD), self.tp_group))
 
     def _qkv(self, x_BTD: torch.Tensor) -> torch.Tensor:
         """The q|k|v projections before the short conv, [B, T, C]."""
@@ -144,11 +160,13 @@ class KDAAttention(nn.Module):
         return act_BCT.transpose(1, 2).to(x_BTD.dtype), new_BCW
 
     def _gated_output(self, o_BTHV: torch.Tensor, x_BTD: torch.Tensor) -> torch.Tensor:
-        """o_proj( RMSNorm(o_h) * o_norm.weight * sigmoid(g_proj x)_h ), norm and gate in fp32."""
+        """o_proj( RMSNorm(o_h) * o_norm.weight * sigmoid(g_proj x)_h ), norm and gate in fp32; under TP
+        `x_BTD` is the column projections' input and the rows' partial o_proj outputs are summed."""
         o = o_BTHV.float()
         o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + self.norm_eps) * self.o_norm.weight.float()
         gate = torch.sigmoid(self.g_proj(x_BTD).float()).view_as(o)
-        return self.o_proj((o * gate).reshape(*x_BTD.shape[:2], -1).to(x_BTD.dtype))
+        y_BTD = self.o_proj((o * gate).reshape(*x_BTD.shape[:2], -1).to(x_BTD.dtype))
+        return reduce_from(y_BTD, self.tp_group)
 
 
 class _HeadNormWeight(nn.Module):

@@ -20,6 +20,8 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from miles_k3.parallel.comm import copy_to, reduce_from
+
 _FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # = miles_k3.kernels.fused.ACT_DTYPES
 _force_reference = os.environ.get("MILES_K3_REFERENCE_KERNELS", "0") not in ("", "0")
 
@@ -98,7 +100,11 @@ def _situ_glu_torch(gate: torch.Tensor, up: torch.Tensor, beta: float, linear_be
 
 
 class SiTUMLP(nn.Module):
-    """Gated MLP `down(SiTU-GLU(gate(x), up(x)))`: the dense layer 0 (`mlp`) and the shared experts."""
+    """Gated MLP `down(SiTU-GLU(gate(x), up(x)))`: the dense layer 0 (`mlp`) and the shared experts.
+
+    Under tensor parallelism (`tp_group` set by `miles_k3.parallel.tensor_parallel`) gate/up hold this rank's
+    rows of the width I and down its columns: x enters through `copy_to`, the partial outputs are summed by
+    `reduce_from`, so the output is the whole MLP's on every rank."""
 
     def __init__(self, hidden: int, inter: int, beta: float, linear_beta: float | None):
         super().__init__()
@@ -106,10 +112,13 @@ class SiTUMLP(nn.Module):
         self.gate_proj = nn.Linear(hidden, inter, bias=False)
         self.up_proj = nn.Linear(hidden, inter, bias=False)
         self.down_proj = nn.Linear(inter, hidden, bias=False)
+        self.tp_group = None
+        """The tensor-parallel group the width is split over (None: the whole width here)."""
 
     def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
+        x_BTD = copy_to(x_BTD, self.tp_group)
         h = situ_glu(self.gate_proj(x_BTD), self.up_proj(x_BTD), self.beta, self.linear_beta)
-        return self.down_proj(h)
+        return reduce_from(self.down_proj(h), self.tp_group)
 
 
 def attn_res_mix(sources: list[torch.Tensor], norm: RMSNorm, proj: nn.Linear) -> torch.Tensor:

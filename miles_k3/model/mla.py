@@ -6,6 +6,12 @@ Two forms over the same weights:
 * absorbed ("MQA mode", decode): W_UK is folded into the query and W_UV applied after attention, so attention runs
   directly over the cached 512+64 latent per token, exactly MQA with 576-dim keys and 512-dim values.
 
+Tensor parallelism (`miles_k3.parallel.tensor_parallel`): query heads are split over the `tp_group` ranks
+(`num_heads` is this rank's count) and the single latent KV is replicated, as in SGLang. q_a_proj and
+kv_a_proj_with_mqa (with their norms) run on every rank; their outputs (the q latent, the kv latent) and x before
+g_proj enter the head-split projections through `copy_to`; o_proj takes this rank's head columns and its
+partial outputs are summed by `reduce_from`. Both forms, so the cache (the latents) is the same on every rank.
+
 Legend: B batch, T new tokens, S latent positions, H heads, R kv_lora_rank, P rope dims (unrotated: K3 is NoPE),
 N nope dims, V value dims, L = R + P (cache width per token).
 """
@@ -19,6 +25,7 @@ from miles_k3.model.config import K3Config
 from miles_k3.model.layers import RMSNorm
 from miles_k3.model.lora import effective_weight
 from miles_k3.model.state import MLALayerState
+from miles_k3.parallel.comm import copy_to, reduce_from
 
 # The NeMo port (which follows the HF reference) builds the q_a/kv_a norms with the class default eps.
 LATENT_NORM_EPS = 1e-6
@@ -39,6 +46,8 @@ class MLAAttention(nn.Module):
         self.kv_b_proj = nn.Linear(self.rank, h * (self.nope + self.v_dim), bias=False)
         self.g_proj = nn.Linear(d, h * self.v_dim, bias=False) if cfg.mla_use_output_gate else None
         self.o_proj = nn.Linear(h * self.v_dim, d, bias=False)
+        self.tp_group = None
+        """The tensor-parallel group the query heads are split over (None: all heads here)."""
 
     # ---- pieces shared by both forms ---------------------------------------------------------------
     def cache_bytes_per_token(self, bytes_per_value: int = 2) -> int:
@@ -50,20 +59,21 @@ class MLAAttention(nn.Module):
         return MLALayerState(torch.zeros(batch, 0, self.rank + self.rope, device=device, dtype=dtype))
 
     def _queries(self, x_BTD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x_BTD)))
+        q = self.q_b_proj(copy_to(self.q_a_layernorm(self.q_a_proj(x_BTD)), self.tp_group))
         q_BTHQ = q.view(*x_BTD.shape[:2], self.num_heads, self.nope + self.rope)
         return q_BTHQ[..., : self.nope], q_BTHQ[..., self.nope:]
 
     def _latents(self, x_BTD: torch.Tensor) -> torch.Tensor:
+        """The new latents [B, T, L] (replicated over TP; they enter every rank's heads through `copy_to`)."""
         c_kr = self.kv_a_proj_with_mqa(x_BTD)
         c, k_r = c_kr[..., : self.rank], c_kr[..., self.rank:]
-        return torch.cat([self.kv_a_layernorm(c), k_r], dim=-1)
+        return copy_to(torch.cat([self.kv_a_layernorm(c), k_r], dim=-1), self.tp_group)
 
     def _output(self, o_BTHV: torch.Tensor, x_BTD: torch.Tensor) -> torch.Tensor:
         o = o_BTHV.reshape(*x_BTD.shape[:2], -1)
         if self.g_proj is not None:
-            o = o * torch.sigmoid(self.g_proj(x_BTD))
-        return self.o_proj(o)
+            o = o * torch.sigmoid(self.g_proj(copy_to(x_BTD, self.tp_group)))
+        return reduce_from(self.o_proj(o), self.tp_group)
 
     # ---- naive form -------------------------------------------------------------------------------
     def forward(self, x_BTD: torch.Tensor, state: MLALayerState | None = None,

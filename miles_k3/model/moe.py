@@ -4,11 +4,15 @@
 only, top-k, renormalisation); the routed path runs in the latent: `routed_expert_down_proj` (D -> Dl), the
 experts `experts.{e}.w1/w3/w2` (gate/up/down), the latent RMSNorm `routed_expert_norm`, `routed_expert_up_proj`
 (Dl -> D); the shared experts are one SiTU MLP on the full width. The experts (bf16 or frozen MXFP4) are in
-`experts.py`.
+`experts.py`. Under expert parallelism (`miles_k3.parallel.expert_parallel`, `expert_parallel` set) the routed
+path runs on this rank's share of the tokens and its rows travel to the ranks that hold their experts.
 
-Legend: N tokens (flattened B*T), D hidden, Dl latent width, E experts, K experts per token, I expert width.
+Legend: N tokens (flattened B*T), S this rank's share of them (all N unless expert-parallel), D hidden, L (Dl)
+latent width, E experts, K experts per token, I expert width.
 """
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -16,6 +20,9 @@ from torch import nn
 from miles_k3.model.config import K3Config
 from miles_k3.model.experts import RoutedExperts
 from miles_k3.model.layers import RMSNorm, SiTUMLP, use_fused_kernels
+
+if TYPE_CHECKING:
+    from miles_k3.parallel.expert_parallel import ExpertParallel
 
 ROUTER_KERNEL_MAX_WEIGHT = 2**20  # gate weights up to this many elements use the fused router kernel
 
@@ -70,14 +77,22 @@ class LatentMoE(nn.Module):
         if cfg.num_shared_experts:
             self.shared_experts = SiTUMLP(d, cfg.num_shared_experts * cfg.moe_intermediate_size,
                                           cfg.activation_situ_beta, cfg.activation_situ_linear_beta)
+        self.expert_parallel: ExpertParallel | None = None
+        """Set by `shard_experts_ep`: the routed path's token split (tp) and expert placement (ep)."""
 
     def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
+        """y [B, T, D] = routed(x) + shared(x). Under expert parallelism every rank of the EP group must call
+        this together (one dispatch and one combine all-to-all), with its own tokens (B = 0 included)."""
         x_ND = x_BTD.reshape(-1, x_BTD.shape[-1])
-        ids_NK, w_NK = self.gate(x_ND)
-        u_ND = self.experts(self.routed_expert_down_proj(x_ND), ids_NK, w_NK)
+        ep = self.expert_parallel
+        x_SD = x_ND if ep is None else ep.local_tokens(x_ND)
+        ids_SK, w_SK = self.gate(x_SD)
+        z_SL = self.routed_expert_down_proj(x_SD)
+        u_SL = self.experts(z_SL, ids_SK, w_SK) if ep is None else ep.run_experts(self.experts, z_SL, ids_SK, w_SK)
         if self.routed_expert_norm is not None:
-            u_ND = self.routed_expert_norm(u_ND)
-        y_ND = self.routed_expert_up_proj(u_ND)
+            u_SL = self.routed_expert_norm(u_SL)
+        y_SD = self.routed_expert_up_proj(u_SL)
+        y_ND = y_SD if ep is None else ep.all_tokens(y_SD, x_ND.shape[0])
         if self.shared_experts is not None:
             y_ND = y_ND + self.shared_experts(x_ND)
         return y_ND.view_as(x_BTD)

@@ -31,14 +31,17 @@ def grad_groups(param: torch.Tensor) -> tuple[str, ...]:
 
 @torch.no_grad()
 def reduce_gradients(params, ctx: ParallelContext) -> None:
-    """Sum the gradients of `params` (an iterable of tensors; those without a gradient are skipped) over their
-    groups, one flat all-reduce per (group, dtype) bucket. No-op in one process."""
+    """Sum the gradients of `params` (an iterable of tensors) over their groups, one flat all-reduce per (group,
+    dtype) bucket. A trainable tensor without a gradient on this rank (nothing reached it here, but maybe on a
+    peer) takes part as zeros, so every rank's buckets line up; frozen ones are skipped. No-op in one process."""
     if not ctx.distributed:
         return
     buckets: dict[tuple[str, torch.dtype], list[torch.Tensor]] = defaultdict(list)
     for p in params:
         if p.grad is None:
-            continue
+            if not p.requires_grad:
+                continue
+            p.grad = torch.zeros_like(p)
         for name in grad_groups(p):
             if ctx.size(name) > 1:
                 buckets[(name, p.grad.dtype)].append(p.grad)
@@ -54,14 +57,31 @@ def reduce_gradients(params, ctx: ParallelContext) -> None:
 SHARDED_ATTR = "_miles_k3_sharded_over"
 
 
-def mark_sharded(param: torch.Tensor, *groups: str) -> None:
-    """`param` is one shard of a tensor split over `groups` (e.g. ("tp",) for a column-parallel LoRA B, ("ep",) for
-    routed-expert LoRA): its squares are summed over those groups for the global gradient norm."""
-    setattr(param, SHARDED_ATTR, tuple(groups))
+def mark_sharded(param: torch.Tensor, *groups: str, dim: int = 0) -> None:
+    """`param` is one shard, along `dim`, of a tensor split over `groups` (e.g. ("tp",) for a column-parallel LoRA B,
+    ("ep",) for routed-expert LoRA): its squares are summed over those groups for the global gradient norm, and
+    `whole` concatenates the groups' shards along `dim` in group-rank order."""
+    setattr(param, SHARDED_ATTR, (tuple(groups), dim))
 
 
 def sharded_over(param: torch.Tensor) -> tuple[str, ...]:
-    return getattr(param, SHARDED_ATTR, ())
+    return getattr(param, SHARDED_ATTR, ((), 0))[0]
+
+
+@torch.no_grad()
+def whole(param: torch.Tensor, ctx: ParallelContext) -> torch.Tensor:
+    """The unsharded tensor of which `param` is this rank's shard (itself when not sharded), on every rank of
+    its groups: a collective, called by all of them together (the PEFT adapter of a sharded run)."""
+    import torch.distributed as dist
+
+    groups, dim = getattr(param, SHARDED_ATTR, ((), 0))
+    t = param.detach()
+    for name in groups:
+        if ctx.size(name) > 1:
+            parts = [torch.empty_like(t) for _ in range(ctx.size(name))]
+            dist.all_gather(parts, t.contiguous(), group=ctx.group(name))
+            t = torch.cat(parts, dim=dim)
+    return t
 
 
 @torch.no_grad()
