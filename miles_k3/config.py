@@ -6,6 +6,7 @@ key or a value of the wrong type fails while composing; `to_typed` then builds t
 section's `validate()`, so a bad value fails before any work with the field's full name.
 """
 import dataclasses
+import os
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,6 +25,7 @@ from miles_k3.model.build import ModelConfig
 from miles_k3.model.checkpoint import CheckpointError
 from miles_k3.model.config import ConfigError
 from miles_k3.model.lora import LoRAConfig
+from miles_k3.parallel.config import ParallelConfig, ParallelConfigError
 from miles_k3.rollout.engine import MEMORY_TAGS, EngineConfig
 from miles_k3.rollout.sglang_backend import SGLangConfig
 from miles_k3.tracking import TrackingConfig
@@ -82,8 +84,12 @@ class TrainConfig:
     """Checkpoint every N steps (0: only at the end); always also on SIGINT / SIGTERM."""
     keep_checkpoints: int = 3
     """Checkpoints kept in run_dir/checkpoints (older ones are deleted after a new one is published)."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """Scale-out over torchrun's processes: dp replicas x tp ranks each, ep expert ranks over them (all 1: one
+    process). torchrun --nproc-per-node dp*tp -m miles_k3.train parallel.dp=... (README "Scale-out")."""
 
     def validate(self) -> None:
+        check_parallel(self.parallel, self.device, self.engine.backend)
         check_device(self.device)
         check_weights_given(self.model)
         check_backend(self.model, self.engine.backend)
@@ -102,6 +108,30 @@ class TrainConfig:
                 raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}")
         if self.keep_checkpoints < 1:
             raise ValueError(f"keep_checkpoints: must be >= 1, got {self.keep_checkpoints}")
+
+
+def check_parallel(parallel: ParallelConfig, device: str, backend: str) -> None:
+    """The `parallel:` mesh (its own fields checked by ParallelConfig.validate) fits the rest of the run: the
+    engine can be colocated on every rank, each rank picks its own device, and the ranks of an EP group run the
+    same engine steps and micro-batches (they are in one TP group, so they hold the same requests and samples).
+    The world size (torchrun's) and the model's shapes are checked when the run starts (`launch.build_run`:
+    `init_parallel`, `ParallelConfig.check_model`)."""
+    if parallel.ep > 1 and parallel.tp % parallel.ep:
+        raise ParallelConfigError(
+            f"parallel.ep: {parallel.ep} groups ranks of several DP replicas (parallel.tp={parallel.tp}), whose "
+            "engines and micro-batches would have to agree on every step (idle ranks running empty steps), which "
+            "the loop does not do yet; use an ep that divides parallel.tp (the model itself shards experts over "
+            "dp x tp: miles_k3.parallel.expert_parallel)")
+    if parallel.world_size == 1:
+        return
+    if backend == "sglang":
+        raise ParallelConfigError(f"parallel.dp x parallel.tp = {parallel.world_size}: engine.backend=sglang runs "
+                                  "one SGLang engine for one trainer process; use engine.backend=native (colocated "
+                                  "on every rank) or parallel.dp=1 parallel.tp=1")
+    if device.startswith("cuda:"):
+        raise ParallelConfigError(f"parallel.dp x parallel.tp = {parallel.world_size}: device={device} pins one GPU "
+                                  "for every rank, and each rank takes cuda:LOCAL_RANK; use device=cuda or "
+                                  "device=auto")
 
 
 def check_backend(model: ModelConfig, backend: str) -> None:
@@ -193,20 +223,36 @@ def check_weights_given(model: ModelConfig) -> None:
 
 @dataclass
 class ModelInfoConfig:
-    """`python -m miles_k3.model_info`: sizing figures of a K3 config."""
+    """`python -m miles_k3.model_info`: sizing figures of a K3 config, whole and per rank of a mesh."""
 
     model: ModelConfig = field(default_factory=lambda: ModelConfig(name="k3"))
     """The model to size (computed on the meta device: no memory, any size)."""
-    tp: int = 8
-    """Tensor-parallel degree for the per-rank KDA state figure (also reported at tp=1)."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """The mesh whose rank 0 is sized (parallel.dp x parallel.tp = gpus; parallel.ep divides them); default one
+    GPU."""
+    gpus: int | None = None
+    """GPUs of the run: parallel.dp defaults to gpus / parallel.tp (None: parallel.dp as given, default 1)."""
+    batch: int = 32
+    """Requests each DP replica's engine holds at once (the KDA state and MLA KV figures)."""
+    context: int = 20480
+    """Tokens per request for the MLA KV figure (prompt + response; aime_grpo's engine.max_context)."""
+    gpu_gib: float = 141.0 * 1e9 / 2**30
+    """Memory of one GPU, GiB, that the per-rank total is compared with (H200: 141 GB)."""
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     """The LoRA adapter whose size `adapter_params` reports."""
 
     def validate(self) -> None:
-        if self.tp < 1:
-            raise ValueError(f"tp: must be >= 1, got {self.tp}")
         if self.model.hf_path is not None:
             raise ValueError("model.hf_path: model_info sizes K3 configs (model.name, model.path), not HF models")
+        if self.gpus is not None and self.gpus != self.parallel.world_size:
+            raise ValueError(f"gpus: {self.gpus} is not parallel.dp x parallel.tp = {self.parallel.dp} x "
+                             f"{self.parallel.tp}; give gpus as a multiple of parallel.tp (parallel.dp follows) or "
+                             "leave parallel.dp unset")
+        for name in ("batch", "context"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        if not self.gpu_gib > 0:
+            raise ValueError(f"gpu_gib: must be > 0, got {self.gpu_gib}")
 
 
 @dataclass
@@ -330,11 +376,23 @@ def or_default(value: Any, default: Any) -> Any:
     return default if value is None else value
 
 
+def replicas(gpus: Any, tp: Any) -> Any:
+    """The resolver `miles_k3.replicas`: model_info's parallel.dp from `gpus` (gpus // parallel.tp; 1 when gpus is
+    null). ModelInfoConfig.validate checks that dp x tp is gpus."""
+    return 1 if gpus is None else max(int(gpus) // int(tp), 1)
+
+
 def schedule_steps(steps: Any) -> int | None:
     """The resolver `miles_k3.schedule_steps`: a run's `steps` as an LR schedule's total_steps (the quickstart
     decays over its whole run), or None (a constant lr) for steps < 1 (steps=0 is a dry run; a negative steps is
     refused by its own field)."""
     return steps if isinstance(steps, int) and not isinstance(steps, bool) and steps >= 1 else None
+
+
+def on_rank0(value: Any, other: Any) -> Any:
+    """The resolver `miles_k3.on_rank0`: `value` in rank 0 of a torchrun launch (or without torchrun), `other` in
+    the other ranks. recipes/train.yaml gives only rank 0 Hydra's record (.hydra/) and train.log."""
+    return value if os.environ.get("RANK", "0") == "0" else other
 
 
 def register_schemas() -> None:
@@ -344,6 +402,10 @@ def register_schemas() -> None:
         OmegaConf.register_new_resolver("miles_k3.shipped_base", shipped_base)
     if not OmegaConf.has_resolver("miles_k3.or_default"):
         OmegaConf.register_new_resolver("miles_k3.or_default", or_default)
+    if not OmegaConf.has_resolver("miles_k3.on_rank0"):
+        OmegaConf.register_new_resolver("miles_k3.on_rank0", on_rank0)
+    if not OmegaConf.has_resolver("miles_k3.replicas"):
+        OmegaConf.register_new_resolver("miles_k3.replicas", replicas)
     store = ConfigStore.instance()
     store.store(name="train_schema", node=TrainConfig)
     store.store(name="eval_schema", node=EvalRunConfig)
@@ -383,8 +445,9 @@ def _validate_tree(obj: Any, path: str) -> None:
     if validate is not None:
         try:
             validate(obj)
-        except ValueError as e:
-            raise ConfigFieldError(f"{path}{e}") from None
+        except ValueError as e:  # a message that names its field in full already (parallel.dp: ...) stays so
+            message = str(e)
+            raise ConfigFieldError(message if message.startswith(path) else f"{path}{message}") from None
 
 
 def typed_or_exit(raw: DictConfig, prog: str) -> Any:
@@ -404,7 +467,7 @@ def default_null_run_dir(raw: DictConfig, app: str) -> None:
 
 
 USER_ERRORS = (ConfigFieldError, ConfigError, DatasetError, CheckpointError, ResumeError,
-               PromptLengthError)
+               PromptLengthError, ParallelConfigError)
 """Errors that are about the user's config, data or checkpoints: their messages say what to fix."""
 
 

@@ -3,10 +3,16 @@ its LoRA adapter, the colocated rollout engine sharing the base, the weight-sync
 schedule, the reward, the prompt stream, the eval hook, the tracker and the run directory, restored from a
 checkpoint when `resume` names one (the run directory's metrics.jsonl and tables cut back to its step).
 `miles_k3/train.py` then only runs the loop over these.
+
+Under torchrun (`parallel:`) every rank builds the same model and adapter (same seed), shards it in place
+(`shard_model`: TP, EP), and colocates its own engine over its shard; rank 0 alone writes the run directory's
+logs, metrics, tables and eval reports (the others get a `NullTracker` and a `RankEvalHook`), and every rank
+checkpoints its own state into one directory (`trainer.checkpoint_ranks`).
 """
 from __future__ import annotations
 
 import logging
+import os
 import random
 import time
 import warnings
@@ -19,22 +25,26 @@ import torch
 from omegaconf import OmegaConf
 
 from miles_k3.evals.datasets import load_problems
-from miles_k3.evals.harness import EvalHook, check_prompt_lengths, prompt_ids
+from miles_k3.evals.harness import EvalHook, check_prompt_lengths, evaluate, prompt_ids
 from miles_k3.evals.rewards import build_reward
-from miles_k3.model.build import build_model, build_tokenizer
+from miles_k3.model.build import build_model, build_tokenizer, load_k3_config
 from miles_k3.model.lora import apply_lora, lora_parameters
+from miles_k3.parallel.expert_parallel import shard_experts_ep
+from miles_k3.parallel.mesh import SINGLE, ParallelContext, init_parallel
+from miles_k3.parallel.tensor_parallel import shard_model_tp
 from miles_k3.rollout.engine import RolloutEngine
 from miles_k3.rollout.sglang_backend import checkpoint_context
 from miles_k3.runtime import resolve_device, resolve_dtype
-from miles_k3.tracking import Tracker, truncate_after
+from miles_k3.tracking import NullTracker, Tracker, truncate_after
 from miles_k3.trainer.checkpoint import (
-    RNG_FILE,
     STATE_FILE,
     ResumeError,
     load_checkpoint,
     resolve_resume,
     set_rng_state,
 )
+from miles_k3.trainer.checkpoint_ranks import load_checkpoint_ranks, rng_file
+from miles_k3.trainer.dp import broadcast, world_of
 from miles_k3.trainer.optim import BadStepGuard, build_optimizer, build_scheduler
 from miles_k3.trainer.rollouts import PromptStream
 from miles_k3.weight_sync.channel import open_sender
@@ -72,13 +82,14 @@ class Run:
     reward: Any
     stream: PromptStream
     eval_hook: EvalHook | None
-    tracker: Tracker
+    tracker: Tracker | NullTracker
     guard: BadStepGuard
     start_step: int = 0
     pad_id: int = 0
     version: int = 0  # the weight version of the trainer's adapter: what the engine serves, pushed as version + 1
     last_checkpoint: Path | None = None
     summary: dict | None = None
+    ctx: ParallelContext = SINGLE  # this process's place in the run's ranks (SINGLE: one process)
 
     def lora_tensors(self) -> dict[str, torch.Tensor]:
         """What a push carries: the adapter parameters by name (native engine), or their PEFT-named views, the
@@ -105,14 +116,20 @@ def seed_everything(seed: int) -> None:
 
 def build_run(cfg) -> Run:
     """The run of `cfg`, seeded first (`cfg.seed`: the random base of a shipped config and the adapter's init
-    are the same in every run with that seed; a resumed run then restores the checkpoint's RNG states)."""
+    are the same in every run with that seed; a resumed run then restores the checkpoint's RNG states). Under
+    torchrun the process group starts first (`init_parallel`: the world size must be parallel.dp x parallel.tp)
+    and the mesh is checked against the model's shapes before any weight is built."""
     seed_everything(cfg.seed)
+    quiet_other_ranks()
+    check_mesh_fits_model(cfg)
+    device = resolve_device(cfg.device)
+    ctx = init_parallel(cfg.parallel, device.type)
+    device = rank_device(device, ctx)
     problems = load_problems(cfg.data)  # bad data fails before the model is built
     eval_problems = load_problems(cfg.eval.data) if cfg.eval.every_n_steps > 0 else None
     tokenizer, stop_ids = build_tokenizer(cfg.model)  # the model config's: a prompt too long fails before it
     check_prompts_fit(cfg, tokenizer, problems, eval_problems)
-    run_dir = Path(cfg.run_dir or f"runs/train-{time.strftime('%Y%m%d-%H%M%S')}")
-    device = resolve_device(cfg.device)
+    run_dir = Path(broadcast(cfg.run_dir or f"runs/train-{time.strftime('%Y%m%d-%H%M%S')}", world_of(ctx)))
     dtype = resolve_dtype(cfg.model.dtype, device)
     if cfg.model.hf_path is not None:
         from miles_k3.model.hf import load_hf_model
@@ -121,13 +138,14 @@ def build_run(cfg) -> Run:
     else:
         model = build_model(cfg.model, device, dtype)
     apply_lora(model, cfg.lora)
+    shard_model(model, ctx)
     params = lora_parameters(model)
     opt = build_optimizer(params, cfg.trainer.optim)
     sched = build_scheduler(opt, cfg.trainer.optim)
     stream = PromptStream(problems, cfg.rollout.seed)
     ckpt = resolve_resume(cfg.resume, run_dir)
-    start, version = _resume(ckpt, model, opt, sched, stream)
-    if ckpt is not None:  # before the tracker appends: the rows a killed run logged past its checkpoint go
+    start, version = _resume(ckpt, model, opt, sched, stream, ctx)
+    if ckpt is not None and ctx.is_main:  # before the tracker appends: the rows a killed run logged past it go
         dropped = truncate_after(run_dir, start)
         if dropped:
             log.info("resume: dropped %d logged rows of steps after %d from %s", dropped, start, run_dir)
@@ -141,17 +159,58 @@ def build_run(cfg) -> Run:
         log.info(engine_line(engine))
         engine.load_lora_adapter_from_tensors(POLICY, {n: p.detach() for n, p in params.items()}, cfg.lora)
         engine.weight_version = version  # the checkpoint's adapter is what it serves
-        channel = open_sender(cfg.sync, engine=engine, adapter=POLICY)
-    tracker = Tracker(cfg.tracking, run_dir, config=OmegaConf.to_container(OmegaConf.structured(cfg)))
+        channel = open_sender(cfg.sync, engine=engine, adapter=POLICY, ctx=ctx)
+    tracker = (Tracker(cfg.tracking, run_dir, config=OmegaConf.to_container(OmegaConf.structured(cfg)))
+               if ctx.is_main else NullTracker())
     hook = None
     if eval_problems is not None:
-        hook = EvalHook(cfg.eval, engine, tokenizer, eval_problems, run_dir, tracker)
+        hook = (EvalHook(cfg.eval, engine, tokenizer, eval_problems, run_dir, tracker) if ctx.is_main else
+                RankEvalHook(cfg.eval, engine, tokenizer, eval_problems, run_dir))
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     if ckpt is not None:  # building the engine may draw random numbers: the loop starts from the saved state
-        set_rng_state(torch.load(ckpt / RNG_FILE, weights_only=True))
+        set_rng_state(torch.load(rng_file(ckpt, ctx), weights_only=True))
     guard = BadStepGuard(cfg.trainer.optim.max_bad_steps, max_empty_steps=cfg.trainer.optim.max_empty_steps)
     return Run(cfg, run_dir, device, model, tokenizer, engine, params, opt, sched, channel,
-               build_reward(cfg.reward), stream, hook, tracker, guard, start, pad, version)
+               build_reward(cfg.reward), stream, hook, tracker, guard, start, pad, version, ctx=ctx)
+
+
+def check_mesh_fits_model(cfg) -> None:
+    """Every dimension parallel.tp / parallel.ep shard divides by its degree (`ParallelConfig.check_model`), from
+    the K3 config alone: before a process group starts or a weight is built. Data parallelism shards nothing."""
+    if cfg.model.hf_path is None and (cfg.parallel.tp > 1 or cfg.parallel.ep > 1):
+        cfg.parallel.check_model(load_k3_config(cfg.model))
+
+
+def rank_device(device: torch.device, ctx: ParallelContext) -> torch.device:
+    """This rank's device: cuda:LOCAL_RANK (made current by `init_parallel`) for a CUDA run on many ranks, else
+    `device` as resolved."""
+    return torch.device("cuda", torch.cuda.current_device()) if ctx.distributed and device.type == "cuda" \
+        else device
+
+
+def quiet_other_ranks() -> None:
+    """Ranks other than 0 of a torchrun launch (RANK, as `init_parallel` reads it) log warnings and errors only:
+    rank 0's lines say what every rank does."""
+    if os.environ.get("RANK", "0") != "0":
+        logging.getLogger("miles_k3").setLevel(logging.WARNING)
+
+
+def shard_model(model, ctx: ParallelContext) -> None:
+    """The one place the trainer's model (built whole, same seed on every rank, LoRA applied) is cut to this
+    rank's shard, in place: tensor parallelism (parallel.tp), then expert parallelism (parallel.ep)."""
+    if ctx.tp_size > 1:
+        shard_model_tp(model, ctx)
+    if ctx.ep_size > 1:
+        shard_experts_ep(model, ctx)
+
+
+class RankEvalHook(EvalHook):
+    """The eval of a rank other than 0: it generates the same requests as rank 0 (under TP / EP the engine's
+    forward is a collective of the ranks holding the model) and writes, logs and returns nothing."""
+
+    def maybe_run(self, step: int, lora: str | None, force: bool = False) -> None:
+        if force or self.due(step):
+            evaluate(self.engine, self.tokenizer, self.problems, self.cfg, lora=lora, progress=False)
 
 
 def check_prompts_fit(cfg, tokenizer, problems: list, eval_problems: list | None) -> None:
@@ -218,12 +277,17 @@ def _sglang_engine(cfg, model, tokenizer, problems, version: int):
     return engine, channel
 
 
-def _resume(ckpt: Path | None, model, opt, sched, stream: PromptStream) -> tuple[int, int]:
+def _resume(ckpt: Path | None, model, opt, sched, stream: PromptStream, ctx: ParallelContext) -> tuple[int, int]:
     """(step, weight version) of the checkpoint restored into the model, optimizer and prompt stream; (0, 0)
-    without one. The version is the checkpoint's own (extra_state.weight_version), not recomputed from the step."""
+    without one. The version is the checkpoint's own (extra_state.weight_version), not recomputed from the step.
+    On many ranks every rank restores its own state (`checkpoint_ranks`); the checkpoint's mesh must be this
+    run's."""
     if ckpt is None:
         return 0, 0
-    state = load_checkpoint(ckpt, model, opt, sched)
+    if ctx.distributed:
+        state = load_checkpoint_ranks(ctx, ckpt, model, opt, sched)
+    else:
+        state = load_checkpoint(ckpt, model, opt, sched)
     stream.load_state(state["data_state"]["stream"])
     version = state.get("extra_state", {}).get("weight_version")
     if isinstance(version, bool) or not isinstance(version, int) or version < 0:

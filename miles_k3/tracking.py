@@ -4,7 +4,8 @@ the run directory that `wandb sync` uploads later). Metric keys are namespaced (
 `eval/`, `perf/`, `mem/`); tables (sampled completions) go to W&B and to `tables/<key>.jsonl`; `finish()` draws
 the reward / accuracy / KL / loss curves into `curves.png` (matplotlib). A resumed run first cuts both back to the
 checkpoint's step (`truncate_after`). wandb is imported only when it is used, and the API key is never written
-anywhere by this module.
+anywhere by this module. On many ranks only rank 0 tracks (the metrics it logs are the global ones); the other
+ranks hold a `NullTracker`.
 """
 from __future__ import annotations
 
@@ -98,6 +99,22 @@ class Tracker:
 
     def __exit__(self, *exc) -> None:
         self.finish()
+
+
+class NullTracker:
+    """The tracker of a rank other than 0: the same methods as `Tracker`, writing nothing (rank 0 logs the run's
+    global metrics, and its run directory is the run's)."""
+
+    wandb_dir = None
+
+    def log(self, metrics: dict[str, Any], step: int | None = None) -> None:
+        pass
+
+    def log_table(self, key: str, columns: list[str], rows: list[list], step: int | None = None) -> None:
+        pass
+
+    def finish(self) -> None:
+        pass
 
 
 def truncate_after(run_dir: str | os.PathLike, step: int) -> int:

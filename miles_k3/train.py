@@ -11,7 +11,12 @@ checkpoint with `resume=auto|PATH`) and runs the loop (the README's "The loop"):
 
 `steps=0` builds everything and stops (a dry run of the config). Everything a run writes, Hydra's record
 (`.hydra/`, `train.log`) included, goes into `run_dir`; log lines are written above the progress bar.
+
+On many ranks (`torchrun --nproc-per-node N -m miles_k3.train parallel.dp=N ...`) every rank runs this loop over its
+part of each step's prompts; the metrics, the step line, the bar and the summary are rank 0's (global values),
+and an error is raised naming the rank that saw it.
 """
+import functools
 import logging
 import signal
 import time
@@ -26,8 +31,11 @@ from miles_k3.config import exit_on_user_error, register_schemas, typed_or_exit
 from miles_k3.launch import POLICY, Run, build_run, seed_everything, silence_fla_cpu_warning
 from miles_k3.model.build import build_model
 from miles_k3.model.lora import adapter_num_params, apply_lora
+from miles_k3.parallel.mesh import naming_rank, shutdown
 from miles_k3.runtime import resolve_device, resolve_dtype
 from miles_k3.trainer.checkpoint import ADAPTER_DIR, save_checkpoint
+from miles_k3.trainer.checkpoint_ranks import save_checkpoint_ranks
+from miles_k3.trainer.dp import max_over, world_of
 from miles_k3.trainer.rollouts import check_on_policy, collect_rollouts
 from miles_k3.trainer.step import train_step
 
@@ -39,11 +47,27 @@ def train(cfg, raw_yaml: str = "") -> Run:
     t0 = time.perf_counter()
     run = build_run(cfg)
     log_adapter(cfg.lora, run.model, f"; run dir {run.run_dir}")
-    evals: dict[int, dict] = {}
+    try:
+        with naming_rank(run.ctx):
+            step, evals = run_loop(run, raw_yaml)
+    finally:
+        run.close()
+    run.summary = final_summary(run, step, evals, time.perf_counter() - t0)
+    if run.ctx.is_main:
+        print(format_summary(run.summary), flush=True)
+    return run
+
+
+def run_loop(run: Run, raw_yaml: str) -> tuple[int, dict[int, dict]]:
+    """The steps after run.start_step up to cfg.steps (fewer on SIGINT / SIGTERM); returns (last step, eval
+    metrics by step)."""
+    cfg, evals = run.cfg, {}
     if run.eval_hook is not None and cfg.eval.at_start and run.start_step == 0:
-        evals[0] = run.eval_hook.maybe_run(0, POLICY, force=True)  # the adapter starts as a no-op: the base
+        result = run.eval_hook.maybe_run(0, POLICY, force=True)  # the adapter starts as a no-op: the base
+        if result is not None:  # None: a rank other than 0 (it reports nothing)
+            evals[0] = result
     stop = _StopFlag()
-    bar = tqdm(total=cfg.steps, initial=run.start_step, desc="train", unit="step")
+    bar = tqdm(total=cfg.steps, initial=run.start_step, desc="train", unit="step", disable=not run.ctx.is_main)
     step = run.start_step
     try:
         with logging_redirect_tqdm(tqdm_class=tqdm):  # log lines go above the bar, not into it
@@ -57,20 +81,17 @@ def train(cfg, raw_yaml: str = "") -> Run:
                     result = run.eval_hook.maybe_run(step, POLICY, force=step == cfg.steps)
                     if result is not None:
                         evals[step] = result
-                every = cfg.checkpoint_every
-                if stop.requested or step == cfg.steps or (every and step % every == 0):
+                every, stopping = cfg.checkpoint_every, stop.agreed(run.ctx)
+                if stopping or step == cfg.steps or (every and step % every == 0):
                     checkpoint(run, step, raw_yaml)
-                if stop.requested:
-                    log.warning("stopping at step %d on %s; resume with resume=auto run_dir=%s", step,
-                                stop.requested, run.run_dir)
+                if stopping:
+                    log.warning("stopping at step %d on %s; resume with resume=auto run_dir=%s", step, stopping,
+                                run.run_dir)
                     break
     finally:
         bar.close()
         stop.restore()
-        run.close()
-    run.summary = final_summary(run, step, evals, time.perf_counter() - t0)
-    print(format_summary(run.summary), flush=True)
-    return run
+    return step, evals
 
 
 def final_summary(run: Run, step: int, evals: dict[int, dict], wall_s: float) -> dict:
@@ -113,14 +134,15 @@ def format_summary(s: dict) -> str:
 def one_step(run: Run, step: int) -> tuple[dict[str, float], list]:
     cfg, tags = run.cfg, list(run.cfg.rollout.release_tags)
     timer = _Timer()
-    samples, metrics = collect_rollouts(run.engine, run.tokenizer, run.stream, run.reward, cfg.rollout, POLICY)
+    samples, metrics = collect_rollouts(run.engine, run.tokenizer, run.stream, run.reward, cfg.rollout, POLICY,
+                                        run.ctx)
     check_on_policy(samples, run.version)
     timer.lap("rollout")
     if tags:
         run.engine.release_memory_occupation(tags)
     timer.lap("release")
     metrics |= train_step(run.model, samples, cfg.trainer, run.opt, run.sched, run.params, run.pad_id,
-                          run.device, temperature=cfg.rollout.temperature)  # no samples: an empty step
+                          run.device, temperature=cfg.rollout.temperature, ctx=run.ctx)  # none: an empty step
     run.guard.record(metrics)
     timer.lap("train")
     resume_first = getattr(run.engine, "push_needs_memory", False)  # SGLang: a push's parity probe generates
@@ -166,11 +188,12 @@ def log_samples(run: Run, samples: list, step: int) -> None:
 
 
 def checkpoint(run: Run, step: int, raw_yaml: str) -> None:
-    path = save_checkpoint(run.run_dir, step, run.model, run.cfg.lora, run.opt, run.sched,
-                           {"stream": run.stream.state()}, {"weight_version": run.version},
-                           raw_yaml, keep=run.cfg.keep_checkpoints,
-                           base_model_name_or_path=(run.cfg.model.hf_path or run.cfg.model.path
-                                                    or run.cfg.model.name))
+    """One checkpoint of the run at `step` (on many ranks every rank's state in one directory, together)."""
+    save = save_checkpoint if not run.ctx.distributed else functools.partial(save_checkpoint_ranks, run.ctx)
+    path = save(run.run_dir, step, run.model, run.cfg.lora, run.opt, run.sched,
+                {"stream": run.stream.state()}, {"weight_version": run.version},
+                raw_yaml, keep=run.cfg.keep_checkpoints,
+                base_model_name_or_path=run.cfg.model.hf_path or run.cfg.model.path or run.cfg.model.name)
     run.guard.last_good = path
     run.last_checkpoint = path
     log.info("checkpoint: %s", path)
@@ -215,6 +238,13 @@ class _StopFlag:
     def _set(self, signum, _frame) -> None:
         self.requested = signal.Signals(signum).name
 
+    def agreed(self, ctx) -> str | None:
+        """What stops the run after this step, the same on every rank: a signal on any rank stops them all."""
+        if not ctx.distributed:
+            return self.requested
+        anywhere = max_over([float(self.requested is not None)], world_of(ctx))[0]
+        return (self.requested or "a signal to another rank") if anywhere else None
+
     def restore(self) -> None:
         for s, h in self._old.items():
             signal.signal(s, h)
@@ -229,7 +259,8 @@ def main(raw: DictConfig) -> None:
             seed_everything(cfg.seed)
             dry_run(cfg)
             return
-        train(cfg, OmegaConf.to_yaml(raw, resolve=True))  # the run's own run_dir, not ${now:...}
+        run = train(cfg, OmegaConf.to_yaml(raw, resolve=True))  # the run's own run_dir, not ${now:...}
+        shutdown(run.ctx)
 
 
 def dry_run(cfg) -> None:

@@ -39,7 +39,7 @@ def test_parameter_counts_of_shipped_configs():
 
 
 def test_model_info_k3_figures():
-    info = model_info(["model=k3"])
+    info = model_info(["model=k3", "parallel.tp=8", "parallel.ep=8"])
     assert info["params_total"] == 2_779_484_476_000
     assert info["kda_state_bytes_per_request"]["tp8"] == 54_263_808
     assert info["kda_state_bytes_per_request"]["tp1"] == 8 * 54_263_808
@@ -62,13 +62,37 @@ def test_model_info_k3_figures():
 
 
 def test_model_info_other_models_and_paths(tmp_path):
-    tiny = model_info(["model=k3_tiny", "tp=2"])
+    tiny = model_info(["model=k3_tiny", "parallel.tp=2", "parallel.ep=2"])
     assert tiny["params_total"] == 3_074_040
     assert tiny["kda_state_bytes_per_request"] == {"tp1": 6 * 4 * 32 * 32 * 4, "tp2": 6 * 2 * 32 * 32 * 4}
     assert tiny["mla_kv_bytes_per_token"] == 3 * (32 + 8) * 2
     K3Config.from_name("k3_m").save(tmp_path / "config.json")
     from_dir = model_info([f"model.path={tmp_path}"])
     assert from_dir["params_total"] == 296_598_624 and from_dir["model"] == str(tmp_path)
+
+
+def test_model_info_sizes_one_rank_of_a_mesh():
+    """per_rank comes from the meta model sharded by the sharding code; the values below are worked by hand."""
+    r = model_info(["model=k3_tiny", "parallel.tp=2", "parallel.ep=2", "gpus=4", "batch=4", "context=100"])["per_rank"]
+    assert r["mesh"] == {"gpus": 4, "dp": 2, "tp": 2, "ep": 2} and r["experts_per_rank"] == 8
+    # MXFP4 expert 64x64 projections: 64 x 32 packed + 64 x 2 scale bytes; 3 per expert, 8 experts, 8 MoE layers
+    assert r["base_expert_bytes"] == 8 * 8 * 3 * (64 * 32 + 64 * 2)
+    # rank-16 LoRA per rank: column layers keep A [16, In] whole and B's Out/2 rows; row layers A's In/2 columns
+    kda = 4 * 16 * (128 + 64) + 16 * (64 + 128)  # q, k, v, g (128 -> 128/2); o (128/2 -> 128)
+    mla = (16 * (128 + 64) + 16 * (64 + 48) + 16 * (128 + 40) + 16 * (32 + 64) + 16 * (128 + 32)
+           + 16 * (32 + 128))  # q_a, q_b (-> 96/2), kv_a, kv_b (-> 128/2), g (-> 64/2), o (64/2 ->)
+    dense = 2 * 16 * (128 + 192) + 16 * (192 + 128)  # gate, up (-> 384/2); down
+    shared = 2 * 16 * (128 + 64) + 16 * (64 + 128)  # 2 shared experts of 64: 128 wide, 64 per rank
+    assert r["adapter_params"] == 6 * kda + 3 * mla + dense + 8 * shared == 223_872
+    assert r["lora_and_optimizer_bytes"] == 16 * 223_872
+    # 6 KDA layers x 2 of 4 heads x 32 x 32 fp32, plus bf16 conv windows of 3 x 64 channels x 3 taps; 4 requests
+    assert r["kda_state_bytes"] == 4 * 6 * (2 * 32 * 32 * 4 + 3 * 64 * 3 * 2)
+    assert r["mla_kv_bytes"] == 4 * 100 * 3 * (32 + 8) * 2  # latents replicated over tp
+    assert r["alltoall_bytes_per_token_per_moe_layer"]["forward"] == 2 * 4 * 64 * 2  # K rows of the latent, bf16
+    k3 = model_info(["model=k3", "parallel.tp=8", "parallel.ep=64", "gpus=64"])["per_rank"]
+    assert k3["experts_per_rank"] == 14 and k3["base_expert_bytes"] == 2_722_740_830_208 * 17 // 32 // 64
+    with pytest.raises(SystemExit):
+        model_info(["model=k3", "parallel.tp=8", "gpus=60"])
 
 
 def test_state_dict_keys_are_the_checkpoint_names():

@@ -160,9 +160,11 @@ def test_unknown_keys_and_bad_types_fail_while_composing():
     with pytest.raises(ConfigCompositionException, match="reward"):
         compose_config("train", ["reward=no_such_reward"])
     with pytest.raises((ConfigKeyError, ConfigCompositionException), match="tp"):
-        compose_config("model_info", ["tp=two"])
-    with pytest.raises(ConfigFieldError, match="^tp: "):
-        compose_config("model_info", ["tp=0"])
+        compose_config("model_info", ["parallel.tp=two"])
+    with pytest.raises(ConfigFieldError, match="^parallel.tp: must be an integer >= 1"):
+        compose_config("model_info", ["parallel.tp=0"])
+    with pytest.raises(ConfigFieldError, match=r"^gpus: 12 is not parallel.dp x parallel.tp = 1 x 8"):
+        compose_config("model_info", ["parallel.tp=8", "parallel.dp=1", "gpus=12"])
     with pytest.raises(ConfigFieldError, match="^model.hf_path: model_info sizes K3 configs"):
         compose_config("model_info", ["model.hf_path=/ckpt/qwen3"])
 

@@ -51,8 +51,8 @@ def _capture_grads(monkeypatch):
 
     grads = []
     real = step_mod.optimizer_step
-    monkeypatch.setattr(step_mod, "optimizer_step", lambda opt, sched, params, cfg: grads.append(
-        {n: p.grad.clone() for n, p in params.items()}) or real(opt, sched, params, cfg))
+    monkeypatch.setattr(step_mod, "optimizer_step", lambda opt, sched, params, cfg, **kw: grads.append(
+        {n: p.grad.clone() for n, p in params.items()}) or real(opt, sched, params, cfg, **kw))
     return grads
 
 

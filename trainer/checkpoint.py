@@ -9,6 +9,12 @@ Layout under `<run_dir>/checkpoints/`:
     config.yaml             the run's resolved config, as given
   latest                    text: the name of the newest published step directory
 
+A run on many ranks (`checkpoint_ranks.py`) writes the same step directories with the per-rank state apart:
+adapter/ (the whole adapter, written by rank 0), state.json and config.yaml as above, mesh.json (the mesh that
+wrote it: {"dp", "tp", "ep", "world"}) and rank-<RRRRR>/ per rank with that rank's optimizer.pt, rng.pt and
+adapter_shard.pt (its LoRA parameters by name: its shards under TP/EP). A checkpoint resumes only on the mesh
+that wrote it (a directory without mesh.json: one process).
+
 A step directory is built under a hidden `.step_*.tmp-*` sibling and renamed into place
 (`atomic_directory`), and only then is `latest` rewritten (`atomic_write_text`), so a crash leaves the
 previous checkpoint and pointer untouched. The .pt files hold only tensors, numbers, strings, lists, tuples
@@ -45,6 +51,14 @@ STATE_FILE = "state.json"
 CONFIG_YAML = "config.yaml"
 MEMBER_FILES = (f"{ADAPTER_DIR}/{CONFIG_FILE}", f"{ADAPTER_DIR}/{WEIGHTS_FILE}", OPTIMIZER_FILE, RNG_FILE,
                 STATE_FILE, CONFIG_YAML)
+MESH_FILE = "mesh.json"
+SHARD_FILE = "adapter_shard.pt"
+RANK_FILES = (OPTIMIZER_FILE, RNG_FILE, SHARD_FILE)
+"""Each rank's files in its rank-<RRRRR>/ directory of a checkpoint written on many ranks."""
+RANKS_TOP_FILES = (f"{ADAPTER_DIR}/{CONFIG_FILE}", f"{ADAPTER_DIR}/{WEIGHTS_FILE}", STATE_FILE, CONFIG_YAML,
+                   MESH_FILE)
+MESH_KEYS = ("dp", "tp", "ep", "world")
+ONE_PROCESS = {"dp": 1, "tp": 1, "ep": 1, "world": 1}
 STEP_DIR = re.compile(r"step_(\d{8,})")  # published directories only: staging ones start with "."
 LEFTOVER = re.compile(r"\.(step_\d{8,}|latest)\.(tmp|old)-.*")
 
@@ -61,6 +75,59 @@ def checkpoints_dir(run_dir: str | os.PathLike) -> Path:
     return Path(run_dir) / CHECKPOINTS
 
 
+def rank_dir_name(rank: int) -> str:
+    return f"rank-{rank:05d}"
+
+
+# ---- the mesh that wrote a checkpoint --------------------------------------------------------------------
+def mesh_of(ctx) -> dict[str, int]:
+    """The mesh of a ParallelContext as a checkpoint records it."""
+    return {"dp": ctx.dp_size, "tp": ctx.tp_size, "ep": ctx.ep_size, "world": ctx.world_size}
+
+
+def checkpoint_mesh(path: Path) -> dict[str, int] | None:
+    """The mesh that wrote step directory `path` (ONE_PROCESS without a mesh.json); None for a mesh.json that is
+    unreadable or not a mesh."""
+    file = path / MESH_FILE
+    if not file.exists():
+        return dict(ONE_PROCESS)
+    try:
+        mesh = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    ok = isinstance(mesh, dict) and all(isinstance(mesh.get(k), int) and mesh[k] >= 1 for k in MESH_KEYS)
+    return {k: mesh[k] for k in MESH_KEYS} if ok else None
+
+
+def member_files(mesh: dict[str, int]) -> tuple[str, ...]:
+    """The files a complete step directory written by `mesh` holds."""
+    if mesh == ONE_PROCESS:
+        return MEMBER_FILES
+    return RANKS_TOP_FILES + tuple(f"{rank_dir_name(r)}/{f}" for r in range(mesh["world"]) for f in RANK_FILES)
+
+
+def mesh_text(mesh: dict[str, int]) -> str:
+    n = mesh["world"]
+    return f"dp={mesh['dp']} x tp={mesh['tp']}, ep={mesh['ep']} ({n} rank{'s' * (n != 1)})"
+
+
+def check_mesh(path: Path, have: dict[str, int]) -> None:
+    """The checkpoint at `path` was written by the mesh `have` (this run's): its optimizer, adapter and RNG
+    states are per rank of its mesh. ResumeError naming both meshes and how to resume otherwise."""
+    saved = checkpoint_mesh(path)
+    if saved is None:
+        raise corrupt(path, path / MESH_FILE, "unreadable or not a mesh (dp, tp, ep, world)")
+    if saved == have:
+        return
+    how = ("in one process (no torchrun)" if saved["world"] == 1 else
+           f"under torchrun with {saved['world']} processes in all")
+    raise ResumeError(f"{path}: the checkpoint was written by the mesh {mesh_text(saved)} and this run's mesh is "
+                      f"{mesh_text(have)}; its optimizer, adapter and RNG states are per rank of its mesh: resume "
+                      f"with parallel.dp={saved['dp']} parallel.tp={saved['tp']} parallel.ep={saved['ep']} {how}, "
+                      "or start a new run in another run_dir (its adapter/ directory holds the whole adapter, "
+                      "servable as is)")
+
+
 # ---- save ------------------------------------------------------------------------------------------------
 def save_checkpoint(run_dir: str | os.PathLike, step: int, model: nn.Module, lora_cfg: LoRAConfig,
                     optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler,
@@ -74,7 +141,7 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, model: nn.Module, lor
         raise ValueError(f"step: must be an int >= 0, got {step!r}")
     if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
         raise ValueError(f"keep: must be an int >= 1 (checkpoints to keep), got {keep!r}")
-    state_text = _state_json(step, data_state, extra_state)
+    state_text = state_json(step, data_state, extra_state)
     root = checkpoints_dir(run_dir)
     dest = root / step_dir_name(step)
     with atomic_directory(dest, overwrite=True) as tmp:
@@ -85,11 +152,11 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, model: nn.Module, lor
         (tmp / STATE_FILE).write_text(state_text, encoding="utf-8")
         (tmp / CONFIG_YAML).write_text(config_text, encoding="utf-8")
     atomic_write_text(root / LATEST, dest.name + "\n")
-    _prune(root, step, keep)
+    prune(root, step, keep)
     return dest
 
 
-def _state_json(step: int, data_state: dict, extra_state: dict) -> str:
+def state_json(step: int, data_state: dict, extra_state: dict) -> str:
     for name, value in (("data_state", data_state), ("extra_state", extra_state)):
         if not isinstance(value, dict):
             raise TypeError(f"{name}: must be a dict, got {type(value).__name__}")
@@ -101,7 +168,7 @@ def _state_json(step: int, data_state: dict, extra_state: dict) -> str:
     return json.dumps({"step": step, "data_state": data_state, "extra_state": extra_state}, indent=2) + "\n"
 
 
-def _prune(root: Path, step: int, keep: int) -> None:
+def prune(root: Path, step: int, keep: int) -> None:
     """Keep the newest `keep` complete checkpoints at or below `step` (the new one among them) and delete the
     other step directories at or below it (incomplete ones too), and staging leftovers. Directories of later
     steps (left by a run that was resumed from an earlier checkpoint) are left alone."""
@@ -172,7 +239,8 @@ def is_complete(path: str | os.PathLike) -> bool:
     """Whether `path` is a step directory with every member file and a state.json that parses (its step
     matching the directory name)."""
     path = Path(path)
-    if not all((path / f).is_file() for f in MEMBER_FILES):
+    mesh = checkpoint_mesh(path)
+    if mesh is None or not all((path / f).is_file() for f in member_files(mesh)):
         return False
     try:
         state = json.loads((path / STATE_FILE).read_text(encoding="utf-8"))
@@ -228,23 +296,24 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.
 
     Raises ResumeError naming the file for a missing directory or a missing, truncated or corrupt member (with
     the earlier checkpoint to resume from instead), for a run configured with another LoRA rank, alpha, targets
-    or use_rslora than the checkpoint was written with (both named, and how to resume or start over), or for an
-    optimizer that does not match the checkpoint."""
+    or use_rslora than the checkpoint was written with (both named, and how to resume or start over), for an
+    optimizer that does not match the checkpoint, or for a checkpoint written on many ranks (`check_mesh`)."""
     path = Path(path)
     if not path.is_dir():
         raise ResumeError(f"{path}: checkpoint directory does not exist")
     if applied_lora_config(model) is None:
         raise ValueError("model: has no LoRA adapters; apply_lora(model, lora_cfg) and build the optimizer "
                          "over lora_parameters(model) before load_checkpoint")
+    check_mesh(path, ONE_PROCESS)
     for member in MEMBER_FILES:
         if not (path / member).is_file():
-            raise _corrupt(path, path / member, "missing: the checkpoint is incomplete")
-    _check_lora_matches(path, applied_lora_config(model))
-    state = _read_state(path)
-    blobs = _read_pt(path, OPTIMIZER_FILE, ("optimizer", "scheduler"))
-    rng = _read_pt(path, RNG_FILE, ("torch", "cuda", "python", "numpy"))
-    _check_optimizer_matches(path / OPTIMIZER_FILE, blobs["optimizer"], optimizer)
-    _check_rng(path, rng)
+            raise corrupt(path, path / member, "missing: the checkpoint is incomplete")
+    check_lora_matches(path, applied_lora_config(model))
+    state = read_state(path)
+    blobs = read_pt(path, path / OPTIMIZER_FILE, OPTIMIZER_KEYS)
+    rng = read_pt(path, path / RNG_FILE, RNG_KEYS)
+    check_optimizer_matches(path / OPTIMIZER_FILE, blobs["optimizer"], optimizer)
+    check_rng(path, path / RNG_FILE, rng)
     try:
         load_adapter(model, path / ADAPTER_DIR)  # validates everything before it writes
     except (ValueError, FileNotFoundError) as e:  # its message starts with the adapter file's path
@@ -255,11 +324,13 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.
     return state
 
 
+OPTIMIZER_KEYS = ("optimizer", "scheduler")
+RNG_KEYS = ("torch", "cuda", "python", "numpy")
 LORA_FIELDS = ("rank", "alpha", "targets", "use_rslora")
 """The LoRA settings a checkpoint's tensors and optimizer state depend on (dropout does not matter)."""
 
 
-def _check_lora_matches(path: Path, have: LoRAConfig) -> None:
+def check_lora_matches(path: Path, have: LoRAConfig) -> None:
     """The run's LoRA is the one the checkpoint was written with; a difference is a config change, not damage."""
     try:
         saved = read_adapter_config(path / ADAPTER_DIR)
@@ -284,41 +355,42 @@ def _lora_value(cfg: LoRAConfig, name: str) -> str:
     return str(float(value)) if name == "alpha" else str(value)
 
 
-def _check_rng(path: Path, rng: dict) -> None:
-    """Try the RNG states (then put the current ones back), so a bad rng.pt fails before anything changes."""
+def check_rng(path: Path, file: Path, rng: dict) -> None:
+    """Try the RNG states of `file` in checkpoint `path` (then put the current ones back), so a bad rng.pt fails
+    before anything changes."""
     current = rng_state()
     try:
         set_rng_state(rng)
     except (KeyError, TypeError, ValueError, RuntimeError, AttributeError) as e:
-        raise _corrupt(path, path / RNG_FILE, f"not a valid RNG state ({type(e).__name__}: {e})") from None
+        raise corrupt(path, file, f"not a valid RNG state ({type(e).__name__}: {e})") from None
     finally:
         set_rng_state(current)
 
 
-def _read_state(path: Path) -> dict:
+def read_state(path: Path) -> dict:
     file = path / STATE_FILE
     try:
         state = json.loads(file.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise _corrupt(path, file, f"unreadable ({e})") from None
+        raise corrupt(path, file, f"unreadable ({e})") from None
     if not isinstance(state, dict) or not isinstance(state.get("step"), int):
-        raise _corrupt(path, file, "not a checkpoint state (a JSON object with an int 'step')")
+        raise corrupt(path, file, "not a checkpoint state (a JSON object with an int 'step')")
     return state
 
 
-def _read_pt(path: Path, name: str, keys: tuple[str, ...]) -> dict:
-    file = path / name
+def read_pt(path: Path, file: Path, keys: tuple[str, ...]) -> dict:
+    """The dict `file` (a .pt member of checkpoint `path`) holds, with `keys`; ResumeError naming the file."""
     try:
         blob = torch.load(file, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - truncated zip, bad pickle, a refused type: the file is unusable
-        raise _corrupt(path, file, f"unreadable, the file is truncated or corrupt ({type(e).__name__}: {e})"
+        raise corrupt(path, file, f"unreadable, the file is truncated or corrupt ({type(e).__name__}: {e})"
                        ) from None
     if not isinstance(blob, dict) or any(k not in blob for k in keys):
-        raise _corrupt(path, file, f"does not hold the expected entries {list(keys)}")
+        raise corrupt(path, file, f"does not hold the expected entries {list(keys)}")
     return blob
 
 
-def _check_optimizer_matches(file: Path, saved: dict, optimizer: torch.optim.Optimizer) -> None:
+def check_optimizer_matches(file: Path, saved: dict, optimizer: torch.optim.Optimizer) -> None:
     """The saved optimizer state must be for the same parameters, by name, in the same order."""
     try:
         saved_names = [g.get("param_names") for g in saved["param_groups"]]
@@ -345,7 +417,7 @@ def _first_difference(saved: list, have: list) -> str:
     return ""
 
 
-def _corrupt(ckpt: Path, file: Path, why: str) -> ResumeError:
+def corrupt(ckpt: Path, file: Path, why: str) -> ResumeError:
     """The error for an unusable checkpoint member: names the file and an earlier checkpoint to use."""
     return ResumeError(f"{file}: {why}. This checkpoint cannot be resumed; {_earlier_hint(ckpt)}")
 

@@ -25,6 +25,10 @@ import torch
 from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 
+from miles_k3.parallel.grads import global_grad_norm, reduce_gradients
+from miles_k3.parallel.mesh import SINGLE, ParallelContext
+from miles_k3.trainer.dp import max_over, world_of
+
 ADAPTER_MARK = "lora_"  # every adapter Parameter name contains it (`...q_proj.lora_A.weight`)
 
 
@@ -143,15 +147,23 @@ def build_scheduler(opt: torch.optim.Optimizer, cfg: OptimConfig) -> LambdaLR:
 
 # ---- one update ------------------------------------------------------------------------------------------
 def optimizer_step(opt: torch.optim.Optimizer, sched: LambdaLR, params: dict[str, nn.Parameter],
-                   cfg: OptimConfig, loss: float | torch.Tensor | None = None) -> dict[str, float]:
+                   cfg: OptimConfig, loss: float | torch.Tensor | None = None,
+                   ctx: ParallelContext = SINGLE) -> dict[str, float]:
     """Clip the global grad norm of `params` to cfg.grad_clip, step the optimizer and the scheduler, zero the
     gradients. When the norm is not finite (a NaN/Inf gradient), or `loss` is given and is not finite, the
     update is skipped: gradients are zeroed and neither the optimizer (parameters and moments stay as they
     were) nor the scheduler steps. Returns train/grad_norm (before clipping; NaN when skipped), train/lr (the
-    lr of this update, or of the next one when skipped) and train/skipped (1.0 or 0.0)."""
-    grads = [p for p in params.values() if p.grad is not None]
+    lr of this update, or of the next one when skipped) and train/skipped (1.0 or 0.0).
+
+    Distributed (`ctx`): the gradients are first summed over their groups (`grads.reduce_gradients`; a parameter
+    without a gradient here but with one on another rank takes part with zeros) and the norm is the global one
+    (`grads.global_grad_norm`), the same on every rank, so every rank steps or skips together."""
     max_norm = cfg.grad_clip if cfg.grad_clip > 0 else math.inf  # inf: scales by exactly 1.0
-    norm = float(torch.nn.utils.clip_grad_norm_(grads, max_norm, error_if_nonfinite=False)) if grads else 0.0
+    if ctx.distributed:
+        norm = _reduced_clipped_norm(list(params.values()), max_norm, ctx)
+    else:
+        grads = [p for p in params.values() if p.grad is not None]
+        norm = float(torch.nn.utils.clip_grad_norm_(grads, max_norm, error_if_nonfinite=False)) if grads else 0.0
     lr = float(opt.param_groups[0]["lr"])
     loss_ok = loss is None or math.isfinite(float(loss.detach() if torch.is_tensor(loss) else loss))
     if not (math.isfinite(norm) and loss_ok):
@@ -161,6 +173,22 @@ def optimizer_step(opt: torch.optim.Optimizer, sched: LambdaLR, params: dict[str
     sched.step()
     opt.zero_grad(set_to_none=True)
     return {"train/grad_norm": norm, "train/lr": lr, "train/skipped": 0.0}
+
+
+def _reduced_clipped_norm(params: list[nn.Parameter], max_norm: float, ctx: ParallelContext) -> float:
+    """Sum the gradients over their groups, clip them to `max_norm` by their global norm and return that norm.
+    Every rank passes the same parameters (their shards); one with no gradient on any rank keeps none (AdamW
+    leaves it alone, as in one process)."""
+    anywhere = max_over([float(p.grad is not None) for p in params], world_of(ctx))
+    for p, has in zip(params, anywhere):
+        if has and p.grad is None:
+            p.grad = torch.zeros_like(p)
+    grads = [p for p in params if p.grad is not None]
+    reduce_gradients(grads, ctx)
+    norm = global_grad_norm(grads, ctx)
+    if grads and math.isfinite(float(norm)):
+        torch.nn.utils.clip_grads_with_norm_(grads, max_norm, norm)
+    return float(norm) if grads else 0.0
 
 
 class BadStepGuard:

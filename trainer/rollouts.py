@@ -31,8 +31,10 @@ import torch
 from miles_k3.evals.datasets import Problem
 from miles_k3.evals.rewards import grade_outcome
 from miles_k3.evals.templates import render_prompt, response_text, template_names
+from miles_k3.parallel.mesh import SINGLE, ParallelContext
 from miles_k3.trainer.advantages import ADVANTAGE_ESTIMATORS, group_advantages, zero_variance_groups
 from miles_k3.trainer.batch import Sample
+from miles_k3.trainer.dp import sum_over
 
 OVERLONG_MODES = ("none", "mask", "penalty")
 GRADER_FAILURE_WARN = 0.05  # a step whose grader timeouts + errors exceed this share of its samples warns
@@ -139,28 +141,52 @@ class PromptStream:
 
 
 def collect_rollouts(engine, tokenizer, stream: PromptStream, reward_fn, cfg: RolloutConfig,
-                     lora: str | None) -> tuple[list[Sample], dict[str, float]]:
+                     lora: str | None, ctx: ParallelContext = SINGLE) -> tuple[list[Sample], dict[str, float]]:
     """`prompts_per_step` groups of `group_size` samples (fewer when dynamic sampling ran out of rounds), with
-    rewards and advantages; metrics under rollout/."""
-    kept: list[list[Sample]] = []
+    rewards and advantages; metrics under rollout/.
+
+    Data parallel (ctx.dp_size > 1): prompts_per_step is the global batch. Every replica draws the same prompts
+    from its own copy of the stream and samples every dp_size-th of them (drawn[dp_rank::dp_size]: a group never
+    spans replicas; the sampling seeds come from the global draw index, so a prompt's samples do not depend on
+    which replica runs it). Which groups are kept, each kept group's Sample.group (its index among the step's
+    kept groups, as one process numbers them) and the metrics are global; the samples returned are this
+    replica's."""
+    group = ctx.dp_group
+    kept: list[tuple[int, list[Sample]]] = []  # (global group index, this replica's group)
     seen: list[list[Sample]] = []
     outcomes: list[tuple[str, bool]] = []  # (grade outcome, correct) of every graded sample
-    rounds = num_flat = 0
-    while len(kept) < cfg.prompts_per_step and rounds < (cfg.max_sampling_rounds if cfg.dynamic_sampling else 1):
-        groups, graded = _sample_groups(engine, tokenizer, stream.take(cfg.prompts_per_step - len(kept)),
-                                        reward_fn, cfg, lora)
+    rounds = num_kept = num_flat = num_drawn = 0
+    while num_kept < cfg.prompts_per_step and rounds < (cfg.max_sampling_rounds if cfg.dynamic_sampling else 1):
+        drawn = stream.take(cfg.prompts_per_step - num_kept)
+        mine = drawn[ctx.dp_rank::ctx.dp_size]
+        groups, graded = _sample_groups(engine, tokenizer, mine, reward_fn, cfg, lora) if mine else ([], [])
         seen += groups
         outcomes += graded
-        flat = [_is_flat(g) for g in groups]
-        num_flat += sum(flat)
-        kept += [g for g, flat_g in zip(groups, flat) if not (cfg.dynamic_sampling and flat_g)]
+        flat = _global_flags([_is_flat(g) for g in groups], len(drawn), ctx)  # by position in `drawn`
+        keep = [not (cfg.dynamic_sampling and f) for f in flat]
+        index = [num_kept + sum(keep[:j]) for j in range(len(drawn))]
+        kept += [(index[j], g) for j, g in zip(range(ctx.dp_rank, len(drawn), ctx.dp_size), groups) if keep[j]]
+        num_flat, num_kept, num_drawn = num_flat + sum(flat), num_kept + sum(keep), num_drawn + len(drawn)
         rounds += 1
-    for gi, g in enumerate(kept):
+    for gi, g in kept:
         for s, a in zip(g, _advantages(g, cfg.advantage)):
             s.advantage, s.group = a, gi
-    samples = [s for g in kept for s in g]
-    return samples, {**_metrics(seen, kept, rounds), **_grading_metrics(outcomes),
-                     "rollout/frac_zero_std": num_flat / len(seen)}
+    samples = [s for _, g in kept for s in g]
+    local = _totals(seen, outcomes)
+    totals = dict(zip(local, sum_over(list(local.values()), group)))
+    counts = {"groups_kept": num_kept, "groups_drawn": num_drawn, "rounds": rounds, "flat": num_flat}
+    return samples, _metrics(totals, counts)
+
+
+def _global_flags(flags: list[bool], n: int, ctx: ParallelContext) -> list[bool]:
+    """The flags of all `n` groups drawn this round, by position, from each replica's flags of its own groups
+    (positions dp_rank, dp_rank + dp_size, ...)."""
+    if ctx.dp_size == 1:
+        return list(flags)
+    marks = [0.0] * n
+    for j, f in zip(range(ctx.dp_rank, n, ctx.dp_size), flags):
+        marks[j] = float(f)
+    return [bool(m) for m in sum_over(marks, ctx.dp_group)]
 
 
 def check_on_policy(samples: list[Sample], version: int) -> None:
@@ -190,21 +216,6 @@ def _advantages(group: list[Sample], estimator: str) -> list[float]:
         for i, a in zip(members, adv.tolist()):
             out[i] = a
     return out
-
-
-def _grading_metrics(outcomes: list[tuple[str, bool]]) -> dict[str, float]:
-    """Shares of grader timeouts, grader errors and correct answers among the step's graded samples; warns when
-    timeouts + errors exceed GRADER_FAILURE_WARN."""
-    n = max(len(outcomes), 1)
-    timeouts = sum(o == "timeout" for o, _ in outcomes) / n
-    errors = sum(o == "error" for o, _ in outcomes) / n
-    if timeouts + errors > GRADER_FAILURE_WARN:
-        log.warning("rollout: %.0f%% of this step's samples were not graded (%.0f%% timeouts, %.0f%% grader errors) "
-                    "and scored 0: raise reward.timeout_s or reward.workers, or check the gold answers (a "
-                    "grader error on the gold is a dataset problem)", 100 * (timeouts + errors), 100 * timeouts,
-                    100 * errors)
-    return {"rollout/grader_timeout_rate": timeouts, "rollout/grader_error_rate": errors,
-            "rollout/accuracy": sum(c for _, c in outcomes) / n}
 
 
 def _sample_groups(engine, tokenizer, drawn, reward_fn, cfg: RolloutConfig,
@@ -249,16 +260,35 @@ def overlong_penalty(length: int, max_new_tokens: int, buffer: int) -> float:
     return 0.0 if length <= free else max(-1.0, (free - length) / buffer)
 
 
-def _metrics(seen: list[list[Sample]], kept: list[list[Sample]], rounds: int) -> dict:
+def _totals(seen: list[list[Sample]], outcomes: list[tuple[str, bool]]) -> dict[str, float]:
+    """The sums the rollout/ metrics are made of (summed over DP replicas before they are divided)."""
     flat = [s for g in seen for s in g]
-    lens = [len(s.response_ids) for s in flat]
-    out = {"rollout/reward_mean": sum(s.reward for s in flat) / len(flat),
-           "rollout/response_len_mean": sum(lens) / len(lens),
-           "rollout/truncated_frac": sum(s.truncated for s in flat) / len(flat),
-           "rollout/groups_kept": float(len(kept)), "rollout/groups_drawn": float(len(seen)),
-           "rollout/sampling_rounds": float(rounds)}
     gaps = [u - f for s in flat if s.unfiltered_logprobs
             for f, u in zip(s.rollout_logprobs, s.unfiltered_logprobs)]
-    if gaps:  # top-p / top-k: the sampled tokens' log-probs under the filtered vs the full distribution
-        out["rollout/logprob_filter_gap"] = -sum(gaps) / len(gaps)
-    return out
+    return {"samples": len(flat), "reward": sum(s.reward for s in flat),
+            "response_len": sum(len(s.response_ids) for s in flat), "truncated": sum(s.truncated for s in flat),
+            "gaps": len(gaps), "gap": sum(gaps), "graded": len(outcomes),
+            "timeouts": sum(o == "timeout" for o, _ in outcomes), "errors": sum(o == "error" for o, _ in outcomes),
+            "correct": sum(c for _, c in outcomes)}
+
+
+def _metrics(t: dict[str, float], counts: dict[str, int]) -> dict[str, float]:
+    """The step's rollout/ metrics from the (global) sums `t` and group counts; shares of grader timeouts, grader
+    errors and correct answers among the graded samples; warns when timeouts + errors exceed
+    GRADER_FAILURE_WARN."""
+    out = {"rollout/reward_mean": t["reward"] / t["samples"],
+           "rollout/response_len_mean": t["response_len"] / t["samples"],
+           "rollout/truncated_frac": t["truncated"] / t["samples"],
+           "rollout/groups_kept": float(counts["groups_kept"]), "rollout/groups_drawn": float(counts["groups_drawn"]),
+           "rollout/sampling_rounds": float(counts["rounds"])}
+    if t["gaps"]:  # top-p / top-k: the sampled tokens' log-probs under the filtered vs the full distribution
+        out["rollout/logprob_filter_gap"] = -t["gap"] / t["gaps"]
+    n = max(t["graded"], 1)
+    timeouts, errors = t["timeouts"] / n, t["errors"] / n
+    if timeouts + errors > GRADER_FAILURE_WARN:
+        log.warning("rollout: %.0f%% of this step's samples were not graded (%.0f%% timeouts, %.0f%% grader errors) "
+                    "and scored 0: raise reward.timeout_s or reward.workers, or check the gold answers (a "
+                    "grader error on the gold is a dataset problem)", 100 * (timeouts + errors), 100 * timeouts,
+                    100 * errors)
+    return {**out, "rollout/grader_timeout_rate": timeouts, "rollout/grader_error_rate": errors,
+            "rollout/accuracy": t["correct"] / n, "rollout/frac_zero_std": counts["flat"] / counts["groups_drawn"]}

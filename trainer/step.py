@@ -31,7 +31,10 @@ from dataclasses import dataclass, field
 import torch
 
 from miles_k3.model.lora import adapters_disabled
+from miles_k3.parallel.mesh import SINGLE, ParallelContext
+from miles_k3.parallel.tensor_parallel import vocab_shard
 from miles_k3.trainer.batch import Sample, micro_batches, pack
+from miles_k3.trainer.dp import all_ranks, gather, max_over, sum_over, world_of
 from miles_k3.trainer.losses import LossConfig, policy_loss, token_entropy, token_logprobs
 from miles_k3.trainer.optim import OptimConfig, optimizer_step
 
@@ -73,7 +76,7 @@ class TrainerConfig:
 
 
 def train_step(model, samples: list[Sample], cfg: TrainerConfig, opt, sched, params: dict, pad_id: int,
-               device: torch.device, temperature: float = 1.0) -> dict[str, float]:
+               device: torch.device, temperature: float = 1.0, ctx: ParallelContext = SINGLE) -> dict[str, float]:
     """Backward over every micro-batch of each minibatch of `samples`, one optimizer update per minibatch (see the
     module docstring). Log-probs are of logits / `temperature` (the rollouts' sampling temperature; 0 = greedy
     counts as 1), the policy the engine sampled from and whose log-probs it reports (without top-p / top-k
@@ -83,10 +86,17 @@ def train_step(model, samples: list[Sample], cfg: TrainerConfig, opt, sched, par
     train/updates (updates applied), train/num_tokens and train/num_seqs (response tokens and sequences in the
     loss), train/skipped (1.0 when there was something to train on but no update was applied: non-finite loss
     or gradients) and train/empty_step (1.0 when no sample is in the loss, `samples` may be empty: nothing is
-    computed, train/skipped is 0.0; else 0.0)."""
+    computed, train/skipped is 0.0; else 0.0).
+
+    Data parallel (ctx.dp_size > 1): `samples` are this replica's part of the step's (Sample.group: the group's
+    index in the whole step, `collect_rollouts`). Every rank takes part in every update, with or without samples
+    of its own in it: the loss normalisers are the totals over all replicas, the gradients are summed over them
+    (`grads.reduce_gradients`) and clipped by their global norm, so the update is the one a single process makes
+    over all the samples; whether a step is empty, which minibatches are updates and whether an update is
+    skipped are decided on global values, the same on every rank; the metrics are the global ones."""
     cfg.validate()
     temperature = temperature if temperature > 0 else 1.0
-    if not any(_in_loss(s) for s in samples):
+    if not sum_over([float(sum(map(_in_loss, samples)))], ctx.dp_group)[0]:
         return {"train/skipped": 0.0, "train/empty_step": 1.0, "train/num_tokens": 0.0, "train/num_seqs": 0.0,
                 "train/updates": 0.0}
     old = "current"
@@ -99,8 +109,8 @@ def train_step(model, samples: list[Sample], cfg: TrainerConfig, opt, sched, par
     elif cfg.minibatches > 1:
         fill_old_logprobs(model, [s for s in samples if _in_loss(s)], cfg, pad_id, device, temperature)
         old = "old"
-    results = [_update(model, part, cfg, opt, sched, params, pad_id, device, temperature, old)
-               for part in split_minibatches(samples, cfg.minibatches)]
+    results = [_update(model, part, cfg, opt, sched, params, pad_id, device, temperature, old, ctx)
+               for part in split_minibatches(samples, cfg.minibatches, ctx)]
     return _combine(results) | {"train/empty_step": 0.0}
 
 
@@ -109,18 +119,28 @@ def _in_loss(s: Sample) -> bool:
     return s.in_loss and bool(s.response_ids)
 
 
-def split_minibatches(samples: list[Sample], n: int) -> list[list[Sample]]:
+def split_minibatches(samples: list[Sample], n: int, ctx: ParallelContext = SINGLE) -> list[list[Sample]]:
     """`samples` in order as up to `n` minibatches of whole groups (consecutive runs of equal Sample.group), the
-    groups shared out as evenly as possible; minibatches with no token in the loss are left out."""
+    groups shared out as evenly as possible; minibatches with no token in the loss are left out. Data parallel:
+    the step's groups over all replicas are shared out (by Sample.group, the global index), each replica's
+    minibatch k holds its part of the global minibatch k (possibly none), and a minibatch is left out when no
+    replica has a token in the loss in it."""
     groups: list[list[Sample]] = []
     for s in samples:
         if groups and groups[-1][0].group == s.group:
             groups[-1].append(s)
         else:
             groups.append([s])
-    n = min(n, len(groups))
-    parts = [[s for g in groups[len(groups) * k // n:len(groups) * (k + 1) // n] for s in g] for k in range(n)]
-    return [p for p in parts if any(_in_loss(s) for s in p)]
+    if ctx.dp_size == 1:
+        index, num_groups = list(range(len(groups))), len(groups)
+    else:
+        index = [g[0].group for g in groups]
+        num_groups = int(max_over([float(max(index, default=-1) + 1)], ctx.dp_group)[0])
+    n = min(n, num_groups)
+    bounds = [num_groups * k // n for k in range(n + 1)]
+    parts = [[s for g, i in zip(groups, index) if bounds[k] <= i < bounds[k + 1] for s in g] for k in range(n)]
+    has_loss = sum_over([float(any(_in_loss(s) for s in p)) for p in parts], ctx.dp_group)
+    return [p for p, h in zip(parts, has_loss) if h]
 
 
 @torch.no_grad()
@@ -133,7 +153,7 @@ def sequence_logprobs(model, ids: list[int], cfg: TrainerConfig | None = None) -
     x = torch.tensor([ids], device=device)
     with _eval_mode(model), _autocast(model, cfg):
         logits = model(x[:, :-1], seq_lens=torch.tensor([len(ids) - 1], device=device)).logits
-    return token_logprobs(logits.float(), x[:, 1:])[0].tolist()
+    return token_logprobs(logits.float(), x[:, 1:], vocab_shard=vocab_shard(model))[0].tolist()
 
 
 @torch.no_grad()
@@ -151,29 +171,48 @@ def fill_old_logprobs(model, samples: list[Sample], cfg: TrainerConfig, pad_id: 
 
 
 def _update(model, samples: list[Sample], cfg: TrainerConfig, opt, sched, params: dict, pad_id: int,
-            device: torch.device, temperature: float, old: str) -> dict[str, float]:
+            device: torch.device, temperature: float, old: str, ctx: ParallelContext) -> dict[str, float]:
     """One guarded optimizer update over the samples of `samples` that are in the loss (all their micro-batches;
     the others take no part). Its metrics: train/loss and train/pg_loss (each micro-batch's is normalised by
     the update's totals, so they are summed), the rest of `policy_loss`'s merged over micro-batches by `_merge`
     (the values one micro-batch of the whole update would give), optimizer_step's, train/num_tokens and
-    train/num_seqs (the update's loss denominators: response tokens and sequences in the loss)."""
+    train/num_seqs (the update's loss denominators: response tokens and sequences in the loss). Data parallel:
+    all of them over every replica's samples (see `train_step`); a non-finite loss on any rank skips the update
+    on every rank."""
     samples = [s for s in samples if _in_loss(s)]
-    num_tokens = sum(len(s.response_ids) for s in samples)
-    counts = {"train/num_tokens": float(num_tokens), "train/num_seqs": float(len(samples))}
-    totals = {"num_tokens": float(num_tokens), "num_seqs": float(len(samples)), "temperature": temperature}
+    num_tokens, num_seqs = sum_over([float(sum(len(s.response_ids) for s in samples)), float(len(samples))],
+                                    ctx.dp_group)
+    counts = {"train/num_tokens": num_tokens, "train/num_seqs": num_seqs}
+    totals = {"num_tokens": num_tokens, "num_seqs": num_seqs, "temperature": temperature}
     has_rollout = all(s.rollout_logprobs for s in samples)  # per update: every micro-batch gets the same terms
     parts: list[tuple[dict[str, float], float, float]] = []
-    loss_total = 0.0
+    loss_total, finite = 0.0, True
     for idx in micro_batches(samples, cfg.micro_batch_tokens):
         mb = pack([samples[i] for i in idx], pad_id).to(device)
         loss, m = _micro_step(model, mb, cfg, totals, has_rollout, old)
         if not math.isfinite(loss):
-            opt.zero_grad(set_to_none=True)  # nothing of this update may reach the adapter
-            return {"train/skipped": 1.0, "train/loss": float("nan"), **counts}
+            finite = False
+            break
         loss_total += loss
         parts.append((m, float(mb.num_tokens), float(len(idx))))  # every row has tokens in the loss
-    out = optimizer_step(opt, sched, params, cfg.optim)
-    return {**_merge(parts, summed=("train/pg_loss",)), **out, "train/loss": loss_total, **counts}
+    if not all_ranks(finite, world_of(ctx)):
+        opt.zero_grad(set_to_none=True)  # nothing of this update may reach the adapter
+        return {"train/skipped": 1.0, "train/loss": float("nan"), **counts}
+    out = optimizer_step(opt, sched, params, cfg.optim, ctx=ctx)
+    merged = _merge_replicas(_merge(parts, summed=("train/pg_loss",)), loss_total, parts, ctx)
+    loss_total = merged.pop("train/loss")
+    return {**merged, **out, "train/loss": loss_total, **counts}
+
+
+def _merge_replicas(metrics: dict[str, float], loss: float, parts: list, ctx: ParallelContext) -> dict[str, float]:
+    """One update's micro-batch metrics (`metrics`, merged over this rank's `parts`) and its loss over every DP
+    replica: the loss and train/pg_loss summed (each rank's is normalised by the global totals), the others
+    merged as `_merge` merges micro-batches (weighted by each replica's tokens and rows in the loss)."""
+    metrics = {**metrics, "train/loss": loss}
+    if ctx.dp_size == 1:
+        return metrics
+    mine = (metrics, sum(p[1] for p in parts), sum(p[2] for p in parts))
+    return _merge(gather(mine, ctx.dp_group), summed=("train/pg_loss", "train/loss"))
 
 
 def _combine(results: list[dict[str, float]]) -> dict[str, float]:
@@ -221,8 +260,8 @@ def _micro_step(model, mb, cfg: TrainerConfig, totals: dict, has_rollout: bool,
         logits = model(mb.input_ids_BT, seq_lens=mb.seq_lens_B).logits
     if totals["temperature"] != 1.0:
         logits = logits / totals["temperature"]
-    logp = token_logprobs(logits, mb.targets_BT)
-    entropy = token_entropy(logits) if cfg.loss.entropy_coef > 0 else None
+    logp = token_logprobs(logits, mb.targets_BT, vocab_shard=vocab_shard(model))
+    entropy = token_entropy(logits, vocab_shard=vocab_shard(model)) if cfg.loss.entropy_coef > 0 else None
     ref = _reference_logprobs(model, mb, cfg, totals["temperature"]) if cfg.loss.kl_coef > 0 else None
     old_logp = {"current": logp.detach(), "old": mb.old_logp_BT, "rollout": mb.rollout_logp_BT}[old]
     loss, metrics = policy_loss(logp, old_logp, mb.adv_B, mb.mask_BT, cfg.loss,
@@ -252,7 +291,7 @@ def _batch_logprobs(model, mb, cfg: TrainerConfig, temperature: float) -> torch.
     gradients, and in eval mode: no dropout)."""
     with _eval_mode(model), _autocast(model, cfg):
         logits = model(mb.input_ids_BT, seq_lens=mb.seq_lens_B).logits
-    return token_logprobs(logits / temperature, mb.targets_BT)
+    return token_logprobs(logits / temperature, mb.targets_BT, vocab_shard=vocab_shard(model))
 
 
 @contextlib.contextmanager

@@ -19,14 +19,16 @@ DEFAULT_ADAPTER = "policy"
 
 
 def open_sender(cfg: WeightSyncConfig, *, engine=None, adapter: str = DEFAULT_ADAPTER, address: str | None = None,
-                authkey: bytes | None = None, src: int = 0, group=None, device=None):
-    """The trainer's side of the `cfg.transport` channel (config validated first)."""
+                authkey: bytes | None = None, src: int = 0, group=None, device=None, ctx=None):
+    """The trainer's side of the `cfg.transport` channel (config validated first). `ctx` (local transport, a
+    ParallelContext): the run's ranks, each pushing into its own engine, one transaction across them all."""
     cfg.validate()
     if cfg.transport == "local":
         if engine is None:
             raise ValueError("sync.transport=local pushes into an engine in this process: pass engine=")
+        from miles_k3.parallel.mesh import SINGLE
         from miles_k3.weight_sync.local import LocalChannel
-        return LocalChannel(engine, adapter, readback=cfg.readback)
+        return LocalChannel(engine, adapter, readback=cfg.readback, ctx=SINGLE if ctx is None else ctx)
     if cfg.transport == "ipc":
         if not address or not authkey:
             raise ValueError("sync.transport=ipc needs the engine process's address= and the shared authkey=")

@@ -1,0 +1,294 @@
+"""The GRPO loop on two data-parallel ranks (gloo, CPU), against the one-process loop as the reference:
+
+* 3 steps at parallel.dp=2 over a global batch give the adapter of 3 steps at dp=1 over the same batch (the
+  same prompts, the same samples: seeds come from the global prompt index), every rank's engine served versions
+  1..3, and only rank 0 wrote the run directory (metrics, tables, the PEFT adapter; each rank its rank-<r>/);
+* a push that one rank refuses (NaN in rank 1's adapter, or a wrong shape) is applied on no rank: every engine
+  keeps its version and bytes, and every rank's SyncError names rank 1;
+* resume=auto from the dp=2 checkpoint of step 2 continues bit-identically to the uninterrupted dp=2 run, and a
+  checkpoint of another mesh is refused naming both meshes (dp=1 -> dp=2 and dp=2 -> dp=1);
+* config refusals without spawning: a world that is not dp x tp, an ep that does not divide it, a model that a
+  mesh does not divide, and the combinations not built yet.
+
+One spawn of two ranks (the `dp2` fixture) runs everything distributed; the reward is a test reward on the
+response bytes (a random base rarely answers anything)."""
+import json
+import shutil
+
+import pytest
+import torch
+from dist_helpers import run_ranks
+
+from miles_k3.config import ConfigFieldError, compose_config
+from miles_k3.evals.rewards import RewardResult, register_reward
+from miles_k3.model.lora import lora_state_dict
+from miles_k3.parallel.config import ParallelConfigError
+from miles_k3.trainer.checkpoint import ResumeError
+
+pytestmark = pytest.mark.slow
+STEPS = 3
+
+
+@register_reward("dp_first_byte_even")
+def _first_byte_even(cfg):
+    def fn(responses, golds):
+        return [RewardResult(float(bool(r) and ord(r[0]) % 2 == 0), False, {}) for r in responses]
+    return fn
+
+
+def _overrides(data, run_dir, *extra) -> list[str]:
+    """A tiny run: k3_tiny fp32, 4 prompts x 2 samples per step (the global batch; dynamic sampling refills
+    dropped groups, so a round may draw fewer prompts than ranks), 5 new tokens, 2 updates per step (minibatches
+    of whole groups over both ranks), a 2-problem eval at the start and the end. AdamW's eps=1e-3: Adam's first update of a zero-initialised lora_B is
+    lr * g / (|g| + eps), which turns rounding noise in a near-zero gradient into an O(lr) difference at
+    eps=1e-8, so the adapters of two summation orders would not be comparable element by element."""
+    return [f"steps={STEPS}", f"data.source={data}", "data.problem_field=null", f"run_dir={run_dir}",
+            "model=k3_tiny", "model.path=null", "model.dtype=fp32", "device=cpu", f"eval.every_n_steps={STEPS}",
+            "eval.at_start=true", f"eval.data.source={data}", "eval.data.problem_field=null", "eval.data.split=null", "eval.data.limit=2",
+            "eval.samples=2", "eval.max_new_tokens=3", "eval.template=plain", "eval.grader=aime",
+            "reward.name=dp_first_byte_even", "rollout.prompts_per_step=4", "rollout.group_size=2",
+            "rollout.max_new_tokens=5", "rollout.template=plain", "rollout.log_samples=2",
+            "rollout.dynamic_sampling=true", "engine.max_context=64", "engine.memory_budget_bytes=2097152",
+            "trainer.minibatches=2", "trainer.optim.lr=0.01", "trainer.optim.eps=1e-3",
+            "trainer.optim.total_steps=null", "lora.rank=2", "checkpoint_every=2", *extra]
+
+
+def _write_data(path) -> str:
+    path.write_text("".join(json.dumps({"id": f"q{i}", "question": f"{i} + {i} = ?", "answer": str(2 * i)}) + "\n"
+                            for i in range(10)))
+    return str(path)
+
+
+def _adapter(run) -> dict[str, torch.Tensor]:
+    return {n: t.detach().clone() for n, t in lora_state_dict(run.model).items()}
+
+
+def _train_rank(rank: int, data: str, root: str, single_ckpt: str) -> dict:
+    """On each of 2 ranks: the dp=2 run; a resume of its step-2 checkpoint; a resume of a dp=1 checkpoint
+    (refused); pushes that rank 1 refuses."""
+    import torch.distributed as dist
+
+    from miles_k3.launch import build_run
+    from miles_k3.train import train
+    from miles_k3.weight_sync.local import LocalChannel
+
+    pushed: list[int] = []
+    real_push = LocalChannel.push
+
+    def push(self, tensors, version):
+        report = real_push(self, tensors, version)
+        pushed.append(report.version)
+        return report
+    LocalChannel.push = push
+    out: dict = {}
+    run = train(compose_config("train", _overrides(data, f"{root}/whole", "parallel.dp=2")))
+    out |= {"versions": list(pushed), "engine_version": run.engine.weight_version, "adapter": _adapter(run),
+            "rank_metrics": _jsonl(f"{root}/whole/metrics.jsonl") if rank == 0 else None}
+    if rank == 0:  # a run killed after its step-2 checkpoint: only that checkpoint in its run_dir
+        shutil.copytree(f"{root}/whole/checkpoints/step_00000002", f"{root}/resumed/checkpoints/step_00000002")
+    dist.barrier()
+    resumed = train(compose_config("train", _overrides(data, f"{root}/resumed", "parallel.dp=2", "resume=auto")))
+    out |= {"resumed_adapter": _adapter(resumed), "resumed_start": resumed.start_step}
+    try:
+        build_run(compose_config("train", _overrides(data, f"{root}/other", "parallel.dp=2",
+                                                     f"resume={single_ckpt}")))
+    except ResumeError as e:
+        out["other_mesh"] = str(e)
+    out["refused"] = [_refused_push(rank, resumed, bad) for bad in ("nan", "shape")]
+    return out
+
+
+def _refused_push(rank: int, run, bad: str) -> dict:
+    """Push version 4 of the trainer's adapter, broken on rank 1 (`bad`); what every rank saw."""
+    from miles_k3.weight_sync.protocol import SyncError
+
+    tensors = {n: p.detach().clone() for n, p in run.params.items()}
+    if rank == 1:
+        name = next(iter(tensors))
+        if bad == "nan":
+            tensors[name][0, 0] = float("nan")
+        else:
+            tensors[name] = tensors[name][:, :-1]
+    before = {n: t.clone() for n, t in run.engine.adapters.buffers("policy").items()}
+    try:
+        run.channel.push(tensors, version=run.version + 1)
+        error = None
+    except SyncError as e:
+        error = str(e)
+    after = run.engine.adapters.buffers("policy")
+    return {"error": error, "version": run.engine.weight_version,
+            "unchanged": all(torch.equal(after[n], t) for n, t in before.items())}
+
+
+def _jsonl(path) -> list[dict]:
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f]
+
+
+@pytest.fixture(scope="module")
+def dp2(tmp_path_factory):
+    """(dp=1 reference run, its run dir, every rank's results of `_train_rank`, their root dir)."""
+    from miles_k3.train import train
+
+    root = tmp_path_factory.mktemp("dp")
+    data = _write_data(root / "train.jsonl")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # 2 cores shared: more threads only contend (4x slower here)
+    try:
+        single = train(compose_config("train", _overrides(data, root / "single")))
+    finally:
+        torch.set_num_threads(threads)
+    ranks = run_ranks(2, _train_rank, data, str(root), str(root / "single/checkpoints/step_00000002"),
+                      timeout_s=600)
+    return single, root, ranks
+
+
+def test_dp2_trains_the_adapter_of_dp1_over_the_same_global_batch(dp2):
+    single, root, ranks = dp2
+    want = _adapter(single)
+    for r in ranks:
+        assert r["versions"] == [1, 2, 3] and r["engine_version"] == 3
+        for name, t in want.items():  # fp32, the same samples: sums in another order (observed <= 5.5e-5 rel.)
+            assert (r["adapter"][name] - t).norm() <= 5e-4 * t.norm(), name
+    assert [m["step"] for m in ranks[0]["rank_metrics"]] == [0, 1, 2, 3, 3]  # rank 0's rows only (evals at 0, 3)
+    one, two = ([m for m in _jsonl(path) if "train/loss" in m]
+                for path in (root / "single/metrics.jsonl", root / "whole/metrics.jsonl"))
+    for a, b in zip(one, two):
+        for key in ("rollout/reward_mean", "rollout/response_len_mean", "train/num_tokens", "train/num_seqs",
+                    "rollout/groups_kept"):
+            assert a[key] == b[key], key  # the same samples: the same global counts and rewards
+        # The rounding differences grow through the 6 updates (rel. 3e-7 / 1.3e-5 for step 1's grad norm / loss,
+        # 6e-5 / 2e-4 at step 3). Step 1 pins the global normalisers and gradient sums: AdamW and clipping are
+        # nearly scale-invariant, so a wrong normaliser would hardly show in the adapter, but here by ~100%.
+        rel = 1e-4 if a["step"] == 1 else 2e-3
+        for key in ("train/grad_norm", "train/loss", "train/pg_loss", "train/ratio_max"):
+            assert b[key] == pytest.approx(a[key], rel=rel, abs=1e-7), key
+    evals = ([m["eval/avg@2"] for m in _jsonl(path) if "eval/avg@2" in m]
+             for path in (root / "single/metrics.jsonl", root / "whole/metrics.jsonl"))
+    assert list(evals) == [[0.0, 0.0]] * 2  # at steps 0 and 3 (a random base, 3 tokens: no answer)
+
+
+def test_only_rank_0_writes_the_run_directory_and_every_rank_its_checkpoint_files(dp2):
+    _, root, _ = dp2
+    run_dir = root / "whole"
+    tables = _jsonl(run_dir / "tables/rollout_samples.jsonl")
+    assert [t["step"] for t in tables] == [1, 1, 2, 2, 3, 3]  # rollout.log_samples=2, rank 0's
+    assert sorted(p.name for p in (run_dir / "eval").iterdir()) == ["step_000000", "step_000003"]
+    ckpt = run_dir / "checkpoints/step_00000003"
+    assert json.loads((ckpt / "mesh.json").read_text()) == {"dp": 2, "tp": 1, "ep": 1, "world": 2}
+    assert sorted(p.name for p in ckpt.iterdir()) == ["adapter", "config.yaml", "mesh.json", "rank-00000",
+                                                      "rank-00001", "state.json"]
+    for r in ("rank-00000", "rank-00001"):
+        assert sorted(p.name for p in (ckpt / r).iterdir()) == ["adapter_shard.pt", "optimizer.pt", "rng.pt"]
+    assert (run_dir / "checkpoints/latest").read_text().strip() == "step_00000003"
+
+
+def test_a_push_one_rank_refuses_is_applied_on_no_rank_and_names_it(dp2):
+    _, _, ranks = dp2
+    for r in ranks:
+        for refused in r["refused"]:
+            assert refused["error"] is not None and "refused by rank 1 of 2" in refused["error"]
+            assert refused["version"] == 3 and refused["unchanged"]
+    assert "NaN/Inf" in ranks[0]["refused"][0]["error"] and "shape" in ranks[0]["refused"][1]["error"]
+
+
+def test_resume_auto_under_dp2_continues_bit_identically(dp2):
+    _, _, ranks = dp2
+    for r in ranks:
+        assert r["resumed_start"] == 2
+        for name, t in r["adapter"].items():
+            assert torch.equal(r["resumed_adapter"][name], t), name
+
+
+def test_a_checkpoint_of_another_mesh_is_refused_naming_both(dp2):
+    _, root, ranks = dp2
+    for r in ranks:  # dp=1 checkpoint, dp=2 run
+        assert "written by the mesh dp=1 x tp=1, ep=1 (1 rank) and this run's mesh is dp=2 x tp=1, ep=1 " \
+               "(2 ranks)" in r["other_mesh"]
+    cfg = compose_config("train", _overrides(root / "train.jsonl", root / "whole", "resume=auto"))
+    from miles_k3.launch import build_run
+    with pytest.raises(ResumeError, match=r"written by the mesh dp=2 x tp=1, ep=1 \(2 ranks\) and this run's mesh "
+                                          r"is dp=1 x tp=1, ep=1 \(1 rank\); .* parallel.dp=2 parallel.tp=1"):
+        build_run(cfg)
+
+
+def _train_tp_rank(rank: int, data: str, root: str) -> dict:
+    """On each of 2 ranks: the run at parallel.tp=2 parallel.ep=2 (dense layers tensor-parallel, the routed experts
+    split over the same two ranks), resumed from its step-2 checkpoint too."""
+    import torch.distributed as dist
+
+    from miles_k3.train import train
+
+    run = train(compose_config("train", _overrides(data, f"{root}/tp", "parallel.tp=2", "parallel.ep=2")))
+    out = {"engine_version": run.engine.weight_version, "adapter": _adapter(run)}
+    if rank == 0:
+        shutil.copytree(f"{root}/tp/checkpoints/step_00000002", f"{root}/tp_resumed/checkpoints/step_00000002")
+    dist.barrier()
+    resumed = train(compose_config("train", _overrides(data, f"{root}/tp_resumed", "parallel.tp=2", "parallel.ep=2",
+                                                       "resume=auto")))
+    out["resumed_adapter"] = _adapter(resumed)
+    return out
+
+
+def _peft(path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+    return load_file(str(path / "adapter_model.safetensors"))
+
+
+def test_tp2_ep2_trains_the_adapter_of_one_process_and_writes_it_whole(dp2):
+    """tp=2 x ep=2 on 2 ranks: every step's PEFT adapter (gathered from the ranks' shards: TP halves, expert
+    slices) equals the one-process run's over the same batch, key for key and shape for shape; resume continues
+    bit-identically."""
+    _, root, _ = dp2
+    ranks = run_ranks(2, _train_tp_rank, str(root / "train.jsonl"), str(root), timeout_s=600)
+    for step in (2, 3):
+        want = _peft(root / f"single/checkpoints/step_{step:08d}/adapter")
+        got = _peft(root / f"tp/checkpoints/step_{step:08d}/adapter")
+        assert got.keys() == want.keys()
+        for key, t in want.items():
+            assert got[key].shape == t.shape, key
+            assert (got[key] - t).norm() <= 5e-4 * t.norm() + 1e-7, key
+    assert json.loads((root / "tp/checkpoints/step_00000003/mesh.json").read_text()) == {
+        "dp": 1, "tp": 2, "ep": 2, "world": 2}
+    for r in ranks:
+        assert r["engine_version"] == 3
+        for name, t in r["adapter"].items():  # each rank's own shards
+            assert torch.equal(r["resumed_adapter"][name], t), name
+
+
+# ---- refusals without spawning ----------------------------------------------------------------------------
+def _compose(tmp_path, *extra):
+    return compose_config("train", _overrides(_write_data(tmp_path / "d.jsonl"), tmp_path / "run", *extra))
+
+
+def test_a_world_that_is_not_dp_x_tp_is_refused_at_start(tmp_path, monkeypatch):
+    from miles_k3.launch import build_run
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(ParallelConfigError, match=r"parallel.dp x parallel.tp = 2 x 1 = 2 but this process was not "
+                                                  r"started by torchrun .* torchrun --nproc-per-node 2"):
+        build_run(_compose(tmp_path, "parallel.dp=2"))
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["parallel.dp=2", "parallel.ep=4"], r"^parallel.ep: 4 does not divide the dp x tp = 2 x 1 = 2 ranks"),
+    (["parallel.dp=2", "parallel.ep=2"], r"^parallel.ep: 2 groups ranks of several DP replicas \(parallel.tp=1\)"),
+    (["parallel.dp=2", "parallel.tp=2", "parallel.ep=4"], r"^parallel.ep: 4 groups ranks of several DP replicas"),
+    (["parallel.dp=2", "device=cuda:1"], r"device=cuda:1 pins one GPU for every rank"),
+])
+def test_meshes_that_cannot_work_are_refused_with_the_config(tmp_path, extra, message):
+    with pytest.raises(ConfigFieldError, match=message):
+        _compose(tmp_path, *extra)
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["parallel.tp=8"], r"parallel.tp: 8 does not divide the model's KDA heads \(linear_attn_config.num_heads\) = 4"),
+    (["parallel.tp=3", "parallel.ep=3"], r"parallel.tp: 3 does not divide the model's KDA heads"),
+])
+def test_a_mesh_that_does_not_divide_the_model_is_refused_before_anything_starts(tmp_path, monkeypatch, extra,
+                                                                                 message):
+    from miles_k3 import launch
+
+    monkeypatch.setattr(launch, "init_parallel", None)  # refused before the process group (and the weights)
+    with pytest.raises(ParallelConfigError, match=message):
+        launch.build_run(_compose(tmp_path, *extra))

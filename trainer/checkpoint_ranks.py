@@ -1,0 +1,229 @@
+"""Checkpoints of a run on many ranks: one step directory for the whole mesh, with each rank's own state apart
+(the layout: `checkpoint.py`'s docstring), written whole or not at all, and resumed only on the same mesh.
+
+Saving is a transaction over the world: rank 0 stages the directory (`atomic.stage_directory`) and sends its
+path; every rank writes its rank-<RRRRR>/ files (optimizer and scheduler, RNG states, its adapter parameters);
+their verdicts are reduced (that is the barrier: no rank goes on before every rank has written); then rank 0
+writes the shared members (the whole adapter as a PEFT directory, state.json, config.yaml, mesh.json), publishes
+the directory, points `latest` at it and prunes; its verdict is sent to every rank. A failure anywhere leaves the
+previous checkpoint and `latest` as they were and raises on every rank, naming the rank.
+
+Loading checks everything on every rank first (mesh, LoRA config, state, this rank's files against its
+parameters and optimizer), reduces the verdicts, and only then does every rank restore its state (or none does).
+The directory must be on a file system every rank sees (one node, or a shared one across nodes).
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from miles_k3.adapter import save_adapter
+from miles_k3.atomic import atomic_write_text, publish_directory, stage_directory
+from miles_k3.model.lora import LoRAConfig, applied_lora_config, lora_parameters
+from miles_k3.parallel.grads import whole
+from miles_k3.parallel.mesh import ParallelContext
+from miles_k3.trainer.checkpoint import (
+    ADAPTER_DIR,
+    CONFIG_YAML,
+    LATEST,
+    MESH_FILE,
+    OPTIMIZER_FILE,
+    OPTIMIZER_KEYS,
+    RNG_FILE,
+    RNG_KEYS,
+    SHARD_FILE,
+    STATE_FILE,
+    ResumeError,
+    check_lora_matches,
+    check_mesh,
+    check_optimizer_matches,
+    check_rng,
+    checkpoints_dir,
+    corrupt,
+    member_files,
+    mesh_of,
+    prune,
+    rank_dir_name,
+    read_pt,
+    read_state,
+    rng_state,
+    set_rng_state,
+    state_json,
+    step_dir_name,
+)
+from miles_k3.trainer.dp import broadcast, gather, ranks_where, world_of
+
+
+class CheckpointWriteError(RuntimeError):
+    """A rank could not write its part of a checkpoint; nothing was published (the message names the ranks)."""
+
+
+def save_checkpoint_ranks(ctx: ParallelContext, run_dir, step: int, model: nn.Module, lora_cfg: LoRAConfig,
+                          optimizer: torch.optim.Optimizer, scheduler, data_state: dict, extra_state: dict,
+                          config_text: str, keep: int = 3, base_model_name_or_path: str | None = None) -> Path:
+    """`checkpoint.save_checkpoint` for every rank of `ctx` together (each passes its own model, optimizer and
+    scheduler; data_state, extra_state and config_text are rank 0's). Returns the step directory on every rank
+    once it is published; CheckpointWriteError on every rank when any rank failed (nothing published)."""
+    state_text = state_json(step, data_state, extra_state)  # a bad value fails on every rank, before any write
+    world = world_of(ctx)
+    dest = checkpoints_dir(run_dir) / step_dir_name(step)
+    staging = broadcast(_attempt(lambda: stage_directory(dest, overwrite=True)) if ctx.is_main else None, world)
+    if isinstance(staging, str):
+        raise CheckpointWriteError(f"checkpoint of step {step}: rank 0 could not stage {dest} ({staging}); nothing "
+                                   "was written")
+    error = _attempt(lambda: _write_rank_files(staging / rank_dir_name(ctx.rank), model, optimizer, scheduler))
+    _raise_if_any(error, world, ctx, f"checkpoint of step {step}: could not write rank files under {staging}",
+                  staging)
+    whole_lora = whole_adapter(model, ctx)  # every rank: the shards of a tp / ep run gathered (a collective)
+    published = None
+    if ctx.is_main:
+        published = _attempt(lambda: _publish(staging, dest, step, model, lora_cfg, state_text, config_text, ctx,
+                                              keep, base_model_name_or_path, whole_lora))
+    published = broadcast(published, world)
+    if isinstance(published, str):
+        raise CheckpointWriteError(f"checkpoint of step {step}: rank 0 could not publish {dest}: {published}; the "
+                                   "previous checkpoint is kept")
+    return dest
+
+
+def _attempt(fn):
+    """fn()'s result, or its error as a one-line string: a rank that fails must still take part in the
+    collective that tells the others."""
+    try:
+        return fn()
+    except Exception as e:  # noqa: BLE001 - any failure to write is reported to every rank, then raised there
+        return f"{type(e).__name__}: {e}"
+
+
+def _raise_if_any(error, world, ctx: ParallelContext, what: str, staging: Path) -> None:
+    failed = ranks_where(isinstance(error, str), world)
+    if not failed:
+        return
+    reasons = gather(error if isinstance(error, str) else None, world)
+    if ctx.is_main:
+        shutil.rmtree(staging, ignore_errors=True)
+    raise CheckpointWriteError(f"{what}: " + "; ".join(f"rank {r}: {reasons[r]}" for r in failed) +
+                               "; nothing was published, the previous checkpoint is kept")
+
+
+def _write_rank_files(own: Path, model: nn.Module, optimizer, scheduler) -> Path:
+    own.mkdir()
+    shard = {n: p.detach().to("cpu", copy=True) for n, p in lora_parameters(model).items()}
+    torch.save(shard, own / SHARD_FILE)
+    torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}, own / OPTIMIZER_FILE)
+    torch.save(rng_state(), own / RNG_FILE)
+    return own
+
+
+def _publish(staging: Path, dest: Path, step: int, model, lora_cfg, state_text: str, config_text: str,
+             ctx: ParallelContext, keep: int, base: str | None, whole_lora: dict | None) -> Path:
+    """Rank 0: the shared members, then the directory published and `latest` moved to it (a failure before the
+    rename deletes the staging directory: the previous checkpoint stays the latest)."""
+    try:
+        save_whole_adapter(model, lora_cfg, staging / ADAPTER_DIR, base, whole_lora)
+        (staging / STATE_FILE).write_text(state_text, encoding="utf-8")
+        (staging / CONFIG_YAML).write_text(config_text, encoding="utf-8")
+        (staging / MESH_FILE).write_text(json.dumps(mesh_of(ctx)) + "\n", encoding="utf-8")
+        publish_directory(staging, dest)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    atomic_write_text(dest.parent / LATEST, dest.name + "\n")
+    prune(dest.parent, step, keep)
+    return dest
+
+
+def whole_adapter(model: nn.Module, ctx: ParallelContext) -> dict[str, torch.Tensor] | None:
+    """Every LoRA parameter's unsharded tensor (`grads.whole`: tensor-parallel halves over tp, expert LoRA over
+    ep), gathered on every rank; None when nothing is sharded (dp only: every rank holds the whole adapter)."""
+    if ctx.tp_size == 1 and ctx.ep_size == 1:
+        return None
+    return {n: whole(p, ctx) for n, p in lora_parameters(model).items()}
+
+
+def save_whole_adapter(model: nn.Module, lora_cfg: LoRAConfig, path: Path, base: str | None,
+                       whole_lora: dict[str, torch.Tensor] | None) -> Path:
+    """Rank 0: the whole adapter as a PEFT directory (servable as is, expert keys with global ids). `whole_lora`
+    (`whole_adapter`): the gathered tensors of a tp / ep run, written in place of rank 0's shards (its
+    parameters hold them only while the file is written); None: rank 0's adapter is the whole one."""
+    if whole_lora is None:
+        return save_adapter(model, lora_cfg, path, base_model_name_or_path=base)
+    params = lora_parameters(model)
+    shards = {n: p.data for n, p in params.items()}
+    try:
+        for n, p in params.items():
+            p.data = whole_lora[n]
+        return save_adapter(model, lora_cfg, path, base_model_name_or_path=base)
+    finally:
+        for n, p in params.items():
+            p.data = shards[n]
+
+
+def rng_file(ckpt: Path, ctx: ParallelContext) -> Path:
+    """This rank's RNG states in checkpoint `ckpt` (one process: ckpt/rng.pt)."""
+    return ckpt / rank_dir_name(ctx.rank) / RNG_FILE if ctx.distributed else ckpt / RNG_FILE
+
+
+def load_checkpoint_ranks(ctx: ParallelContext, path, model: nn.Module, optimizer, scheduler) -> dict:
+    """`checkpoint.load_checkpoint` on every rank of `ctx` together: this rank's adapter parameters, optimizer,
+    scheduler and RNG states from its rank-<RRRRR>/ files, once every rank has checked its own. Returns
+    state.json. ResumeError on every rank when any rank's check fails (nothing restored anywhere); a
+    checkpoint of another mesh names both meshes (`checkpoint.check_mesh`)."""
+    path, world = Path(path), world_of(ctx)
+    if applied_lora_config(model) is None:
+        raise ValueError("model: has no LoRA adapters; apply_lora(model, lora_cfg) before load_checkpoint_ranks")
+    try:
+        loaded, error = _read_rank_state(ctx, path, model, optimizer), None
+    except ResumeError as e:
+        loaded, error = None, str(e)
+    failed = ranks_where(error is not None, world)
+    if failed:
+        reasons = gather(error, world)
+        if len(failed) == ctx.world_size and len(set(reasons)) == 1:  # the same on every rank (another mesh...)
+            raise ResumeError(error)
+        raise ResumeError("; ".join(f"rank {r}: {reasons[r]}" for r in failed))
+    state, blobs, rng, shard = loaded
+    params = lora_parameters(model)
+    with torch.no_grad():
+        for name, p in params.items():
+            p.copy_(shard[name])
+    optimizer.load_state_dict(blobs["optimizer"])
+    scheduler.load_state_dict(blobs["scheduler"])
+    set_rng_state(rng)
+    return state
+
+
+def _read_rank_state(ctx: ParallelContext, path: Path, model: nn.Module, optimizer) -> tuple:
+    """Everything this rank restores from `path`, checked; ResumeError naming the file."""
+    if not path.is_dir():
+        raise ResumeError(f"{path}: checkpoint directory does not exist")
+    mesh = mesh_of(ctx)
+    check_mesh(path, mesh)
+    for member in member_files(mesh):
+        if not (path / member).is_file():
+            raise corrupt(path, path / member, "missing: the checkpoint is incomplete")
+    check_lora_matches(path, applied_lora_config(model))
+    state = read_state(path)
+    own = path / rank_dir_name(ctx.rank)
+    blobs = read_pt(path, own / OPTIMIZER_FILE, OPTIMIZER_KEYS)
+    rng = read_pt(path, own / RNG_FILE, RNG_KEYS)
+    shard = read_pt(path, own / SHARD_FILE, ())
+    check_optimizer_matches(own / OPTIMIZER_FILE, blobs["optimizer"], optimizer)
+    check_rng(path, own / RNG_FILE, rng)
+    _check_shard(path, own / SHARD_FILE, shard, lora_parameters(model))
+    return state, blobs, rng, shard
+
+
+def _check_shard(path: Path, file: Path, shard: dict, params: dict) -> None:
+    if sorted(shard) != sorted(params):
+        missing, unknown = sorted(set(params) - set(shard)), sorted(set(shard) - set(params))
+        raise corrupt(path, file, f"holds other adapter parameters than this rank's (missing {missing[:3]}, "
+                                  f"unknown {unknown[:3]})")
+    for name, p in params.items():
+        t = shard[name]
+        if not isinstance(t, torch.Tensor) or t.shape != p.shape or not t.is_floating_point():
+            raise corrupt(path, file, f"{name} is not a floating tensor of this rank's shape {tuple(p.shape)}")
