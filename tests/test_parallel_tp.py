@@ -17,7 +17,8 @@ import dataclasses
 
 import pytest
 import torch
-from dist_helpers import run_ranks
+import dist_helpers
+from dist_helpers import DEVICE_TYPE, run_ranks
 
 from miles_k3.model import K3Config, K3ForCausalLM
 from miles_k3.model.lora import LINEAR_TARGETS, LoRAConfig, apply_lora, lora_parameters, lora_state_dict
@@ -70,18 +71,20 @@ def _tokens_and_logprobs(results: list[dict]) -> list[tuple[list[int], list[floa
 def _run(model: K3ForCausalLM, vocab_shard=None) -> dict:
     """Everything both sides compute: logits, log-probs/entropy, the LoRA gradients, a decode step."""
     from miles_k3.trainer.losses import token_entropy, token_logprobs
-    ids, lens = torch.tensor(IDS), torch.tensor(SEQ_LENS)
+    device = model.lm_head.weight.device
+    ids, lens = torch.tensor(IDS, device=device), torch.tensor(SEQ_LENS, device=device)
     logits = model(ids, seq_lens=lens).logits
     targets = torch.roll(ids, -1, dims=1)
     logp = token_logprobs(logits, targets, CHUNK, vocab_shard=vocab_shard)
     ent = token_entropy(logits, CHUNK, vocab_shard=vocab_shard)
-    w_logp, w_ent = _loss_weights(*ids.shape)
+    w_logp, w_ent = (w.to(device) for w in _loss_weights(*ids.shape))
     ((logp * w_logp).sum() + (ent * w_ent).sum()).backward()
     with torch.no_grad():
-        state = model(ids[:, :5], seq_lens=torch.tensor([5, 4]), return_state=True, return_logits=False).state
-        step = model.step(torch.tensor([77, 5]), state).logits
-    return {"logits": logits.detach(), "logp": logp.detach(), "ent": ent.detach(), "step": step,
-            "grads": {n: p.grad.clone() for n, p in lora_parameters(model).items()}}
+        state = model(ids[:, :5], seq_lens=torch.tensor([5, 4], device=device), return_state=True,
+                      return_logits=False).state
+        step = model.step(torch.tensor([77, 5], device=device), state).logits
+    return {"logits": logits.detach().cpu(), "logp": logp.detach().cpu(), "ent": ent.detach().cpu(),
+            "step": step.cpu(), "grads": {n: p.grad.cpu().clone() for n, p in lora_parameters(model).items()}}
 
 
 def _leaf_logits() -> tuple[torch.Tensor, torch.Tensor]:
@@ -94,12 +97,12 @@ def _leaf_logits() -> tuple[torch.Tensor, torch.Tensor]:
 
 def _losses_alone(z: torch.Tensor, tokens: torch.Tensor, vocab_shard=None) -> dict:
     from miles_k3.trainer.losses import token_entropy, token_logprobs
-    z = z.clone().requires_grad_()
+    z = z.clone().requires_grad_()  # on the device of the caller's logits
     logp = token_logprobs(z, tokens, CHUNK, vocab_shard=vocab_shard)
     ent = token_entropy(z, CHUNK, vocab_shard=vocab_shard)
-    w_logp, w_ent = _loss_weights(*tokens.shape)
-    ((logp * w_logp.double()).sum() + (ent * w_ent.double()).sum()).backward()
-    return {"logp": logp.detach(), "ent": ent.detach(), "grad": z.grad}
+    w_logp, w_ent = (w.to(z.device).double() for w in _loss_weights(*tokens.shape))
+    ((logp * w_logp).sum() + (ent * w_ent).sum()).backward()
+    return {"logp": logp.detach().cpu(), "ent": ent.detach().cpu(), "grad": z.grad.cpu()}
 
 
 def _tp_rank(rank: int) -> dict:
@@ -107,13 +110,14 @@ def _tp_rank(rank: int) -> dict:
     from miles_k3.parallel.grads import global_grad_norm, reduce_gradients
     from miles_k3.parallel.mesh import init_parallel
     from miles_k3.parallel.tensor_parallel import shard_model_tp
-    ctx = init_parallel(ParallelConfig(tp=TP), "cpu")
+    ctx = init_parallel(ParallelConfig(tp=TP), DEVICE_TYPE)
     model = _model()
     shard_model_tp(model, ctx)
+    model.to(dist_helpers.test_device(rank))
     out = _run(model, model.vocab_shard)
     params = lora_parameters(model)
     reduce_gradients(params.values(), ctx)
-    out["grads"] = {n: p.grad.clone() for n, p in params.items()}
+    out["grads"] = {n: p.grad.cpu().clone() for n, p in params.items()}
     out["norm"] = float(global_grad_norm(params.values(), ctx))
     out["vocab"] = (model.vocab_shard.start, model.vocab_shard.end)
     out["kda_heads"] = model.model.layers[1].self_attn.num_heads
@@ -127,7 +131,8 @@ def _tp_rank(rank: int) -> dict:
                                                                             "max_new_tokens": 4})[0]["output_ids"]
     z, tokens = _leaf_logits()
     start, end = out["vocab"]
-    out["losses"] = _losses_alone(z[..., start:end], tokens, model.vocab_shard)
+    device = dist_helpers.test_device(rank)
+    out["losses"] = _losses_alone(z[..., start:end].to(device), tokens.to(device), model.vocab_shard)
     return out
 
 
