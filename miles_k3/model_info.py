@@ -68,6 +68,12 @@ def stored_bytes(model: torch.nn.Module) -> int:
     return total
 
 
+def conv_state_bytes(m: KDAAttention) -> int:
+    """The short-conv windows of one KDA layer per request: 3 x (its) heads x head dim channels x (W - 1) taps,
+    bf16."""
+    return 3 * m.num_heads * m.head_dim * (m.conv_size - 1) * 2
+
+
 def model_figures(model: K3ForCausalLM, tp: int) -> dict:
     """Sizing figures of an instantiated K3 (any device, meta included; LoRA tensors are not counted)."""
     layers = model.model.layers
@@ -78,7 +84,7 @@ def model_figures(model: K3ForCausalLM, tp: int) -> dict:
     skipped_experts = sum(m.num_params() * (1 - model.config.num_experts_per_token / m.num_experts)
                           for m in routed)
     embed = 0 if model.config.tie_word_embeddings else model.model.embed_tokens.weight.numel()
-    conv_bytes = sum(3 * m.num_heads * m.head_dim * (m.conv_size - 1) * 2 for m in kda)
+    conv_bytes = sum(map(conv_state_bytes, kda))
     return {
         "params_total": total,
         "params_active_per_token": round(total - embed - skipped_experts),
@@ -137,8 +143,7 @@ def rank_figures(k3, fmt: str, cfg) -> dict:
     adapter = adapter_num_params(model)
     kda = [m for m in model.modules() if isinstance(m, KDAAttention)]
     mla = [m for m in model.modules() if isinstance(m, MLAAttention)]
-    kda_state = cfg.batch * sum(m.state_bytes_per_request() + 3 * m.num_heads * m.head_dim * (m.conv_size - 1) * 2
-                                for m in kda)
+    kda_state = cfg.batch * sum(m.state_bytes_per_request() + conv_state_bytes(m) for m in kda)
     mla_kv = cfg.batch * cfg.context * sum(m.cache_bytes_per_token() for m in mla)
     optimizer = 16 * adapter  # fp32 master, gradient, AdamW's two moments
     total = base + optimizer + kda_state + mla_kv

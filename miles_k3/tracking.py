@@ -108,13 +108,13 @@ class NullTracker:
     wandb_dir = None
 
     def log(self, metrics: dict[str, Any], step: int | None = None) -> None:
-        pass
+        """Nothing: rank 0 logs the global metrics."""
 
     def log_table(self, key: str, columns: list[str], rows: list[list], step: int | None = None) -> None:
-        pass
+        """Nothing: rank 0 logs the sampled completions."""
 
     def finish(self) -> None:
-        pass
+        """Nothing to close."""
 
 
 def truncate_after(run_dir: str | os.PathLike, step: int) -> int:
