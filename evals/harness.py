@@ -11,6 +11,11 @@ unbiased pass@k, maj@k with standard errors, truncation rate, mean response leng
 
 Samples are reproducible: problem i's sample j uses sampling seed `cfg.seed + i * cfg.samples + j`, whatever
 the batching.
+
+Data parallel (`ctx`, a run on many ranks): each DP replica generates every dp_size-th problem (problem i on
+replica i % dp_size, with problem i's seeds), in the same number of engine calls on every replica (an engine in
+lockstep needs them all), and rank 0 gathers the outputs, grades them and returns the result (None on the other
+ranks): the eval of one process over the same problems, dp_size times faster.
 """
 from __future__ import annotations
 
@@ -29,6 +34,8 @@ from miles_k3.evals.graders import MAX_RESPONSE_CHARS, Grade, grader_names
 from miles_k3.evals.grading_pool import GradingPool
 from miles_k3.evals.metrics import SampleOutcome, summarize
 from miles_k3.evals.templates import render_prompt, response_text, template_names
+from miles_k3.parallel.mesh import SINGLE, ParallelContext
+from miles_k3.trainer.dp import gather
 
 log = logging.getLogger("miles_k3.evals")
 
@@ -123,8 +130,9 @@ class EvalResult:
 
 
 def evaluate(engine, tokenizer, problems: list[Problem], cfg: EvalConfig, lora: str | None = None,
-             progress: bool = True) -> EvalResult:
-    """Generate cfg.samples completions per problem with adapter `lora` (None: the base) and grade them."""
+             progress: bool = True, ctx: ParallelContext = SINGLE) -> EvalResult | None:
+    """Generate cfg.samples completions per problem with adapter `lora` (None: the base) and grade them. On many
+    ranks (`ctx`) the replicas share the problems out and rank 0 alone grades and returns (None elsewhere)."""
     if not problems:
         raise ValueError("evaluate: no problems to evaluate")
     t0 = time.perf_counter()
@@ -132,7 +140,9 @@ def evaluate(engine, tokenizer, problems: list[Problem], cfg: EvalConfig, lora: 
     ids = [tokenizer.encode(text, add_special_tokens=False) for text in prompts]
     check_prompt_lengths(problems, ids, "eval.max_new_tokens", cfg.max_new_tokens, engine.max_context,
                          "engine.max_context (SGLang: sglang.context_length, up to the model's)")
-    outputs = _generate(engine, ids, cfg, lora, progress)
+    outputs = _generate(engine, ids, cfg, lora, progress and ctx.is_main, ctx)
+    if not ctx.is_main:
+        return None
     responses = [response_text(tokenizer, o) for o in outputs]
     golds = [p.answer for p in problems for _ in range(cfg.samples)]
     with GradingPool(cfg.grader, timeout_s=cfg.timeout_s, workers=cfg.grading_workers, channel=cfg.channel,
@@ -170,30 +180,40 @@ def check_prompt_lengths(problems: list[Problem], ids: list[list[int]], budget_f
                                     f"max_context={max_context}; raise {raise_hint} or lower {budget_field}")
 
 
-def _generate(engine, prompt_ids: list[list[int]], cfg: EvalConfig, lora: str | None, progress: bool) -> list[dict]:
+def _generate(engine, prompt_ids: list[list[int]], cfg: EvalConfig, lora: str | None, progress: bool,
+              ctx: ParallelContext = SINGLE) -> list[dict] | None:
     """One engine.generate call per eval.batch_problems problems (the engine batches within a call; smaller
     calls would cost throughput), the progress bar counting samples as each call returns and redrawn every
-    REDRAW_S seconds meanwhile, so its clock shows a long call is running."""
+    REDRAW_S seconds meanwhile, so its clock shows a long call is running. Data parallel: this replica's problems
+    (i % dp_size == dp_rank) in as many calls as the largest share needs (the last ones possibly empty); every
+    output in problem order on rank 0 (None on the others)."""
     from tqdm.auto import tqdm
 
+    mine = list(range(ctx.dp_rank, len(prompt_ids), ctx.dp_size))
+    largest = -(-len(prompt_ids) // ctx.dp_size)  # problems of the largest share (ceil)
+    calls = -(-largest // cfg.batch_problems)
     outputs: list[dict] = []
-    starts = range(0, len(prompt_ids), cfg.batch_problems)
-    bar = tqdm(total=len(prompt_ids) * cfg.samples, desc="eval samples", unit="sample", disable=not progress)
+    bar = tqdm(total=len(mine) * cfg.samples, desc="eval samples", unit="sample", disable=not progress)
     with bar, _redrawn(bar, REDRAW_S):
-        for k, start in enumerate(starts, 1):
-            batch = prompt_ids[start:start + cfg.batch_problems]
+        for k in range(calls):
+            batch = mine[k * cfg.batch_problems:(k + 1) * cfg.batch_problems]
             params = [{"max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature, "top_p": cfg.top_p,
-                       "top_k": cfg.top_k, "sampling_seed": cfg.seed + (start + i) * cfg.samples}
-                      for i in range(len(batch))]
-            bar.set_postfix_str(f"generating batch {k}/{len(starts)} ({len(batch) * cfg.samples} samples)")
-            got = engine.generate(input_ids=batch, sampling_params=params, n=cfg.samples, return_logprob=False,
-                                  lora=lora)
+                       "top_k": cfg.top_k, "sampling_seed": cfg.seed + i * cfg.samples} for i in batch]
+            bar.set_postfix_str(f"generating batch {k + 1}/{calls} ({len(batch) * cfg.samples} samples)")
+            got = engine.generate(input_ids=[prompt_ids[i] for i in batch], sampling_params=params, n=cfg.samples,
+                                  return_logprob=False, lora=lora)
             bad = next((o for o in got if "error" in o), None)
             if bad is not None:
                 raise RuntimeError(f"eval: the engine rejected a request: {bad['error']}")
             outputs.extend(got)
             bar.update(len(got))
-    return outputs
+    if ctx.dp_size == 1:
+        return outputs if ctx.is_main else None
+    shares = gather(outputs, ctx.dp_group)  # replica r's outputs: its problems r, r + dp, ... in order
+    if not ctx.is_main:
+        return None
+    n = cfg.samples
+    return [shares[i % ctx.dp_size][(i // ctx.dp_size) * n + j] for i in range(len(prompt_ids)) for j in range(n)]
 
 
 REDRAW_S = 1.0
@@ -281,9 +301,9 @@ class EvalHook:
     returns the eval/ metrics (None when it did not run)."""
 
     def __init__(self, cfg: EvalConfig, engine, tokenizer, problems: list[Problem], run_dir: str | Path,
-                 tracker=None):
+                 tracker=None, ctx: ParallelContext = SINGLE):
         self.cfg, self.engine, self.tokenizer, self.problems = cfg, engine, tokenizer, problems
-        self.run_dir, self.tracker = Path(run_dir), tracker
+        self.run_dir, self.tracker, self.ctx = Path(run_dir), tracker, ctx
 
     def due(self, step: int) -> bool:
         return self.cfg.every_n_steps > 0 and step % self.cfg.every_n_steps == 0
@@ -291,7 +311,10 @@ class EvalHook:
     def maybe_run(self, step: int, lora: str | None, force: bool = False) -> dict[str, float] | None:
         if not (force or self.due(step)):
             return None
-        result = evaluate(self.engine, self.tokenizer, self.problems, self.cfg, lora=lora, progress=False)
+        result = evaluate(self.engine, self.tokenizer, self.problems, self.cfg, lora=lora, progress=False,
+                          ctx=self.ctx)
+        if result is None:  # a rank other than 0: it generated its replica's share
+            return None
         write_reports(result, self.run_dir / "eval" / f"step_{step:06d}", {"step": step})
         if self.tracker is not None:
             log_eval(self.tracker, result, self.cfg.table_rows, step=step)

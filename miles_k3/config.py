@@ -112,16 +112,9 @@ class TrainConfig:
 
 def check_parallel(parallel: ParallelConfig, device: str, backend: str) -> None:
     """The `parallel:` mesh (its own fields checked by ParallelConfig.validate) fits the rest of the run: the
-    engine can be colocated on every rank, each rank picks its own device, and the ranks of an EP group run the
-    same engine steps and micro-batches (they are in one TP group, so they hold the same requests and samples).
-    The world size (torchrun's) and the model's shapes are checked when the run starts (`launch.build_run`:
-    `init_parallel`, `ParallelConfig.check_model`)."""
-    if parallel.ep > 1 and parallel.tp % parallel.ep:
-        raise ParallelConfigError(
-            f"parallel.ep: {parallel.ep} groups ranks of several DP replicas (parallel.tp={parallel.tp}), whose "
-            "engines and micro-batches would have to agree on every step (idle ranks running empty steps), which "
-            "the loop does not do yet; use an ep that divides parallel.tp (the model itself shards experts over "
-            "dp x tp: miles_k3.parallel.expert_parallel)")
+    engine can be colocated on every rank and each rank picks its own device (an EP group spanning DP replicas
+    runs its forwards in lockstep: `parallel.lockstep`). The world size (torchrun's) and the model's shapes are
+    checked when the run starts (`launch.build_run`: `init_parallel`, `ParallelConfig.check_model`)."""
     if parallel.world_size == 1:
         return
     if backend == "sglang":

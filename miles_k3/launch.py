@@ -6,8 +6,9 @@ checkpoint when `resume` names one (the run directory's metrics.jsonl and tables
 
 Under torchrun (`parallel:`) every rank builds the same model and adapter (same seed), shards it in place
 (`shard_model`: TP, EP), and colocates its own engine over its shard; rank 0 alone writes the run directory's
-logs, metrics, tables and eval reports (the others get a `NullTracker` and a `RankEvalHook`), and every rank
-checkpoints its own state into one directory (`trainer.checkpoint_ranks`).
+logs, metrics, tables and eval reports (the others get a `NullTracker`; each DP replica generates its share of
+the eval, which rank 0 grades), and every rank checkpoints its own state into one directory
+(`trainer.checkpoint_ranks`).
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ import torch
 from omegaconf import OmegaConf
 
 from miles_k3.evals.datasets import load_problems
-from miles_k3.evals.harness import EvalHook, check_prompt_lengths, evaluate, prompt_ids
+from miles_k3.evals.harness import EvalHook, check_prompt_lengths, prompt_ids
 from miles_k3.evals.rewards import build_reward
 from miles_k3.model.build import build_model, build_tokenizer, load_k3_config
 from miles_k3.model.lora import apply_lora, lora_parameters
@@ -155,7 +156,7 @@ def build_run(cfg) -> Run:
     if cfg.engine.backend == "sglang":
         engine, channel = _sglang_engine(cfg, model, tokenizer, problems, version)
     else:
-        engine = RolloutEngine(model, cfg.engine, lora=cfg.lora, tokenizer=tokenizer)
+        engine = RolloutEngine(model, cfg.engine, lora=cfg.lora, tokenizer=tokenizer, ctx=ctx)
         log.info(engine_line(engine))
         engine.load_lora_adapter_from_tensors(POLICY, {n: p.detach() for n, p in params.items()}, cfg.lora)
         engine.weight_version = version  # the checkpoint's adapter is what it serves
@@ -163,9 +164,9 @@ def build_run(cfg) -> Run:
     tracker = (Tracker(cfg.tracking, run_dir, config=OmegaConf.to_container(OmegaConf.structured(cfg)))
                if ctx.is_main else NullTracker())
     hook = None
-    if eval_problems is not None:
-        hook = (EvalHook(cfg.eval, engine, tokenizer, eval_problems, run_dir, tracker) if ctx.is_main else
-                RankEvalHook(cfg.eval, engine, tokenizer, eval_problems, run_dir))
+    if eval_problems is not None:  # every rank generates its replica's share; rank 0 grades, writes and logs
+        hook = EvalHook(cfg.eval, engine, tokenizer, eval_problems, run_dir, tracker if ctx.is_main else None,
+                        ctx=ctx)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     if ckpt is not None:  # building the engine may draw random numbers: the loop starts from the saved state
         set_rng_state(torch.load(rng_file(ckpt, ctx), weights_only=True))
@@ -202,15 +203,6 @@ def shard_model(model, ctx: ParallelContext) -> None:
         shard_model_tp(model, ctx)
     if ctx.ep_size > 1:
         shard_experts_ep(model, ctx)
-
-
-class RankEvalHook(EvalHook):
-    """The eval of a rank other than 0: it generates the same requests as rank 0 (under TP / EP the engine's
-    forward is a collective of the ranks holding the model) and writes, logs and returns nothing."""
-
-    def maybe_run(self, step: int, lora: str | None, force: bool = False) -> None:
-        if force or self.due(step):
-            evaluate(self.engine, self.tokenizer, self.problems, self.cfg, lora=lora, progress=False)
 
 
 def check_prompts_fit(cfg, tokenizer, problems: list, eval_problems: list | None) -> None:

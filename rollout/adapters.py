@@ -61,6 +61,20 @@ class AdapterBank:
             raise ValueError(f"unknown adapter {name!r}; loaded: {self.names()}")
         return self._buffers[name]
 
+    def index(self, name: str | None) -> int:
+        """A number for adapter `name`, the same on every rank that registered the same adapters in the same order
+        (None, the base: 0); what the engines of a lockstep agree on (`parallel.lockstep`)."""
+        return list(self._buffers).index(name) if name in self._buffers else 0
+
+    def name_at(self, index: int) -> str | None:
+        """The adapter of `index` (see `index`)."""
+        return list(self._buffers)[index] if self._buffers else None
+
+    @property
+    def bound_name(self) -> str | None:
+        """The adapter whose values the LoRA parameters hold now (None: the base, or nothing bound yet)."""
+        return None if self._bound is None else self._bound[0]
+
     def serves(self, name: str | None) -> bool:
         return name in self._buffers or (name is None and self.config is None)
 

@@ -18,6 +18,11 @@ same prompts with its own shard (its pools hold its KDA heads; the MLA latents a
 logits are gathered over the vocabulary, so every rank samples the same tokens, and drawn sampling seeds are
 rank 0's: the ranks schedule identically and enter every collective together. CUDA-graph decode is not used
 under tp > 1 (auto decodes eagerly, saying why).
+
+Expert parallelism across DP replicas (`ctx`: EP groups that span replicas): the replicas' engines serve
+different prompts, so every forward runs in lockstep (`parallel.lockstep`): a rank votes busy before each of its
+forwards, and one whose `generate` has run out of work runs idle one-token forwards while another is busy. Every
+rank then calls `generate` the same number of times (a rank with no prompts of its own calls it with none).
 """
 from __future__ import annotations
 
@@ -35,6 +40,8 @@ from miles_k3.model.experts import RoutedExperts
 from miles_k3.model.k3 import K3ForCausalLM
 from miles_k3.model.lora import LoRAConfig
 from miles_k3.parallel.expert_parallel import adopt_ep_layout
+from miles_k3.parallel.lockstep import Lockstep
+from miles_k3.parallel.mesh import SINGLE, ParallelContext
 from miles_k3.parallel.tensor_parallel import adopt_tp_layout
 from miles_k3.rollout.adapters import AdapterBank, share_base
 from miles_k3.rollout.graph_decode import GraphDecoder
@@ -153,7 +160,9 @@ class RolloutEngine:
     pause_generation / continue_generation / release_memory_occupation / resume_memory_occupation."""
 
     def __init__(self, model: K3ForCausalLM, config: EngineConfig | None = None, lora: LoRAConfig | None = None,
-                 tokenizer: Any = None):
+                 tokenizer: Any = None, ctx: ParallelContext = SINGLE):
+        """`ctx`: the run's place of this rank (a sharded `model`: its forwards are collectives; with EP groups
+        spanning DP replicas they run in lockstep with the other ranks' engines)."""
         self.config = config or EngineConfig()
         self.config.validate()
         self.cfg = model.config
@@ -166,6 +175,7 @@ class RolloutEngine:
         tp = 1 if self.tp_context is None else self.tp_context.tp_size
         ep = max((m.total_experts // m.num_experts for m in self.model.modules() if isinstance(m, RoutedExperts)),
                  default=1)
+        self.lockstep = Lockstep(ctx)
         self.lora_config = lora
         self.adapters = AdapterBank(self.model, lora)
         self.device = device = model.lm_head.weight.device
@@ -382,6 +392,14 @@ class RolloutEngine:
                     running.remove(req)
                     self._free(req)
                     results[req.index] = self._result(req, return_logprob)
+        self.lockstep.drain(self._idle_forward)
+
+    @torch.no_grad()
+    def _idle_forward(self, adapter: int) -> None:
+        """One token through the model, dropped: this rank's part in a forward of other ranks (lockstep), with their
+        adapter bound (the rows they send to this rank's experts meet its expert LoRA)."""
+        self.adapters.bind(self.adapters.name_at(adapter), self.weight_version)
+        self.model(torch.zeros(1, 1, dtype=torch.long, device=self.device), return_logits=False)
 
     def _admit(self, waiting: deque, running: list[_Request], max_groups: int | None = None) -> None:
         """Admit waiting groups in order while their slots fit: prefill every group's tokens but the last in
@@ -449,6 +467,7 @@ class RolloutEngine:
         slots = torch.tensor([r.slot for r in rows], device=self.device)
         rids = [r.rid for r in rows]
         state = pooled_state(self.cfg, self.kda, slots, self.cache, rids)
+        self.lockstep.busy(self.adapters.index(self.adapters.bound_name))
         with torch.no_grad():
             out = self.model(ids, seq_lens=lens, state=state, return_state=True, return_logits=False)
         stored = store_state(self.cfg, out.state, self.kda, slots, self.cache, rids)
@@ -504,6 +523,7 @@ class RolloutEngine:
             return logits
         slots_t = torch.tensor(slots, device=self.device)
         state = pooled_state(self.cfg, self.kda, slots_t, self.cache, rids)
+        self.lockstep.busy(self.adapters.index(self.adapters.bound_name))
         out = self.model.step(torch.tensor(ids, device=self.device), state)
         stored = store_state(self.cfg, out.state, self.kda, slots_t, self.cache, rids)
         assert stored, "positions were reserved by _make_room"

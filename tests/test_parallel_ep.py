@@ -3,7 +3,8 @@ equals the single-process model on the same tokens (the reference, built in the 
 adapters): forward logits, every LoRA gradient after `reduce_gradients` (expert LoRA: the rank's slice), the
 global gradient norm, prefill + eager decode (also on the rollout engine's `share_base` twin), MXFP4 experts, a
 rank with zero tokens, an owner that receives no rows, the token split over tp, expert replicas (dp=4, ep=2) and
-an EP group spanning two TP groups. CPU unit tests: refusals, state-dict keys with global expert ids, shard
+an EP group spanning two TP groups; the rollout engine over an EP group that spans both DP replicas, in lockstep
+(uneven calls, a rank with no requests: the greedy samples of one process, and the idle forwards counted by hand). CPU unit tests: refusals, state-dict keys with global expert ids, shard
 storage bytes, zero-row gradients, the all-to-all bytes by hand.
 
 Tolerances, relative to each tensor's scale (`_assert_close`): one MoE layer on the same inputs 1e-5 (seen:
@@ -122,6 +123,89 @@ def _engine_twin(model):
     return twin
 
 
+# Engine calls of the lockstep test (dp=2, ep=2: the EP group spans both replicas): per call, each rank's
+# (prompt length, max_new_tokens) requests; a rank with none still calls generate. The forwards each rank makes,
+# by hand (one prefill forward for a call's prompts, one decode forward per new token of its longest request):
+# call 1: rank 0 7 (1 + 6), rank 1 none; call 2: rank 0 none, rank 1 4 (1 + 3); call 3: 3 (1 + 2) and 5 (1 + 4).
+ENGINE_CALLS = [[[(5, 6), (3, 2)], []], [[], [(4, 3)]], [[(2, 2)], [(6, 4)]]]
+IDLE_FORWARDS = [[0, 7], [4, 0], [2, 0]]  # per call, per rank: the other rank's forwards beyond its own
+
+
+def _engine_prompts(requests, seed):
+    return [ids(1, n, seed=seed + i)[0].tolist() for i, (n, _) in enumerate(requests)]
+
+
+def _engine_outputs(engine, requests, seed, lora="policy"):
+    """Greedy samples of `requests` (with the engine's log-probs), through the public generate."""
+    params = [{"temperature": 0.0, "max_new_tokens": m} for _, m in requests]
+    outs = engine.generate(input_ids=_engine_prompts(requests, seed), sampling_params=params, lora=lora)
+    return [(o["output_ids"], [lp for lp, _ in o["meta_info"]["output_token_logprobs"]]) for o in outs]
+
+
+def _engine(model, ctx=None):
+    from miles_k3.parallel.mesh import SINGLE
+    from miles_k3.rollout.engine import EngineConfig, RolloutEngine
+    engine = RolloutEngine(model, EngineConfig(memory_budget_bytes=2 * 2**20, max_context=32, page_size=4),
+                           lora=LoRAConfig(rank=4, alpha=8.0, targets=TARGETS), ctx=ctx or SINGLE)
+    engine.load_lora_adapter_from_tensors("policy", {n: p.detach() for n, p in lora_parameters(model).items()},
+                                          LoRAConfig(rank=4, alpha=8.0, targets=TARGETS))
+    return engine
+
+
+def _lockstep_engine(model, ctx, rank):
+    """Every call of ENGINE_CALLS on this rank's engine: its outputs and the idle forwards it ran."""
+    engine, out = _engine(model, ctx), []
+    for k, call in enumerate(ENGINE_CALLS):
+        before = engine.lockstep.idle_forwards
+        got = _engine_outputs(engine, call[rank], seed=10 * k + 100 * rank)
+        out.append((got, engine.lockstep.idle_forwards - before))
+    try:  # both busy at once, serving different adapters: the rows of one would meet the other's expert LoRA
+        _engine_outputs(engine, [(3, 2)], seed=7, lora="policy" if rank == 0 else None)
+        out.append("no error")
+    except RuntimeError as err:
+        out.append(str(err))
+    return out
+
+
+# The trainer in lockstep (dp=2, ep=2): rank 0 holds 3 samples, rank 1 one; with micro_batch_tokens=8 each sample
+# is a micro-batch of its own (8 or fewer positions), so rank 1 runs 2 idle micro-steps beside rank 0's last two.
+# (prompt length, response length, advantage) per rank; a group per rank.
+TRAIN_SAMPLES = [[(5, 4, 0.7), (3, 6, -0.7), (4, 2, 0.3)], [(6, 3, -0.3)]]
+
+
+def _lockstep_trainer_cfg():
+    from miles_k3.trainer.losses import LossConfig
+    from miles_k3.trainer.optim import OptimConfig
+    from miles_k3.trainer.step import TrainerConfig
+    return TrainerConfig(micro_batch_tokens=8, activation_checkpointing=True, loss=LossConfig(kl_coef=0.1),
+                         optim=OptimConfig(lr=0.01, eps=1e-3))
+
+
+def _train_samples(rank, nan=False):
+    from miles_k3.trainer.batch import Sample
+    out = []
+    for i, (p, r, adv) in enumerate(TRAIN_SAMPLES[rank]):
+        seq = ids(1, p + r, seed=300 + 10 * rank + i)[0].tolist()
+        out.append(Sample(seq[:p], seq[p:], advantage=float("nan") if nan else adv, group=rank))
+    return out
+
+
+def _lockstep_train(model, ctx, rank):
+    """One train_step of this rank's samples, then one whose rank-1 sample has a NaN advantage (skipped on every
+    rank): the adapter after each and the step's metrics."""
+    from miles_k3.trainer.optim import build_optimizer, build_scheduler
+    from miles_k3.trainer.step import train_step
+    cfg, params = _lockstep_trainer_cfg(), lora_parameters(model)
+    opt = build_optimizer(params, cfg.optim)
+    sched = build_scheduler(opt, cfg.optim)
+    out = []
+    for nan in (False, True):
+        metrics = train_step(model, _train_samples(rank, nan=nan and rank == 1), cfg, opt, sched, params, 0,
+                             _device(model), ctx=ctx)
+        out.append(({n: p.detach().cpu().clone() for n, p in params.items()}, metrics["train/skipped"]))
+    return out
+
+
 def _moe_zero_tokens(model, ctx, rank, empty_ranks):
     """One LatentMoE on its own; the ranks in `empty_ranks` feed zero tokens."""
     from miles_k3.parallel.grads import reduce_gradients
@@ -154,6 +238,8 @@ def _ranks_world2(rank):
             out["sync_free"] = "no error"
         except RuntimeError as err:
             out["sync_free"] = str(err)
+    out["lockstep_engine"] = _lockstep_engine(model, ctx, rank)
+    out["lockstep_train"] = _lockstep_train(_sharded(ctx, rank), ctx, rank)
     out["far"] = _train_step(_sharded(ctx, rank, far_bias=True), _tokens(rank), ctx)  # rank 0 receives no rows
     out["mxfp4"] = _train_step(_sharded(ctx, rank, expert_format="mxfp4"), _tokens(rank), ctx)
     # tp = 2: tokens split over tp, EP group = TP group; the dense layers whole ("tp") and tensor-parallel too
@@ -259,6 +345,28 @@ def _check_moe_zero(results, ep, empty_ranks):
             _assert_close(g, full, LAYER_TOL, f"rank {rank} moe {name}")
 
 
+@_one_thread()
+def _check_lockstep_train(results):
+    """Every rank's adapter after the step equals the one-process step over all 4 samples (its expert slice); the
+    NaN step is skipped on both ranks and changes nothing."""
+    from miles_k3.trainer.optim import build_optimizer, build_scheduler
+    from miles_k3.trainer.step import train_step
+    model, cfg = _model(), _lockstep_trainer_cfg()
+    params = lora_parameters(model)
+    before = {n: p.detach().clone() for n, p in params.items()}
+    opt = build_optimizer(params, cfg.optim)
+    train_step(model, _train_samples(0) + _train_samples(1), cfg, opt, build_scheduler(opt, cfg.optim), params, 0,
+               torch.device("cpu"))
+    for rank, ((after, skipped), (after_nan, skipped_nan)) in enumerate(results):
+        assert skipped == 0.0 and skipped_nan == 1.0
+        for name, got in after.items():
+            want = _expert_slice(name, params[name].detach(), rank, 2)
+            start = _expert_slice(name, before[name], rank, 2)
+            # the update itself (AdamW's first step: about lr per element) to the one-process update's
+            assert (got - want).norm() <= 1e-3 * (want - start).norm() + 1e-7, name
+            assert torch.equal(after_nan[name], got), name
+
+
 @pytest.mark.slow
 def test_dp2_ep2_equals_one_process():
     results = run_ranks(2, _ranks_world2)
@@ -272,6 +380,21 @@ def test_dp2_ep2_equals_one_process():
             _assert_close(twin, w, MODEL_TOL, f"rank {rank} engine twin decode {step}")
         assert "parallel.ep=2" in r["sync_free"] and "decode eagerly" in r["sync_free"], r["sync_free"]
     _check_moe_zero([r["moe_zero"] for r in results], ep=2, empty_ranks={1})
+    with _one_thread():  # the engine over the whole model, each rank's calls in turn
+        engine = _engine(_model())
+        want = [[_engine_outputs(engine, call[rank], seed=10 * k + 100 * rank) for rank in range(2)]
+                for k, call in enumerate(ENGINE_CALLS)]
+    for k in range(len(ENGINE_CALLS)):
+        for rank, r in enumerate(results):
+            got, idle = r["lockstep_engine"][k]
+            assert idle == IDLE_FORWARDS[k][rank], (k, rank)
+            assert len(got) == len(want[k][rank])
+            for (tokens, logps), (want_tokens, want_logps) in zip(got, want[k][rank]):
+                assert tokens == want_tokens, (k, rank)
+                assert logps == pytest.approx(want_logps, abs=MODEL_TOL), (k, rank)
+    for r in results:
+        assert "serving different LoRA adapters in one forward (adapter numbers 0 and 1)" in r["lockstep_engine"][-1]
+    _check_lockstep_train([r["lockstep_train"] for r in results])
     _check_step("no rows", [r["far"] for r in results], [0, 1], ep=2, far_bias=True)
     far = results[0]["far"][1]  # rank 0 holds experts 0..7, which no token chose: zero gradients, not missing
     assert all(not g.any() for n, g in far.items() if ".experts.lora." in n and "lora_B" in n)

@@ -38,7 +38,7 @@ def _first_byte_even(cfg):
 
 def _overrides(data, run_dir, *extra) -> list[str]:
     """A tiny run: k3_tiny fp32, 4 prompts x 2 samples per step (the global batch; dynamic sampling refills
-    dropped groups, so a round may draw fewer prompts than ranks), 5 new tokens, 2 updates per step (minibatches
+    dropped groups, so a round may draw fewer prompts than ranks), prefill in chunks of 4 tokens, 5 new tokens, 2 updates per step (minibatches
     of whole groups over both ranks), a 2-problem eval at the start and the end. AdamW's eps=1e-3: Adam's first update of a zero-initialised lora_B is
     lr * g / (|g| + eps), which turns rounding noise in a near-zero gradient into an O(lr) difference at
     eps=1e-8, so the adapters of two summation orders would not be comparable element by element."""
@@ -49,13 +49,17 @@ def _overrides(data, run_dir, *extra) -> list[str]:
             "reward.name=dp_first_byte_even", "rollout.prompts_per_step=4", "rollout.group_size=2",
             "rollout.max_new_tokens=5", "rollout.template=plain", "rollout.log_samples=2",
             "rollout.dynamic_sampling=true", "engine.max_context=64", "engine.memory_budget_bytes=2097152",
+            "engine.prefill_chunk=4",
             "trainer.minibatches=2", "trainer.optim.lr=0.01", "trainer.optim.eps=1e-3",
             "trainer.optim.total_steps=null", "lora.rank=2", "checkpoint_every=2", *extra]
 
 
 def _write_data(path) -> str:
-    path.write_text("".join(json.dumps({"id": f"q{i}", "question": f"{i} + {i} = ?", "answer": str(2 * i)}) + "\n"
-                            for i in range(10)))
+    """10 sums of 1 to 3 terms: prompts of different lengths, so the replicas' engines prefill different numbers of
+    chunks (engine.prefill_chunk=4) and, in lockstep, wait for each other."""
+    rows = [{"id": f"q{i}", "question": " + ".join([str(i)] * (1 + i % 3)) + " = ?", "answer": str(i * (1 + i % 3))}
+            for i in range(10)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return str(path)
 
 
@@ -166,6 +170,8 @@ def test_dp2_trains_the_adapter_of_dp1_over_the_same_global_batch(dp2):
     evals = ([m["eval/avg@2"] for m in _jsonl(path) if "eval/avg@2" in m]
              for path in (root / "single/metrics.jsonl", root / "whole/metrics.jsonl"))
     assert list(evals) == [[0.0, 0.0]] * 2  # at steps 0 and 3 (a random base, 3 tokens: no answer)
+    for step in (0, 3):  # each replica generated one of the 2 problems; rank 0 gathered them in order
+        assert _eval_records(root / "whole", step) == _eval_records(root / "single", step)
 
 
 def test_only_rank_0_writes_the_run_directory_and_every_rank_its_checkpoint_files(dp2):
@@ -227,6 +233,11 @@ def _train_tp_rank(rank: int, data: str, root: str) -> dict:
     resumed = train(compose_config("train", _overrides(data, f"{root}/tp_resumed", "parallel.tp=2", "parallel.ep=2",
                                                        "resume=auto")))
     out["resumed_adapter"] = _adapter(resumed)
+    # dp=2 x ep=2: the EP group spans both replicas, whose engines and micro-batches (one sample each at 16
+    # tokens) differ: forwards in lockstep
+    ep = train(compose_config("train", _overrides(data, f"{root}/ep_dp", "parallel.dp=2", "parallel.ep=2",
+                                                  "trainer.micro_batch_tokens=16")))
+    out |= {"ep_dp_version": ep.engine.weight_version, "ep_dp_idle": ep.engine.lockstep.idle_forwards}
     return out
 
 
@@ -235,25 +246,43 @@ def _peft(path) -> dict[str, torch.Tensor]:
     return load_file(str(path / "adapter_model.safetensors"))
 
 
-def test_tp2_ep2_trains_the_adapter_of_one_process_and_writes_it_whole(dp2):
-    """tp=2 x ep=2 on 2 ranks: every step's PEFT adapter (gathered from the ranks' shards: TP halves, expert
-    slices) equals the one-process run's over the same batch, key for key and shape for shape; resume continues
-    bit-identically."""
+def _eval_records(run_dir, step) -> list[tuple]:
+    return [(r["id"], r["sample"], r["response"]) for r in _jsonl(run_dir / f"eval/step_{step:06d}/results.jsonl")]
+
+
+@pytest.fixture(scope="module")
+def tp2(dp2):
     _, root, _ = dp2
-    ranks = run_ranks(2, _train_tp_rank, str(root / "train.jsonl"), str(root), timeout_s=600)
+    return run_ranks(2, _train_tp_rank, str(root / "train.jsonl"), str(root), timeout_s=600)
+
+
+@pytest.mark.parametrize("mesh, run", [({"dp": 1, "tp": 2, "ep": 2, "world": 2}, "tp"),
+                                       ({"dp": 2, "tp": 1, "ep": 2, "world": 2}, "ep_dp")])
+def test_tp2_ep2_and_dp2_ep2_train_the_adapter_of_one_process_and_write_it_whole(dp2, tp2, mesh, run):
+    """tp=2 x ep=2 (the EP group inside the TP group) and dp=2 x ep=2 (the EP group spanning both replicas, in
+    lockstep) on 2 ranks: every step's PEFT adapter (gathered from the ranks' shards: TP halves, expert slices)
+    equals the one-process run's over the same batch, key for key and shape for shape; so does the eval."""
+    _, root, _ = dp2
     for step in (2, 3):
         want = _peft(root / f"single/checkpoints/step_{step:08d}/adapter")
-        got = _peft(root / f"tp/checkpoints/step_{step:08d}/adapter")
+        got = _peft(root / f"{run}/checkpoints/step_{step:08d}/adapter")
         assert got.keys() == want.keys()
         for key, t in want.items():
             assert got[key].shape == t.shape, key
             assert (got[key] - t).norm() <= 5e-4 * t.norm() + 1e-7, key
-    assert json.loads((root / "tp/checkpoints/step_00000003/mesh.json").read_text()) == {
-        "dp": 1, "tp": 2, "ep": 2, "world": 2}
-    for r in ranks:
-        assert r["engine_version"] == 3
+    assert json.loads((root / f"{run}/checkpoints/step_00000003/mesh.json").read_text()) == mesh
+    for step in (0, 3):  # the same samples of the same problems (under dp=2 each replica generated half)
+        assert _eval_records(root / run, step) == _eval_records(root / "single", step)
+
+
+def test_tp2_ep2_resumes_bit_identically_and_dp2_ep2_runs_in_lockstep(tp2):
+    for r in tp2:
+        assert r["engine_version"] == 3 and r["ep_dp_version"] == 3
         for name, t in r["adapter"].items():  # each rank's own shards
             assert torch.equal(r["resumed_adapter"][name], t), name
+    # prompts of different lengths, prefilled in chunks of 4 tokens: a replica with shorter prompts (or none, in a
+    # refill round) ran idle forwards while the other prefilled (ranks 0 and 1 ran 5 and 1 here)
+    assert sum(r["ep_dp_idle"] for r in tp2) > 0, [r["ep_dp_idle"] for r in tp2]
 
 
 # ---- refusals without spawning ----------------------------------------------------------------------------
@@ -272,8 +301,6 @@ def test_a_world_that_is_not_dp_x_tp_is_refused_at_start(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("extra, message", [
     (["parallel.dp=2", "parallel.ep=4"], r"^parallel.ep: 4 does not divide the dp x tp = 2 x 1 = 2 ranks"),
-    (["parallel.dp=2", "parallel.ep=2"], r"^parallel.ep: 2 groups ranks of several DP replicas \(parallel.tp=1\)"),
-    (["parallel.dp=2", "parallel.tp=2", "parallel.ep=4"], r"^parallel.ep: 4 groups ranks of several DP replicas"),
     (["parallel.dp=2", "device=cuda:1"], r"device=cuda:1 pins one GPU for every rank"),
 ])
 def test_meshes_that_cannot_work_are_refused_with_the_config(tmp_path, extra, message):

@@ -150,7 +150,8 @@ def collect_rollouts(engine, tokenizer, stream: PromptStream, reward_fn, cfg: Ro
     spans replicas; the sampling seeds come from the global draw index, so a prompt's samples do not depend on
     which replica runs it). Which groups are kept, each kept group's Sample.group (its index among the step's
     kept groups, as one process numbers them) and the metrics are global; the samples returned are this
-    replica's."""
+    replica's. Every replica calls engine.generate once per sampling round, with or without prompts of its own
+    (an engine in lockstep needs every rank's calls)."""
     group = ctx.dp_group
     kept: list[tuple[int, list[Sample]]] = []  # (global group index, this replica's group)
     seen: list[list[Sample]] = []
@@ -159,7 +160,11 @@ def collect_rollouts(engine, tokenizer, stream: PromptStream, reward_fn, cfg: Ro
     while num_kept < cfg.prompts_per_step and rounds < (cfg.max_sampling_rounds if cfg.dynamic_sampling else 1):
         drawn = stream.take(cfg.prompts_per_step - num_kept)
         mine = drawn[ctx.dp_rank::ctx.dp_size]
-        groups, graded = _sample_groups(engine, tokenizer, mine, reward_fn, cfg, lora) if mine else ([], [])
+        if mine:
+            groups, graded = _sample_groups(engine, tokenizer, mine, reward_fn, cfg, lora)
+        else:  # no prompt of its own this round: a generate call still (lockstep: its part in the others' forwards)
+            groups, graded = [], []
+            engine.generate(input_ids=[], n=cfg.group_size, lora=lora)
         seen += groups
         outcomes += graded
         flat = _global_flags([_is_flat(g) for g in groups], len(drawn), ctx)  # by position in `drawn`

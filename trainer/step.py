@@ -21,6 +21,12 @@ update and is reported apart from it (train/empty_step).
 Every no-grad forward of the policy (the old log-probs, the KL reference, `sequence_logprobs`) runs with the model
 in eval mode, so LoRA dropout is off and they are deterministic; the gradient forward runs in the model's own mode
 (train mode: dropout on).
+
+Expert parallelism across DP replicas (`parallel.lockstep`): a forward is a collective of ranks that hold different
+samples, so every loop over micro-batches runs as many iterations on every rank (the max of the ranks' counts); a
+rank past its own micro-batches runs an idle micro-step (one pad token, the same forwards and backward as a
+micro-step, loss zero), and a micro-step whose loss is not finite still runs its backward (the update is skipped
+on every rank anyway).
 """
 from __future__ import annotations
 
@@ -31,6 +37,7 @@ from dataclasses import dataclass, field
 import torch
 
 from miles_k3.model.lora import adapters_disabled
+from miles_k3.parallel.lockstep import Lockstep
 from miles_k3.parallel.mesh import SINGLE, ParallelContext
 from miles_k3.parallel.tensor_parallel import vocab_shard
 from miles_k3.trainer.batch import Sample, micro_batches, pack
@@ -107,7 +114,7 @@ def train_step(model, samples: list[Sample], cfg: TrainerConfig, opt, sched, par
                              "must return them); use trainer.old_logprobs=recompute")
         old = "rollout"
     elif cfg.minibatches > 1:
-        fill_old_logprobs(model, [s for s in samples if _in_loss(s)], cfg, pad_id, device, temperature)
+        fill_old_logprobs(model, [s for s in samples if _in_loss(s)], cfg, pad_id, device, temperature, ctx)
         old = "old"
     results = [_update(model, part, cfg, opt, sched, params, pad_id, device, temperature, old, ctx)
                for part in split_minibatches(samples, cfg.minibatches, ctx)]
@@ -158,16 +165,21 @@ def sequence_logprobs(model, ids: list[int], cfg: TrainerConfig | None = None) -
 
 @torch.no_grad()
 def fill_old_logprobs(model, samples: list[Sample], cfg: TrainerConfig, pad_id: int, device: torch.device,
-                      temperature: float) -> None:
+                      temperature: float, ctx: ParallelContext = SINGLE) -> None:
     """Sets each sample's old_logprobs: the current policy's log-prob of every response token (the forward the
-    training pass makes, without gradients and in eval mode: no dropout)."""
-    for idx in micro_batches(samples, cfg.micro_batch_tokens):
+    training pass makes, without gradients and in eval mode: no dropout). In lockstep, idle forwards after this
+    rank's own micro-batches."""
+    batches = micro_batches(samples, cfg.micro_batch_tokens)
+    total = Lockstep(ctx).steps(len(batches))  # agreed before any forward (each forward is a collective)
+    for idx in batches:
         mb = pack([samples[i] for i in idx], pad_id).to(device)
         logp = _batch_logprobs(model, mb, cfg, temperature).float().cpu()
         for row, i in enumerate(idx):
             s = samples[i]
             p, n = len(s.prompt_ids), s.length - 1
             s.old_logprobs = logp[row, p - 1:n].tolist()
+    for _ in range(len(batches), total):
+        _batch_logprobs(model, _idle_batch(pad_id, device), cfg, temperature)
 
 
 def _update(model, samples: list[Sample], cfg: TrainerConfig, opt, sched, params: dict, pad_id: int,
@@ -187,11 +199,18 @@ def _update(model, samples: list[Sample], cfg: TrainerConfig, opt, sched, params
     has_rollout = all(s.rollout_logprobs for s in samples)  # per update: every micro-batch gets the same terms
     parts: list[tuple[dict[str, float], float, float]] = []
     loss_total, finite = 0.0, True
-    for idx in micro_batches(samples, cfg.micro_batch_tokens):
+    batches, lockstep = micro_batches(samples, cfg.micro_batch_tokens), Lockstep(ctx)
+    for k in range(lockstep.steps(len(batches))):
+        if k >= len(batches) or not finite:  # lockstep: this rank's part in the others' micro-steps
+            _idle_micro_step(model, _idle_batch(pad_id, device), cfg, totals["temperature"])
+            continue
+        idx = batches[k]
         mb = pack([samples[i] for i in idx], pad_id).to(device)
-        loss, m = _micro_step(model, mb, cfg, totals, has_rollout, old)
+        loss, m = _micro_step(model, mb, cfg, totals, has_rollout, old, backward_always=lockstep.active)
         if not math.isfinite(loss):
             finite = False
+            if lockstep.active:
+                continue
             break
         loss_total += loss
         parts.append((m, float(mb.num_tokens), float(len(idx))))  # every row has tokens in the loss
@@ -255,7 +274,9 @@ def _merge(parts: list[tuple[dict[str, float], float, float]], summed: tuple[str
 
 
 def _micro_step(model, mb, cfg: TrainerConfig, totals: dict, has_rollout: bool,
-                old: str = "current") -> tuple[float, dict[str, float]]:
+                old: str = "current", backward_always: bool = False) -> tuple[float, dict[str, float]]:
+    """Forward, loss and backward of one micro-batch; a non-finite loss skips the backward unless
+    `backward_always` (lockstep: the backward's all-to-alls pair with the other ranks')."""
     with _autocast(model, cfg), _recompute(model, cfg.activation_checkpointing):
         logits = model(mb.input_ids_BT, seq_lens=mb.seq_lens_B).logits
     if totals["temperature"] != 1.0:
@@ -273,9 +294,25 @@ def _micro_step(model, mb, cfg: TrainerConfig, totals: dict, has_rollout: bool,
         gap = (logp.detach().float() - mb.rollout_logp_BT.float())[m_BT].abs()
         metrics["train/rollout_logprob_abs_diff"] = float(gap.mean()) if gap.numel() else 0.0
     value = float(loss.detach())
-    if math.isfinite(value):
+    if math.isfinite(value) or backward_always:
         loss.backward()
     return value, metrics
+
+
+def _idle_batch(pad_id: int, device: torch.device):
+    """The micro-batch of an idle micro-step: one row of one pad token."""
+    return pack([Sample([pad_id], [pad_id], [], 0.0)], pad_id).to(device)
+
+
+def _idle_micro_step(model, mb, cfg: TrainerConfig, temperature: float) -> None:
+    """The forwards and backward a micro-step makes (`_micro_step`: the policy forward under the same autocast and
+    activation checkpointing, the KL reference forward when kl_coef > 0, one backward), on one pad token and with a
+    loss of zero: in lockstep, this rank's part in another rank's micro-step. Every gradient it adds is zero."""
+    with _autocast(model, cfg), _recompute(model, cfg.activation_checkpointing):
+        logits = model(mb.input_ids_BT, seq_lens=mb.seq_lens_B).logits
+    if cfg.loss.kl_coef > 0:
+        _reference_logprobs(model, mb, cfg, temperature)
+    (logits.float().sum() * 0.0).backward()
 
 
 @torch.no_grad()
