@@ -4,14 +4,19 @@ each against its bound measured in the same run.
 
     python benchmarks/bench_k3_layers_gpu.py [--parts kernels,experts,model,engine] [--backends triton,torch]
                                              [--tokens 4096] [--batches 64,256] [--engine-backends triton]
-                                             [--json OUT]
+                                             [--configs new,legacy] [--no-train] [--no-tune-train] [--json OUT]
+
+`--configs`: the fused kernel's tilings, `pick_config` ("new") and/or `legacy_config` ("legacy": before the
+one-multiply decode and split dots), each run in turn in the experts and engine parts (before/after rows of one
+run). `--no-train`: the experts part's decode steps only; `--no-tune-train`: the kernels part's decode batches
+only.
 
 * kernels: one projection's fused kernel (O 3072 x In 3584, forward and input gradient) per candidate tile
   config at `--tokens` (training) and each decode batch, against that projection's bound.
 * experts: one MoE layer's routed experts at K3 width (896 MXFP4 experts, latent 3584 x 3072, top-16; random
   codes and scales, random routing): training forward and backward (input gradient) over `--tokens` tokens, and
   a decode step at each of `--batches` (captured CUDA graph under `sync_free_experts()`), plus a kernel profile
-  of one triton forward+backward. Bounds: expert GEMM FLOPs / the measured bf16 GEMM rate (8192^3 torch.mm), and
+  of one triton forward+backward and of one decode step per batch (its launches run eagerly). Bounds: expert GEMM FLOPs / the measured bf16 GEMM rate (8192^3 torch.mm), and
   the MXFP4 bytes of the experts that received rows / the measured copy bandwidth (a 4 GiB device copy, read +
   write bytes per second); the bound is the larger of the two.
 * model: `K3Config.from_name("k3")` cut to 4 layers (0: KDA + dense MLP, 1-2: KDA + MoE, 3: MLA + MoE; fla KDA
@@ -24,6 +29,7 @@ each against its bound measured in the same run.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import time
@@ -98,6 +104,20 @@ def top_kernels(fn, n: int = 10) -> dict[str, float]:
     return dict(sorted(per.items(), key=lambda kv: -kv[1])[:n])
 
 
+@contextlib.contextmanager
+def kernel_configs(name: str):
+    """Within the block the fused kernel takes its tilings from `pick_config` ("new") or `legacy_config`
+    ("legacy": the kernel before the one-multiply decode and split dots), for before/after rows in one run."""
+    import miles_k3.kernels.mxfp4_moe as mk
+
+    before = mk.pick_config
+    mk.pick_config = {"new": before, "legacy": mk.legacy_config}[name]
+    try:
+        yield
+    finally:
+        mk.pick_config = before
+
+
 # ---- building ----------------------------------------------------------------------------------------------
 @torch.no_grad()
 def fill_random_mxfp4(experts: RoutedExperts, seed: int = 0) -> None:
@@ -150,11 +170,13 @@ def build_model(cfg: K3Config) -> K3ForCausalLM:
 
 # ---- parts ---------------------------------------------------------------------------------------------------
 # bm,bn,bk,warps,stages,decode[,swap][,s2d: per-group scale loads][,nopf: Triton's pipeliner, no hand prefetch]
-TUNE_TRAIN = ["128,128,64,8,2,asm,swap", "128,128,128,8,3,asm,swap,s2d,nopf", "128,128,128,8,4,asm,swap,s2d,nopf",
-              "128,128,128,8,2,asm,swap,s2d", "128,128,128,4,3,asm,swap,s2d,nopf", "128,64,128,4,3,asm,swap,s2d,nopf"]
-TUNE_DECODE = ["16,128,64,4,2,asm,swap", "16,128,128,4,3,asm,swap,s2d,nopf", "16,128,128,4,4,asm,swap,s2d,nopf",
-               "16,64,128,4,4,asm,swap,s2d,nopf", "16,128,128,4,2,asm,swap,s2d", "16,128,128,4,4,asm,s2d,nopf",
-               "16,128,256,4,3,asm,swap,s2d,nopf", "16,64,128,4,3,tl,swap,s2d,nopf"]
+# [,fast: one-multiply decode][,split: lo/hi halves into two dots]; the first of each list is the legacy pick
+TUNE_TRAIN = ["128,64,128,4,3,asm,swap,s2d,nopf", "128,64,128,4,3,asm,swap,s2d,nopf,fast",
+              "128,128,128,8,3,asm,swap,s2d,nopf,fast", "128,64,128,4,4,asm,swap,s2d,nopf,fast"]
+TUNE_DECODE = ["16,128,128,4,4,asm,s2d,nopf", "16,256,128,4,3,asm,s2d,nopf,fast,split",
+               "16,256,128,4,4,asm,s2d,nopf,fast,split", "16,256,128,4,2,asm,s2d,nopf,fast,split",
+               "16,256,64,4,4,asm,s2d,nopf,fast,split", "16,512,64,4,3,asm,s2d,nopf,fast,split",
+               "16,256,256,8,2,asm,s2d,nopf,fast,split", "16,512,128,8,3,asm,s2d,nopf,fast,split"]
 
 
 def kernels_part(args, bw: float, rate: float) -> list[dict]:
@@ -166,19 +188,20 @@ def kernels_part(args, bw: float, rate: float) -> list[dict]:
     fill_random_mxfp4(m)
     packed, scale = m.w1_packed, m.w1_scale
     rows = []
-    for n_tok, configs in [(args.tokens, TUNE_TRAIN)] + [(b, TUNE_DECODE) for b in args.batches]:
+    for n_tok, configs in [(args.tokens, TUNE_TRAIN)] * bool(args.tune_train) + [(b, TUNE_DECODE)
+                                                                                 for b in args.batches]:
         ids, _ = routing(n_tok, 3)
         counts = torch.bincount(ids.view(-1), minlength=NUM_EXPERTS).tolist()
         ends = torch.tensor(counts, device="cuda").cumsum(0).int()
         hit = sum(1 for c in counts if c)
         m_rows = ids.numel()
         bound = max(2 * m_rows * INTER * LATENT / rate, hit * mxfp4_nbytes(INTER, LATENT) / bw) * 1e3
-        for transpose in (False, True):
+        for transpose in (False, True) if n_tok not in args.batches else (False,):  # decode: forward only
             x = torch.randn(m_rows, INTER if transpose else LATENT, device="cuda", dtype=torch.bfloat16)
             for spec in configs:
                 bm, bn, bk, nw, ns, dec, *flags = spec.split(",")
                 cfg = TileConfig(int(bm), int(bn), int(bk), int(nw), int(ns), dec, "swap" in flags,
-                                 "s2d" in flags, "nopf" not in flags)
+                                 "s2d" in flags, "nopf" not in flags, "fast" in flags, "split" in flags)
                 try:
                     rows_of = ends if n_tok in args.batches else counts  # decode: device ends, as captured
                     ms = timed_ms(lambda x=x, cfg=cfg, t=transpose, r=rows_of: mxfp4_moe_matmul(
@@ -204,8 +227,9 @@ def experts_part(args, bw: float, rate: float) -> dict:
     bound = expert_bound(ids, bw, rate)
     out = {"train_bound": bound, "rows": []}
     print(f"experts bound at {args.tokens} tokens: {json.dumps(bound)}", flush=True)
-    for backend in args.backends:
-        with mxfp4_experts_backend(backend):
+    runs = [(b, c) for b in args.backends for c in (args.configs if b == "triton" else ["new"])]
+    for backend, configs in runs:
+        with mxfp4_experts_backend(backend), kernel_configs(configs):
             holder: dict = {}
 
             def fwd(holder=holder):
@@ -214,27 +238,31 @@ def experts_part(args, bw: float, rate: float) -> dict:
             def bwd(holder=holder):
                 holder["y"].backward(grad)
 
-            fwd(), bwd()  # compile
-            fwd_ms, bwd_ms = [], []
-            for _ in range(3):
-                fwd_ms.append(timed_ms(fwd, iters=1, warmup=0))
-                bwd_ms.append(timed_ms(bwd, iters=1, warmup=0))
-            torch.cuda.reset_peak_memory_stats()
-            fwd(), bwd()
-            row = {"backend": backend, "tokens": args.tokens, "fwd_ms": statistics.median(fwd_ms),
-                   "bwd_ms": statistics.median(bwd_ms),
-                   "fwd_bwd_peak_gib": torch.cuda.max_memory_allocated() / 2**30}
-            row["fwd_over_bound"] = row["fwd_ms"] / bound["bound_ms"]
-            row["bwd_over_bound"] = row["bwd_ms"] / bound["bound_ms"]
-            holder.clear()
-            if backend == "triton":
-                row["profile_fwd_bwd_ms"] = top_kernels(lambda: (fwd(), bwd()))
+            row = {"backend": backend, "configs": configs, "tokens": args.tokens}
+            if args.train:
+                fwd(), bwd()  # compile
+                fwd_ms, bwd_ms = [], []
+                for _ in range(3):
+                    fwd_ms.append(timed_ms(fwd, iters=1, warmup=0))
+                    bwd_ms.append(timed_ms(bwd, iters=1, warmup=0))
+                torch.cuda.reset_peak_memory_stats()
+                fwd(), bwd()
+                row.update({"fwd_ms": statistics.median(fwd_ms), "bwd_ms": statistics.median(bwd_ms),
+                            "fwd_bwd_peak_gib": torch.cuda.max_memory_allocated() / 2**30})
+                row["fwd_over_bound"] = row["fwd_ms"] / bound["bound_ms"]
+                row["bwd_over_bound"] = row["bwd_ms"] / bound["bound_ms"]
                 holder.clear()
+                if backend == "triton":
+                    row["profile_fwd_bwd_ms"] = top_kernels(lambda: (fwd(), bwd()))
+                    holder.clear()
             for b in args.batches:
                 ids_b, w_b = routing(b, 2)
                 z_b = torch.randn(b, LATENT, device="cuda", dtype=torch.bfloat16)
                 with torch.no_grad(), sync_free_experts():
                     graph, _ = capture(lambda z_b=z_b, ids_b=ids_b, w_b=w_b: m(z_b, ids_b, w_b))
+                    if backend == "triton":  # the same launches as the graph, eager: GPU ms per kernel
+                        row[f"profile_decode_b{b}_ms"] = top_kernels(lambda z_b=z_b, ids_b=ids_b, w_b=w_b:
+                                                                     m(z_b, ids_b, w_b))
                 dec = expert_bound(ids_b, bw, rate)
                 ms = timed_ms(graph.replay, iters=10)
                 row[f"decode_b{b}_ms"] = ms
@@ -332,8 +360,8 @@ def engine_part(args, model) -> list[dict]:
     lora = LoRAConfig(rank=32, alpha=64)
     b = max(args.batches)
     rows = []
-    for name in args.engine_backends:
-        with mxfp4_experts_backend(name), torch.no_grad():
+    for name, configs in [(n, c) for n in args.engine_backends for c in args.configs]:
+        with mxfp4_experts_backend(name), kernel_configs(configs), torch.no_grad():
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
             engine = RolloutEngine(model, EngineConfig(memory_budget_bytes=12 * 2**30, page_size=64,
@@ -347,7 +375,8 @@ def engine_part(args, model) -> list[dict]:
             engine.generate(input_ids=prompts, sampling_params=params, lora="policy")
             torch.cuda.synchronize()
             wall = time.perf_counter() - t0
-            row = {"backend": name, "batch": b, "decode": engine.decode_mode, "tok_s": b * 64 / wall,
+            row = {"backend": name, "configs": configs, "batch": b, "decode": engine.decode_mode,
+                   "tok_s": b * 64 / wall,
                    "max_reserved_gib": torch.cuda.max_memory_reserved() / 2**30}
             print(json.dumps(row), flush=True)
             rows.append(row)
@@ -363,10 +392,17 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--batches", default="64,256")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--configs", default="new",
+                    help="fused-kernel tilings, comma-separated: new (pick_config), legacy (before the fast decode)")
+    ap.add_argument("--no-train", dest="train", action="store_false",
+                    help="experts part: decode steps only (no training forward/backward)")
+    ap.add_argument("--no-tune-train", dest="tune_train", action="store_false",
+                    help="kernels part: decode batches only")
     args = ap.parse_args()
     args.backends = args.backends.split(",")
     args.engine_backends = [b for b in args.engine_backends.split(",") if b]
     args.batches = [int(b) for b in args.batches.split(",")]
+    args.configs = args.configs.split(",")
     parts = args.parts.split(",")
     bw, rate = copy_bandwidth(), gemm_rate()
     results = {"copy_bytes_per_s": bw, "bf16_gemm_flop_per_s": rate, "device": torch.cuda.get_device_name()}

@@ -8,7 +8,9 @@ weights as the reference (dequantize_mxfp4, then an fp32 matmul); the products a
 of the fp32 accumulation differs (tensor-core k16 chunks vs the reference's), then the sum is rounded once to
 bf16. So |y - ref32| <= 2^-8 |ref32| (the bf16 rounding, 2^-9, with margin) + 2^-14 (|x| @ |W|^T) (a generous
 bound on fp32 accumulation error over K <= 4096 terms), and y equals bf16(ref32) for at least 95% of elements
-(a 1-ulp difference needs an fp32 sum within accumulation error of a bf16 rounding midpoint).
+(a 1-ulp difference needs an fp32 sum within accumulation error of a bf16 rounding midpoint). The one-multiply
+decode (`fast`) is checked bit for bit against the general decode (same dots, same order), with tiles that read
+scale bytes above 128 (recomputed in the kernel); `split` (two dots) against the reference by the criterion above.
 Run with `python -m pytest -m gpu tests/test_gpu_mxfp4_moe.py`."""
 import pytest
 import torch
@@ -79,7 +81,10 @@ def test_kernel_matches_reference(shape, transpose):
 
 @pytest.mark.parametrize("variant", ["tl_bm16", "asm_bm16", "tl_swap_bm128", "asm_swap_bm16", "asm_swap_bm64",
                                      "asm_swap_bm128", "asm_swap_s2d_nopf_bm16", "asm_swap_s2d_nopf_bm128",
-                                     "asm_swap_s2d_bm16"])
+                                     "asm_swap_s2d_bm16", "asm_s2d_nopf_fast_split_bm16",
+                                     "asm_s2d_nopf_fast_split_bm32", "tl_s2d_nopf_fast_split_bm16",
+                                     "asm_swap_s2d_nopf_fast_bm16", "asm_swap_s2d_nopf_fast_bm128",
+                                     "asm_swap_s2d_nopf_fast_split_bm16", "asm_swap_s2d_fast_split_bm64"])
 @pytest.mark.parametrize("transpose", [False, True], ids=["forward", "input_grad"])
 def test_every_decode_and_tiling_matches_reference(variant, transpose):
     from miles_k3.kernels.mxfp4_moe import TileConfig, mxfp4_moe_matmul
@@ -87,15 +92,19 @@ def test_every_decode_and_tiling_matches_reference(variant, transpose):
     decode, *flags = variant.split("_")
     bm = int(flags[-1][2:])
     cfg = TileConfig(bm, 128, 128 if bm <= 32 or "s2d" in flags else 64, num_warps=4 if bm <= 64 else 8,
-                     decode=decode, swap="swap" in flags, scale_2d="s2d" in flags, prefetch="nopf" not in flags)
+                     decode=decode, swap="swap" in flags, scale_2d="s2d" in flags, prefetch="nopf" not in flags,
+                     fast="fast" in flags, split="split" in flags)
     counts = [0, 150, 3, 0, 64, 17]
     packed, scale = _weights(6, 640, 448)
+    if "fast" in flags:  # a few scale bytes above 128: the fast decode recomputes those tiles
+        scale[1, 5, 3] = 133
+        scale[4, 300, 13] = 129
     x = torch.randn(sum(counts), 640 if transpose else 448, device="cuda").bfloat16()
     y = mxfp4_moe_matmul(x, counts, packed, scale, transpose=transpose, config=cfg)
     _assert_accumulation_close(y, x, counts, packed, scale, transpose, f"{variant} t={transpose}")
 
 
-@pytest.mark.parametrize("decode", ["tl", "asm"])
+@pytest.mark.parametrize("decode", ["tl", "asm", "tl_fast", "asm_fast", "asm_fast_split"])
 def test_decode_is_exact_at_extreme_scales(decode):
     """Every code at scale bytes 0 (2^-127: bf16 subnormal weights), 1, 2, 40, 100, 127, 200, 252: x = c * identity
     picks single weights (c a power of two keeping the products normal fp32 numbers, so the tensor cores'
@@ -104,7 +113,9 @@ def test_decode_is_exact_at_extreme_scales(decode):
     from miles_k3.kernels.mxfp4_moe import TileConfig, mxfp4_moe_matmul
 
     in_f = 256
-    cfg = TileConfig(16, 128, 64, decode=decode)
+    name, *flags = decode.split("_")  # fast: scale bytes <= 128 on the one-multiply decode, the rest recomputed
+    cfg = TileConfig(16, 128, 64, decode=name, scale_2d="fast" in flags, prefetch="fast" not in flags,
+                     fast="fast" in flags, split="split" in flags)
     for scale_bytes, c in (([0, 1, 2, 40], 2.0 ** 100), ([100, 127, 200, 252], 1.0)):
         rows = len(scale_bytes)
         codes = torch.arange(256, dtype=torch.uint8, device="cuda").repeat(rows, 1)[:, :in_f // 2]
@@ -123,6 +134,36 @@ def test_decode_is_exact_at_extreme_scales(decode):
     nan_scale[0, 3, 2] = 255
     y_nan = mxfp4_moe_matmul(eye, [in_f], packed, nan_scale, config=cfg)
     assert bool(y_nan[:, 3].isnan().all()) and not bool(y_nan[:, :3].isnan().any())  # 0 * NaN = NaN
+
+
+@pytest.mark.parametrize("transpose", [False, True], ids=["forward", "input_grad"])
+@pytest.mark.parametrize("bm", [16, 128])
+def test_fast_decode_gives_the_general_decodes_bits(bm, transpose):
+    """The one-multiply decode (`fast`, no split: the same dots in the same order) gives bit for bit the general
+    decode's output, on K3-like scale bytes (117..128) and with tiles whose scale bytes exceed 128 (recomputed
+    by the general decode in the kernel); the split variant equals it up to fp32 accumulation order."""
+    from miles_k3.kernels.mxfp4_moe import TileConfig, mxfp4_moe_matmul
+
+    num_experts, out_f, in_f = 5, 768, 1024
+    g = torch.Generator(device="cuda").manual_seed(7)
+    packed = torch.randint(0, 256, (num_experts, out_f, in_f // 2), generator=g, device="cuda",
+                           dtype=torch.int16).to(torch.uint8)
+    scale = torch.randint(117, 129, (num_experts, out_f, in_f // 32), generator=g, device="cuda",
+                          dtype=torch.int16).to(torch.uint8)
+    scale[2, 100, 7] = 140
+    scale[4, 700, 30] = 200
+    counts = [3, 0, 200 if bm == 128 else 9, 1, 40]
+    x = torch.randn(sum(counts), out_f if transpose else in_f, device="cuda").bfloat16() * 2 ** 6
+    kw = {"num_warps": 4, "num_stages": 3, "swap": bm >= 64 or transpose, "scale_2d": True, "prefetch": False}
+    bn = 64 if (bm >= 64 or transpose) else 128
+    y_general = mxfp4_moe_matmul(x, counts, packed, scale, transpose=transpose,
+                                 config=TileConfig(bm, bn, 128, **kw))
+    y_fast = mxfp4_moe_matmul(x, counts, packed, scale, transpose=transpose,
+                              config=TileConfig(bm, bn, 128, fast=True, **kw))
+    assert torch.equal(y_fast, y_general)
+    y_split = mxfp4_moe_matmul(x, counts, packed, scale, transpose=transpose,
+                               config=TileConfig(bm, bn, 128, fast=True, split=True, **kw))
+    _assert_accumulation_close(y_split, x, counts, packed, scale, transpose, f"fast split bm{bm} t={transpose}")
 
 
 def test_experts_without_rows_are_never_read():

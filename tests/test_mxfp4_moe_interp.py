@@ -9,16 +9,23 @@ from kernel_testing import print_results
 import miles_k3.model.experts as experts_mod
 
 
-def check_matches_reference(device, transpose, swap, scale_2d=False, prefetch=True):
+def check_matches_reference(device, transpose, swap, scale_2d=False, prefetch=True, fast=False, split=False,
+                            big_scales=False):
+    """big_scales: some scale bytes above 128 (and one 255, a NaN block, in an expert without rows): the fast
+    decode must recompute exactly the tiles that read them."""
     from miles_k3.kernels.mxfp4_moe import TileConfig, mxfp4_moe_matmul, mxfp4_moe_matmul_reference
     from miles_k3.mxfp4 import quantize_mxfp4
 
     torch.manual_seed(0)
     out_f, in_f, counts = 40, 96, [5, 0, 19, 3]
     packed, scale = quantize_mxfp4(torch.randn(4, out_f, in_f) * 0.5)
+    if big_scales:
+        scale[2, 3, 1] = 131  # expert 2's first n-tile (forward) / a k-tile (input gradient): 2^4 larger
+        scale[1, :, :] = 255  # no rows: never read
     x = torch.randn(sum(counts), out_f if transpose else in_f).bfloat16()
     ref = mxfp4_moe_matmul_reference(x.float(), counts, packed, scale, transpose=transpose)  # fp32 sums
-    cfg = TileConfig(16, 32, 32, decode="tl", swap=swap, scale_2d=scale_2d, prefetch=prefetch)
+    cfg = TileConfig(16, 32, 32, decode="tl", swap=swap, scale_2d=scale_2d, prefetch=prefetch, fast=fast,
+                     split=split)
     y = mxfp4_moe_matmul(x, counts, packed, scale, transpose=transpose, config=cfg)
     err = (y.float() - ref).abs()
     # 1 bf16 ulp (2^-7 relative): the interpreter's fp32 -> bf16 cast truncates (the GPU rounds to nearest)
@@ -32,6 +39,12 @@ INTERPRETER_CASES = {f"{'input_grad' if t else 'forward'}{'_swap' if s else ''}"
                      for t, s in ((False, False), (False, True), (True, False), (True, True))}
 INTERPRETER_CASES.update({f"{'input_grad' if t else 'forward'}_scale2d_no_prefetch": (
     check_matches_reference, {"transpose": t, "swap": True, "scale_2d": True, "prefetch": False}) for t in (False, True)})
+INTERPRETER_CASES.update({  # the fast decode (scale bytes > 128 recomputed) and the split dots, both tilings
+    f"{'input_grad' if t else 'forward'}{'_swap' if sw else ''}_fast{'_split' if sp else ''}{'_big' if big else ''}": (
+        check_matches_reference, {"transpose": t, "swap": sw, "scale_2d": True, "prefetch": pf, "fast": True,
+                                  "split": sp, "big_scales": big})
+    for t in (False, True) for sw, sp, pf, big in ((False, True, False, False), (False, True, False, True),
+                                                   (True, True, True, True), (True, False, False, True))})
 
 
 @pytest.mark.parametrize("case", sorted(INTERPRETER_CASES))
