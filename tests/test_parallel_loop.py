@@ -5,19 +5,24 @@
   1..3, and only rank 0 wrote the run directory (metrics, tables, the PEFT adapter; each rank its rank-<r>/);
 * a push that one rank refuses (NaN in rank 1's adapter, or a wrong shape) is applied on no rank: every engine
   keeps its version and bytes, and every rank's SyncError names rank 1;
+* a rank that dies in the first phase of a push leaves the other's engine on its version (a spawn of its own);
 * resume=auto from the dp=2 checkpoint of step 2 continues bit-identically to the uninterrupted dp=2 run, and a
   checkpoint of another mesh is refused naming both meshes (dp=1 -> dp=2 and dp=2 -> dp=1);
+* tp=2 x ep=2 and dp=2 x ep=2 (the EP group spanning both replicas: forwards in lockstep) train the one-process
+  adapter, write it whole and evaluate as one process (the `tp2` spawn);
 * config refusals without spawning: a world that is not dp x tp, an ep that does not divide it, a model that a
-  mesh does not divide, and the combinations not built yet.
+  mesh does not divide, device=cuda:N on several ranks.
 
-One spawn of two ranks (the `dp2` fixture) runs everything distributed; the reward is a test reward on the
-response bytes (a random base rarely answers anything)."""
+The `dp2` spawn of two ranks runs the dp=2 runs; the reward is a test reward on the response bytes (a random base
+rarely answers anything). Under MILES_K3_TEST_BACKEND=nccl the runs use device=cuda (each rank its GPU)."""
 import json
 import shutil
+import time
+from pathlib import Path
 
 import pytest
 import torch
-from dist_helpers import run_ranks
+from dist_helpers import DEVICE_TYPE, run_ranks
 
 from miles_k3.config import ConfigFieldError, compose_config
 from miles_k3.evals.rewards import RewardResult, register_reward
@@ -43,7 +48,7 @@ def _overrides(data, run_dir, *extra) -> list[str]:
     lr * g / (|g| + eps), which turns rounding noise in a near-zero gradient into an O(lr) difference at
     eps=1e-8, so the adapters of two summation orders would not be comparable element by element."""
     return [f"steps={STEPS}", f"data.source={data}", "data.problem_field=null", f"run_dir={run_dir}",
-            "model=k3_tiny", "model.path=null", "model.dtype=fp32", "device=cpu", f"eval.every_n_steps={STEPS}",
+            "model=k3_tiny", "model.path=null", "model.dtype=fp32", f"device={DEVICE_TYPE}", f"eval.every_n_steps={STEPS}",
             "eval.at_start=true", f"eval.data.source={data}", "eval.data.problem_field=null", "eval.data.split=null", "eval.data.limit=2",
             "eval.samples=2", "eval.max_new_tokens=3", "eval.template=plain", "eval.grader=aime",
             "reward.name=dp_first_byte_even", "rollout.prompts_per_step=4", "rollout.group_size=2",
@@ -319,3 +324,58 @@ def test_a_mesh_that_does_not_divide_the_model_is_refused_before_anything_starts
     monkeypatch.setattr(launch, "init_parallel", None)  # refused before the process group (and the weights)
     with pytest.raises(ParallelConfigError, match=message):
         launch.build_run(_compose(tmp_path, *extra))
+
+
+# ---- a rank that dies in a push --------------------------------------------------------------------------
+def _dying_push_rank(rank: int, port: int, out_dir: str) -> None:
+    """Rank 1 dies (os._exit) in the first phase of a push, before its verdict; rank 0 reports what it saw."""
+    import os
+
+    os.environ.update({"WORLD_SIZE": "2", "RANK": str(rank), "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": str(port)})
+    torch.set_num_threads(1)
+    import sync_helpers
+
+    from miles_k3.parallel.config import ParallelConfig
+    from miles_k3.parallel.mesh import init_parallel
+    from miles_k3.weight_sync.local import LocalChannel
+
+    ctx = init_parallel(ParallelConfig(dp=2, timeout_s=60), "cpu")
+    engine = sync_helpers.engine_with_adapter()
+    channel = LocalChannel(engine, sync_helpers.ADAPTER, ctx=ctx)
+    before = {n: t.clone() for n, t in engine.adapters.buffers(sync_helpers.ADAPTER).items()}
+    tensors = sync_helpers.adapter_tensors(sync_helpers.trainer_model(seed=1))
+    if rank == 1:
+        engine.check_weights_from_tensor = lambda *a, **k: os._exit(1)
+    t0 = time.monotonic()
+    try:
+        channel.push(tensors, version=1)
+        error = None
+    except Exception as e:  # noqa: BLE001 - what the surviving rank raises is the observation
+        error = f"{type(e).__name__}: {e}"
+    after = engine.adapters.buffers(sync_helpers.ADAPTER)
+    Path(out_dir, f"{rank}.json").write_text(json.dumps({
+        "error": error, "version": engine.weight_version, "seconds": time.monotonic() - t0,
+        "unchanged": all(torch.equal(after[n], t) for n, t in before.items())}))
+
+
+def test_a_rank_that_dies_in_a_push_leaves_every_engine_on_the_old_version(tmp_path):
+    import multiprocessing
+
+    from dist_helpers import _free_port
+
+    ctx = multiprocessing.get_context("spawn")
+    port = _free_port()
+    procs = [ctx.Process(target=_dying_push_rank, args=(r, port, str(tmp_path))) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(180)
+        if p.is_alive():
+            p.kill()
+    assert [p.exitcode for p in procs] == [0, 1]
+    seen = json.loads((tmp_path / "0.json").read_text())
+    # the verdicts' all-reduce fails at once (gloo: "Connection closed by peer"), not at parallel.timeout_s, and
+    # rank 0 applied nothing
+    assert seen["error"].startswith("RuntimeError") and seen["seconds"] < 30, seen
+    assert seen["version"] == 0 and seen["unchanged"], seen
