@@ -95,6 +95,7 @@ class TrainConfig:
         check_backend(self.model, self.engine.backend)
         check_release_tags(self.rollout.release_tags, self.engine.backend, self.sglang)
         check_sync(self.sync, self.engine.backend)
+        check_routes(self.rollout.return_routed_experts, self.trainer.routing_replay, self.engine.backend)
         check_context("rollout.max_new_tokens", self.rollout.max_new_tokens, self.engine, self.sglang)
         if self.eval.every_n_steps > 0:
             check_context("eval.max_new_tokens", self.eval.max_new_tokens, self.engine, self.sglang)
@@ -136,6 +137,16 @@ def check_backend(model: ModelConfig, backend: str) -> None:
     if backend == "sglang" and model.hf_path is None and model.path is None:
         raise ValueError("engine.backend: sglang serves a checkpoint directory; set model.hf_path (an HF "
                          "architecture such as Qwen3) or model.path (K3, on SGLang releases that carry it)")
+
+
+def check_routes(return_routed_experts: bool, routing_replay: bool, backend: str) -> None:
+    """Routes come from the native engine: engine.backend=sglang serves HF architectures through SGLang, whose
+    routers the trainer's HF model does not replay (K3 on SGLang, which returns routed experts, is not wired)."""
+    if backend == "sglang" and (return_routed_experts or routing_replay):
+        field = "trainer.routing_replay" if routing_replay else "rollout.return_routed_experts"
+        raise ValueError(f"{field}: engine.backend=sglang serves HF architectures, whose MoE routers the trainer "
+                         "does not record or replay; use engine.backend=native (K3) or set "
+                         f"{field}=false")
 
 
 def check_release_tags(tags: list[str], backend: str, sglang: SGLangConfig) -> None:

@@ -135,7 +135,7 @@ def one_step(run: Run, step: int) -> tuple[dict[str, float], list]:
     cfg, tags = run.cfg, list(run.cfg.rollout.release_tags)
     timer = _Timer()
     samples, metrics = collect_rollouts(run.engine, run.tokenizer, run.stream, run.reward, cfg.rollout, POLICY,
-                                        run.ctx)
+                                        run.ctx, routes=cfg.rollout.return_routed_experts or cfg.trainer.routing_replay)
     check_on_policy(samples, run.version)
     timer.lap("rollout")
     if tags:

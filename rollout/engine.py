@@ -26,6 +26,7 @@ rank then calls `generate` the same number of times (a rank with no prompts of i
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import threading
@@ -39,6 +40,7 @@ import torch.distributed as dist
 from miles_k3.model.experts import RoutedExperts
 from miles_k3.model.k3 import K3ForCausalLM
 from miles_k3.model.lora import LoRAConfig
+from miles_k3.model.routing import moe_layers, recording
 from miles_k3.parallel.expert_parallel import adopt_ep_layout
 from miles_k3.parallel.lockstep import Lockstep
 from miles_k3.parallel.mesh import SINGLE, ParallelContext
@@ -121,6 +123,20 @@ class _Request:
     slot: int | None = None
     finish: FinishReason | None = None
     weight_versions: set[int] = field(default_factory=set)
+    record: bool = False  # return_routed_experts: keep the routes of every position processed
+    routes: list[torch.Tensor] = field(default_factory=list)  # host int16 [positions, L, K] chunks, in order
+    num_routed: int = 0  # positions 0 .. num_routed - 1 have routes
+
+    def add_routes(self, first: int, routes_TLK: torch.Tensor) -> None:
+        """Routes of positions first .. first + T - 1 (host); positions already routed keep their first routes
+        (a preempted request's recompute: the routes its tokens were sampled with)."""
+        skip = self.num_routed - first
+        if skip < 0:
+            raise RuntimeError(f"routes of request {self.rid}: positions {self.num_routed}..{first - 1} were "
+                               "never recorded")
+        if skip < routes_TLK.shape[0]:
+            self.routes.append(routes_TLK[skip:])
+            self.num_routed = first + routes_TLK.shape[0]
 
     @property
     def tokens(self) -> list[int]:
@@ -176,6 +192,7 @@ class RolloutEngine:
         ep = max((m.total_experts // m.num_experts for m in self.model.modules() if isinstance(m, RoutedExperts)),
                  default=1)
         self.lockstep = Lockstep(ctx)
+        self._num_moe = len(moe_layers(self.model))
         self.lora_config = lora
         self.adapters = AdapterBank(self.model, lora)
         self.device = device = model.lm_head.weight.device
@@ -211,24 +228,29 @@ class RolloutEngine:
 
     def generate(self, input_ids: list[list[int]] | None = None, prompts: list[str] | None = None,
                  sampling_params: dict | list[dict] | None = None, n: int = 1, return_logprob: bool = True,
-                 lora: str | list[str | None] | None = None) -> list[dict]:
+                 lora: str | list[str | None] | None = None, return_routed_experts: bool = False) -> list[dict]:
         """Samples for every prompt: `n` per prompt, in order (prompt i's sample j at i * n + j).
 
         Each entry: `output_ids`, `meta_info` {finish_reason, prompt_tokens, completion_tokens,
         cached_tokens, weight_version (the newest the sample saw), weight_versions (all, sorted),
         output_token_logprobs [(logprob, token_id)] if return_logprob (of the distribution sampled from: filtered
         when top-p / top-k / min-p filter), and then output_token_logprobs_unfiltered [logprob] (the same tokens under
-        the unfiltered distribution) for a request that filters}, or
+        the unfiltered distribution) for a request that filters, routed_experts if return_routed_experts: the
+        top-k expert ids of every MoE layer at every position the engine processed, the prompt and every output
+        token but the last (int16 tensor [prompt + completion - 1, MoE layers, top_k], `miles_k3.model.routing`;
+        a preempted request keeps the routes its tokens were sampled with)}, or
         `error` (with finish_reason {"type": "abort"}) for a request that was rejected. Sample j of a prompt
         with `sampling_seed` s uses seed s + j, so a fork equals n separate requests with those seeds.
         """
         ids, params, loras = generate_requests(input_ids, prompts, sampling_params, n, lora, self.tokenizer,
                                                self._released)
+        if return_routed_experts and not self._num_moe:
+            raise ValueError("return_routed_experts: this model has no MoE layers, so there are no routes")
         results: list[dict | None] = [None] * (len(ids) * n)
         groups = deque()
         for i, (p, sp, name) in enumerate(zip(ids, params, loras)):
             try:
-                groups.append(self._make_group(i, n, p, sp, name))
+                groups.append(self._make_group(i, n, p, sp, name, return_routed_experts))
             except ValueError as e:
                 for j in range(n):
                     results[i * n + j] = {"error": str(e), "meta_info": {"finish_reason": {
@@ -343,7 +365,8 @@ class RolloutEngine:
                             capture=self.decode_mode == "graph")
 
     # ---- requests ----------------------------------------------------------------------------------
-    def _make_group(self, i: int, n: int, prompt: list[int], sp: dict | None, name: str | None) -> list[_Request]:
+    def _make_group(self, i: int, n: int, prompt: list[int], sp: dict | None, name: str | None,
+                    record: bool = False) -> list[_Request]:
         where = f"request {i}"
         params = SamplingParams.from_dict(dict(sp or {}), where)
         params.validate(self.cfg.vocab_size, where)
@@ -363,7 +386,8 @@ class RolloutEngine:
         seed = params.sampling_seed
         if seed is None:  # reproducible under torch.manual_seed, different per call
             seed = self._drawn_seed()
-        return [_Request(next(self._rids), i * n + j, list(prompt), params, seed + j, name) for j in range(n)]
+        return [_Request(next(self._rids), i * n + j, list(prompt), params, seed + j, name, record=record)
+                for j in range(n)]
 
     def _drawn_seed(self) -> int:
         """A sampling seed from torch's global RNG; under TP rank 0's (broadcast), so every rank of the group
@@ -434,6 +458,7 @@ class RolloutEngine:
             return False
         for req, s in zip(group[1:], slots):
             req.slot, req.cached = s, len(head.tokens) - 1
+            req.routes, req.num_routed = list(head.routes), head.num_routed  # the shared prefill's routes
         return True
 
     def _prefill_heads(self, heads: list[_Request]) -> set[int]:
@@ -468,10 +493,16 @@ class RolloutEngine:
         rids = [r.rid for r in rows]
         state = pooled_state(self.cfg, self.kda, slots, self.cache, rids)
         self.lockstep.busy(self.adapters.index(self.adapters.bound_name))
-        with torch.no_grad():
+        record = any(r.record for r in rows)
+        with torch.no_grad(), (recording(self.model) if record else contextlib.nullcontext()) as recorder:
             out = self.model(ids, seq_lens=lens, state=state, return_state=True, return_logits=False)
         stored = store_state(self.cfg, out.state, self.kda, slots, self.cache, rids)
         assert stored, "pages were reserved by _prefill_heads"
+        if record:
+            routes_BTLK = recorder.routes().view(len(rows), width, self._num_moe, -1).cpu()
+            for b, (r, p) in enumerate(zip(rows, pieces)):
+                if r.record:
+                    r.add_routes(start, routes_BTLK[b, :len(p)])
 
     def _make_room(self, running: list[_Request], waiting: deque) -> None:
         """Reserve one more position per running request, preempting the youngest while pages are short."""
@@ -496,7 +527,8 @@ class RolloutEngine:
             by_lora.setdefault(req.lora, []).append(req)
         for name, reqs in by_lora.items():
             self.adapters.bind(name, self.weight_version)
-            logits = self._step([r.rid for r in reqs], [r.slot for r in reqs], [r.last_token for r in reqs])
+            logits = self._step([r.rid for r in reqs], [r.slot for r in reqs], [r.last_token for r in reqs],
+                                reqs if any(r.record for r in reqs) else None)
             keys = torch.tensor([r.key for r in reqs])
             positions = torch.tensor([len(r.output) for r in reqs])
             params = [r.params for r in reqs]
@@ -514,20 +546,35 @@ class RolloutEngine:
                     finished.append(req)
         return finished
 
-    def _step(self, rids: list[int], slots: list[int], ids: list[int]) -> torch.Tensor:
-        """One decode token for each request (positions reserved); returns logits [B, V]."""
+    def _step(self, rids: list[int], slots: list[int], ids: list[int],
+              recorded: list[_Request] | None = None) -> torch.Tensor:
+        """One decode token for each request (positions reserved); returns logits [B, V]. `recorded`: the
+        requests (in order) whose routes of this step are kept (those with `record`)."""
         if self._graph is not None:
             logits = self._graph.decode(ids, slots, rids)
             for rid in rids:
                 self.cache.advance(rid, 1)
+            if recorded is not None:
+                self._keep_step_routes(recorded, self._graph.last_routes(len(ids)))
             return logits
         slots_t = torch.tensor(slots, device=self.device)
         state = pooled_state(self.cfg, self.kda, slots_t, self.cache, rids)
         self.lockstep.busy(self.adapters.index(self.adapters.bound_name))
-        out = self.model.step(torch.tensor(ids, device=self.device), state)
+        with recording(self.model) if recorded is not None else contextlib.nullcontext() as recorder:
+            out = self.model.step(torch.tensor(ids, device=self.device), state)
         stored = store_state(self.cfg, out.state, self.kda, slots_t, self.cache, rids)
         assert stored, "positions were reserved by _make_room"
+        if recorded is not None:
+            self._keep_step_routes(recorded, recorder.routes())
         return out.logits
+
+    @staticmethod
+    def _keep_step_routes(reqs: list[_Request], routes_BLK: torch.Tensor) -> None:
+        """A decode step's routes [B, L, K] (device): each recording request's, at the position it processed."""
+        host = routes_BLK.cpu()
+        for b, r in enumerate(reqs):
+            if r.record:
+                r.add_routes(len(r.tokens) - 1, host[b:b + 1])
 
     def _free(self, req: _Request) -> None:
         self.kda.free(req.slot)
@@ -542,6 +589,10 @@ class RolloutEngine:
             meta["output_token_logprobs"] = list(zip(req.logprobs, req.output))
             if req.unfiltered:  # the sampling was filtered: the same tokens under the unfiltered distribution
                 meta["output_token_logprobs_unfiltered"] = list(req.unfiltered)
+        if req.record:
+            routes = torch.cat(req.routes)
+            assert routes.shape[0] == len(req.tokens) - 1, (routes.shape, len(req.tokens))
+            meta["routed_experts"] = routes
         return {"output_ids": list(req.output), "meta_info": meta}
 
     @property

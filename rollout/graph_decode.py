@@ -8,7 +8,9 @@ its MLA pages (the new latent is written into its page, then the paged kernel at
 at a scratch slot and a scratch page that no request owns. Decode on CUDA is
 launch-bound in eager mode (thousands of small kernels per step); replaying a graph launches them at once.
 On CPU (or with `capture=False`) the same static step runs eagerly: that is how it is tested without a GPU.
-Graphs capture addresses: the LoRA buffers never move (adapters are copied into them), and when the pools are
+Every step records each MoE layer's top-k ids (`miles_k3.model.routing`): a captured graph keeps the id tensors
+of its capture alive, so each replay leaves the step's routes at fixed addresses at no extra kernel, read only
+when the engine asks (`last_routes`, return_routed_experts). Graphs capture addresses: the LoRA buffers never move (adapters are copied into them), and when the pools are
 released the engine drops the graphs (`release_graphs`) and builds a new decoder over the resumed pools; graphs
 are captured again on their next use.
 
@@ -20,6 +22,7 @@ import torch
 
 from miles_k3.model.experts import sync_free_experts
 from miles_k3.model.k3 import K3ForCausalLM
+from miles_k3.model.routing import Recorder, recording
 from miles_k3.model.state import K3State, KDALayerState, MLALayerState
 from miles_k3.rollout.memory import KDAStatePool, PagedLatentCache
 
@@ -50,7 +53,9 @@ class GraphDecoder:
         cache.new_request(PAD_RID)
         if self._scratch_slot is None or not cache.reserve(PAD_RID, 1):
             raise ValueError("graph decode needs one spare KDA slot and one spare latent page for padding rows")
-        self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph | None, torch.Tensor, torch.Tensor]] = {}
+        self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph | None, torch.Tensor, torch.Tensor,
+                                                  Recorder | None]] = {}
+        self._last: Recorder | None = None  # the routes of the last decode step
         self._pool = torch.cuda.graph_pool_handle() if self.capture else None
 
     @property
@@ -76,22 +81,30 @@ class GraphDecoder:
         lens = [self.cache.seq_len(r) for r in rids]
         need = max(lens, default=0) // self.cache.page_size + 1  # the page holding each new position
         width = next(p for p in self.page_buckets if p >= need)
-        graph, packed, logits = self._graph(bucket, width)  # captured (on scratch rows) before any row is set
+        graph, packed, logits, recorder = self._graph(bucket, width)  # captured on scratch rows before any is set
         scratch = self.scratch_page
         rows = [[i, s, ln, *self.cache.table_row(r, width, scratch)] for i, s, ln, r in zip(ids, slots, lens, rids)]
         rows += [[0, self._scratch_slot, 0] + [scratch] * width] * (bucket - n)
         packed.copy_(torch.tensor(rows, dtype=torch.long))  # one host->device copy per step
         if graph is None:
-            return self._step(packed)[:n]
+            logits, self._last = self._step(packed)
+            return logits[:n]
         graph.replay()
+        self._last = recorder
         return logits[:n]
+
+    def last_routes(self, n: int) -> torch.Tensor:
+        """The last step's routes of its first n rows: [n, MoE layers, top_k] int16 on the device."""
+        if self._last is None:
+            raise RuntimeError("last_routes: no decode step has run")
+        return self._last.routes()[:n]
 
     def _graph(self, bucket: int, width: int):
         key = (bucket, width)
         if key not in self._graphs:
             packed = torch.empty(bucket, 3 + width, dtype=torch.long, device=self.device)
             packed[:, 0], packed[:, 1], packed[:, 2], packed[:, 3:] = 0, self._scratch_slot, 0, self.scratch_page
-            self._graphs[key] = self._capture(packed) if self.capture else (None, packed, None)
+            self._graphs[key] = self._capture(packed) if self.capture else (None, packed, None, None)
         return self._graphs[key]
 
     def _capture(self, packed: torch.Tensor):
@@ -103,13 +116,14 @@ class GraphDecoder:
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            logits = self._step(packed)
-        return graph, packed, logits
+            logits, recorder = self._step(packed)  # the recorder holds the captured id tensors (fixed addresses)
+        return graph, packed, logits, recorder
 
     @torch.no_grad()
-    def _step(self, packed: torch.Tensor) -> torch.Tensor:
+    def _step(self, packed: torch.Tensor) -> tuple[torch.Tensor, Recorder]:
         """The static step: everything indexed by device tensors, no host syncs. packed [B, 3 + P] int64:
-        token id, KDA slot, length (= the new token's position), then the request's first P pages."""
+        token id, KDA slot, length (= the new token's position), then the request's first P pages. Returns the
+        logits [B, V] and the step's routes (recorded)."""
         ids, slots, lens, table = packed[:, 0], packed[:, 1], packed[:, 2], packed[:, 3:]
         kda_states = [KDALayerState(self.kda.conv_NCW[i], self.kda.recurrent_NHKV[i], slots)  # updated in place
                       for i in range(len(self.kda_ids))]
@@ -120,6 +134,6 @@ class GraphDecoder:
             layers[layer_id] = kda_states[i]
         for m, layer_id in enumerate(self.mla_ids):
             layers[layer_id] = mla_states[m]
-        with sync_free_experts():
+        with sync_free_experts(), recording(self.model) as recorder:
             out = self.model.step(ids, K3State(lens, layers))
-        return out.logits
+        return out.logits, recorder

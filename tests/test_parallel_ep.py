@@ -206,6 +206,28 @@ def _lockstep_train(model, ctx, rank):
     return out
 
 
+def _random_routes(tokens, seed):
+    """Distinct random experts for every token of `tokens` in each of k3_tiny's 8 MoE layers: [N, 8, 4]."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.rand(tokens.numel(), 8, NUM_EXPERTS, generator=g).argsort(-1)[..., :4].to(torch.int16)
+
+
+def _routed(model, tokens, seed):
+    """(logits replaying random routes, the model's own recorded routes of a plain forward) over `tokens`."""
+    from miles_k3.model.routing import recording, replaying
+    tokens = tokens.to(_device(model))
+    with torch.no_grad():
+        with replaying(model, _random_routes(tokens, seed)):
+            logits = model(tokens).logits
+        shard = model.vocab_shard
+        if shard is not None:
+            from miles_k3.parallel.comm import gather_from
+            logits = gather_from(logits, shard.group, -1, shard.size)
+        with recording(model) as rec:
+            model(tokens)
+    return logits.cpu(), rec.routes().cpu()
+
+
 def _moe_zero_tokens(model, ctx, rank, empty_ranks):
     """One LatentMoE on its own; the ranks in `empty_ranks` feed zero tokens."""
     from miles_k3.parallel.grads import reduce_gradients
@@ -239,6 +261,7 @@ def _ranks_world2(rank):
         except RuntimeError as err:
             out["sync_free"] = str(err)
     out["lockstep_engine"] = _lockstep_engine(model, ctx, rank)
+    out["routed"] = _routed(model, _tokens(rank), seed=rank)
     out["lockstep_train"] = _lockstep_train(_sharded(ctx, rank), ctx, rank)
     out["far"] = _train_step(_sharded(ctx, rank, far_bias=True), _tokens(rank), ctx)  # rank 0 receives no rows
     out["mxfp4"] = _train_step(_sharded(ctx, rank, expert_format="mxfp4"), _tokens(rank), ctx)
@@ -247,6 +270,7 @@ def _ranks_world2(rank):
     out["tp"] = _train_step(_sharded(ctx_tp, rank), _tokens(0), ctx_tp)
     both = _sharded(ctx_tp, rank, tp_dense=True)
     out["tp_dense"] = _train_step(both, _tokens(0), ctx_tp)
+    out["tp_routed"] = _routed(both, _tokens(0), seed=0)  # the MoE input split over tp: ids split and gathered
     from miles_k3.parallel.grads import whole  # the unsharded adapter (what the PEFT export writes)
     out["whole"] = {n: whole(p, ctx_tp).cpu() for n, p in lora_parameters(both).items()}
     return out
@@ -395,6 +419,15 @@ def test_dp2_ep2_equals_one_process():
     for r in results:
         assert "serving different LoRA adapters in one forward (adapter numbers 0 and 1)" in r["lockstep_engine"][-1]
     _check_lockstep_train([r["lockstep_train"] for r in results])
+    with _one_thread():  # routing replay and recording, sharded (dp2 x ep2; tp2 x ep2) = one process
+        full = _model()
+        for key, token_of_rank in (("routed", [0, 1]), ("tp_routed", [0, 0])):
+            for rank, r in enumerate(results):
+                t = token_of_rank[rank]
+                want_logits, want_routes = _routed(full, _tokens(t), seed=t)
+                got_logits, got_routes = r[key]
+                _assert_close(got_logits, want_logits, MODEL_TOL, f"{key}: rank {rank} replayed logits")
+                assert torch.equal(got_routes, want_routes), (key, rank)
     _check_step("no rows", [r["far"] for r in results], [0, 1], ep=2, far_bias=True)
     far = results[0]["far"][1]  # rank 0 holds experts 0..7, which no token chose: zero gradients, not missing
     assert all(not g.any() for n, g in far.items() if ".experts.lora." in n and "lora_B" in n)

@@ -8,7 +8,11 @@ prompt + response - 1: row b holds tokens x_0 .. x_{L_b - 2} of its sequence (pr
 the target is a response token (of a sample that is `in_loss`). `micro_batches(samples, max_tokens)` splits a step's samples into groups whose
 padded size (rows x longest row) stays within the budget, in their original order.
 
-Legend: B samples, T positions (longest sequence - 1), V vocabulary.
+A sample may carry the engine's routes (`routed_experts`: the top-k expert ids of every MoE layer at each of its
+P + R - 1 positions, `miles_k3.model.routing`); `pack` lays them out as `routes_BTLK` when every sample has them,
+padding positions holding experts 0..K-1 (any valid ids: their outputs are masked).
+
+Legend: B samples, T positions (longest sequence - 1), V vocabulary, L MoE layers, K experts per token.
 """
 from __future__ import annotations
 
@@ -34,6 +38,7 @@ class Sample:
     weight_version_max: int = 0  # the newest one it saw (== weight_version unless a push came mid-sample)
     unfiltered_logprobs: list[float] = field(default_factory=list)  # engine log-probs under the unfiltered
     # distribution, reported only when top-p / top-k filtered the sampling (rollout_logprobs are the filtered ones)
+    routed_experts: torch.Tensor | None = None  # the engine's routes [P + R - 1, L, K] int16 (host), if returned
 
     @property
     def length(self) -> int:
@@ -49,13 +54,22 @@ class TrainBatch:
     rollout_logp_BT: torch.Tensor  # float32: the engine's logprob of each response target (0 elsewhere)
     adv_B: torch.Tensor  # float32
     old_logp_BT: torch.Tensor  # float32: Sample.old_logprobs of each response target (0 elsewhere or when none)
+    routes_BTLK: torch.Tensor | None = None  # int16: the engine's routes of each position (None: not every sample
+    # has them)
 
     @property
     def num_tokens(self) -> int:
         return int(self.mask_BT.sum().item())
 
+    @property
+    def routes_NLK(self) -> torch.Tensor | None:
+        """The routes in a forward's token order (B * T flattened), or None."""
+        r = self.routes_BTLK
+        return None if r is None else r.reshape(-1, *r.shape[2:])
+
     def to(self, device: torch.device) -> TrainBatch:
-        return TrainBatch(*(getattr(self, f).to(device) for f in self.__dataclass_fields__))
+        return TrainBatch(*(None if getattr(self, f) is None else getattr(self, f).to(device)
+                            for f in self.__dataclass_fields__))
 
 
 def pack(samples: list[Sample], pad_id: int) -> TrainBatch:
@@ -82,13 +96,28 @@ def pack(samples: list[Sample], pad_id: int) -> TrainBatch:
             old[row, p - 1:n] = torch.tensor(s.old_logprobs, dtype=torch.float32)
     lens = torch.tensor([s.length - 1 for s in samples], dtype=torch.int64)
     adv = torch.tensor([s.advantage for s in samples], dtype=torch.float32)
-    return TrainBatch(ids, lens, targets, mask, rollout, adv, old)
+    return TrainBatch(ids, lens, targets, mask, rollout, adv, old, _pack_routes(samples, t))
+
+
+def _pack_routes(samples: list[Sample], t: int) -> torch.Tensor | None:
+    """routes_BTLK of `samples` (None unless every sample has routes); padding positions route to 0..K-1."""
+    if any(s.routed_experts is None for s in samples):
+        return None
+    first = samples[0].routed_experts
+    out = torch.arange(first.shape[-1], dtype=first.dtype).expand(len(samples), t, *first.shape[1:]).clone()
+    for row, s in enumerate(samples):
+        out[row, :s.length - 1] = s.routed_experts
+    return out
 
 
 def _check_sample(i: int, s: Sample) -> None:
     if not s.prompt_ids or not s.response_ids:
         raise ValueError(f"sample {i}: needs a non-empty prompt and response, got {len(s.prompt_ids)} prompt and "
                          f"{len(s.response_ids)} response tokens")
+    r = s.routed_experts
+    if r is not None and (r.ndim != 3 or r.shape[0] != s.length - 1):
+        raise ValueError(f"sample {i}: routed_experts of shape {tuple(r.shape)}; its prompt + response - 1 = "
+                         f"{s.length - 1} positions need [{s.length - 1}, MoE layers, top_k]")
     if s.rollout_logprobs and len(s.rollout_logprobs) != len(s.response_ids):
         raise ValueError(f"sample {i}: {len(s.rollout_logprobs)} rollout logprobs for {len(s.response_ids)} "
                          "response tokens (the engine returns one per generated token)")

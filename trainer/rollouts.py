@@ -76,6 +76,11 @@ class RolloutConfig:
     """Prompt order and sampling seeds."""
     log_samples: int = 4
     """Completions per step logged to the rollout/samples table (W&B and tables/rollout_samples.jsonl)."""
+    return_routed_experts: bool = False
+    """The engine returns each sample's routes (the top-k experts of every MoE layer at every position it
+    processed, meta_info routed_experts; 2.9 MB per 1k tokens on k3) and the trainer reports
+    train/route_mismatch_frac (tokens whose own top-k differs in at least one layer). trainer.routing_replay
+    implies it. Native engine only."""
     release_tags: list[str] = field(default_factory=lambda: ["kv_cache", "cuda_graph"])
     """Engine memory released while the trainer steps (SGLang tags kv_cache, cuda_graph; [] keeps it all, for a
     model small enough to share the GPU; a release drops the captured decode graphs, recaptured next rollout).
@@ -141,7 +146,8 @@ class PromptStream:
 
 
 def collect_rollouts(engine, tokenizer, stream: PromptStream, reward_fn, cfg: RolloutConfig,
-                     lora: str | None, ctx: ParallelContext = SINGLE) -> tuple[list[Sample], dict[str, float]]:
+                     lora: str | None, ctx: ParallelContext = SINGLE,
+                     routes: bool | None = None) -> tuple[list[Sample], dict[str, float]]:
     """`prompts_per_step` groups of `group_size` samples (fewer when dynamic sampling ran out of rounds), with
     rewards and advantages; metrics under rollout/.
 
@@ -151,7 +157,9 @@ def collect_rollouts(engine, tokenizer, stream: PromptStream, reward_fn, cfg: Ro
     which replica runs it). Which groups are kept, each kept group's Sample.group (its index among the step's
     kept groups, as one process numbers them) and the metrics are global; the samples returned are this
     replica's. Every replica calls engine.generate once per sampling round, with or without prompts of its own
-    (an engine in lockstep needs every rank's calls)."""
+    (an engine in lockstep needs every rank's calls). `routes` (default cfg.return_routed_experts): the samples
+    carry the engine's routes (Sample.routed_experts)."""
+    routes = cfg.return_routed_experts if routes is None else routes
     group = ctx.dp_group
     kept: list[tuple[int, list[Sample]]] = []  # (global group index, this replica's group)
     seen: list[list[Sample]] = []
@@ -161,7 +169,7 @@ def collect_rollouts(engine, tokenizer, stream: PromptStream, reward_fn, cfg: Ro
         drawn = stream.take(cfg.prompts_per_step - num_kept)
         mine = drawn[ctx.dp_rank::ctx.dp_size]
         if mine:
-            groups, graded = _sample_groups(engine, tokenizer, mine, reward_fn, cfg, lora)
+            groups, graded = _sample_groups(engine, tokenizer, mine, reward_fn, cfg, lora, routes)
         else:  # no prompt of its own this round: a generate call still (lockstep: its part in the others' forwards)
             groups, graded = [], []
             engine.generate(input_ids=[], n=cfg.group_size, lora=lora)
@@ -223,14 +231,14 @@ def _advantages(group: list[Sample], estimator: str) -> list[float]:
     return out
 
 
-def _sample_groups(engine, tokenizer, drawn, reward_fn, cfg: RolloutConfig,
-                   lora) -> tuple[list[list[Sample]], list[tuple[str, bool]]]:
+def _sample_groups(engine, tokenizer, drawn, reward_fn, cfg: RolloutConfig, lora,
+                   routes: bool = False) -> tuple[list[list[Sample]], list[tuple[str, bool]]]:
     prompts = [tokenizer.encode(render_prompt(cfg.template, p.problem, tokenizer), add_special_tokens=False)
                for _, p in drawn]
     params = [{"max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature, "top_p": cfg.top_p,
                "top_k": cfg.top_k, "sampling_seed": cfg.seed * 1_000_003 + d * cfg.group_size} for d, _ in drawn]
     outs = engine.generate(input_ids=prompts, sampling_params=params, n=cfg.group_size, return_logprob=True,
-                           lora=lora)
+                           lora=lora, **({"return_routed_experts": True} if routes else {}))
     bad = next((o for o in outs if "error" in o), None)
     if bad is not None:
         raise RuntimeError(f"rollout: the engine rejected a request: {bad['error']}")
@@ -252,7 +260,8 @@ def _sample(prompt: list[int], out: dict, reward: float, cfg: RolloutConfig) -> 
     return Sample(list(prompt), ids, [lp for lp, _ in meta.get("output_token_logprobs", [])], reward,
                   weight_version=min(versions), weight_version_max=max(versions), truncated=truncated,
                   in_loss=not (truncated and cfg.overlong == "mask"),
-                  unfiltered_logprobs=list(meta.get("output_token_logprobs_unfiltered", [])))
+                  unfiltered_logprobs=list(meta.get("output_token_logprobs_unfiltered", [])),
+                  routed_experts=meta.get("routed_experts"))
 
 
 def overlong_penalty(length: int, max_new_tokens: int, buffer: int) -> float:

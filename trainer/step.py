@@ -22,6 +22,11 @@ Every no-grad forward of the policy (the old log-probs, the KL reference, `seque
 in eval mode, so LoRA dropout is off and they are deterministic; the gradient forward runs in the model's own mode
 (train mode: dropout on).
 
+Routes (`rollout.return_routed_experts`, `routing_replay`): with the engine's routes on every sample, each forward
+over a micro-batch records the trainer's own top-k, and train/route_mismatch_frac is the share of loss tokens
+whose experts differ from the engine's in at least one MoE layer; with routing_replay the forwards use the
+engine's routes instead (`_routes`: the replay spans the backward, which may recompute layers).
+
 Expert parallelism across DP replicas (`parallel.lockstep`): a forward is a collective of ranks that hold different
 samples, so every loop over micro-batches runs as many iterations on every rank (the max of the ranks' counts); a
 rank past its own micro-batches runs an idle micro-step (one pad token, the same forwards and backward as a
@@ -37,6 +42,7 @@ from dataclasses import dataclass, field
 import torch
 
 from miles_k3.model.lora import adapters_disabled
+from miles_k3.model.routing import mismatched_tokens, recording, replaying
 from miles_k3.parallel.lockstep import Lockstep
 from miles_k3.parallel.mesh import SINGLE, ParallelContext
 from miles_k3.parallel.tensor_parallel import vocab_shard
@@ -69,6 +75,11 @@ class TrainerConfig:
     old_logprobs: str = "recompute"
     """The ratio's old policy: recompute (the trainer's log-probs before the step's first update; with one
     minibatch they are the current ones, no extra forward) or rollout (the engine's sampling log-probs)."""
+    routing_replay: bool = False
+    """Rollout routing replay (R3): every forward over a sample (the gradient forward, the old log-probs, the KL
+    reference) routes each token to the experts the engine chose for it (the engine returns them: implies
+    rollout.return_routed_experts), the gate weights computed from the trainer's own router scores at those
+    experts. train/route_mismatch_frac then counts the tokens whose own top-k differs."""
 
     def validate(self) -> None:
         if self.micro_batch_tokens < 1:
@@ -277,7 +288,8 @@ def _micro_step(model, mb, cfg: TrainerConfig, totals: dict, has_rollout: bool,
                 old: str = "current", backward_always: bool = False) -> tuple[float, dict[str, float]]:
     """Forward, loss and backward of one micro-batch; a non-finite loss skips the backward unless
     `backward_always` (lockstep: the backward's all-to-alls pair with the other ranks')."""
-    with _autocast(model, cfg), _recompute(model, cfg.activation_checkpointing):
+    routes = _routes(model, mb, cfg)
+    with routes as recorder, _autocast(model, cfg), _recompute(model, cfg.activation_checkpointing):
         logits = model(mb.input_ids_BT, seq_lens=mb.seq_lens_B).logits
     if totals["temperature"] != 1.0:
         logits = logits / totals["temperature"]
@@ -293,10 +305,37 @@ def _micro_step(model, mb, cfg: TrainerConfig, totals: dict, has_rollout: bool,
         m_BT = mb.mask_BT.bool()
         gap = (logp.detach().float() - mb.rollout_logp_BT.float())[m_BT].abs()
         metrics["train/rollout_logprob_abs_diff"] = float(gap.mean()) if gap.numel() else 0.0
+    if recorder is not None:
+        metrics["train/route_mismatch_frac"] = _mismatch_frac(recorder, mb)
     value = float(loss.detach())
     if math.isfinite(value) or backward_always:
-        loss.backward()
+        with _routes(model, mb, cfg, replay_only=True):  # a recomputed layer replays the same routes
+            loss.backward()
     return value, metrics
+
+
+def _routes(model, mb, cfg: TrainerConfig, replay_only: bool = False):
+    """The routing context of a forward over `mb`: replaying its routes (routing_replay), recording the trainer's
+    own top-k beside them (routes known, no replay; not for `replay_only`, the backward), or nothing (yields
+    None)."""
+    routes = mb.routes_NLK
+    if routes is None:
+        if cfg.routing_replay:
+            raise ValueError("trainer.routing_replay: a sample has no routes (the engine must return them: "
+                             "rollout.return_routed_experts, implied by routing_replay in the loop)")
+        return contextlib.nullcontext()
+    if cfg.routing_replay:
+        return replaying(model, routes)
+    return contextlib.nullcontext() if replay_only else recording(model)
+
+
+def _mismatch_frac(recorder, mb) -> float:
+    """The share of mb's loss tokens whose own experts (recorded) differ from its routes in >= 1 layer."""
+    m_N = mb.mask_BT.reshape(-1).bool()
+    if not m_N.any():
+        return 0.0
+    differ = mismatched_tokens(recorder.routes()[m_N], mb.routes_NLK.to(m_N.device)[m_N])
+    return float(differ.float().mean())
 
 
 def _idle_batch(pad_id: int, device: torch.device):
@@ -325,8 +364,8 @@ def _reference_logprobs(model, mb, cfg: TrainerConfig, temperature: float) -> to
 @torch.no_grad()
 def _batch_logprobs(model, mb, cfg: TrainerConfig, temperature: float) -> torch.Tensor:
     """The model's log-prob [B, T] of each target of `mb`, from the forward the training pass makes (without
-    gradients, and in eval mode: no dropout)."""
-    with _eval_mode(model), _autocast(model, cfg):
+    gradients, and in eval mode: no dropout; replaying mb's routes under routing_replay)."""
+    with _routes(model, mb, cfg, replay_only=True), _eval_mode(model), _autocast(model, cfg):
         logits = model(mb.input_ids_BT, seq_lens=mb.seq_lens_B).logits
     return token_logprobs(logits / temperature, mb.targets_BT, vocab_shard=vocab_shard(model))
 

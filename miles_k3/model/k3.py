@@ -92,6 +92,8 @@ class K3Model(nn.Module):
         d = cfg.hidden_size
         self.embed_tokens = nn.Embedding(cfg.vocab_size, d)
         self.layers = nn.ModuleList(K3DecoderLayer(cfg, i, expert_format) for i in range(cfg.num_hidden_layers))
+        for index, layer in enumerate(layer for layer in self.layers if layer.is_moe):
+            layer.block_sparse_moe.moe_index = index
         self.norm = RMSNorm(d, cfg.rms_norm_eps)
         self.output_attn_res_norm = RMSNorm(d, cfg.rms_norm_eps)
         self.output_attn_res_proj = nn.Linear(d, 1, bias=False)

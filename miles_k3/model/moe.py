@@ -51,13 +51,25 @@ class TopKRouter(nn.Module):
             from miles_k3.kernels.router import topk_route
             return topk_route(x_ND, self.weight, self.e_score_correction_bias, self.top_k, self.renormalize,
                               self.scaling)
-        scores_NE = torch.sigmoid(x_ND.float() @ self.weight.float().t())
+        scores_NE = self.scores(x_ND)
+        ids_NK = self.select(scores_NE)
+        return ids_NK, self.weights(scores_NE, ids_NK)
+
+    def scores(self, x_ND: torch.Tensor) -> torch.Tensor:
+        """sigma(W x) [N, E], fp32."""
+        return torch.sigmoid(x_ND.float() @ self.weight.float().t())
+
+    def select(self, scores_NE: torch.Tensor) -> torch.Tensor:
+        """The top-k experts of scores + the selection bias: ids [N, K] int64."""
         biased_NE = scores_NE.detach() + self.e_score_correction_bias.float()
-        ids_NK = torch.topk(biased_NE, self.top_k, dim=-1, sorted=False).indices
+        return torch.topk(biased_NE, self.top_k, dim=-1, sorted=False).indices
+
+    def weights(self, scores_NE: torch.Tensor, ids_NK: torch.Tensor) -> torch.Tensor:
+        """The routing weights [N, K] fp32 of experts ids_NK: their scores (renormalised), times the scaling."""
         w_NK = scores_NE.gather(-1, ids_NK)
         if self.renormalize:
             w_NK = w_NK / (w_NK.sum(-1, keepdim=True) + 1e-20)
-        return ids_NK, w_NK * self.scaling
+        return w_NK * self.scaling
 
 
 class LatentMoE(nn.Module):
@@ -79,6 +91,10 @@ class LatentMoE(nn.Module):
                                           cfg.activation_situ_beta, cfg.activation_situ_linear_beta)
         self.expert_parallel: ExpertParallel | None = None
         """Set by `shard_experts_ep`: the routed path's token split (tp) and expert placement (ep)."""
+        self.moe_index = 0
+        """This layer's place among the model's MoE layers (set by K3Model): its column of recorded routes."""
+        self.routing: tuple | None = None
+        """(Recorder, replay or None) while `miles_k3.model.routing` records or replays routes, else None."""
 
     def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
         """y [B, T, D] = routed(x) + shared(x). Under expert parallelism every rank of the EP group must call
@@ -86,7 +102,7 @@ class LatentMoE(nn.Module):
         x_ND = x_BTD.reshape(-1, x_BTD.shape[-1])
         ep = self.expert_parallel
         x_SD = x_ND if ep is None else ep.local_tokens(x_ND)
-        ids_SK, w_SK = self.gate(x_SD)
+        ids_SK, w_SK = self.gate(x_SD) if self.routing is None else self._route(x_SD, x_ND.shape[0])
         z_SL = self.routed_expert_down_proj(x_SD)
         u_SL = self.experts(z_SL, ids_SK, w_SK) if ep is None else ep.run_experts(self.experts, z_SL, ids_SK, w_SK)
         if self.routed_expert_norm is not None:
@@ -96,3 +112,21 @@ class LatentMoE(nn.Module):
         if self.shared_experts is not None:
             y_ND = y_ND + self.shared_experts(x_ND)
         return y_ND.view_as(x_BTD)
+
+    def _route(self, x_SD: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Routing while recording or replaying (`miles_k3.model.routing`): this layer's own top-k is recorded
+        (all N tokens: gathered over tp); replaying, the replayed ids (this rank's share) are used instead, with
+        weights from this forward's scores at them."""
+        recorder, replay = self.routing
+        ep = self.expert_parallel
+        if replay is None:  # the gate as it routes (its fused kernel where it applies), the ids recorded
+            own_SK, w_SK = self.gate(x_SD)
+            ids_SK = own_SK
+        else:
+            scores_SE = self.gate.scores(x_SD)
+            own_SK = self.gate.select(scores_SE)
+            ids_NK = replay.ids(self.moe_index, num_tokens).to(x_SD.device)
+            ids_SK = ids_NK if ep is None else ep.local_tokens(ids_NK)
+            w_SK = self.gate.weights(scores_SE, ids_SK)
+        recorder.record(self.moe_index, own_SK if ep is None else ep.all_tokens(own_SK, num_tokens))
+        return ids_SK, w_SK
