@@ -31,7 +31,7 @@ def main() -> None:
                                                max_context=args.prompt + args.new, decode="static"))
     logits = torch.zeros(engine._graph.buckets[-1], cfg.vocab_size)
     ids, logprobs = torch.zeros(args.batch, dtype=torch.long), torch.zeros(args.batch)
-    engine._graph._step = lambda packed: logits[: packed.shape[0]]
+    engine._graph._step = lambda packed: (logits[: packed.shape[0]], None)
     engine._prefill_rows = lambda rows, start, chunk: None
     engine_module.sample = lambda lg, params, keys, pos: (ids[: lg.shape[0]], logprobs[: lg.shape[0]])
     prompts = torch.randint(0, cfg.vocab_size, (args.batch, args.prompt)).tolist()
