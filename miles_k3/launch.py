@@ -64,7 +64,7 @@ def silence_fla_cpu_warning() -> None:
 
 def engine_line(engine: RolloutEngine) -> str:
     """The native engine's sizes in one line (its full memory plan is logged at DEBUG)."""
-    return (f"rollout engine: {engine.kda.num_slots} slots, {engine.cache.num_pages} pages of "
+    return (f"rollout engine: {engine.num_slots} slots, {engine.cache.num_pages} pages of "
             f"{engine.cache.page_size} tokens, decode={engine.decode_mode}")
 
 

@@ -204,10 +204,12 @@ class RolloutEngine:
         if num_pages < plan.pages_per_request:
             raise ValueError(f"num_pages: {num_pages} pages of {self.config.page_size} tokens cannot hold one "
                              f"request of max_context={self.config.max_context}; raise num_pages")
-        self.kda = KDAStatePool(self.cfg, num_slots, device, self.dtype, tp)
+        self.decode_mode = self._decode_mode(tp, ep)
+        self.num_slots = num_slots
+        """Requests that run at once (KDA state slots); a static / graph decoder holds one more, its padding rows'."""
+        self.kda = KDAStatePool(self.cfg, num_slots + (self.decode_mode != "eager"), device, self.dtype, tp)
         self.cache = PagedLatentCache(self.cfg, num_pages, self.config.page_size, device, self.dtype)
         self._pages_per_request = plan.pages_per_request
-        self.decode_mode = self._decode_mode(tp, ep)
         self._graph = self._make_graph_decoder()
         log.debug("rollout engine: %d slots, %d pages of %d tokens, decode=%s (%s)", num_slots, num_pages,
                   self.config.page_size, self.decode_mode, plan.summary())
@@ -381,8 +383,8 @@ class RolloutEngine:
                              "or lower max_new_tokens")
         if not self.adapters.serves(name):
             raise ValueError(f"{where}: unknown LoRA adapter {name!r}; loaded: {self.adapters.names()}")
-        if n > self.kda.num_slots:
-            raise ValueError(f"{where}: n={n} samples exceed the engine's {self.kda.num_slots} state slots")
+        if n > self.num_slots:
+            raise ValueError(f"{where}: n={n} samples exceed the engine's {self.num_slots} state slots")
         seed = params.sampling_seed
         if seed is None:  # reproducible under torch.manual_seed, different per call
             seed = self._drawn_seed()

@@ -261,3 +261,23 @@ def test_filtered_requests_also_report_the_unfiltered_logprobs_of_their_tokens(b
         kept = (row[t] - torch.logsumexp(top3, 0)).item()  # renormalised over the 3 survivors
         assert filtered["meta_info"]["output_token_logprobs_unfiltered"][i] == pytest.approx(full, abs=LOGPROB_ATOL)
         assert filtered["meta_info"]["output_token_logprobs"][i][0] == pytest.approx(kept, abs=LOGPROB_ATOL)
+
+
+@pytest.mark.parametrize("decode", ["eager", "static"])
+def test_num_slots_requests_run_at_once_whatever_the_decode_mode(base, decode):
+    """num_slots=3: three requests decode together (4 steps for 4 tokens each), also under static decode, whose
+    padding rows use a slot of their own beside the three."""
+    engine = _engine(base, num_slots=3, decode=decode)
+    steps = []
+    real = engine._step
+
+    def spy(rids, *args, **kw):
+        steps.append(len(rids))
+        return real(rids, *args, **kw)
+    engine._step = spy
+    engine.generate(input_ids=PROMPTS, sampling_params={"temperature": 0, "max_new_tokens": 4})
+    assert steps == [3, 3, 3, 3]
+    assert engine.num_slots == 3 and engine.kda.num_slots == 3 + (decode == "static")
+    with pytest.raises(ValueError, match="n=4 samples exceed the engine's 3 state slots"):
+        bad = engine.generate(input_ids=[PROMPTS[1]], sampling_params={"max_new_tokens": 2}, n=4)
+        raise ValueError(bad[0]["error"])
