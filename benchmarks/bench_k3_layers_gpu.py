@@ -2,8 +2,9 @@
 fused expert matmul (`--backends triton`) and the old dequantize-then-grouped-mm path (`torch`) side by side,
 each against its bound measured in the same run.
 
-    python benchmarks/bench_k3_layers_gpu.py [--parts kernels,experts,model,engine] [--backends triton,torch]
+    python benchmarks/bench_k3_layers_gpu.py [--parts kernels,experts,kda,model,engine] [--backends triton,torch]
                                              [--tokens 4096] [--batches 64,256] [--engine-backends triton]
+                                             [--engine-variants fla,kda]
                                              [--configs new,legacy] [--no-train] [--no-tune-train] [--json OUT]
 
 `--configs`: the fused kernel's tilings, `pick_config` ("new") and/or `legacy_config` ("legacy": before the
@@ -23,8 +24,14 @@ only.
   kernels), MXFP4 experts, LoRA rank 32 on the default targets. Per layer: forward and backward over 1 x
   `--tokens` (each layer run alone on the inputs the model gives it), the MoE block alone, its decode step per
   batch, and one whole-model training step; peak memory.
+* kda: one layer's KDA decode recurrence at each decode batch (96 heads of 128 x 128 fp32 state), fla's kernel
+  (today's path) and `kernels.kda_decode.kda_recurrent_step` per tile config, against the state's read + write
+  bound; the fastest config is used by the engine's `kda` rows.
 * engine: `RolloutEngine` graph decode of `max(--batches)` prompts (32 tokens, 64 new, LoRA "policy"):
-  tokens/s (prefill included) and peak reserved memory, per `--engine-backends`.
+  tokens/s (prefill included; after an 8-token warm-up, and again with every graph captured), the prefill share
+  and peak reserved memory, per `--engine-backends` and `--engine-variants` (`ENGINE_VARIANTS`: `fla`, the
+  engine's KDA decode as it is; `kda`: `kernels.kda_decode.kda_recurrent_step` swapped in for the run). The
+  engine holds num_slots = b requests at once (its graph decoder's padding row has a slot of its own).
 """
 from __future__ import annotations
 
@@ -353,30 +360,107 @@ def model_part(args, bw: float, rate: float) -> dict:
     return result
 
 
+def kda_part(args, bw: float) -> list[dict]:
+    """The KDA decode recurrence of one K3 layer at each decode batch (H = 96, K = V = 128, fp32 state pool of
+    batch + 1 slots, bf16 inputs): fla's fused_recurrent_kda in the engine's in-place form (today's path) and
+    `kernels.kda_decode.kda_recurrent_step` per tile config, each replayed in a CUDA graph of 10 calls; bound =
+    the state read + written once / the measured copy bandwidth. The fastest config becomes KDA_STEP_CONFIG for
+    the engine part's `kda` variants (printed)."""
+    import miles_k3.kernels.kda_decode as kd
+    from miles_k3.model.kda_ops import _decode_into_fla
+
+    h, dk = 96, 128
+    rows, best = [], {}
+    for b in args.batches:
+        g = torch.Generator(device="cuda").manual_seed(b)
+        q, k, v, f = (torch.randn(b, 1, h, dk, device="cuda", generator=g).bfloat16() for _ in range(4))
+        beta = torch.randn(b, 1, h, device="cuda", generator=g).bfloat16()
+        a_log = torch.rand(h, device="cuda", generator=g).mul(15).add(1).log()
+        dt_bias = torch.zeros(h * dk, device="cuda")
+        pool = torch.randn(b + 1, h, dk, dk, device="cuda", generator=g)
+        slots = torch.randperm(b + 1, device="cuda", generator=g)[:b]
+        bound_ms = 2 * b * h * dk * dk * 4 / bw * 1e3
+        a = (q, k, v, f, beta, a_log, dt_bias, -5.0, pool, slots)
+        fns = {"fla": lambda a=a: _decode_into_fla(*a)}
+        for bv, nw in [(32, 4), (32, 2), (64, 4), (64, 8), (128, 8), (128, 4)]:
+            fns[f"triton bv{bv} w{nw}"] = (lambda bv=bv, nw=nw, a=a: kd.kda_recurrent_step(
+                *a, block_v=bv, num_warps=nw))
+        for name, fn in fns.items():
+            graph, _ = capture(lambda fn=fn: [fn() for _ in range(10)])
+            ms = timed_ms(graph.replay, iters=10) / 10
+            row = {"part": "kda", "batch": b, "impl": name, "ms": ms, "bound_ms": bound_ms, "over_bound": ms / bound_ms}
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+            if name != "fla" and b == max(args.batches) and ms < best.get("ms", float("inf")):
+                best = {"ms": ms, "name": name}
+            del graph
+    if best:
+        bv, nw = (int(x.lstrip("bvw")) for x in best["name"].split()[1:])
+        kd.KDA_STEP_CONFIG.update(block_v=bv, num_warps=nw)
+        print(json.dumps({"kda_step_config": kd.KDA_STEP_CONFIG, "from": best}), flush=True)
+    return rows
+
+
+@contextlib.contextmanager
+def kda_decode(model, name: str):
+    """Within the block the model's KDA decode step (`KDABackend.decode_into`) is fla's in-place kernel ("fla",
+    today's default) or `kernels.kda_decode.kda_recurrent_step` ("triton"), for before/after rows of one run."""
+    import dataclasses
+
+    from miles_k3.kernels.kda_decode import kda_recurrent_step
+
+    dev = torch.device("cuda")
+    before = model.kda_backend(dev)
+    if name == "triton":
+        model._backends[dev.type] = dataclasses.replace(before, decode_into=kda_recurrent_step)
+    try:
+        yield
+    finally:
+        model._backends[dev.type] = before
+
+
+# engine variants: the KDA decode step (fla's in-place kernel, the engine's path; or the Triton step)
+ENGINE_VARIANTS = {"fla": "fla", "kda": "triton"}
+
+
 def engine_part(args, model) -> list[dict]:
+    """Per variant: `tok_s` = b x 64 / the wall time of one generate (32-token prompts, prefill included) after a
+    warm-up of 8 new tokens (as before: the graphs of the second page bucket are captured inside the timed call),
+    `tok_s_graphs_warm` the same call again (every graph captured, as bench_engine_gpu.py measures), `prefill_s`
+    a one-token generate (prefill + one step)."""
     from miles_k3.model.lora import LoRAConfig, lora_state_dict
     from miles_k3.rollout.engine import EngineConfig, RolloutEngine
 
     lora = LoRAConfig(rank=32, alpha=64)
     b = max(args.batches)
     rows = []
-    for name, configs in [(n, c) for n in args.engine_backends for c in args.configs]:
-        with mxfp4_experts_backend(name), kernel_configs(configs), torch.no_grad():
+    runs = [(n, c, v) for n in args.engine_backends for c in args.configs for v in args.engine_variants]
+    for name, configs, variant in runs:
+        kda = ENGINE_VARIANTS[variant]
+        with mxfp4_experts_backend(name), kernel_configs(configs), kda_decode(model, kda), torch.no_grad():
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
             engine = RolloutEngine(model, EngineConfig(memory_budget_bytes=12 * 2**30, page_size=64,
-                                                       max_context=256, prefill_chunk=1024, num_slots=b), lora=lora)
+                                                       max_context=256, prefill_chunk=1024, num_slots=b),
+                                   lora=lora)
             engine.load_lora_adapter_from_tensors("policy", lora_state_dict(model), lora)
             params = {"temperature": 1.0, "max_new_tokens": 64, "ignore_eos": True}
             prompts = torch.randint(0, model.config.vocab_size, (b, 32)).tolist()
-            engine.generate(input_ids=prompts, sampling_params={**params, "max_new_tokens": 8}, lora="policy")
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            engine.generate(input_ids=prompts, sampling_params=params, lora="policy")
-            torch.cuda.synchronize()
-            wall = time.perf_counter() - t0
-            row = {"backend": name, "configs": configs, "batch": b, "decode": engine.decode_mode,
-                   "tok_s": b * 64 / wall,
+
+            def gen(new, engine=engine, params=params, prompts=prompts):
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                engine.generate(input_ids=prompts, sampling_params={**params, "max_new_tokens": new},
+                                lora="policy")
+                torch.cuda.synchronize()
+                return time.perf_counter() - t0
+
+            gen(8)
+            wall = gen(64)
+            warm = gen(64)
+            row = {"backend": name, "configs": configs, "variant": variant, "slots": engine.num_slots, "kda": kda,
+                   "batch": b, "decode": engine.decode_mode, "tok_s": b * 64 / wall,
+                   "tok_s_graphs_warm": b * 64 / warm, "prefill_s": gen(1),
                    "max_reserved_gib": torch.cuda.max_memory_reserved() / 2**30}
             print(json.dumps(row), flush=True)
             rows.append(row)
@@ -389,6 +473,8 @@ def main() -> None:
     ap.add_argument("--parts", default="experts,model,engine")
     ap.add_argument("--backends", default="triton,torch")
     ap.add_argument("--engine-backends", default="triton")
+    ap.add_argument("--engine-variants", default="fla,kda",
+                    help=f"engine rows, comma-separated, of {list(ENGINE_VARIANTS)}")
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--batches", default="64,256")
     ap.add_argument("--json", default=None)
@@ -403,6 +489,7 @@ def main() -> None:
     args.engine_backends = [b for b in args.engine_backends.split(",") if b]
     args.batches = [int(b) for b in args.batches.split(",")]
     args.configs = args.configs.split(",")
+    args.engine_variants = args.engine_variants.split(",")
     parts = args.parts.split(",")
     bw, rate = copy_bandwidth(), gemm_rate()
     results = {"copy_bytes_per_s": bw, "bf16_gemm_flop_per_s": rate, "device": torch.cuda.get_device_name()}
@@ -412,6 +499,9 @@ def main() -> None:
         torch.cuda.empty_cache()
     if "experts" in parts:
         results["experts"] = experts_part(args, bw, rate)
+        torch.cuda.empty_cache()
+    if "kda" in parts:
+        results["kda"] = kda_part(args, bw)
         torch.cuda.empty_cache()
     if "model" in parts or "engine" in parts:
         if "model" in parts:

@@ -310,3 +310,135 @@ def gated_head_norm(o_BTHV: torch.Tensor, gate_BTP: torch.Tensor, norm_weight_V:
             o3, g2, w, out, h, v, o3.stride(0), o3.stride(1), g2.stride(0), eps, BLOCK_H=block,
             BLOCK_V=block_v, ROUND=_ROUND_KIND[out_dtype], num_warps=max(1, min(8, block * block_v // 256)))
     return out
+
+
+# ---- the KDA recurrence, one decode token, in place on the slot pool ----------------------------------------
+# Program (V block, head, row); fp32 state tile [K, BLOCK_V]. Default (block_v, num_warps) from
+# `python benchmarks/bench_k3_layers_gpu.py --parts kda --batches 256` on one H200 at K3 width (B = 256, H = 96,
+# K = V = 128): 0.81 ms per layer (1.07x the state's read + write bound) against 0.87 for (32, 4), 1.06 for
+# (64, 8), 1.36 for (128, 8), and 1.24 ms (1.64x) for fla's fused_recurrent_kda in the same run.
+KDA_STEP_CONFIG: dict[str, int] = {"block_v": 64, "num_warps": 4}
+
+
+def kda_recurrent_step_reference(q, k, v, f, beta_logit, A_log, dt_bias, lower_bound: float, pool_NHKV: torch.Tensor,
+                                 slots_B: torch.Tensor) -> torch.Tensor:
+    """Pure torch, any device: one KDA decode token per row on a pooled fp32 state, updated in place.
+
+    q, k [B, 1, H, K] (raw: L2-normalised here, eps 1e-6; q scaled by K^-0.5), v [B, 1, HV, V], f [B, 1, HV, K]
+    the raw decay-gate input, beta_logit [B, 1, HV]; A_log [HV], dt_bias [HV * K]; pool_NHKV [N, HV, K, V] fp32,
+    rows slots_B [B]. Per row b and head h (q/k head h // (HV / H)), in fp32:
+        g = lower_bound * sigmoid(exp(A_log[h]) * (f + dt_bias[h]));  beta = sigmoid(beta_logit)
+        S = S * exp(g)[:, None];  u = beta * (v - k^T S);  S = S + k u^T;  o = q^T S
+    Returns o [B, 1, HV, V] in v's dtype; pool rows slots_B hold the new S. This is fla's fused_recurrent_kda
+    with the gate, beta's sigmoid and the L2 norm in the kernel (`kda_ops._decode_into_fla`), restated.
+    """
+    _, _, h, kd = q.shape
+    hv = v.shape[2]
+    group = hv // h
+    qf = q[:, 0].float()
+    kf = k[:, 0].float()
+    qf = qf / torch.sqrt((qf * qf).sum(-1, keepdim=True) + 1e-6) * kd ** -0.5
+    kf = kf / torch.sqrt((kf * kf).sum(-1, keepdim=True) + 1e-6)
+    if group > 1:
+        qf, kf = qf.repeat_interleave(group, dim=1), kf.repeat_interleave(group, dim=1)
+    g = f[:, 0].float() + dt_bias.float().view(hv, kd)
+    g = lower_bound * torch.sigmoid(torch.exp(A_log.float())[:, None] * g)  # [B, HV, K]
+    beta = torch.sigmoid(beta_logit[:, 0].float())  # [B, HV]
+    s = pool_NHKV.index_select(0, slots_B).float() * torch.exp(g)[..., None]
+    u = (v[:, 0].float() - torch.einsum("bhkv,bhk->bhv", s, kf)) * beta[..., None]
+    s = s + kf[..., None] * u[..., None, :]
+    o = torch.einsum("bhkv,bhk->bhv", s, qf)
+    pool_NHKV.index_copy_(0, slots_B, s.to(pool_NHKV.dtype))
+    return o[:, None].to(v.dtype)
+
+
+@triton.jit
+def _kda_recurrent_step_kernel(q_ptr, k_ptr, v_ptr, f_ptr, beta_ptr, a_log_ptr, dt_bias_ptr, pool_ptr, slots_ptr,
+                               o_ptr, N, lower_bound, scale, stride_qb, stride_kb, stride_vb, stride_fb, stride_bb,
+                               H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                               BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
+    """Program (V block i_v, head i_hv, row b): the [K, BLOCK_V] tile of S of pool row slots[b], head i_hv.
+    The state tile is loaded first (the only large read), then the per-head vectors and the gate; S is read and
+    written once (evict-first: streamed, never reused by this step). Out-of-range slots read a zero state and
+    write nothing (a bounds check on the host would sync)."""
+    i_v = tl.program_id(0)
+    i_hv = tl.program_id(1)
+    b = tl.program_id(2).to(tl.int64)
+    i_h = i_hv // (HV // H)
+    o_k = tl.arange(0, BLOCK_K)
+    o_v = i_v * BLOCK_V + tl.arange(0, BLOCK_V)
+    mk = o_k < K
+    mv = o_v < V
+    slot = tl.load(slots_ptr + b).to(tl.int64)
+    slot_k = slot + tl.zeros([BLOCK_K], dtype=tl.int64)  # vector: the interpreter rejects scalar & tile masks
+    mh = (mk & (slot_k >= 0) & (slot_k < N))[:, None] & mv[None, :]
+    p_h = pool_ptr + slot_k[:, None] * (HV * K * V) + i_hv * (K * V) + o_k[:, None] * V + o_v[None, :]
+    s = tl.load(p_h, mask=mh, other=0.0, eviction_policy="evict_first").to(tl.float32)
+
+    q = tl.load(q_ptr + b * stride_qb + i_h * K + o_k, mask=mk, other=0.0).to(tl.float32)
+    kk = tl.load(k_ptr + b * stride_kb + i_h * K + o_k, mask=mk, other=0.0).to(tl.float32)
+    vv = tl.load(v_ptr + b * stride_vb + i_hv * V + o_v, mask=mv, other=0.0).to(tl.float32)
+    f = tl.load(f_ptr + b * stride_fb + i_hv * K + o_k, mask=mk, other=0.0).to(tl.float32)
+    bias = tl.load(dt_bias_ptr + i_hv * K + o_k, mask=mk, other=0.0).to(tl.float32)
+    a = tl.exp(tl.load(a_log_ptr + i_hv).to(tl.float32))
+    beta = tl.sigmoid(tl.load(beta_ptr + b * stride_bb + i_hv).to(tl.float32))
+    q = q / tl.sqrt(tl.sum(q * q, axis=0) + 1e-6) * scale
+    kk = kk / tl.sqrt(tl.sum(kk * kk, axis=0) + 1e-6)
+    g = lower_bound * tl.sigmoid(a * (f + bias))
+
+    s = s * tl.exp(g)[:, None]
+    u = (vv - tl.sum(s * kk[:, None], axis=0)) * beta
+    s = s + kk[:, None] * u[None, :]
+    o = tl.sum(s * q[:, None], axis=0)
+    tl.store(o_ptr + b * (HV * V) + i_hv * V + o_v, o.to(o_ptr.dtype.element_ty), mask=mv)
+    tl.store(p_h, s, mask=mh, eviction_policy="evict_first")
+
+
+def kda_recurrent_step(q, k, v, f, beta_logit, A_log, dt_bias, lower_bound: float, pool_NHKV: torch.Tensor,
+                       slots_B: torch.Tensor, *, block_v: int | None = None, num_warps: int | None = None
+                       ) -> torch.Tensor:
+    """One KDA decode token per row, the pooled fp32 state updated in place, in one launch (no host sync:
+    capturable in a CUDA graph). Arguments, result and math as `kda_recurrent_step_reference` (the signature
+    of `KDABackend.decode_into`); q/k/v/f/beta_logit need unit stride inside a row (else copied), pool_NHKV
+    contiguous fp32. Rows of slots_B must be distinct except padding rows that share one scratch slot (whose
+    contents are then undefined). `block_v` / `num_warps` override KDA_STEP_CONFIG.
+
+    Numerics against the reference: the same fp32 operations in the same order per element, but the K sums
+    run in another order and exp / sigmoid / sqrt / division are the GPU's (Triton's) approximations, so the
+    state agrees to ~1e-6 relative and o to ~1 ulp of its dtype (tests/test_gpu_kda_recurrent.py states the
+    tolerances)."""
+    fn = "kda_recurrent_step"
+    for name, t in (("q", q), ("k", k), ("v", v), ("f", f), ("beta_logit", beta_logit)):
+        _check_tensor(fn, name, t, 4 if name != "beta_logit" else 3)
+    _check_tensor(fn, "pool_NHKV", pool_NHKV, 4, dtypes=(torch.float32,), what="[N, HV, K, V] fp32")
+    _check_tensor(fn, "slots_B", slots_B, 1, dtypes=SLOT_DTYPES, what="[B]")
+    b, t, h, kd = q.shape
+    hv, vd = v.shape[2], v.shape[3]
+    n = pool_NHKV.shape[0]
+    if t != 1 or tuple(k.shape) != (b, 1, h, kd) or tuple(v.shape[:2]) != (b, 1) or hv % h:
+        raise ValueError(f"{fn}: q, k must be [B, 1, H, K] and v [B, 1, HV, V] with HV a multiple of H, got "
+                         f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if tuple(f.shape) != (b, 1, hv, kd) or tuple(beta_logit.shape) != (b, 1, hv):
+        raise ValueError(f"{fn}: f must be [B, 1, HV, K] = {(b, 1, hv, kd)} and beta_logit [B, 1, HV], got "
+                         f"{tuple(f.shape)} and {tuple(beta_logit.shape)}")
+    if tuple(pool_NHKV.shape[1:]) != (hv, kd, vd) or not pool_NHKV.is_contiguous():
+        raise ValueError(f"{fn}: pool_NHKV must be a contiguous [N, {hv}, {kd}, {vd}] fp32 tensor, got "
+                         f"{tuple(pool_NHKV.shape)}")
+    if A_log.numel() != hv or dt_bias.numel() != hv * kd or slots_B.shape[0] != b:
+        raise ValueError(f"{fn}: A_log must hold HV = {hv} values, dt_bias HV * K = {hv * kd}, slots_B B = {b}; "
+                         f"got {A_log.numel()}, {dt_bias.numel()}, {slots_B.shape[0]}")
+    _same_device(fn, "q", q, k=k, v=v, f=f, beta_logit=beta_logit, A_log=A_log, dt_bias=dt_bias,
+                 pool_NHKV=pool_NHKV, slots_B=slots_B)
+    rows = [x.reshape(b, -1) for x in (q, k, v, f, beta_logit)]
+    rows = [x if x.stride(-1) == 1 else x.contiguous() for x in rows]
+    out = torch.empty(b, 1, hv, vd, dtype=v.dtype, device=v.device)
+    if b == 0:
+        return out
+    bv = min(block_v or KDA_STEP_CONFIG["block_v"], triton.next_power_of_2(vd))
+    warps = num_warps or KDA_STEP_CONFIG["num_warps"]
+    with _on_device(q):
+        _kda_recurrent_step_kernel[(triton.cdiv(vd, bv), hv, b)](
+            *rows[:4], rows[4], A_log.contiguous(), dt_bias.contiguous(), pool_NHKV, slots_B.contiguous(), out,
+            n, float(lower_bound), kd ** -0.5, *(x.stride(0) for x in rows),
+            H=h, HV=hv, K=kd, V=vd, BLOCK_K=triton.next_power_of_2(kd), BLOCK_V=bv, num_warps=warps)
+    return out
