@@ -140,7 +140,8 @@ def policy_loss(
       train/clip_frac: the clip binds (the clipped surrogate is the smaller; the token gets no gradient);
       train/ratio_mean, train/ratio_max: the ratio used (the sequence ratio under GSPO);
       train/kl (with ref_logp_BT), train/entropy (with entropy_BT);
-      train/rollout_logprob_abs_diff: |old_logp - rollout_logp| (with rollout_logp_BT);
+      train/rollout_logprob_abs_diff: |old_logp - rollout_logp| (with rollout_logp_BT), and its 99th percentile
+        over the tokens (train/rollout_logprob_abs_diff_p99; merged over micro-batches as their max);
       train/tis_weight_mean (tis not none), train/dual_clip_frac (dual clip on);
       train/tis_masked_frac (seq_mask): the fraction of rows with tokens whose weight is 0.
     """
@@ -173,6 +174,9 @@ def policy_loss(
     if rollout_logp_BT is not None:
         diff_BT = old_BT - rollout_logp_BT.detach().to(dt)
         stats["train/rollout_logprob_abs_diff"] = token_mean(diff_BT.abs())
+        gap_M = diff_BT.detach().abs()[m_BT.bool()]
+        stats["train/rollout_logprob_abs_diff_p99"] = (torch.quantile(gap_M.float(), 0.99) if gap_M.numel()
+                                                       else gap_M.new_zeros(()))
         weight_BT = _tis_weights(_masked(diff_BT, m_BT), m_BT, cfg, stats, token_mean)
         if weight_BT is not None:
             pg_BT = pg_BT * weight_BT

@@ -262,7 +262,7 @@ def _combine(results: list[dict[str, float]]) -> dict[str, float]:
                   "train/updates": float(len(applied))}
 
 
-_MAXED = ("train/ratio_max",)
+_MAXED = ("train/ratio_max", "train/rollout_logprob_abs_diff_p99")  # p99: the largest micro-batch's (exact for one)
 _PER_ROW = ("train/tis_masked_frac",)  # a fraction of the rows with tokens in the loss
 
 
