@@ -84,7 +84,7 @@ def main() -> None:
                          prefill_chunk=1024, decode=args.decode)
     engine = RolloutEngine(model, econf)
     params = {"temperature": 1.0, "max_new_tokens": args.new, "ignore_eos": True}
-    results = {"model": "k3_m", "experts": "mxfp4", "slots": engine.kda.num_slots, "decode": engine.decode_mode,
+    results = {"model": "k3_m", "experts": "mxfp4", "slots": engine.num_slots, "decode": engine.decode_mode,
                "rows": []}
     with torch.no_grad():
         for b in map(int, args.batches.split(",")):  # warm up: kernels compiled, graphs captured per bucket
