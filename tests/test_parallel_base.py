@@ -1,7 +1,6 @@
 """The scale-out base: `parallel:` config refusals, the process groups of a launch, the autograd collectives
 (hand-worked values on 2 gloo ranks), gradient sums and the global gradient norm, and the errors of a
 rendezvous nobody answers and of a collective a peer never joins (both name the rank)."""
-import os
 import socket
 import time
 

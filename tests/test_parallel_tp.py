@@ -15,9 +15,9 @@ test_lora.LOGIT_TOL for the same effect in one process).
 """
 import dataclasses
 
+import dist_helpers
 import pytest
 import torch
-import dist_helpers
 from dist_helpers import DEVICE_TYPE, run_ranks
 
 from miles_k3.model import K3Config, K3ForCausalLM
