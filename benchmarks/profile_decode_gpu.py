@@ -24,7 +24,7 @@ import pstats
 import time
 
 import torch
-from bench_engine_gpu import build
+from bench_engine_gpu import build, timed
 
 from miles_k3.rollout.engine import EngineConfig, RolloutEngine
 from miles_k3.rollout.sampling import SamplingParams, sample
@@ -38,14 +38,6 @@ def cuda_time(fn, reps: int) -> float:
         fn()
     torch.cuda.synchronize()
     return (time.perf_counter() - t0) / reps
-
-
-def timed(fn) -> float:
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    fn()
-    torch.cuda.synchronize()
-    return time.perf_counter() - t0
 
 
 def kernel_events(prof) -> list[tuple[float, float, str]]:

@@ -32,13 +32,15 @@ from miles_k3.model.k3 import K3ForCausalLM
 from miles_k3.model.kda import KDAAttention
 from miles_k3.model.lora import adapter_num_params, apply_lora
 from miles_k3.model.mla import MLAAttention
+from miles_k3.model.routing import route_bytes_per_token
 
 STORED_BYTES = {"U8": 1, "BF16": 2, "F32": 4}
 USAGE = """
 python -m miles_k3.model_info [model=NAME | model.path=DIR] [parallel.tp=N parallel.ep=M gpus=G] [key=value ...]
 Sizing figures of a K3 config as one JSON object on stdout: parameters (total, active per token, routed
 experts), base bytes as stored (MXFP4 routed experts) and with bf16 experts, KDA state bytes per request (at
-tp=1 and tp=N), MLA KV bytes per token, layer counts, the LoRA adapter's trainable parameters, and per_rank:
+tp=1 and tp=N), MLA KV bytes per token, the routes a routing-replay rollout records per token (int16 ids),
+layer counts, the LoRA adapter's trainable parameters, and per_rank:
 one rank's bytes on the mesh (base shard, LoRA + optimizer, KDA state and MLA KV for batch x context) and the
 all-to-all bytes per token per MoE layer. Computed from the modules on the meta device: no memory, no weights,
 any size (the full 2.78T K3 included).
@@ -99,6 +101,8 @@ def model_figures(model: K3ForCausalLM, tp: int) -> dict:
         "num_mla_layers": len(mla),
         "num_moe_layers": sum(layer.is_moe for layer in layers),
         "num_layers": len(layers),
+        "routes_bytes_per_token": route_bytes_per_token(sum(layer.is_moe for layer in layers),
+                                                        model.config.num_experts_per_token),
     }
 
 

@@ -420,6 +420,12 @@ class RolloutEngine:
                     results[req.index] = self._result(req, return_logprob)
         self.lockstep.drain(self._idle_forward)
 
+    def _busy(self) -> None:
+        """Before one of this engine's own forwards: its lockstep vote, with the adapter bound (nothing without
+        lockstep)."""
+        if self.lockstep.active:
+            self.lockstep.busy(self.adapters.index(self.adapters.bound_name))
+
     @torch.no_grad()
     def _idle_forward(self, adapter: int) -> None:
         """One token through the model, dropped: this rank's part in a forward of other ranks (lockstep), with their
@@ -494,7 +500,7 @@ class RolloutEngine:
         slots = torch.tensor([r.slot for r in rows], device=self.device)
         rids = [r.rid for r in rows]
         state = pooled_state(self.cfg, self.kda, slots, self.cache, rids)
-        self.lockstep.busy(self.adapters.index(self.adapters.bound_name))
+        self._busy()
         record = any(r.record for r in rows)
         with torch.no_grad(), (recording(self.model) if record else contextlib.nullcontext()) as recorder:
             out = self.model(ids, seq_lens=lens, state=state, return_state=True, return_logits=False)
@@ -561,7 +567,7 @@ class RolloutEngine:
             return logits
         slots_t = torch.tensor(slots, device=self.device)
         state = pooled_state(self.cfg, self.kda, slots_t, self.cache, rids)
-        self.lockstep.busy(self.adapters.index(self.adapters.bound_name))
+        self._busy()
         with recording(self.model) if recorded is not None else contextlib.nullcontext() as recorder:
             out = self.model.step(torch.tensor(ids, device=self.device), state)
         stored = store_state(self.cfg, out.state, self.kda, slots_t, self.cache, rids)

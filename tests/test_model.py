@@ -45,6 +45,7 @@ def test_model_info_k3_figures():
     assert info["kda_state_bytes_per_request"]["tp1"] == 8 * 54_263_808
     assert info["mla_kv_bytes_per_token"] == 27_648
     assert (info["num_kda_layers"], info["num_mla_layers"], info["num_moe_layers"]) == (69, 24, 92)
+    assert info["routes_bytes_per_token"] == 92 * 16 * 2  # int16 ids of 16 experts in each of 92 MoE layers
     # active = all but the embedding table and the 880 unused experts per MoE layer (reference: ~104.2B)
     unused = 92 * (896 - 16) * 3 * 3072 * 3584
     assert info["params_active_per_token"] == 2_779_484_476_000 - 163840 * 7168 - unused

@@ -25,9 +25,14 @@ ROUTE_DTYPE = torch.int16  # expert ids < 32,768
 
 
 def moe_layers(model) -> list:
-    """The model's LatentMoE modules in layer order (index = `moe_index`)."""
-    from miles_k3.model.moe import LatentMoE
-    return sorted((m for m in model.modules() if isinstance(m, LatentMoE)), key=lambda m: m.moe_index)
+    """The model's LatentMoE modules in layer order (index = `moe_index`), found once per model (a recorded
+    decode step would otherwise walk every module of the model)."""
+    cached = model.__dict__.get("_moe_layers")
+    if cached is None:
+        from miles_k3.model.moe import LatentMoE
+        cached = sorted((m for m in model.modules() if isinstance(m, LatentMoE)), key=lambda m: m.moe_index)
+        model.__dict__["_moe_layers"] = cached
+    return cached
 
 
 class Recorder:

@@ -30,6 +30,7 @@ from collections.abc import Callable
 import torch.distributed as dist
 
 from miles_k3.parallel.mesh import SINGLE, ParallelContext
+from miles_k3.trainer.dp import max_over
 
 
 def spans_replicas(ctx: ParallelContext) -> bool:
@@ -73,13 +74,11 @@ class Lockstep:
         """Iterations of a loop of `n` forwards on this rank: the max of the ranks' n (n itself when inactive)."""
         if not self.active:
             return n
-        from miles_k3.trainer.dp import max_over
         return int(max_over([float(n)], dist.group.WORLD)[0])
 
     def _agreed(self, mine: int) -> int:
         """One round's vote (0: idle, a + 1: busy serving adapter a): the busy ranks' vote, 0 when all are idle.
         One max all-reduce of (vote, -vote) gives the largest and the smallest busy vote."""
-        from miles_k3.trainer.dp import max_over
         hi, neg_lo = max_over([float(mine), -float(mine) if mine else -float(2**52)], dist.group.WORLD)
         if hi and hi != -neg_lo:
             raise RuntimeError(f"lockstep: ranks are serving different LoRA adapters in one forward (adapter "
