@@ -404,22 +404,24 @@ def kda_part(args, bw: float) -> list[dict]:
 @contextlib.contextmanager
 def kda_decode(model, name: str):
     """Within the block the model's KDA decode step (`KDABackend.decode_into`) is fla's in-place kernel ("fla",
-    today's default) or `kernels.kda_decode.kda_recurrent_step` ("triton"), for before/after rows of one run."""
+    the default before) or `kernels.kda_decode.kda_recurrent_step` ("triton", the engine's default now), for
+    before/after rows of one run."""
     import dataclasses
 
     from miles_k3.kernels.kda_decode import kda_recurrent_step
+    from miles_k3.model.kda_ops import _decode_into_fla
 
     dev = torch.device("cuda")
     before = model.kda_backend(dev)
-    if name == "triton":
-        model._backends[dev.type] = dataclasses.replace(before, decode_into=kda_recurrent_step)
+    step = {"triton": kda_recurrent_step, "fla": _decode_into_fla}[name]
+    model._backends[dev.type] = dataclasses.replace(before, decode_into=step)
     try:
         yield
     finally:
         model._backends[dev.type] = before
 
 
-# engine variants: the KDA decode step (fla's in-place kernel, the engine's path; or the Triton step)
+# engine variants: the KDA decode step (fla's in-place kernel, the engine's path before; or the Triton step, now)
 ENGINE_VARIANTS = {"fla": "fla", "kda": "triton"}
 
 

@@ -1,7 +1,7 @@
 """GPU parity of the KDA decode recurrence kernel (`miles_k3.kernels.kda_decode.kda_recurrent_step`) at K3 width
 (H = HV = 96 heads, K = V = 128, bf16 activations, fp32 state pool), against its pure-torch reference (run on CPU
 copies: plain fp32, no TF32) and against fla's fused_recurrent_kda in the engine's in-place form
-(`kda_ops._decode_into_fla`, today's decode path), for every tile config the benchmark tries; plus CUDA-graph
+(`kda_ops._decode_into_fla`, the decode path before this kernel became the engine default), for every tile config the benchmark tries; plus CUDA-graph
 capture and replay.
 
     python -m pytest -m gpu tests/test_gpu_kda_recurrent.py
