@@ -96,12 +96,12 @@ def init_checkpoint(cfg: K3Config, out: str | Path, seed: int = 0, expert_format
     specs = expected_tensors(cfg, expert_format)
     skeleton = meta_model(cfg, expert_format)
     with CheckpointWriter(out, overwrite=overwrite, max_shard_bytes=max_shard_bytes) as writer:
-        config = checkpoint_config(cfg, expert_format)
+        token_ids = None
         if cfg.vocab_size <= SMALL_VOCAB:
             save_small_tokenizer(writer.staging, cfg.vocab_size)
             ids = special_token_ids()  # like K3's config.json: bos [BOS], eos <|end_of_msg|>, pad [PAD]
-            config.update(bos_token_id=ids[BOS], eos_token_id=ids[END_OF_MSG], pad_token_id=ids[PAD])
-        writer.write_json(CONFIG_FILE, config)
+            token_ids = {"bos_token_id": ids[BOS], "eos_token_id": ids[END_OF_MSG], "pad_token_id": ids[PAD]}
+        writer.write_json(CONFIG_FILE, checkpoint_config(cfg, expert_format, token_ids))
         layers = list(skeleton.model.layers)
         for i, layer in enumerate(layers):
             with torch.random.fork_rng(devices=[]):

@@ -6,6 +6,7 @@ import os
 import shutil
 import subprocess
 import sys
+from importlib import resources
 from pathlib import Path
 
 import pytest
@@ -15,11 +16,12 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from miles_k3.model import K3Config, K3ForCausalLM
-from miles_k3.model.build import ModelConfig, build_model
+from miles_k3.model.build import ModelConfig, build_model, checkpoint_dir
 from miles_k3.model.checkpoint import (
     EXPERT_NAME,
     INDEX_FILE,
     CheckpointError,
+    config_with_quantization,
     load_checkpoint,
     mxfp4_quantization_config,
 )
@@ -27,6 +29,7 @@ from miles_k3.model.checkpoint_writer import save_checkpoint
 from miles_k3.model.config import ConfigError
 from miles_k3.mxfp4 import dequantize_mxfp4, quantize_mxfp4
 from miles_k3.quantize import main as quantize_main
+from miles_k3.quantize import quantize_checkpoint
 
 P = "language_model."
 # Tiny tensors: one thread is as fast, and avoids OpenMP spin-waits when the 2 cores are shared.
@@ -137,8 +140,9 @@ def test_sharded_layout_index_and_names(saved):
         assert a_log.shape == (128,) and a_log.dtype == torch.float32  # padded as published
         assert not a_log[4:].any()
         config = json.loads((ckpt / "config.json").read_text())
+        assert "quantization_config" not in config  # under text_config, as published
         if fmt == "mxfp4":
-            assert config["quantization_config"] == mxfp4_quantization_config()
+            assert config["text_config"]["quantization_config"] == mxfp4_quantization_config()
             packed = [n for n in index["weight_map"] if n.endswith(".weight_packed")]
             assert len(packed) == 8 * 16 * 3
             for n in packed:  # each pair in one shard, and each expert's six tensors together
@@ -146,7 +150,7 @@ def test_sharded_layout_index_and_names(saved):
                 assert index["weight_map"][base + ".weight_scale"] == index["weight_map"][n]
                 assert index["weight_map"][base[:-2] + "w1.weight_packed"] == index["weight_map"][n]
         else:
-            assert "quantization_config" not in config
+            assert "quantization_config" not in config["text_config"]
 
 
 def test_single_file_when_it_fits(models, tmp_path):
@@ -207,6 +211,83 @@ def test_real_k3_naming_quirks(models, tmp_path):
         load_checkpoint(tmp_path)
 
 
+# ---- config.json: written in the published nested form (what SGLang builds K3 from), read flat or nested ---
+NESTED_TOP = {"architectures": ["KimiK3ForConditionalGeneration"], "model_type": "kimi_k3",
+              "dtype": "bfloat16", "torch_dtype": "bfloat16", "tie_word_embeddings": False}
+SMALL_TOKEN_IDS = {"bos_token_id": 256, "eos_token_id": 259, "pad_token_id": 258}  # BOS, END_OF_MSG, PAD
+
+
+def _shipped_flat(name: str) -> dict:
+    """A shipped config file as written: the flat form (kimi_linear), as our old checkpoints' config.json."""
+    return json.loads(resources.files("miles_k3.model").joinpath(f"configs/{name}.json").read_text())
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "mxfp4"])
+def test_init_checkpoint_writes_the_published_nested_config(tmp_path, fmt):
+    from miles_k3.init_checkpoint import init_checkpoint
+
+    out = init_checkpoint(K3Config.from_name("k3_tiny"), tmp_path / fmt, expert_format=fmt)
+    config = json.loads((out / "config.json").read_text())
+    text = config.pop("text_config")
+    assert config == {**NESTED_TOP, **SMALL_TOKEN_IDS}  # no top-level quantization_config, no vision_config
+    assert text["model_type"] == "kimi_linear" and text["architectures"] == ["KimiLinearForCausalLM"]
+    assert text["dtype"] == "bfloat16" and text["torch_dtype"] == "bfloat16"
+    expected = {**_shipped_flat("k3_tiny"), "dtype": "bfloat16", "torch_dtype": "bfloat16", **SMALL_TOKEN_IDS}
+    if fmt == "mxfp4":
+        assert text["quantization_config"]["format"] == "mxfp4-pack-quantized"
+        assert text["quantization_config"]["quant_method"] == "compressed-tensors"
+        expected["quantization_config"] = mxfp4_quantization_config()
+    assert text == expected  # every shipped text key, unchanged
+    assert list(text) == sorted(text)  # sorted, as published: a reload writes the same bytes
+    assert load_checkpoint(out, "cpu", torch.float32).expert_format == fmt
+
+
+def test_old_flat_checkpoints_load_and_quantize_to_the_nested_form(models, saved, tmp_path):
+    """An old checkpoint of ours (flat kimi_linear config.json, quantization_config at its top level) loads
+    unchanged; quantize rewrites a flat bf16 one as the nested MXFP4 form."""
+    flat = {}
+    for fmt in ("bf16", "mxfp4"):
+        flat[fmt] = tmp_path / f"flat_{fmt}"
+        shutil.copytree(saved[fmt], flat[fmt])
+        old = _shipped_flat("k3_tiny")
+        if fmt == "mxfp4":
+            old["quantization_config"] = mxfp4_quantization_config()
+        (flat[fmt] / "config.json").write_text(json.dumps(old, indent=2))
+        loaded = load_checkpoint(flat[fmt], "cpu", torch.float32)
+        assert loaded.expert_format == fmt
+        _assert_same_state(models[fmt], loaded)
+    dst = quantize_checkpoint(flat["bf16"], tmp_path / "q")
+    config = json.loads((dst / "config.json").read_text())
+    text = config.pop("text_config")
+    assert config == NESTED_TOP
+    assert text == {**_shipped_flat("k3_tiny"), "dtype": "bfloat16", "torch_dtype": "bfloat16",
+                    "quantization_config": mxfp4_quantization_config()}
+    native = load_checkpoint(dst, "cpu", torch.float32)
+    assert native.expert_format == "mxfp4"
+    _assert_same_state(native, load_checkpoint(flat["bf16"], "cpu", torch.float32, expert_format="mxfp4"))
+    with pytest.raises(CheckpointError, match="already MXFP4"):
+        quantize_checkpoint(flat["mxfp4"], tmp_path / "again")
+
+
+def test_shipped_flat_base_still_loads():
+    directory = checkpoint_dir(ModelConfig(path="builtin:k3_nano_chain_sum"))
+    raw = json.loads((directory / "config.json").read_text())
+    assert "text_config" not in raw and raw["model_type"] == "kimi_linear"  # the old flat form
+    assert load_checkpoint(directory, "cpu", torch.float32).expert_format == "mxfp4"
+
+
+def test_config_with_quantization_keeps_a_nested_config():
+    text = {**_shipped_flat("k3_tiny"), "dtype": "bfloat16"}
+    raw = {"architectures": ["KimiK3ForConditionalGeneration"], "model_type": "kimi_k3", "dtype": "bfloat16",
+           "media_placeholder_token_id": 163605, "vision_config": {"vt_hidden_size": 1024},
+           "text_config": text,
+           "quantization_config": {"format": "stale"}}  # a top-level block would override the text_config one
+    out = config_with_quantization(raw)
+    assert out == {**{k: v for k, v in raw.items() if k != "quantization_config"},
+                   "text_config": {**text, "quantization_config": mxfp4_quantization_config()}}
+    assert raw["quantization_config"] == {"format": "stale"} and "quantization_config" not in text  # a copy
+
+
 # ---- validation errors ----------------------------------------------------------------------------------
 def _error(path: Path) -> str:
     with pytest.raises(CheckpointError) as info:
@@ -256,10 +337,10 @@ def test_quantization_config_is_checked(saved, tmp_path):
     ckpt = tmp_path / "q"
     shutil.copytree(saved["mxfp4"], ckpt)
     config = json.loads((ckpt / "config.json").read_text())
-    config["quantization_config"]["config_groups"]["group_0"]["weights"]["num_bits"] = 8
+    config["text_config"]["quantization_config"]["config_groups"]["group_0"]["weights"]["num_bits"] = 8
     (ckpt / "config.json").write_text(json.dumps(config))
     assert "weights.num_bits is 8" in _error(ckpt)
-    del config["quantization_config"]
+    del config["text_config"]["quantization_config"]
     (ckpt / "config.json").write_text(json.dumps(config))
     assert "no quantization_config" in _error(ckpt)
 
@@ -315,7 +396,9 @@ def test_quantize_cli(models, saved, tmp_path):
                           capture_output=True, text=True, env=ENV, timeout=300, check=False)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert (dst / "tokenizer_config.json").read_text() == "{}" and (dst / "assets" / "logo.txt").is_file()
-    assert json.loads((dst / "config.json").read_text())["quantization_config"] == mxfp4_quantization_config()
+    config = json.loads((dst / "config.json").read_text())
+    assert config["text_config"]["quantization_config"] == mxfp4_quantization_config()
+    assert "quantization_config" not in config
     # every non-expert tensor is byte-identical; experts are packed + scale
     src_t, dst_t = _all_tensors(src), _all_tensors(dst)
     for name, t in src_t.items():

@@ -72,6 +72,12 @@ def test_full_sft_learns_saves_a_loadable_checkpoint_and_eval_sees_the_trained_w
     # The checkpoint directory (with its tokenizer) loads back; its logits equal the trained model's once the
     # trained weights are rounded to their stored dtypes (bf16, fp32 families kept): the same numbers, so
     # exactly equal.
+    raw = json.loads((result.saved / "config.json").read_text())  # the published nested form SGLang serves
+    assert (raw["architectures"], raw["model_type"], raw["dtype"]) == (["KimiK3ForConditionalGeneration"],
+                                                                       "kimi_k3", "bfloat16")
+    text = raw["text_config"]
+    assert text["model_type"] == "kimi_linear" and text["hidden_size"] == result.model.config.hidden_size
+    assert "quantization_config" not in raw and "quantization_config" not in text  # bf16 experts
     saved = ModelConfig(path=str(result.saved))
     loaded = build_model(saved, torch.device("cpu"), torch.float32)
     assert loaded.expert_format == "bf16"

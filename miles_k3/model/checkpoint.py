@@ -1,6 +1,7 @@
 """The K3 checkpoint directory (Hugging Face layout): read, validate, load and write it. A checkpoint is
-`config.json` (published K3 keys, flat or nested under `text_config`; with a compressed-tensors
-`quantization_config` when the routed experts are MXFP4) plus `model.safetensors` or shards listed by
+`config.json` (written in the published nested form: `kimi_k3` / `KimiK3ForConditionalGeneration` with
+the text keys under `text_config`, and there a compressed-tensors `quantization_config` when the routed
+experts are MXFP4; read flat or nested) plus `model.safetensors` or shards listed by
 `model.safetensors.index.json` (`metadata.total_size`, `weight_map`; any shard names). Tensor names are
 `language_model.` + the `K3ForCausalLM.state_dict()` key; top-level `vision_tower.*` / `mm_projector.*`
 tensors are skipped (text-only model). Stored dtypes: bf16, except the fp32 families (`FP32_PARAM_SUFFIXES`)
@@ -67,13 +68,52 @@ def mxfp4_quantization_config() -> dict[str, Any]:
     }
 
 
-def checkpoint_config(cfg: K3Config, expert_format: str) -> dict[str, Any]:
-    """`config.json` contents: the flat published keys, with the quantization_config iff experts are MXFP4."""
-    out = cfg.to_dict()
-    out.pop("quantization_config", None)
-    if expert_format == "mxfp4":
-        out["quantization_config"] = mxfp4_quantization_config()
-    return out
+# The published config.json (moonshotai/Kimi-K3) nests the text keys, and SGLang (0.5.17) builds K3 only from
+# that form: its `model_type` picks the config class (KimiK3Config, whose `text_config` dict becomes a
+# KimiLinearConfig), its `architectures[0]` the model; a flat kimi_linear config builds Kimi Linear instead.
+MODEL_TYPE = "kimi_k3"
+ARCHITECTURE = "KimiK3ForConditionalGeneration"
+TEXT_MODEL_TYPE = "kimi_linear"  # the published text_config's model_type and architectures
+TEXT_ARCHITECTURE = "KimiLinearForCausalLM"
+CONFIG_DTYPE = "bfloat16"
+# SGLang takes the dtype from the text config (`_get_and_verify_dtype(hf_text_config)`, reading `.dtype`; it
+# copies the top level's down when the text config has none), and with none its dtype=auto runs fp16.
+# `dtype` is the published key and the transformers >= 4.56 name (SGLang ships 5.12.1); `torch_dtype` is the
+# older name, which 5.x still maps onto `dtype` (keeping `dtype` when both are given) and older readers need.
+# Both names, at both levels: every reader finds bfloat16.
+DTYPE_KEYS = ("dtype", "torch_dtype")
+# Text keys the published config repeats at its top level (SGLang also syncs these between the two levels).
+TOP_LEVEL_TEXT_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id", "tie_word_embeddings")
+_PLACED_TEXT_KEYS = ("model_type", "architectures", *DTYPE_KEYS, "quantization_config")
+
+
+def nested_config(text: dict[str, Any], quantization_config: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The published nested `config.json` around the flat text keys `text` (a flat config.json or
+    `K3Config.to_dict()`): `text_config` holds every text key (its model_type, architectures and dtype set as
+    published, any old quantization_config replaced by `quantization_config`, which goes there as published:
+    SGLang's KimiK3Config copies it up to where `_parse_quant_hf_config` looks); the top level gets the K3
+    model_type, architectures, dtype and the repeated keys (token ids, tie_word_embeddings). No vision_config:
+    SGLang defaults it (text-only checkpoint). Keys are sorted at both levels, as in the published file, so a
+    config read back and written again is the same bytes."""
+    text_config = {k: copy.deepcopy(v) for k, v in text.items() if k not in _PLACED_TEXT_KEYS}
+    text_config.update(model_type=TEXT_MODEL_TYPE, architectures=[TEXT_ARCHITECTURE],
+                       **dict.fromkeys(DTYPE_KEYS, CONFIG_DTYPE))
+    if quantization_config is not None:
+        text_config["quantization_config"] = copy.deepcopy(quantization_config)
+    out: dict[str, Any] = {"architectures": [ARCHITECTURE], "model_type": MODEL_TYPE,
+                           **dict.fromkeys(DTYPE_KEYS, CONFIG_DTYPE)}
+    out.update({k: copy.deepcopy(text_config[k]) for k in TOP_LEVEL_TEXT_KEYS if k in text_config})
+    out["text_config"] = dict(sorted(text_config.items()))
+    return dict(sorted(out.items()))
+
+
+def checkpoint_config(cfg: K3Config, expert_format: str, token_ids: dict[str, int] | None = None
+                      ) -> dict[str, Any]:
+    """`config.json` contents: the published nested form (`nested_config`) of `cfg`'s keys, with the
+    quantization_config iff experts are MXFP4; `token_ids` (bos/eos/pad_token_id) override the config's."""
+    text = cfg.to_dict()
+    text.update(token_ids or {})
+    return nested_config(text, mxfp4_quantization_config() if expert_format == "mxfp4" else None)
 
 
 # ---- the expected tensors of a config --------------------------------------------------------------------
@@ -438,8 +478,12 @@ def _stream_tensors(model: K3ForCausalLM, info: CheckpointInfo, fmt: str) -> Non
 
 
 def config_with_quantization(raw: dict[str, Any]) -> dict[str, Any]:
-    """A copy of a raw config.json with the MXFP4 quantization_config added where the text keys live."""
+    """The MXFP4 config.json of a raw one: a flat config (an old checkpoint of ours) becomes the published
+    nested form (`nested_config`); a nested one keeps its structure. The quantization_config goes into
+    `text_config`, as published (a top-level one is dropped: SGLang's KimiK3Config would let it override)."""
+    if not isinstance(raw.get("text_config"), dict):
+        return nested_config(raw, mxfp4_quantization_config())
     out = copy.deepcopy(raw)
-    target = out["text_config"] if isinstance(out.get("text_config"), dict) else out
-    target["quantization_config"] = mxfp4_quantization_config()
+    out.pop("quantization_config", None)
+    out["text_config"]["quantization_config"] = mxfp4_quantization_config()
     return out

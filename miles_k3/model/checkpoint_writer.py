@@ -176,16 +176,16 @@ def save_checkpoint(model: K3ForCausalLM, path: str | Path,
     specs = expected_tensors(model.config, fmt)
     views = {CHECKPOINT_PREFIX + k: v for k, v in model.state_dict().items()}
     with CheckpointWriter(path, overwrite=overwrite, max_shard_bytes=max_shard_bytes) as writer:
-        config = checkpoint_config(model.config, fmt)
+        token_ids = None
         if small_tokenizer:
             from miles_k3.tokenizer import BOS, END_OF_MSG, PAD, save_small_tokenizer, special_token_ids
 
             save_small_tokenizer(writer.staging, model.config.vocab_size)
             ids = special_token_ids()  # like K3's config.json: bos [BOS], eos <|end_of_msg|>, pad [PAD]
-            config.update(bos_token_id=ids[BOS], eos_token_id=ids[END_OF_MSG], pad_token_id=ids[PAD])
+            token_ids = {"bos_token_id": ids[BOS], "eos_token_id": ids[END_OF_MSG], "pad_token_id": ids[PAD]}
         elif tokenizer_from is not None:
             _copy_tokenizer_files(writer, Path(tokenizer_from))
-        writer.write_json(CONFIG_FILE, config)
+        writer.write_json(CONFIG_FILE, checkpoint_config(model.config, fmt, token_ids))
         for group in write_groups(specs):
             writer.add({name: to_stored(name, views[name], specs[name]) for name in group})
     return Path(path)
