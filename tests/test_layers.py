@@ -192,3 +192,30 @@ def test_kda_pooled_decode_updates_slot_rows_in_place_and_equals_the_gathered_st
         assert torch.equal(pool.conv_BCW[other], before.conv_BCW[other])
     with pytest.raises(ValueError, match="only for decode"):
         kda(torch.randn(3, 2, cfg.hidden_size), backend, KDALayerState(pool.conv_BCW, pool.recurrent_BHKV, slots))
+
+
+def test_norm_eps_follow_sglang_k3():
+    """SGLang's Kimi K3 (0.5.17): the MLA latent norms (q_a/kv_a) use rms_norm_eps, the KDA gated output norm a
+    fixed 1e-5 whatever rms_norm_eps says. With rms_norm_eps = 1e-3 and a latent vector of equal entries 0.01 (RMS
+    0.01), the latent norm gives 0.01 / sqrt(1e-4 + 1e-3) = 0.301511 per entry (1e-6 would give 0.995037); the KDA
+    output of equal entries 0.003 normalises to 0.003 / sqrt(9e-6 + 1e-5) = 0.688247 (rms_norm_eps would give
+    0.094733), before the unit weight and the gate."""
+    from miles_k3.model.kda import KDAAttention
+    from miles_k3.model.mla import MLAAttention
+
+    raw = K3Config.from_name("k3_tiny").to_dict() | {"rms_norm_eps": 1e-3}
+    cfg = K3Config.from_dict(raw)
+    mla = MLAAttention(cfg)
+    nn.init.ones_(mla.q_a_layernorm.weight)
+    nn.init.ones_(mla.kv_a_layernorm.weight)
+    for norm, width in ((mla.q_a_layernorm, cfg.q_lora_rank), (mla.kv_a_layernorm, cfg.kv_lora_rank)):
+        out = norm(torch.full((1, width), 0.01))
+        torch.testing.assert_close(out, torch.full((1, width), 0.301511), rtol=1e-5, atol=0)
+    kda = KDAAttention(cfg)
+    kda.o_norm.weight.data.fill_(1.0)
+    h, v = kda.num_heads, kda.head_dim
+    nn.init.zeros_(kda.g_proj.weight)  # gate sigmoid(0) = 0.5
+    captured = {}
+    kda.o_proj.register_forward_hook(lambda m, args, out: captured.setdefault("x", args[0]))
+    kda._gated_output(torch.full((1, 1, h, v), 0.003), torch.zeros(1, 1, cfg.hidden_size))
+    torch.testing.assert_close(captured["x"], torch.full((1, 1, h * v), 0.688247 * 0.5), rtol=1e-5, atol=0)

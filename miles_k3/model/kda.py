@@ -29,6 +29,10 @@ from miles_k3.model.state import KDALayerState
 from miles_k3.parallel.comm import copy_to, reduce_from
 
 
+# The gated output norm's eps is fixed, not rms_norm_eps: SGLang's Kimi K3 (the release-day implementation) builds
+# it with its constructor default 1e-5 whatever the config says (equal for every shipped config, all 1e-5).
+OUTPUT_NORM_EPS = 1e-5
+
 class KDAAttention(nn.Module):
     def __init__(self, cfg: K3Config):
         super().__init__()
@@ -52,7 +56,7 @@ class KDAAttention(nn.Module):
         self.g_proj = nn.Linear(d, p, bias=False)
         self.o_norm = _HeadNormWeight(self.head_dim)
         self.o_proj = nn.Linear(p, d, bias=False)
-        self.norm_eps = cfg.rms_norm_eps
+        self.norm_eps = OUTPUT_NORM_EPS
         self.tp_group = None
         """The tensor-parallel group the heads are split over (None: all heads here)."""
 

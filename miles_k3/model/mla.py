@@ -27,8 +27,6 @@ from miles_k3.model.lora import effective_weight
 from miles_k3.model.state import MLALayerState
 from miles_k3.parallel.comm import copy_to, reduce_from
 
-# The NeMo port (which follows the HF reference) builds the q_a/kv_a norms with the class default eps.
-LATENT_NORM_EPS = 1e-6
 
 
 class MLAAttention(nn.Module):
@@ -39,10 +37,10 @@ class MLAAttention(nn.Module):
         self.nope, self.rope, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
         self.scale = (self.nope + self.rope) ** -0.5
         self.q_a_proj = nn.Linear(d, cfg.q_lora_rank, bias=False)
-        self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, LATENT_NORM_EPS)
+        self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)  # as SGLang's K3 (deepseek_v2 MLA)
         self.q_b_proj = nn.Linear(cfg.q_lora_rank, h * (self.nope + self.rope), bias=False)
         self.kv_a_proj_with_mqa = nn.Linear(d, self.rank + self.rope, bias=False)
-        self.kv_a_layernorm = RMSNorm(self.rank, LATENT_NORM_EPS)
+        self.kv_a_layernorm = RMSNorm(self.rank, cfg.rms_norm_eps)
         self.kv_b_proj = nn.Linear(self.rank, h * (self.nope + self.v_dim), bias=False)
         self.g_proj = nn.Linear(d, h * self.v_dim, bias=False) if cfg.mla_use_output_gate else None
         self.o_proj = nn.Linear(h * self.v_dim, d, bias=False)
