@@ -92,7 +92,7 @@ class TrainConfig:
         check_parallel(self.parallel, self.device, self.engine.backend)
         check_device(self.device)
         check_weights_given(self.model)
-        check_backend(self.model, self.engine.backend)
+        check_backend(self.model, self.engine.backend, self.sglang, self.lora)
         check_release_tags(self.rollout.release_tags, self.engine.backend, self.sglang)
         check_sync(self.sync, self.engine.backend)
         check_routes(self.rollout.return_routed_experts, self.trainer.routing_replay, self.engine.backend)
@@ -128,24 +128,44 @@ def check_parallel(parallel: ParallelConfig, device: str, backend: str) -> None:
                                   "device=auto")
 
 
-def check_backend(model: ModelConfig, backend: str) -> None:
+def check_backend(model: ModelConfig, backend: str, sglang: SGLangConfig | None = None, lora: LoRAConfig | None = None
+                  ) -> None:
     """engine.backend (`backend`, one of rollout.engine.BACKENDS: EngineConfig checks) can serve the model: the
-    native engine serves K3 only; SGLang serves a checkpoint directory."""
+    native engine serves K3 only; SGLang serves a checkpoint directory, and a local K3 one only when SGLang 0.5.17
+    can (`k3_checkpoint`: the nested config.json, its shapes) with an sglang.push that serves `lora` (None: the
+    adapter is not known yet, as in eval)."""
     if backend == "native" and model.hf_path is not None:
         raise ValueError("model.hf_path: an HF architecture is served by SGLang only; set engine.backend=sglang "
                          "(the native engine serves K3 models)")
-    if backend == "sglang" and model.hf_path is None and model.path is None:
+    if backend != "sglang":
+        return
+    if model.hf_path is None and model.path is None:
         raise ValueError("engine.backend: sglang serves a checkpoint directory; set model.hf_path (an HF "
-                         "architecture such as Qwen3) or model.path (K3, on SGLang releases that carry it)")
+                         "architecture such as Qwen3) or model.path (a K3 checkpoint directory)")
+    if sglang is None:
+        return
+    from miles_k3.rollout.sglang_backend import k3_checkpoint, resolve_push
+
+    k3 = k3_checkpoint(model.hf_path or model.path, sglang)  # None: not a local K3 directory
+    if k3 is None and model.hf_path is None:
+        raise ValueError(f"model.path: engine.backend=sglang serves a local K3 checkpoint directory (its config.json "
+                         f"is checked before SGLang starts); {model.path} is not one: download it, or set "
+                         "model.hf_path for an HF architecture")
+    if lora is not None:
+        resolve_push(sglang.push, lora, k3, sglang)
 
 
 def check_routes(return_routed_experts: bool, routing_replay: bool, backend: str) -> None:
-    """Routes come from the native engine: engine.backend=sglang serves HF architectures through SGLang, whose
-    routers the trainer's HF model does not replay (K3 on SGLang, which returns routed experts, is not wired)."""
+    """Routes come from the native engine: engine.backend=sglang serves HF architectures, whose routers the
+    trainer's HF model does not replay, and K3, whose routed-experts capture is broken in SGLang 0.5.17
+    (state_capturer/routed_experts.py:67 reads num_experts_per_tok; K3's TopK has no layer_id,
+    models/kimi_k3.py:424-449, so every layer gets the same ids)."""
     if backend == "sglang" and (return_routed_experts or routing_replay):
         field = "trainer.routing_replay" if routing_replay else "rollout.return_routed_experts"
         raise ValueError(f"{field}: engine.backend=sglang serves HF architectures, whose MoE routers the trainer "
-                         "does not record or replay; use engine.backend=native (K3) or set "
+                         "does not record or replay, and K3, whose routed experts SGLang 0.5.17 does not capture "
+                         "right (its capturer reads num_experts_per_tok, which K3's config lacks, and K3's TopK has "
+                         "no layer id, so every layer would get the same experts); use engine.backend=native or set "
                          f"{field}=false")
 
 
@@ -289,7 +309,10 @@ class EvalRunConfig:
     def validate(self) -> None:
         check_device(self.device)
         check_weights_given(self.model)
-        check_backend(self.model, self.engine.backend)
+        check_backend(self.model, self.engine.backend, self.sglang)
+        if self.sglang.push == "merged":
+            raise ValueError("sglang.push: merged writes the trainer's merged weights (python -m miles_k3.train); "
+                             "eval loads the adapter file as a LoRA adapter: leave sglang.push=auto")
         check_context("eval.max_new_tokens", self.eval.max_new_tokens, self.engine, self.sglang)
 
 

@@ -67,7 +67,8 @@ def _sglang_engine(cfg):
     lora_cfg, tensors = read_adapter(cfg.adapter) if cfg.adapter else (None, None)
     tokenizer, stop_ids = build_tokenizer(cfg.model)  # a checkpoint directory's own tokenizer
     engine = serve_checkpoint(cfg.sglang, cfg.model, tokenizer, cfg.engine.eos_token_ids or stop_ids,
-                              lora=lora_cfg, seed=cfg.seed, fallback_context=cfg.engine.max_context)
+                              lora=lora_cfg, seed=cfg.seed, fallback_context=cfg.engine.max_context,
+                              push="lora")  # the adapter file as is: on K3, its targets must be SGLang-servable
     if lora_cfg is None:
         return engine, tokenizer, None
     try:

@@ -93,9 +93,9 @@ class Run:
     ctx: ParallelContext = SINGLE  # this process's place in the run's ranks (SINGLE: one process)
 
     def lora_tensors(self) -> dict[str, torch.Tensor]:
-        """What a push carries: the adapter parameters by name (native engine), or their PEFT-named views, the
-        names SGLang loads (engine.backend=sglang)."""
-        if self.cfg.engine.backend == "sglang":
+        """What a push carries: the adapter parameters by name (native engine, and SGLang's merged pushes, which
+        merge them on the trainer), or their PEFT-named views, the names SGLang's LoRA loads (sglang.push=lora)."""
+        if self.cfg.engine.backend == "sglang" and self.engine.push == "lora":
             from miles_k3.adapter import peft_tensors
 
             return {n: t.detach() for n, t in peft_tensors(self.model).items()}
@@ -241,20 +241,19 @@ def _warn_filtered_logprobs(cfg) -> None:
 
 def _sglang_engine(cfg, model, tokenizer, problems, version: int):
     """The SGLang engine serving the run's checkpoint with the trainer's adapter as weight version `version`, and its
-    verified channel.
+    verified channel: a LoRA adapter (sglang.push=lora), or merged into SGLang's base weights (merged: a K3 adapter
+    SGLang's K3 LoRA cannot serve; the engine's base log-probs on the probe are taken first, while it serves W0).
     The parity probe is the first training prompt's token ids, repeated to sglang.probe_tokens."""
     from miles_k3.adapter import peft_tensors
     from miles_k3.evals.templates import render_prompt
     from miles_k3.model.lora import adapters_disabled
     from miles_k3.rollout.sglang_backend import serve_checkpoint
     from miles_k3.trainer.step import sequence_logprobs
-    from miles_k3.weight_sync.sglang import SGLangChannel
+    from miles_k3.weight_sync.sglang import SGLangChannel, SGLangMergedChannel
 
     engine = serve_checkpoint(cfg.sglang, cfg.model, tokenizer, cfg.engine.eos_token_ids, lora=cfg.lora,
                               seed=cfg.seed, fallback_context=cfg.engine.max_context)
     engine.weight_version = version  # the trainer's adapter (a checkpoint's on resume) is what it serves
-    engine.load_lora_adapter_from_tensors(POLICY, {n: t.detach() for n, t in peft_tensors(model).items()},
-                                          cfg.lora)
     first = tokenizer.encode(render_prompt(cfg.rollout.template, problems[0].problem, tokenizer),
                              add_special_tokens=False)
     probe = (first * (cfg.sglang.probe_tokens // max(len(first), 1) + 1))[:cfg.sglang.probe_tokens]
@@ -263,10 +262,15 @@ def _sglang_engine(cfg, model, tokenizer, problems, version: int):
         with adapters_disabled(model):
             return sequence_logprobs(model, ids, cfg.trainer)
 
-    channel = SGLangChannel(engine, POLICY, cfg.sglang, probe_ids=probe,
-                            trainer_logprobs=lambda ids: sequence_logprobs(model, ids, cfg.trainer),
-                            trainer_base_logprobs=base_logprobs)
-    return engine, channel
+    checks = {"probe_ids": probe, "trainer_logprobs": lambda ids: sequence_logprobs(model, ids, cfg.trainer),
+              "trainer_base_logprobs": base_logprobs}
+    if engine.push == "merged":
+        channel = SGLangMergedChannel(engine, POLICY, cfg.sglang, model, **checks)
+        channel.serve_initial({n: p.detach() for n, p in lora_parameters(model).items()})
+        return engine, channel
+    engine.load_lora_adapter_from_tensors(POLICY, {n: t.detach() for n, t in peft_tensors(model).items()},
+                                          cfg.lora)
+    return engine, SGLangChannel(engine, POLICY, cfg.sglang, **checks)
 
 
 def _resume(ckpt: Path | None, model, opt, sched, stream: PromptStream, ctx: ParallelContext) -> tuple[int, int]:

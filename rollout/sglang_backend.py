@@ -17,6 +17,11 @@ the same as with the native engine:
 * `release_memory_occupation` / `resume_memory_occupation` (kv_cache, cuda_graph, weights): needs
   `enable_memory_saver`; releasing `weights` needs `enable_weights_cpu_backup` (otherwise SGLang resumes them as
   garbage).
+* A K3 checkpoint directory (`k3_checkpoint`) is checked before SGLang starts (the nested config, the shapes SGLang
+  0.5.17's kernels need), served with K3's server arguments, and pushed as a LoRA adapter only when every target is
+  one SGLang's K3 LoRA serves (`resolve_push`); otherwise (`sglang.push=merged`) the channel writes merged base
+  weights (`write_base_weights`: one `update_weights_from_tensor` call per push) and requests for the adapter go to
+  the base (`serve_merged`).
 
 SGLang is an optional extra (`pip install 'miles-k3[sglang]'`), imported only when this engine is built.
 """
@@ -34,12 +39,16 @@ from typing import Any
 
 import torch
 
+from miles_k3.model.checkpoint import CheckpointError
+from miles_k3.model.config import ConfigError, K3Config
+from miles_k3.model.lora import EXPERT_TARGETS, lora_scale
 from miles_k3.rollout.engine import generate_requests
 
 log = logging.getLogger("miles_k3.rollout")
 
 MEMORY_TAGS = ("kv_cache", "weights", "cuda_graph")
 VERIFY_MODES = ("never", "every_n", "every")
+PUSH_MODES = ("auto", "lora", "merged")
 INSTALL_HINT = ("engine.backend=sglang needs SGLang: pip install 'miles-k3[sglang]' (SGLang serves on CUDA GPUs; "
                 "releases pinning torch 2.11 end at sglang 0.5.17), or set engine.backend=native")
 
@@ -77,6 +86,14 @@ class SGLangConfig:
     """Maximum prompt + completion tokens; null: the model config's."""
     log_level: str = "error"
     """SGLang's log level."""
+    moe_runner_backend: str | None = None
+    """SGLang's MoE runner (marlin, triton, ...); null: marlin for a K3 checkpoint with MXFP4 experts (on Hopper the
+    only runner with K3's SiTU activation), SGLang's default otherwise."""
+    push: str = "auto"
+    """How a push reaches SGLang: lora (a versioned adapter; for K3 only when every lora.target is one SGLang's K3
+    LoRA serves: q_a_proj, kv_a_proj_with_mqa, q_b_proj, kv_b_proj), merged (K3 only: W0 + s * B @ A of every
+    adapted linear written into SGLang's base weights, one update_weights_from_tensor call per push) or auto (lora
+    for an HF model and for K3 with only those targets, merged for other K3 targets)."""
     verify_push: str = "every_n"
     """Check a pushed adapter on the probe before it serves (`miles_k3.weight_sync.sglang` gives the rule): never,
     every_n (push 1, then every verify_every-th push after a conclusive check) or every push. A check too small to
@@ -124,6 +141,10 @@ class SGLangConfig:
             raise ValueError(f"parity_min_effect: must be finite and > 0 (nats/token), got {self.parity_min_effect}")
         if self.probe_tokens < 2:
             raise ValueError(f"probe_tokens: must be >= 2, got {self.probe_tokens}")
+        if self.push not in PUSH_MODES:
+            raise ValueError(f"push: '{self.push}' is not one of {', '.join(PUSH_MODES)}")
+        if self.moe_runner_backend is not None and not self.moe_runner_backend:
+            raise ValueError("moe_runner_backend: empty; name an SGLang MoE runner (marlin, triton, ...) or null")
         clash = sorted(set(self.extra_args) & set(TYPED_ARGS))
         if clash:
             raise ValueError(f"extra_args: {clash} are set by typed fields (sglang.{TYPED_ARGS[clash[0]]}); set "
@@ -138,13 +159,15 @@ TYPED_ARGS = {  # sglang.Engine argument -> the SGLangConfig field (or what this
     "lora_backend": "lora_backend", "enable_memory_saver": "enable_memory_saver",
     "enable_weights_cpu_backup": "enable_weights_cpu_backup", "dtype": "dtype", "context_length": "context_length",
     "log_level": "log_level", "model_path": "model.hf_path", "skip_tokenizer_init": "(always true)",
-    "random_seed": "seed",
+    "random_seed": "seed", "moe_runner_backend": "moe_runner_backend",
+    "enable_multimodal": "(false for a K3 checkpoint)",
 }
 
 
-def server_args(cfg: SGLangConfig, model_path: str, lora=None, seed: int = 0) -> dict[str, Any]:
+def server_args(cfg: SGLangConfig, model_path: str, lora=None, seed: int = 0,
+                k3: K3Checkpoint | None = None) -> dict[str, Any]:
     """The keyword arguments of `sglang.Engine(...)` for `cfg` serving `model_path` with adapters like `lora`
-    (a LoRAConfig, or None for no adapter)."""
+    (a LoRAConfig, or None for no adapter); `k3`: the directory is this K3 checkpoint (`k3_checkpoint`)."""
     cfg.validate()
     args: dict[str, Any] = {
         "model_path": model_path, "skip_tokenizer_init": True, "random_seed": seed,
@@ -155,6 +178,15 @@ def server_args(cfg: SGLangConfig, model_path: str, lora=None, seed: int = 0) ->
     }
     if cfg.context_length is not None:
         args["context_length"] = cfg.context_length
+    if k3 is not None:
+        # K3 is a VLM class in SGLang: multimodal on builds the K3 image processor, which our tokenizer directory
+        # lacks (managers/tokenizer_manager.py:468-490, multimodal/processors/kimi_k3.py:306-326).
+        args["enable_multimodal"] = False
+        if cfg.dtype == "auto":  # a config.json without a dtype makes SGLang's auto fp16 (configs/model_config.py
+            args["dtype"] = "bfloat16"  # :1663-1684); K3 is bf16 whatever the file says
+    runner = moe_runner(cfg, k3)
+    if runner is not None:
+        args["moe_runner_backend"] = runner
     if cfg.enable_lora and lora is not None:
         args |= {"enable_lora": True, "max_lora_rank": cfg.max_lora_rank or lora.rank,
                  "lora_target_modules": list(cfg.lora_target_modules or lora.targets),
@@ -162,6 +194,184 @@ def server_args(cfg: SGLangConfig, model_path: str, lora=None, seed: int = 0) ->
         if cfg.lora_backend is not None:
             args["lora_backend"] = cfg.lora_backend
     return args | dict(cfg.extra_args)
+
+
+# ---- K3 checkpoints on SGLang 0.5.17 ---------------------------------------------------------------------
+# File:line references are to SGLang 0.5.17's python/sglang/srt/.
+K3_LORA_TARGETS = ("q_a_proj", "kv_a_proj_with_mqa", "q_b_proj", "kv_b_proj")
+"""The lora.targets SGLang 0.5.17's LoRA serves on KimiK3ForConditionalGeneration (the MLA projections)."""
+_CRASH = "SGLang does not start (no LoRA buffer shape for it: lora/utils.py:224-226 raises NotImplementedError)"
+K3_LORA_FAULTS = {
+    **dict.fromkeys(("q_proj", "k_proj", "v_proj"), "silently dropped: KDA fuses them into fused_qkvg_proj, so "
+                    "the adapter's qkv_proj matches no module (lora/mem_pool.py:1015-1070)"),
+    **dict.fromkeys(("g_proj", "f_a_proj", "f_b_proj", "b_proj", "routed_expert_down_proj",
+                     "routed_expert_up_proj"), _CRASH),
+    "o_proj": "silently removes MLA's output gate (the LoRA wrapper bypasses K3's o_proj.forward override: "
+              "models/kimi_k3.py:1808-1836, lora/layers.py:771-786)",
+    **dict.fromkeys(("gate_proj", "up_proj", "down_proj"), "KeyError at startup (no gate_up_proj buffer beside a "
+                    "FusedMoE: lora/mem_pool.py:574-611), and the fused MoE front bypasses shared-expert LoRA "
+                    "(models/kimi_k3.py:1014-1025)"),
+    **dict.fromkeys(EXPERT_TARGETS, "wrong buffer widths (sized by hidden_size; K3's experts run in "
+                    "routed_expert_hidden_size: lora/utils.py:203-214)"),
+}
+"""Why SGLang 0.5.17's K3 LoRA cannot serve each other lora.target."""
+# Merged pushes write base weights through update_weights_from_tensor, whose post_load_weights re-derives some
+# tensors into NEW storage: a captured CUDA graph keeps reading the old (stale or freed) buffers. Targets whose
+# weights feed one (f_b_proj, q_a/q_b/kv_a, KDA q/k/v/g, o_proj, dense and shared down_proj and
+# routed_expert_up_proj are read in place and stay graph-safe):
+K3_GRAPH_UNSAFE = {
+    "kv_b_proj": "w_kc / w_vc are re-derived by assignment (models/kimi_k3.py:2870-2874)",
+    "f_a_proj": "f_a_proj and b_proj are re-merged into a new _bfa_w (models/kimi_k3.py:1525-1540)",
+    "b_proj": "f_a_proj and b_proj are re-merged into a new _bfa_w (models/kimi_k3.py:1525-1540)",
+    "routed_expert_down_proj": "it is re-merged with the router gate (and the shared experts' gate/up) into a new "
+                               "_front_w (models/kimi_k3.py:593-626, _merge_weights_as_views :176-196)",
+}
+_SHARED_FRONT = ("the shared experts' gate_up_proj is re-merged into a new _front_w (models/kimi_k3.py:600-626, "
+                 "_merge_weights_as_views :176-196)")
+FLAT_CONFIG_FIX = (
+    "python -c \"import json,sys; from miles_k3.model.checkpoint import nested_config; "
+    "f=sys.argv[1]+'/config.json'; r=json.load(open(f)); t=r.get('text_config',r); "
+    "json.dump(nested_config(t,t.get('quantization_config',r.get('quantization_config'))),open(f,'w'),indent=2)\" "
+    "DIR")
+"""Rewrites DIR/config.json in place in the published nested form (`nested_config`, what init_checkpoint and
+quantize write); the tensors are unchanged, and the trainer reads either form."""
+
+
+@dataclass(frozen=True)
+class K3Checkpoint:
+    """A K3 checkpoint directory that SGLang 0.5.17 can serve (`k3_checkpoint`)."""
+
+    config: K3Config
+    mxfp4: bool  # the routed experts are stored MXFP4 (config.json has a quantization_config)
+
+
+def k3_checkpoint(path: str, cfg: SGLangConfig) -> K3Checkpoint | None:
+    """The K3 checkpoint directory `path`, checked for SGLang 0.5.17 with `cfg`; None when `path` holds no K3
+    config.json (an HF architecture, or not a local directory). Raises CheckpointError listing every problem with its
+    fix: a flat config.json (SGLang builds Kimi Linear from it) and each shape SGLang's kernels cannot serve."""
+    raw = _read_config(path)
+    if raw is None:
+        return None
+    nested = isinstance(raw.get("text_config"), dict)
+    text = raw["text_config"] if nested else raw
+    if raw.get("model_type") != "kimi_k3" and "attn_res_block_size" not in text:
+        return None
+    k3 = K3Config.from_dict(raw, source=f"{path}/config.json")
+    quant = text.get("quantization_config") or raw.get("quantization_config")
+    problems = []
+    if not nested or raw.get("model_type") != "kimi_k3" or (raw.get("architectures") or [None])[0] != \
+            "KimiK3ForConditionalGeneration":
+        problems.append(f"config.json is not the published nested form (model_type kimi_k3, architectures "
+                        f"[KimiK3ForConditionalGeneration], text keys under text_config; it has model_type "
+                        f"{raw.get('model_type')!r}): SGLang picks the config class by model_type and the model by "
+                        "architectures[0], so it would build Kimi Linear (models/kimi_linear.py: no attention "
+                        f"residuals, latent MoE or output gate), not K3. Rewrite it: {FLAT_CONFIG_FIX}")
+    problems += k3_shape_problems(k3, bool(quant), moe_runner(cfg, K3Checkpoint(k3, bool(quant))),
+                                  cfg.attention_backend)
+    if problems:
+        raise CheckpointError(f"model.path: SGLang 0.5.17 cannot serve the K3 checkpoint {path} "
+                              f"({len(problems)} problem{'s' if len(problems) > 1 else ''}):\n  - "
+                              + "\n  - ".join(problems) + "\nor train and evaluate it with engine.backend=native")
+    return K3Checkpoint(k3, bool(quant))
+
+
+def _read_config(path: str) -> dict | None:
+    try:
+        raw = json.loads((Path(path) / "config.json").read_text())
+    except OSError:
+        return None
+    except ValueError as e:
+        raise CheckpointError(f"model.path: {path}/config.json is not valid JSON ({e})") from None
+    return raw if isinstance(raw, dict) else None
+
+
+def k3_shape_problems(c: K3Config, mxfp4: bool, runner: str | None, attention_backend: str) -> list[str]:
+    """Each shape of `c` that SGLang 0.5.17 serves wrongly or not at all (key, value, rule and where), for MXFP4
+    experts or not, on MoE runner `runner` and MLA attention backend `attention_backend`."""
+    lac, out = c.linear_attn_config, []
+
+    def need(ok: bool, key: str, value, rule: str) -> None:
+        if not ok:
+            out.append(f"{key} = {value}: {rule}")
+
+    need(c.hidden_size % 1024 == 0, "hidden_size", c.hidden_size, "must be a multiple of 1024 (the attention-"
+         "residual Triton kernel reads the hidden size in unmasked blocks of 1024: layers/attn_residual.py:135-137, "
+         ":212; otherwise its output is garbage, with no error)")
+    need(lac.head_dim == c.v_head_dim, "linear_attn_config.head_dim", lac.head_dim, f"must equal v_head_dim "
+         f"({c.v_head_dim}): SGLang's KDA takes its value head size from v_head_dim (models/kimi_k3.py:1247, "
+         "layers/radix_linear_attention.py:67-69) and fails at the first prefill otherwise")
+    rows = -(-c.num_hidden_layers // c.attn_res_block_size) + 1
+    need(rows <= 16, "num_hidden_layers / attn_res_block_size", f"{c.num_hidden_layers} / {c.attn_res_block_size}",
+         f"ceil(num_hidden_layers / attn_res_block_size) + 1 = {rows} attention-residual bank rows; SGLang's kernel "
+         "holds at most 16 (_MAX_ROWS, layers/attn_residual.py:30) and silently ignores the rest")
+    need(c.intermediate_size % 8 == 0, "intermediate_size", c.intermediate_size, "must be a multiple of 8 (SGLang's "
+         "SiTU kernel: sglang/kernels/jit/csrc/kimi_k3/situ_and_mul.cuh:150-152)")
+    shared = c.moe_intermediate_size * c.num_shared_experts
+    need(shared % 8 == 0, "moe_intermediate_size * num_shared_experts", shared, "must be a multiple of 8 (SGLang's "
+         "SiTU kernel: sglang/kernels/jit/csrc/kimi_k3/situ_and_mul.cuh:150-152)")
+    if mxfp4 and runner == "marlin":
+        need(c.routed_expert_hidden_size % 256 == 0, "routed_expert_hidden_size", c.routed_expert_hidden_size,
+             "must be a multiple of 256 for MXFP4 experts on Marlin (the weights are padded to 256 along it, the "
+             "loader pads only the shard dim: layers/quantization/mxfp4.py:394-403; a load error otherwise)")
+        # Marlin's own check asks for % 32 (marlin_utils.py:245-281), but create_weights pads the expert width to
+        # 128 (mxfp4.py:394-403), which the loader does not fill: 128, what the GPU probe of the issue saw.
+        need(c.moe_intermediate_size % 128 == 0, "moe_intermediate_size", c.moe_intermediate_size, "must be a "
+             "multiple of 128 for MXFP4 experts on Marlin (Marlin checks % 32, marlin_utils.py:245-281, and "
+             "create_weights pads it to 128, layers/quantization/mxfp4.py:394-403)")
+    if attention_backend == "fa3":
+        need(c.kv_lora_rank >= 256, "kv_lora_rank", c.kv_lora_rank, "must be >= 256 with sglang.attention_backend="
+             "fa3 (FA3's q_v path: 'q_v is only supported for hdim_v >= 256'); use sglang.attention_backend=triton")
+        need(c.qk_rope_head_dim <= 64, "qk_rope_head_dim", c.qk_rope_head_dim, "must be <= 64 with sglang."
+             "attention_backend=fa3 ('q_v is only supported for head_size <= 64'); use sglang.attention_backend="
+             "triton")
+    return out
+
+
+def moe_runner(cfg: SGLangConfig, k3: K3Checkpoint | None) -> str | None:
+    """sglang.moe_runner_backend, else marlin for K3's MXFP4 experts (on Hopper the only MXFP4 runner with SiTU:
+    fused_moe_triton/triton_kernels_moe.py:185-190, moe_runner/flashinfer_cutlass.py:113-134), else None (SGLang's
+    default)."""
+    if cfg.moe_runner_backend is not None:
+        return cfg.moe_runner_backend
+    return "marlin" if k3 is not None and k3.mxfp4 else None
+
+
+def resolve_push(requested: str, lora, k3: K3Checkpoint | None, cfg: SGLangConfig) -> tuple[str | None, str]:
+    """(push mode, why) for adapters like `lora` (None: no adapter, mode None) on the checkpoint `k3` (None: an HF
+    architecture): `requested` (sglang.push) resolved to lora or merged by the rules of SGLangConfig.push. Raises
+    ConfigError when the mode cannot serve the targets, naming them and why."""
+    if lora is None:
+        return None, "no adapter"
+    if k3 is None:
+        if requested == "merged":
+            raise ConfigError("sglang.push: merged writes K3 checkpoint names into SGLang's base weights; an HF "
+                              "architecture pushes its adapter as LoRA: set sglang.push=auto or lora")
+        return "lora", "an HF architecture: SGLang's LoRA serves its adapters"
+    unserved = [t for t in lora.targets if t not in K3_LORA_TARGETS]
+    if requested == "lora" or (requested == "auto" and not unserved):
+        if unserved:
+            raise ConfigError("sglang.push: lora cannot serve lora.targets " + "; ".join(
+                f"{t} ({K3_LORA_FAULTS[t]})" for t in unserved) + f" on SGLang 0.5.17's K3 LoRA, which serves "
+                f"{list(K3_LORA_TARGETS)} only; set sglang.push=merged (or auto) or keep lora.targets within those (an "
+                f"adapter file with other targets evaluates with engine.backend=native)")
+        return "lora", f"K3 with lora.targets within {list(K3_LORA_TARGETS)} (SGLang's K3 LoRA serves them)"
+    experts = [t for t in lora.targets if t in EXPERT_TARGETS]
+    if experts:
+        raise ConfigError(f"sglang.push: merged cannot serve lora.targets {experts}: K3's routed experts are MXFP4 "
+                          "(re-quantizing a merged expert rounds the LoRA update away) and under Marlin SGLang "
+                          "cannot update them at all (layers/quantization/marlin_utils_fp4.py:386-389); remove "
+                          "w1/w2/w3 from lora.targets")
+    unsafe = dict(K3_GRAPH_UNSAFE)
+    if k3.config.num_shared_experts > 0:
+        unsafe |= {"gate_proj": _SHARED_FRONT, "up_proj": _SHARED_FRONT}
+    stale = [t for t in lora.targets if t in unsafe]
+    if cfg.cuda_graph and stale:
+        raise ConfigError("sglang.cuda_graph: a merged push re-derives tensors of lora.targets " + "; ".join(
+            f"{t} ({unsafe[t]})" for t in stale) + " into new storage, which captured CUDA graphs never read; set "
+            "sglang.cuda_graph=false or drop those targets" + ("" if requested == "merged" else
+                                                                 f" (sglang.push=auto chose merged for {unserved})"))
+    return "merged", (f"K3 with lora.targets {unserved} that SGLang's K3 LoRA cannot serve" if requested == "auto"
+                      else "sglang.push=merged")
 
 
 def import_engine_class():
@@ -184,9 +394,12 @@ def version_of(name: str) -> int | None:
 
 
 def peft_config_dict(lora) -> dict[str, Any]:
-    """adapter_config.json as a dict (what SGLang's load_lora_adapter_from_tensors takes) for a LoRAConfig."""
-    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora.rank, "lora_alpha": float(lora.alpha),
-            "lora_dropout": 0.0, "target_modules": list(lora.targets), "use_rslora": bool(lora.use_rslora),
+    """adapter_config.json as a dict (what SGLang's load_lora_adapter_from_tensors takes) for a LoRAConfig. SGLang
+    0.5.17 ignores use_rslora (its scaling is lora_alpha / r: lora/lora.py:71), so the alpha sent is the one whose
+    alpha / r is our scale (alpha * sqrt(r) with rsLoRA), with use_rslora false."""
+    alpha = lora_scale(lora.rank, lora.alpha, True) * lora.rank if lora.use_rslora else lora.alpha
+    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora.rank, "lora_alpha": float(alpha),
+            "lora_dropout": 0.0, "target_modules": list(lora.targets), "use_rslora": False,
             "bias": "none", "use_dora": False, "modules_to_save": None, "fan_in_fan_out": False}
 
 
@@ -206,17 +419,17 @@ def check_result(result, what: str) -> None:
 
 
 def serve_checkpoint(cfg: SGLangConfig, model_cfg, tokenizer, stop_token_ids: list[int], lora=None, seed: int = 0,
-                     fallback_context: int = 4096) -> SGLangEngine:
+                     fallback_context: int = 4096, push: str | None = None) -> SGLangEngine:
     """The SGLangEngine serving the checkpoint directory `model_cfg` names (`hf_path`, else `path`), with adapters
-    like `lora` (None: the base alone), ending every sample at `stop_token_ids`. A request may hold
-    `sglang.context_length`, else the checkpoint's max_position_embeddings (its config.json), else
-    `fallback_context` tokens."""
+    like `lora` (None: the base alone) pushed as `push` (None: sglang.push), ending every sample at
+    `stop_token_ids`. A request may hold `sglang.context_length`, else the checkpoint's max_position_embeddings (its
+    config.json), else `fallback_context` tokens."""
     if not stop_token_ids:
         raise ValueError("engine.eos_token_ids: the model directory names no stop token (no eos_token_id in "
                          "generation_config.json or the tokenizer); set engine.eos_token_ids=[ID, ...]")
     path = model_cfg.hf_path or model_cfg.path
     return SGLangEngine(cfg, path, lora=lora, seed=seed, tokenizer=tokenizer, stop_token_ids=list(stop_token_ids),
-                        max_context=checkpoint_context(path) or fallback_context)
+                        max_context=checkpoint_context(path) or fallback_context, push=push)
 
 
 def checkpoint_context(path: str) -> int | None:
@@ -232,20 +445,27 @@ def checkpoint_context(path: str) -> int | None:
 
 class SGLangEngine:
     """The `RolloutEngine` interface over `sglang.Engine` (see the module docstring). Adapter tensors are pushed
-    under their PEFT names (`miles_k3.adapter.peft_tensors`), which SGLang loads. `stop_token_ids` end every sample
-    (added to each request's sampling params unless it names its own). `engine_cls` replaces sglang.Engine (tests
-    pass a double)."""
+    under their PEFT names (`miles_k3.adapter.peft_tensors`), which SGLang loads, or merged into the base weights
+    (`push`: the resolved mode, `resolve_push`). A K3 checkpoint directory is checked (`k3_checkpoint`) before
+    SGLang starts. `stop_token_ids` end every sample (added to each request's sampling params unless it names its
+    own). `engine_cls` replaces sglang.Engine (tests pass a double)."""
 
     backend = "sglang"
     push_needs_memory = True  # a push's parity probe runs a request: the loop resumes memory before it
 
     def __init__(self, cfg: SGLangConfig, model_path: str, lora=None, seed: int = 0, tokenizer: Any = None,
-                 stop_token_ids: list[int] | None = None, max_context: int = 4096, engine_cls=None):
+                 stop_token_ids: list[int] | None = None, max_context: int = 4096, engine_cls=None,
+                 push: str | None = None):
         self.cfg, self.tokenizer = cfg, tokenizer
         self.max_context = cfg.context_length or max_context  # prompt + completion tokens a request may hold
         self.stop_token_ids = list(stop_token_ids or [])
-        args = server_args(cfg, model_path, lora, seed)
+        cfg.validate()
+        self.k3 = k3_checkpoint(model_path, cfg)
+        self.push, why = resolve_push(push or cfg.push, lora, self.k3, cfg)
+        args = server_args(cfg, model_path, lora if self.push == "lora" else None, seed, self.k3)
         engine_cls = engine_cls or import_engine_class()
+        if self.push is not None:
+            log.info("sglang push=%s (%s)", self.push, why)
         log.info("sglang engine: %s", ", ".join(f"{k}={v}" for k, v in args.items() if k != "model_path"))
         self.engine = engine_cls(**args)
         self.weight_version = 0
@@ -254,6 +474,8 @@ class SGLangEngine:
         self._in_flight: Counter[str] = Counter()  # versioned name -> requests of ours running on it
         self._retired: set[str] = set()  # replaced versions, unloaded once their requests finish
         self._released: set[str] = set()
+        self._merged: set[str] = set()  # adapters served merged into the base (push=merged)
+        self._running = 0  # requests of ours in SGLang now (a base-weight update needs none)
         self._lock = threading.RLock()
 
     # ---- generation ------------------------------------------------------------------------------------
@@ -267,6 +489,7 @@ class SGLangEngine:
             names = [self._route(name) for name in loras]
             used = Counter(name for name in names for _ in range(n) if name is not None)
             self._in_flight.update(used)
+            self._running += len(names) * n
         reqs, sps, paths = [], [], []
         for p, sp, name in zip(ids, params, names):
             for j in range(n):
@@ -284,6 +507,7 @@ class SGLangEngine:
         finally:
             with self._lock:
                 self._in_flight.subtract(used)
+                self._running -= len(names) * n
                 self._unload_drained()
         if len(outs) != len(reqs):
             raise RuntimeError(f"sglang returned {len(outs)} results for {len(reqs)} requests")
@@ -307,6 +531,9 @@ class SGLangEngine:
     # ---- adapters and weights --------------------------------------------------------------------------
     def load_lora_adapter_from_tensors(self, name: str, tensors: Mapping[str, torch.Tensor], config) -> None:
         """Serve adapter `name` (config: its LoRAConfig) from the trainer's tensors, as version weight_version."""
+        if self.push != "lora":
+            raise ValueError(f"adapter '{name}': this engine pushes {self.push or 'no adapter'}, not a LoRA "
+                             "adapter (sglang.push)")
         self._configs[name] = config
         staged = self.stage_adapter(name, tensors, self.weight_version)
         self.commit_adapter(name, staged)
@@ -318,12 +545,34 @@ class SGLangEngine:
         becomes `weight_version` (default: one more); versions only move forward."""
         version = self._next_version(weight_version)
         if lora_name is None:
-            check_result(self.engine.update_weights_from_tensor(
-                named_tensors=list(dict(named_tensors).items()), flush_cache=True), "update_weights_from_tensor")
+            self.write_base_weights(dict(named_tensors))
             self.weight_version = version
             return
         staged = self.stage_adapter(lora_name, named_tensors, version)
         self.commit_adapter(lora_name, staged)
+
+    def write_base_weights(self, named_tensors: Mapping[str, torch.Tensor]) -> None:
+        """Write base weights by checkpoint name in ONE update_weights_from_tensor call (flush_cache=True), the
+        weight_version unchanged. Refused (RuntimeError, nothing sent) while requests of ours run: SGLang's flush
+        after an update asserts an idle scheduler (managers/scheduler.py:4137-4160), and a request would mix
+        weights. SGLang skips names its model lacks without a word (models/kimi_k3.py:2824-2825, :2846-2847)."""
+        with self._lock:
+            if self._running:
+                raise RuntimeError(f"base weights cannot be updated while {self._running} requests run")
+            check_result(self.engine.update_weights_from_tensor(named_tensors=list(named_tensors.items()),
+                                                                flush_cache=True), "update_weights_from_tensor")
+
+    def running(self) -> int:
+        """Requests of ours in SGLang now."""
+        with self._lock:
+            return self._running
+
+    def serve_merged(self, name: str) -> None:
+        """Serve adapter `name` merged into the base weights (push=merged): requests for it go to the base, whose
+        weights the channel writes (`write_base_weights`)."""
+        if self.push != "merged":
+            raise ValueError(f"adapter '{name}': this engine pushes {self.push}, not merged (sglang.push)")
+        self._merged.add(name)
 
     def stage_adapter(self, name: str, tensors: Mapping[str, torch.Tensor], version: int) -> str:
         """Load the tensors as `name@v<version>` without serving it yet; returns the staged SGLang name. Refuses
@@ -384,7 +633,7 @@ class SGLangEngine:
 
     # ---- internals -------------------------------------------------------------------------------------
     def _route(self, name: str | None) -> str | None:
-        if name is None:
+        if name is None or name in self._merged:  # merged: the base serves the adapter
             return None
         if name in self._serving:
             return self._serving[name]

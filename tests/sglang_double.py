@@ -15,6 +15,21 @@ computes real log-probs and samples: loading an adapter copies its PEFT-named te
 or layout shows up as a logprob difference, as with a real engine. A request with lora_path None (or a None entry) is
 served by the base, as SGLang serves it: the model with its adapters zeroed.
 
+With a K3 `model` (our K3ForCausalLM, fp32 on the CPU, this double's own copy; LoRA applied when adapters are to be
+loaded) it mimics SGLang 0.5.17's KimiK3ForConditionalGeneration, with the faults the research report
+(/tmp/sglang_k3_report.md, read when this was written; never at test time) found in its source:
+* `update_weights_from_tensor(named_tensors, flush_cache)` copies each tensor by checkpoint name
+  (`language_model.` + our state-dict key) into the model, and SILENTLY SKIPS a name the model lacks, as SGLang's
+  load_weights does (`if name not in params_dict: continue`, models/kimi_k3.py:2824-2825, :2846-2847); it returns
+  failure while a request is in flight (SGLang's flush after an update asserts an idle scheduler,
+  managers/scheduler.py:4137-4160).
+* `load_lora_adapter_from_tensors` honours only the MLA targets (q_a_proj, kv_a_proj_with_mqa, q_b_proj,
+  kv_b_proj) and SILENTLY DROPS KDA's q_proj / k_proj / v_proj (fused into fused_qkvg_proj in SGLang, so the adapter
+  matches no module: lora/mem_pool.py:1015-1070). Starting it with any other lora_target_modules raises, as SGLang
+  fails at startup for most of them (lora/utils.py:224-226; o_proj, which SGLang serves without MLA's output gate,
+  is refused here too: not modelled).
+* server arguments are recorded, not acted on (no multimodal processor, no MoE runner, no CUDA graphs).
+
 Fault injection, not SGLang behaviour: `adapter_scale` (settable at any time) multiplies the lora_B tensors of every
 adapter loaded after it is set, so 0.0 is an engine that ignores the pushed adapter and serves the base under its name,
 and 0.5 / 2.0 one that applies it at half / double scale (a wrong lora_alpha / rank scaling).
@@ -24,6 +39,7 @@ from __future__ import annotations
 import torch
 
 from miles_k3.adapter import peft_tensors
+from miles_k3.model.k3 import CHECKPOINT_PREFIX, K3ForCausalLM
 
 # The sglang.Engine parameters the backend passes (checked against the installed SGLang where it is present).
 RECORDED_PARAMS = {
@@ -40,7 +56,10 @@ RECORDED_PARAMS = {
 RECORDED_SERVER_ARGS = ("model_path", "skip_tokenizer_init", "random_seed", "attention_backend", "sampling_backend",
                         "mem_fraction_static", "disable_cuda_graph", "enable_lora",
                         "max_lora_rank", "lora_target_modules", "max_loras_per_batch", "lora_backend",
-                        "enable_memory_saver", "enable_weights_cpu_backup", "dtype", "context_length", "log_level")
+                        "enable_memory_saver", "enable_weights_cpu_backup", "dtype", "context_length", "log_level",
+                        "enable_multimodal", "moe_runner_backend")
+K3_LORA = ("q_a_proj", "kv_a_proj_with_mqa", "q_b_proj", "kv_b_proj")  # what SGLang's K3 LoRA applies
+K3_LORA_DROPPED = ("q_proj", "k_proj", "v_proj")  # accepted, silently not applied
 
 
 class _Output:
@@ -59,6 +78,12 @@ class FakeSGLangEngine:
             raise TypeError(f"ServerArgs.__init__() got unexpected keyword arguments {unknown}")
         self.server_args = server_args
         self.model = model.eval() if model is not None else None
+        self.k3 = isinstance(model, K3ForCausalLM)
+        if self.k3 and server_args.get("enable_lora"):
+            crash = sorted(set(server_args.get("lora_target_modules") or ()) - set(K3_LORA) - set(K3_LORA_DROPPED))
+            if crash:
+                raise NotImplementedError(f"SGLang's K3 LoRA cannot start with lora_target_modules {crash}")
+        self.in_flight = 0
         self.fail_load = fail_load
         self.adapter_scale = adapter_scale
         self.calls: list[tuple[str, dict]] = []
@@ -81,8 +106,12 @@ class FakeSGLangEngine:
         for name in paths:
             if name is not None and name not in self.adapters:
                 raise ValueError(f"LoRA adapter {name} is not loaded")
-        return [self._one(ids, sp, name, return_logprob, logprob_start_len)
-                for ids, sp, name in zip(input_ids, sampling_params, paths)]
+        self.in_flight += len(input_ids)
+        try:
+            return [self._one(ids, sp, name, return_logprob, logprob_start_len)
+                    for ids, sp, name in zip(input_ids, sampling_params, paths)]
+        finally:
+            self.in_flight -= len(input_ids)
 
     def load_lora_adapter_from_tensors(self, lora_name, tensors, config_dict=None, load_format=None, pinned=False,
                                        added_tokens_config=None):
@@ -96,6 +125,8 @@ class FakeSGLangEngine:
             missing = sorted(set(peft_tensors(self.model)) - set(tensors))
             if missing:
                 return _Output(False, f"LoRA adapter {lora_name}: missing weights {missing[:3]}")
+        if self.k3:  # SGLang's K3 LoRA applies the MLA targets only; KDA q/k/v are dropped without a word
+            tensors = {k: v for k, v in tensors.items() if k.split(".")[-3] in K3_LORA}
         scales = {k: self.adapter_scale if "lora_B" in k else 1.0 for k in tensors}  # the fault injection
         self.adapters[lora_name] = {k: v.detach().to("cpu", copy=True) * scales[k] for k, v in tensors.items()}
         return _Output(True)
@@ -110,6 +141,16 @@ class FakeSGLangEngine:
     def update_weights_from_tensor(self, named_tensors, load_format=None, flush_cache=True):
         self.calls.append(("update_weights_from_tensor", {"names": [n for n, _ in named_tensors],
                                                           "flush_cache": flush_cache}))
+        if self.in_flight:
+            return False, f"flush_cache failed: {self.in_flight} requests running"
+        if self.k3:  # by checkpoint name; a name the model lacks is skipped silently, as SGLang's load_weights does
+            params = dict(self.model.named_parameters())
+            with torch.no_grad():
+                for name, t in named_tensors:
+                    key = name.removeprefix(CHECKPOINT_PREFIX)
+                    if key in params:
+                        params[key].copy_(t)
+            return True, "Succeeded to update model weights."
         if self.model is not None:
             params = dict(self.model.named_parameters())
             with torch.no_grad():
@@ -142,7 +183,7 @@ class FakeSGLangEngine:
             return
         with torch.no_grad():
             for key, view in peft_tensors(self.model).items():
-                if name is None:
+                if name is None or key not in self.adapters[name]:  # the base, or a K3 target SGLang dropped
                     view.zero_()
                 else:
                     view.copy_(self.adapters[name][key])

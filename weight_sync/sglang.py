@@ -25,6 +25,13 @@ report (sync/parity_inconclusive = 1), and makes the next push verified too.
 When (sglang.verify_push): never; every push; or every_n: push 1, and after a conclusive check that passed at push
 k, push k + sglang.verify_every (pushes 1, 1 + n, 1 + 2n, ... while every check is conclusive). A push that is
 refused or whose check is inconclusive makes the next push verified.
+
+Merged pushes (`SGLangMergedChannel`, sglang.push=merged: a K3 adapter SGLang's K3 LoRA cannot serve): every push
+writes, for each adapted linear, W = W0 + s * B @ A computed from the trainer's FROZEN base weight W0 (never
+cumulative), in W0's dtype, under its checkpoint name, all in one update_weights_from_tensor call; requests then go
+to SGLang's base. The same Parity decides, with a = the engine after the write and b = the engine's base measured
+once, before the first write (when it still serves W0). A refused or failed push writes back what the engine served
+before (the previous push's merged weights, recomputed from its A / B, which the channel keeps; W0 before any).
 """
 from __future__ import annotations
 
@@ -36,6 +43,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from miles_k3.model.k3 import CHECKPOINT_PREFIX
+from miles_k3.model.lora import expert_loras, lora_linears
 from miles_k3.weight_sync.protocol import PushReport, SyncError, sync_devices
 
 if TYPE_CHECKING:
@@ -93,19 +102,12 @@ class Parity:
                 "sync/parity_effect_diff": self.effect_diff, "sync/parity_inconclusive": float(self.inconclusive)}
 
 
-class SGLangChannel:
-    """`push(tensors, version)` into `engine` (an SGLangEngine) as adapter `adapter`, checked as `cfg` says
-    (verify_push, verify_every, parity_tolerance, parity_min_effect). `trainer_logprobs(ids)` and
-    `trainer_base_logprobs(ids)` are the trainer's log-probs of ids[1:] with the adapter and with it switched off,
-    without dropout."""
+class _VerifiedPushes:
+    """What both channels share: the probe, the trainer's log-probs and the verification schedule."""
 
-    transport = "sglang"
-
-    def __init__(self, engine, adapter: str, cfg: SGLangConfig, probe_ids: list[int] | None = None,
-                 trainer_logprobs: Logprobs | None = None, trainer_base_logprobs: Logprobs | None = None):
+    def __init__(self, engine, adapter: str, cfg: SGLangConfig, probe_ids: list[int] | None,
+                 trainer_logprobs: Logprobs | None, trainer_base_logprobs: Logprobs | None):
         cfg.validate()
-        if engine.serving(adapter) is None:
-            raise ValueError(f"adapter '{adapter}' is not loaded in the sglang engine; load it first")
         if cfg.verify_push != "never" and (not probe_ids or len(probe_ids) < 2 or trainer_logprobs is None
                                            or trainer_base_logprobs is None):
             raise ValueError("a verified sglang push needs probe_ids (>= 2 token ids), trainer_logprobs and "
@@ -115,6 +117,51 @@ class SGLangChannel:
                                                                             trainer_base_logprobs)
         self.pushes = 0  # pushes served
         self._skips_left = 0  # pushes to serve unchecked before the next verified one
+
+    def _due(self) -> bool:
+        """Whether this push is verified (the schedule of the module docstring); counts the skipped ones."""
+        if self.cfg.verify_push == "never":
+            return False
+        if self._skips_left > 0:
+            self._skips_left -= 1
+            return False
+        return True
+
+    def _passed(self, parity: Parity, version: int) -> None:
+        """A check that passed: schedule the next one (an inconclusive check makes the next push verified)."""
+        if parity.inconclusive:
+            log.info("sglang push of version %d served, its check inconclusive: the adapter moves the probe's "
+                     "log-probs by %.3g nats/token (< %.3g, the noise floor); the next push is verified too",
+                     version, parity.effect_trainer, parity.floor)
+        else:
+            self._skips_left = (1 if self.cfg.verify_push == "every" else self.cfg.verify_every) - 1
+
+    def _probe(self, engine_rows: dict[str, list[float]]) -> Parity:
+        """The Parity of the engine's rows (a, b) and the trainer's (c, d) on the probe."""
+        ids = self.probe_ids
+        rows = engine_rows | {"trainer": self.trainer_logprobs(ids), "trainer (base)": self.trainer_base_logprobs(ids)}
+        bad = {name: len(r) for name, r in rows.items() if len(r) != len(ids) - 1}
+        if bad:
+            raise SyncError(f"parity probe: {bad} log-probs for a {len(ids)}-token probe (want {len(ids) - 1})")
+        return Parity.of(*rows.values(), min_effect=self.cfg.parity_min_effect)
+
+    def close(self) -> None:
+        """Nothing to release: the engine is the run's and is shut down with it."""
+
+
+class SGLangChannel(_VerifiedPushes):
+    """`push(tensors, version)` into `engine` (an SGLangEngine) as adapter `adapter`, checked as `cfg` says
+    (verify_push, verify_every, parity_tolerance, parity_min_effect). `trainer_logprobs(ids)` and
+    `trainer_base_logprobs(ids)` are the trainer's log-probs of ids[1:] with the adapter and with it switched off,
+    without dropout."""
+
+    transport = "sglang"
+
+    def __init__(self, engine, adapter: str, cfg: SGLangConfig, probe_ids: list[int] | None = None,
+                 trainer_logprobs: Logprobs | None = None, trainer_base_logprobs: Logprobs | None = None):
+        if engine.serving(adapter) is None:
+            raise ValueError(f"adapter '{adapter}' is not loaded in the sglang engine; load it first")
+        super().__init__(engine, adapter, cfg, probe_ids, trainer_logprobs, trainer_base_logprobs)
 
     def push(self, tensors: Mapping[str, torch.Tensor], version: int) -> PushReport:
         """Serve `tensors` (the trainer's adapter parameters by name) as `version`. Raises SyncError (the engine
@@ -140,15 +187,6 @@ class SGLangChannel:
         return SGLangPushReport(version, self.transport, nbytes, time.perf_counter() - t0, len(tensors), 1, None,
                                 load_seconds=load_s, parity=parity)
 
-    def _due(self) -> bool:
-        """Whether this push is verified (the schedule of the module docstring); counts the skipped ones."""
-        if self.cfg.verify_push == "never":
-            return False
-        if self._skips_left > 0:
-            self._skips_left -= 1
-            return False
-        return True
-
     def _check(self, staged: str, version: int) -> Parity:
         """The staged version's Parity; a refused push is discarded (SyncError)."""
         serving = self.engine.weight_version
@@ -162,26 +200,142 @@ class SGLangChannel:
         if why is not None:
             self.engine.discard_adapter(staged)
             raise SyncError(f"push of version {version} refused: {why}; the engine keeps serving version {serving}")
-        if parity.inconclusive:
-            log.info("sglang push of version %d served, its check inconclusive: the adapter moves the probe's "
-                     "log-probs by %.3g nats/token (< %.3g, the noise floor); the next push is verified too",
-                     version, parity.effect_trainer, parity.floor)
-        else:
-            self._skips_left = (1 if self.cfg.verify_push == "every" else self.cfg.verify_every) - 1
+        self._passed(parity, version)
         return parity
 
     def _parity(self, staged: str) -> Parity:
         ids = self.probe_ids
-        rows = {"engine (staged)": self.engine.prompt_logprobs(ids, staged),
-                "engine (base)": self.engine.prompt_logprobs(ids, None),
-                "trainer": self.trainer_logprobs(ids), "trainer (base)": self.trainer_base_logprobs(ids)}
-        bad = {name: len(r) for name, r in rows.items() if len(r) != len(ids) - 1}
-        if bad:
-            raise SyncError(f"parity probe: {bad} log-probs for a {len(ids)}-token probe (want {len(ids) - 1})")
-        return Parity.of(*rows.values(), min_effect=self.cfg.parity_min_effect)
+        return self._probe({"engine (staged)": self.engine.prompt_logprobs(ids, staged),
+                            "engine (base)": self.engine.prompt_logprobs(ids, None)})
 
-    def close(self) -> None:
-        """Nothing to release: the engine is the run's and is shut down with it."""
+
+# ---- merged pushes (sglang.push=merged) ------------------------------------------------------------------
+def merged_weights(model, adapter: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """Checkpoint name (`language_model.<module path>.weight`) -> W0 + s * B @ A [Out, In] for every LoRA-wrapped
+    linear of `model` (a K3ForCausalLM with LoRA applied): W0 is the module's frozen base weight, s its scale
+    (`lora_scale`), A [r, In] / B [Out, r] the `adapter`'s tensors by `lora_parameters` name (None: the model's
+    own); summed in fp32 and rounded once to W0's dtype, on W0's device. Never cumulative: W0 is not changed.
+    Raises ValueError for expert adapters (w1/w2/w3: no dense weight to merge into) and for a missing or
+    mis-shaped adapter tensor."""
+    experts = expert_loras(model)
+    if experts:
+        path, name, _ = experts[0]
+        raise ValueError(f"{path}.{name}: expert adapters cannot be merged into SGLang's MXFP4 experts")
+    out = {}
+    with torch.no_grad():
+        for path, m in lora_linears(model):
+            a, b = (_adapter_tensor(adapter, f"{path}.{ab}.weight", own.weight)
+                    for ab, own in (("lora_A", m.lora_A), ("lora_B", m.lora_B)))
+            w0 = m.weight
+            out[f"{CHECKPOINT_PREFIX}{path}.weight"] = (w0.float() + (b.float() @ a.float()) * m.scale).to(w0.dtype)
+    return out
+
+
+def _adapter_tensor(adapter: Mapping[str, torch.Tensor] | None, name: str, own: torch.Tensor) -> torch.Tensor:
+    if adapter is None:
+        return own.detach()
+    if name not in adapter:
+        raise ValueError(f"adapter tensor {name} is missing (a merged push carries the whole adapter)")
+    t = adapter[name]
+    if tuple(t.shape) != tuple(own.shape):
+        raise ValueError(f"adapter tensor {name}: shape {tuple(t.shape)}, the model's is {tuple(own.shape)}")
+    return t.detach().to(own.device)
+
+
+def base_weights(model) -> dict[str, torch.Tensor]:
+    """Checkpoint name -> the frozen base weight W0 of every LoRA-wrapped linear (what SGLang served at start)."""
+    return {f"{CHECKPOINT_PREFIX}{path}.weight": m.weight.detach() for path, m in lora_linears(model)}
+
+
+class SGLangMergedChannel(_VerifiedPushes):
+    """`push(tensors, version)` of adapter `adapter` as merged base weights into `engine` (an SGLangEngine with
+    push=merged), the trainer's `model` holding W0 and the LoRA modules; `tensors` are the adapter's A / B by
+    `lora_parameters` name. Checked as SGLangChannel is (module docstring), b measured once, here, while the engine
+    still serves W0. `serve_initial` writes the adapter the run starts with (a resumed run's)."""
+
+    transport = "sglang-merged"
+
+    def __init__(self, engine, adapter: str, cfg: SGLangConfig, model, probe_ids: list[int] | None = None,
+                 trainer_logprobs: Logprobs | None = None, trainer_base_logprobs: Logprobs | None = None):
+        super().__init__(engine, adapter, cfg, probe_ids, trainer_logprobs, trainer_base_logprobs)
+        if expert_loras(model):
+            raise ValueError("a merged push cannot carry expert adapters (w1/w2/w3): SGLang's experts are MXFP4")
+        engine.serve_merged(adapter)
+        self.model = model
+        self._engine_base = engine.prompt_logprobs(probe_ids, None) if cfg.verify_push != "never" else None
+        self._served: dict[str, torch.Tensor] | None = None  # the A / B merged into what the engine serves; None: W0
+        self.broken: str | None = None  # why the engine's weights are unknown (a restore failed)
+
+    def serve_initial(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Write the merged weights of `tensors` without a check (the engine's weight_version unchanged), as the
+        LoRA path loads its first adapter."""
+        self.engine.write_base_weights(merged_weights(self.model, tensors))
+        self._served = _kept(tensors)
+
+    def push(self, tensors: Mapping[str, torch.Tensor], version: int) -> PushReport:
+        """Serve `tensors` merged as `version`. Raises SyncError (the engine serving its previous weights again)
+        when the merge, the write or the parity check fails."""
+        sync_devices({t.device for t in tensors.values()} or {torch.device("cpu")})
+        t0 = time.perf_counter()
+        if self.broken is not None:
+            raise SyncError(f"push of version {version} refused: {self.broken}")
+        if version <= self.engine.weight_version:
+            raise SyncError(f"push of version {version} refused: versions only move forward (the engine serves "
+                            f"{self.engine.weight_version})")
+        try:
+            merged = merged_weights(self.model, tensors)
+        except ValueError as e:
+            raise SyncError(f"push of version {version} refused: {e}") from None
+        finite = torch.stack([torch.isfinite(t).all() for t in merged.values()]).tolist()  # one device sync
+        bad = next((name for name, ok in zip(merged, finite) if not ok), None)
+        if bad is not None:
+            raise SyncError(f"push of version {version} refused: merged weight {bad} has non-finite values", bad)
+        serving = self.engine.weight_version
+        if self.engine.running():
+            raise SyncError(f"push of version {version} refused: {self.engine.running()} requests run (base weights "
+                            f"change only between requests); nothing written, the engine serves version {serving}")
+        try:
+            self.engine.write_base_weights(merged)
+        except Exception as e:  # SGLang may have loaded part of it: write back what it served
+            raise SyncError(f"push of version {version} failed in sglang: {type(e).__name__}: {e}; "
+                            f"{self._restore(serving)}") from e
+        load_s = time.perf_counter() - t0
+        parity = self._check(version, serving) if self._due() else None
+        self.engine.weight_version = version
+        self._served = _kept(tensors)
+        self.pushes += 1
+        nbytes = sum(t.numel() * t.element_size() for t in merged.values())
+        return SGLangPushReport(version, self.transport, nbytes, time.perf_counter() - t0, len(merged), 1, None,
+                                load_seconds=load_s, parity=parity)
+
+    def _check(self, version: int, serving: int) -> Parity:
+        try:
+            parity = self._probe({"engine (merged)": self.engine.prompt_logprobs(self.probe_ids, None),
+                                  "engine (base)": self._engine_base})
+        except Exception as e:
+            raise SyncError(f"push of version {version} refused: the parity probe failed ({type(e).__name__}: "
+                            f"{e}); {self._restore(serving)}") from e
+        why = parity.refusal(self.cfg.parity_tolerance)
+        if why is not None:
+            raise SyncError(f"push of version {version} refused: {why}; {self._restore(serving)}")
+        self._passed(parity, version)
+        return parity
+
+    def _restore(self, serving: int) -> str:
+        """Write back what the engine served before this push, in one call; says what it serves now."""
+        previous = merged_weights(self.model, self._served) if self._served is not None else base_weights(self.model)
+        try:
+            self.engine.write_base_weights(previous)
+        except Exception as e:  # noqa: BLE001 - reported in the push's SyncError; later pushes are refused
+            self.broken = (f"writing back the weights of version {serving} failed too ({type(e).__name__}: {e}), so "
+                           "the engine's weights are unknown; restart the run from its last checkpoint")
+            return self.broken
+        return f"the engine serves version {serving} again"
+
+
+def _kept(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A copy of the adapter's A / B (the optimizer updates the trainer's in place)."""
+    return {name: t.detach().clone() for name, t in tensors.items()}
 
 
 @dataclass
