@@ -44,7 +44,7 @@ layer, then the embedding, head and norms) of any K3 config, one layer in memory
 same bytes every time. Configs with vocab_size <= 65536 also get the byte-level tokenizer.
 
 Fields (InitCheckpointConfig in miles_k3/init_checkpoint.py):
-  model=k3|k3_m|k3_nano|k3_tiny   the architecture (default k3_tiny)
+  model=k3|k3_m|k3_m2|k3_nano|k3_tiny   the architecture (default k3_tiny)
   model.path=DIR|HUB_ID           a checkpoint's config.json instead
   out=DIR                         the directory to write (required), written atomically
   seed=0                          seed of the initialisation

@@ -46,7 +46,7 @@ all-to-all bytes per token per MoE layer. Computed from the modules on the meta 
 any size (the full 2.78T K3 included).
 
 Fields (ModelInfoConfig in miles_k3/config.py):
-  model=k3|k3_m|k3_nano|k3_tiny   the shipped architecture (default k3)
+  model=k3|k3_m|k3_m2|k3_nano|k3_tiny   the shipped architecture (default k3)
   model.path=DIR|HUB_ID           a checkpoint's config.json instead (its weights are not read)
   model.experts=auto|mxfp4|bf16   routed-expert storage counted in base_bytes (auto: mxfp4)
   parallel.tp=1                   tensor-parallel degree (also of the per-rank KDA state figure)

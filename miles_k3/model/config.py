@@ -21,7 +21,7 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-SHIPPED_CONFIGS = ("k3", "k3_m", "k3_tiny", "k3_nano")
+SHIPPED_CONFIGS = ("k3", "k3_m", "k3_m2", "k3_tiny", "k3_nano")
 
 
 class ConfigError(ValueError):
@@ -160,7 +160,8 @@ class K3Config:
 
     @classmethod
     def from_name(cls, name: str) -> K3Config:
-        """One of the shipped configs: `k3` (published 2.78T), `k3_m` (~0.3B), `k3_tiny` (~3.1M)."""
+        """One of the shipped configs: `k3` (published 2.78T), `k3_m` (~0.3B), `k3_m2` (~0.6B, shapes SGLang's K3
+        kernels accept), `k3_tiny` (~3.1M), `k3_nano` (~1M)."""
         if name not in SHIPPED_CONFIGS:
             raise ConfigError(f"unknown model config '{name}'; choose one of {', '.join(SHIPPED_CONFIGS)}")
         text = resources.files("miles_k3.model").joinpath(f"configs/{name}.json").read_text()
