@@ -1,0 +1,97 @@
+"""benchmarks/bench_sglang_k3.py on the CPU: its math by hand-worked values, and its logprobs part end to end against
+`tests/sglang_double.py` (NOT SGLang: the double serves its own copy of the checkpoint, so the gap is ~0 unless a
+weight of that copy is changed). SGLang itself runs only in the script on the GPU."""
+import functools
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.sglang_double import FakeSGLangEngine
+
+_spec = importlib.util.spec_from_file_location(
+    "bench_sglang_k3", Path(__file__).resolve().parents[1] / "benchmarks" / "bench_sglang_k3.py")
+bench = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(bench)
+
+
+def test_logprob_gap_skips_sglangs_none_first_entry():
+    ours = [[-1.0, -2.0], [-3.0]]
+    theirs = [[None, -1.1, -2.3], [-3.2]]  # |d| 0.1, 0.3 / 0.2
+    gap = bench.logprob_gap(ours, theirs)
+    assert gap["mean"] == pytest.approx(0.2) and gap["max"] == pytest.approx(0.3) and gap["tokens"] == 3
+    with pytest.raises(ValueError, match="SGLang positions"):
+        bench.logprob_gap([[-1.0, -2.0]], [[-1.0]])
+
+
+def test_greedy_and_argmax_agreement():
+    g = bench.greedy_agreement([[1, 2, 3, 4]], [[1, 2, 9, 4]])
+    assert g == {"prefix_frac": 2 / 4, "overall_frac": 3 / 4, "identical": 0, "sequences": 1}
+    g = bench.greedy_agreement([[5, 6], [1, 2, 3]], [[5, 6], [1, 2]])  # a missing token disagrees
+    assert g["prefix_frac"] == 4 / 5 and g["overall_frac"] == 4 / 5 and g["identical"] == 1
+    assert bench.argmax_agreement([[3, 4, 5, 6]], [[None, 3, 4, 0, 6]]) == 3 / 4
+    assert bench.top1_ids([None, [(-0.1, 7, None), (-2.0, 3, None)]]) == [None, 7]
+    assert bench.spread([[-1.0, -3.0], [-2.0]]) == pytest.approx(2 / 3)
+
+
+def test_random_prompts_are_seeded_and_avoid_special_ids():
+    a = bench.random_prompts(4, 50, 12, {0, 5, 11}, seed=3)
+    assert a == bench.random_prompts(4, 50, 12, {0, 5, 11}, seed=3) != bench.random_prompts(4, 50, 12, {0}, seed=4)
+    assert len(a) == 4 and all(len(p) == 50 for p in a)
+    assert {t for p in a for t in p} <= set(range(12)) - {0, 5, 11}
+    assert bench.parse_grpo("64x8:512+512") == (64, 8, 512, 512) and bench.parse_grpo("none") is None
+    with pytest.raises(ValueError, match="PxN:prompt"):
+        bench.parse_grpo("64x8")
+
+
+@pytest.fixture(scope="module")
+def k3_dir(tmp_path_factory):
+    """k3_nano cut to the smallest K3 SGLang 0.5.17 serves (tests/test_sglang_backend.py's _servable_raw)."""
+    from miles_k3.init_checkpoint import init_checkpoint
+    from miles_k3.model.config import K3Config
+
+    raw = K3Config.from_name("k3_nano").to_dict()
+    raw.update(hidden_size=1024, num_hidden_layers=2)
+    raw["linear_attn_config"].update(head_dim=16, kda_layers=[1], full_attn_layers=[2])
+    return init_checkpoint(K3Config.from_dict(raw), tmp_path_factory.mktemp("k3") / "bf16")
+
+
+def _run(k3_dir, double_model, prompts=2, greedy=2):
+    argv = ["--model-dir", str(k3_dir), "--device", "cpu", "--parts", "logprobs", "--prompts", str(prompts),
+            "--tokens", "16", "--greedy-tokens", str(greedy), "--budget-gib", "0.05"]
+    rows = bench.run(argv, engine_cls=functools.partial(FakeSGLangEngine, model=double_model))
+    return {r.get("check", r.get("engine")): r for r in rows}
+
+
+def test_logprobs_part_against_the_double(k3_dir):
+    """The double serves the same weights: the gap is ~0 and greedy continuations agree; one weight of its copy
+    changed, the gap is clearly non-zero."""
+    from miles_k3.model.checkpoint import load_checkpoint
+
+    rows = _run(k3_dir, load_checkpoint(k3_dir, "cpu", torch.float32))
+    assert "error" not in rows["sglang"] and rows["sglang"]["server_args"]["enable_multimodal"] is False
+    lp = rows["prompt_logprobs"]
+    assert "error" not in lp and lp["tokens"] == 2 * 15 and lp["prompts"] == 2
+    assert lp["mean"] < 1e-5 and lp["max"] < 1e-5 and lp["ours_spread"] > 0
+    assert lp["argmax_agree"] is None  # the double returns no input_top_logprobs
+    greedy = rows["greedy"]
+    assert "error" not in greedy and greedy["sequences"] == 2 and greedy["overall_frac"] == 1.0
+
+    changed = load_checkpoint(k3_dir, "cpu", torch.float32)
+    with torch.no_grad():
+        changed.lm_head.weight.mul_(3.0)  # sharper logits: every log-prob moves
+    rows = _run(k3_dir, changed, prompts=1, greedy=0)
+    assert "greedy" not in rows  # --greedy-tokens 0: no greedy check
+    lp = rows["prompt_logprobs"]
+    assert lp["mean"] > 1e-3 and lp["max"] > lp["mean"]
+
+
+def test_a_failing_sglang_is_a_result_not_a_crash(k3_dir):
+    def broken(**args):
+        raise RuntimeError("no GPU for sglang")
+
+    rows = bench.run(["--model-dir", str(k3_dir), "--device", "cpu", "--parts", "logprobs", "--prompts", "1",
+                      "--tokens", "8", "--greedy-tokens", "2", "--budget-gib", "0.05"], engine_cls=broken)
+    errors = {r.get("check", r.get("engine")): r["error"] for r in rows if "error" in r}
+    assert set(errors) == {"sglang", "prompt_logprobs", "greedy"} and "no GPU for sglang" in errors["greedy"]
