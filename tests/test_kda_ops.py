@@ -235,3 +235,23 @@ def test_unbounded_gates_use_the_data_and_refuse_overflow():
     assert_close(s, s_ref, what="state")
     with pytest.raises(ValueError, match="smaller chunk_size"):
         torch_chunk_kda(**make_inputs(seq=70, seed=13), chunk_size=64)  # 63 * 5 / 2 > 80
+
+
+def test_lowerbound_gate_is_flas_naive_gate_bitwise():
+    """`lowerbound_gate` restates fla's naive_kda_lowerbound_gate (so the CPU path never imports fla): the same fp32
+    values bit for bit, for fp32 and bf16 inputs; and one value by hand: f = 0, dt_bias = 0, A_log = 0 gives
+    lower_bound * sigmoid(0) = -2.5 at lower_bound -5."""
+    from fla.ops.kda.gate import naive_kda_lowerbound_gate
+
+    from miles_k3.model.kda_ops import lowerbound_gate
+
+    torch.manual_seed(0)
+    h, k = 3, 8
+    a_log, dt_bias = torch.randn(h), torch.randn(h * k)
+    for dtype in (torch.float32, torch.bfloat16):
+        f = torch.randn(2, 5, h, k).to(dtype)
+        ours = lowerbound_gate(f, a_log, dt_bias, -5.0)
+        assert ours.dtype == torch.float32
+        assert torch.equal(ours, naive_kda_lowerbound_gate(f, a_log, dt_bias, lower_bound=-5.0))
+    zero = lowerbound_gate(torch.zeros(1, h, k), torch.zeros(h), torch.zeros(h * k), -5.0)
+    assert torch.equal(zero, torch.full((1, h, k), -2.5))

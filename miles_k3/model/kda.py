@@ -23,11 +23,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from miles_k3.model.config import K3Config
-from miles_k3.model.kda_ops import KDABackend
+from miles_k3.model.kda_ops import KDABackend, lowerbound_gate
 from miles_k3.model.layers import use_fused_kernels
 from miles_k3.model.state import KDALayerState
 from miles_k3.parallel.comm import copy_to, reduce_from
-
 
 # The gated output norm's eps is fixed, not rms_norm_eps: SGLang's Kimi K3 (the release-day implementation) builds
 # it with its constructor default 1e-5 whatever the config says (equal for every shipped config, all 1e-5).
@@ -81,8 +80,6 @@ class KDAAttention(nn.Module):
         `seq_lens` [B] counts the real (left-aligned) tokens among the T; None means all T are real.
         Returns y [B, T, D] and the state after each request's last real token.
         """
-        from fla.ops.kda.gate import naive_kda_lowerbound_gate  # lazy: importing fla takes seconds
-
         b, t, _ = x_BTD.shape
         if state is None:
             state = self.empty_state(b, x_BTD.device, x_BTD.dtype)
@@ -95,8 +92,7 @@ class KDAAttention(nn.Module):
         qkv_BTC, conv_BCW = self._short_conv(x_col, state.conv_BCW, seq_lens)
         shape = (b, t, self.num_heads, self.head_dim)
         q, k, v = (z.reshape(shape) for z in qkv_BTC.chunk(3, dim=-1))
-        g_BTHK = naive_kda_lowerbound_gate(self._decay(x_BTD).view(shape), self.A_log, self.dt_bias,
-                                           lower_bound=self.lower_bound)
+        g_BTHK = lowerbound_gate(self._decay(x_BTD).view(shape), self.A_log, self.dt_bias, self.lower_bound)
         beta_BTH = torch.sigmoid(self.b_proj(x_col).float())
         if seq_lens is not None:
             real_BT = torch.arange(t, device=x_BTD.device) < seq_lens[:, None]

@@ -239,13 +239,23 @@ def _decode_fla(q, k, v, g, beta, state):
                                use_qk_l2norm_in_kernel=True)
 
 
+def lowerbound_gate(f: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, lower_bound: float) -> torch.Tensor:
+    """KDA's decay gate g = lower_bound * sigmoid(exp(A_log) * (f + dt_bias)) in fp32 from the raw input f
+    [..., H, K], A_log [H], dt_bias [H * K]: fla's `naive_kda_lowerbound_gate`, the same operations in the same
+    order (bitwise equal: tests/test_kda_ops.py), restated here because importing fla costs seconds on every CPU
+    start and the CPU path uses nothing else of it."""
+    h = f.shape[-2]
+    g = f.float() + dt_bias.view(h, -1)
+    g = A_log.view(h, 1).float().exp() * g
+    return (lower_bound * torch.sigmoid(g)).to(torch.float32)
+
+
 @torch.no_grad()
 def _decode_into_reference(decode: Callable, q, k, v, f, beta_logit, A_log, dt_bias, lower_bound, pool_NHKV,
                            slots_B):
-    """The reference for an in-place decode: the lower-bound gate and sigmoid(beta) in torch (fla's naive gate),
+    """The reference for an in-place decode: the lower-bound gate and sigmoid(beta) in torch (`lowerbound_gate`),
     `decode` on the gathered rows, the new states scattered back."""
-    from fla.ops.kda.gate import naive_kda_lowerbound_gate
-    g = naive_kda_lowerbound_gate(f, A_log, dt_bias, lower_bound=lower_bound)
+    g = lowerbound_gate(f, A_log, dt_bias, lower_bound)
     o, new_BHKV = decode(q, k, v, g, torch.sigmoid(beta_logit.float()), pool_NHKV.index_select(0, slots_B))
     pool_NHKV.index_copy_(0, slots_B, new_BHKV.to(pool_NHKV.dtype))
     return o
