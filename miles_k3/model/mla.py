@@ -28,7 +28,6 @@ from miles_k3.model.state import MLALayerState
 from miles_k3.parallel.comm import copy_to, reduce_from
 
 
-
 class MLAAttention(nn.Module):
     def __init__(self, cfg: K3Config):
         super().__init__()
