@@ -144,7 +144,7 @@ def check_backend(model: ModelConfig, backend: str, sglang: SGLangConfig | None 
                          "architecture such as Qwen3) or model.path (a K3 checkpoint directory)")
     if sglang is None:
         return
-    from miles_k3.rollout.sglang_backend import k3_checkpoint, resolve_push
+    from miles_k3.rollout.sglang_k3 import k3_checkpoint, resolve_push
 
     k3 = k3_checkpoint(model.hf_path or model.path, sglang)  # None: not a local K3 directory
     if k3 is None and model.hf_path is None:

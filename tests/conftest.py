@@ -7,3 +7,12 @@ from kernel_testing import results_of
 def interpreter_results(request) -> dict[str, str]:
     """The test module's INTERPRETER_CASES run once under the Triton interpreter: {case: "ok" or the error}."""
     return results_of(str(request.path))
+
+
+@pytest.fixture(scope="module")
+def qwen3_dir(tmp_path_factory):
+    """A tiny random Qwen3 directory (hidden 64), the HF model of the SGLang backend tests (test_sglang_backend,
+    test_sglang_k3); test files with their own `qwen3_dir` shadow this one."""
+    from miles_k3.model.hf import write_tiny_qwen3
+
+    return write_tiny_qwen3(tmp_path_factory.mktemp("qwen3") / "tiny", hidden_size=64)

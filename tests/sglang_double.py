@@ -16,8 +16,8 @@ or layout shows up as a logprob difference, as with a real engine. A request wit
 served by the base, as SGLang serves it: the model with its adapters zeroed.
 
 With a K3 `model` (our K3ForCausalLM, fp32 on the CPU, this double's own copy; LoRA applied when adapters are to be
-loaded) it mimics SGLang 0.5.17's KimiK3ForConditionalGeneration, with the faults the research report
-(/tmp/sglang_k3_report.md, read when this was written; never at test time) found in its source:
+loaded) it mimics SGLang 0.5.17's KimiK3ForConditionalGeneration, with the faults its source shows (paths under
+python/sglang/srt/ of that release):
 * `update_weights_from_tensor(named_tensors, flush_cache)` copies each tensor by checkpoint name
   (`language_model.` + our state-dict key) into the model, and SILENTLY SKIPS a name the model lacks, as SGLang's
   load_weights does (`if name not in params_dict: continue`, models/kimi_k3.py:2824-2825, :2846-2847); it returns
@@ -82,7 +82,9 @@ class FakeSGLangEngine:
         if self.k3 and server_args.get("enable_lora"):
             crash = sorted(set(server_args.get("lora_target_modules") or ()) - set(K3_LORA) - set(K3_LORA_DROPPED))
             if crash:
-                raise NotImplementedError(f"SGLang's K3 LoRA cannot start with lora_target_modules {crash}")
+                # SGLang's own failure at startup: get_hidden_dim has no LoRA buffer shape for these modules
+                raise NotImplementedError(f"get_hidden_dim not implemented for {crash} (as SGLang's "
+                                          "lora/utils.py:224-226 raises at LoRA pool init)")
         self.in_flight = 0
         self.fail_load = fail_load
         self.adapter_scale = adapter_scale

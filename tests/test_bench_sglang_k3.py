@@ -47,14 +47,13 @@ def test_random_prompts_are_seeded_and_avoid_special_ids():
 
 @pytest.fixture(scope="module")
 def k3_dir(tmp_path_factory):
-    """k3_nano cut to the smallest K3 SGLang 0.5.17 serves (tests/test_sglang_backend.py's _servable_raw)."""
+    """The smallest K3 SGLang 0.5.17 serves (test_sglang_k3's `_servable_raw`)."""
+    from test_sglang_k3 import _servable_raw
+
     from miles_k3.init_checkpoint import init_checkpoint
     from miles_k3.model.config import K3Config
 
-    raw = K3Config.from_name("k3_nano").to_dict()
-    raw.update(hidden_size=1024, num_hidden_layers=2)
-    raw["linear_attn_config"].update(head_dim=16, kda_layers=[1], full_attn_layers=[2])
-    return init_checkpoint(K3Config.from_dict(raw), tmp_path_factory.mktemp("k3") / "bf16")
+    return init_checkpoint(K3Config.from_dict(_servable_raw()), tmp_path_factory.mktemp("k3") / "bf16")
 
 
 def _run(k3_dir, double_model, prompts=2, greedy=2):

@@ -132,7 +132,7 @@ def _reconstructible(err: Exception) -> bool:
     try:
         type(err)("x")
         return True
-    except Exception:
+    except Exception:  # noqa: BLE001 - any constructor failure means "cannot rebuild it with a message"
         return False
 
 
