@@ -558,13 +558,20 @@ class RolloutEngine:
               recorded: list[_Request] | None = None) -> torch.Tensor:
         """One decode token for each request (positions reserved); returns logits [B, V]. `recorded`: the
         requests (in order) whose routes of this step are kept (those with `record`)."""
-        if self._graph is not None:
-            logits = self._graph.decode(ids, slots, rids)
+        if self._graph is not None:  # in steps of at most the largest graph bucket
+            chunks, routes, m = [], [], self._graph.max_batch
+            split = len(ids) > m  # a graph's outputs are its static buffers: copied before it replays again
+            for i in range(0, len(ids), m):
+                logits = self._graph.decode(ids[i:i + m], slots[i:i + m], rids[i:i + m])
+                chunks.append(logits.clone() if split else logits)
+                if recorded is not None:
+                    step = self._graph.last_routes(len(logits))
+                    routes.append(step.clone() if split else step)
             for rid in rids:
                 self.cache.advance(rid, 1)
             if recorded is not None:
-                self._keep_step_routes(recorded, self._graph.last_routes(len(ids)))
-            return logits
+                self._keep_step_routes(recorded, torch.cat(routes))
+            return chunks[0] if len(chunks) == 1 else torch.cat(chunks)
         slots_t = torch.tensor(slots, device=self.device)
         state = pooled_state(self.cfg, self.kda, slots_t, self.cache, rids)
         self._busy()

@@ -42,7 +42,10 @@ class GraphDecoder:
                  buckets: tuple[int, ...] = DEFAULT_BUCKETS, capture: bool | None = None):
         self.model, self.kda, self.cache = model, kda, cache
         self.pages = pages_per_request
-        self.buckets = tuple(sorted(b for b in buckets if b <= kda.num_slots)) or (kda.num_slots,)
+        # every slot but the padding rows' scratch one can hold a running request: the pool's size is the
+        # last bucket when it is smaller than the largest one (a 6-request pool decodes 5 or 6 in one step)
+        usable = kda.num_slots - 1
+        self.buckets = tuple(sorted({b for b in buckets if b < usable} | {min(usable, max(buckets))}))
         self.page_buckets = tuple(sorted({min(2 ** i, pages_per_request)
                                           for i in range(pages_per_request.bit_length() + 1)}))
         self.device = cache.storage_MGZL.device
@@ -57,6 +60,11 @@ class GraphDecoder:
                                                   Recorder | None]] = {}
         self._last: Recorder | None = None  # the routes of the last decode step
         self._pool = torch.cuda.graph_pool_handle() if self.capture else None
+
+    @property
+    def max_batch(self) -> int:
+        """The most requests one `decode` call takes (the largest bucket); the engine splits larger batches."""
+        return self.buckets[-1]
 
     @property
     def scratch_page(self) -> int:

@@ -281,3 +281,34 @@ def test_num_slots_requests_run_at_once_whatever_the_decode_mode(base, decode):
     with pytest.raises(ValueError, match="n=4 samples exceed the engine's 3 state slots"):
         bad = engine.generate(input_ids=[PROMPTS[1]], sampling_params={"max_new_tokens": 2}, n=4)
         raise ValueError(bad[0]["error"])
+
+
+def test_static_decode_runs_a_pool_smaller_than_a_power_of_two_and_splits_batches_over_its_largest_bucket(base):
+    """A 5-slot pool (6 KDA slots with the padding rows') has no bucket of 5 among the powers of two: its own size is
+    the last bucket, so 5 requests decode in one step (this raised 'batch 5 exceeds the largest decode bucket 4').
+    A batch above the largest bucket (forced to 2 here, as 600 requests against 512 on a big pool) runs in steps of
+    at most 2 rows; samples, logprobs and routes equal the eager engine's."""
+    prompts = [[3 + i, 40 + i, 7] for i in range(5)]
+    sp = {"temperature": 0, "max_new_tokens": 4}
+
+    def run(decode, buckets=None):
+        engine = _engine(base, num_slots=5, decode=decode)
+        calls = []
+        if buckets is not None:
+            engine._graph.buckets = buckets
+        if engine._graph is not None:
+            real = engine._graph.decode
+            engine._graph.decode = lambda ids, *a: calls.append(len(ids)) or real(ids, *a)
+        return engine.generate(input_ids=prompts, sampling_params=sp, return_routed_experts=True), calls
+
+    want, _ = run("eager")
+    whole, calls = run("static")
+    assert calls == [5, 5, 5, 5]  # one step of all 5 per new token
+    split, calls = run("static", buckets=(1, 2))
+    assert calls == [2, 2, 1] * 4
+    for got in (whole, split):
+        for g, w in zip(got, want, strict=True):
+            assert g["output_ids"] == w["output_ids"]
+            assert torch.equal(g["meta_info"]["routed_experts"], w["meta_info"]["routed_experts"])
+            for (a, _), (b, _) in zip(g["meta_info"]["output_token_logprobs"], w["meta_info"]["output_token_logprobs"]):
+                assert a == pytest.approx(b, abs=LOGPROB_ATOL)
