@@ -10,7 +10,7 @@ padded size (rows x longest row) stays within the budget, in their original orde
 
 A sample may carry the engine's routes (`routed_experts`: the top-k expert ids of every MoE layer at each of its
 P + R - 1 positions, `miles_k3.model.routing`); `pack` lays them out as `routes_BTLK` when every sample has them,
-padding positions holding experts 0..K-1 (any valid ids: their outputs are masked).
+padding positions holding -1 (no route: a replaying forward routes them by its own top-k; their outputs are masked).
 
 Legend: B samples, T positions (longest sequence - 1), V vocabulary, L MoE layers, K experts per token.
 """
@@ -100,11 +100,13 @@ def pack(samples: list[Sample], pad_id: int) -> TrainBatch:
 
 
 def _pack_routes(samples: list[Sample], t: int) -> torch.Tensor | None:
-    """routes_BTLK of `samples` (None unless every sample has routes); padding positions route to 0..K-1."""
+    """routes_BTLK of `samples` (None unless every sample has routes); padding positions hold -1 (no route).
+    A replaying forward routes those by its own top-k, as it would without replay: forced experts there would change
+    which tokens each expert's GEMM takes, and so its fp32 rounding, though their outputs are masked."""
     if any(s.routed_experts is None for s in samples):
         return None
     first = samples[0].routed_experts
-    out = torch.arange(first.shape[-1], dtype=first.dtype).expand(len(samples), t, *first.shape[1:]).clone()
+    out = torch.full((len(samples), t, *first.shape[1:]), -1, dtype=first.dtype)
     for row, s in enumerate(samples):
         out[row, :s.length - 1] = s.routed_experts
     return out
