@@ -15,7 +15,7 @@ lands in the working copy:
     [--parts logprobs,race] [--prompts 32] [--tokens 256] [--greedy-tokens 64] [--data FILE.jsonl --template boxed]
     [--batches 1,64,256] [--prompt 32] [--new 64] [--grpo 64x8:512+512|none] [--budget-gib 24] [--decode auto]
     [--attention-backend triton] [--mem-fraction 0.35] [--no-cuda-graph] [--sglang-extra '{"key": value}']
-    [--device cuda] [--seed 0]
+    [--pin-routes DIR] [--no-floor] [--device cuda] [--seed 0]
 
 SGLang is started once, before the native engine takes its memory budget, from `SGLangConfig`'s defaults plus the
 flags above; the K3 server arguments come from `server_args` with the checked checkpoint (`k3_checkpoint`: Marlin for
@@ -28,12 +28,21 @@ after each line); a part that fails prints a line with its `error` and the other
   logprob_start_len=0, input_token_logprobs) against the trainer's (`sequence_logprobs`: bf16 on CUDA). `mean` /
   `max`: |ours - SGLang's| per prompt token, nats/token, over `tokens` positions of all prompts. Expected: bf16 noise,
   ~0.001 nats/token as the HF Qwen3 backend measured (README: 0.0009-0.0013), max well below 0.1; a kernel that
-  computes something else (attention residuals, SiTU, KDA, the MLA output gate) should show as 0.01 and more. `push_tolerance` is the push parity check's limit
+  computes something else (attention residuals, SiTU, KDA, the MLA output gate) should show as 0.01 and more, judged
+  against `floor_mean` / `floor_max`: the same gap between our own model in bf16 and in fp32 (the run's rounding
+  floor; `fp32_mean`: SGLang against our fp32). On a random init the floor is no small number: its routers' top-k
+  flips under rounding and the flips cascade (measured on k3_m2: 0.46 nats/token ours bf16 vs fp32, as large as
+  SGLang's gap), so compare a random init with `--pin-routes`. `push_tolerance` is the push parity check's limit
   (sglang.parity_tolerance): a mean above it refuses every push. `ours_spread` (mean |log-prob - its mean|) is the
   scale a gap is judged against: a random init predicts near-uniform tokens, so its gaps are small whatever the
   kernels do; a trained checkpoint (README, "routing replay": sft then quantize) is the sharper test. `argmax_agree`:
   the share of positions where SGLang's top-1 token (input_top_logprobs, top_logprobs_num=1) is our argmax; null when
   SGLang returns no top log-probs.
+* `--pin-routes DIR`: the checkpoint copied to DIR with each MoE layer's e_score_correction_bias raised by
+  PIN_BIAS at top_k experts (seeded), then both sides load DIR: the bias only selects experts (the weights still come
+  from the unbiased sigmoid scores, renormalised) and sigmoid scores lie in (0, 1), so every token of every layer
+  takes those experts whatever the rounding; the rest of the model is computed as before (ours bf16 vs fp32 there:
+  0.025 nats/token on k3_m2).
 * `logprobs` / `greedy`: temperature 0, `--greedy-tokens` new tokens (0: this check skipped) from each prompt's
   first 32 tokens, our native engine against SGLang (ignore_eos). `prefix_frac`: positions equal before each pair's
   first divergence, over all positions; `overall_frac`: equal positions; `identical`: pairs equal throughout. bf16
@@ -70,6 +79,9 @@ log = logging.getLogger("bench_sglang_k3")
 PARTS = ("logprobs", "race")
 GREEDY_PREFIX = 32
 """Prompt tokens the greedy continuations start from."""
+PIN_BIAS = 10.0
+"""What --pin-routes adds to the selection bias of the pinned experts: above the 1.0 any sigmoid score difference
+can make up."""
 
 
 # ---- the math (pure; checked on the CPU) --------------------------------------------------------------------------
@@ -149,6 +161,43 @@ def parse_grpo(spec: str) -> tuple[int, int, int, int] | None:
     return p, n, plen, new
 
 
+def pin_routes(src: str | Path, dst: str | Path, top_k: int, seed: int) -> dict[str, list[int]]:
+    """Copy the checkpoint directory src to dst with every `*.e_score_correction_bias` raised by PIN_BIAS at top_k
+    experts drawn per tensor (seeded); returns {tensor name: pinned expert ids}. Other files and tensors unchanged."""
+    import shutil
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    src, dst = Path(src), Path(dst)
+    if dst.resolve() == src.resolve():
+        raise ValueError(f"--pin-routes: {dst} is the model directory itself; name another directory")
+    dst.mkdir(parents=True, exist_ok=True)
+    pinned: dict[str, list[int]] = {}
+    g = torch.Generator().manual_seed(seed)
+    for f in sorted(src.iterdir()):
+        if f.suffix != ".safetensors":
+            if f.is_file():
+                shutil.copy2(f, dst / f.name)
+            continue
+        with safe_open(f, "pt") as fh:
+            names, meta = list(fh.keys()), fh.metadata()
+            if not any(n.endswith(".e_score_correction_bias") for n in names):
+                shutil.copy2(f, dst / f.name)
+                continue
+            tensors = {n: fh.get_tensor(n) for n in names}
+        for n in sorted(tensors):
+            if n.endswith(".e_score_correction_bias"):
+                ids = torch.randperm(tensors[n].numel(), generator=g)[:top_k]
+                tensors[n] = tensors[n].clone()
+                tensors[n][ids] += PIN_BIAS
+                pinned[n] = sorted(ids.tolist())
+        save_file(tensors, dst / f.name, metadata=meta)
+    if not pinned:
+        raise ValueError(f"--pin-routes: {src} has no e_score_correction_bias tensors (no MoE layers to pin)")
+    return pinned
+
+
 # ---- setup --------------------------------------------------------------------------------------------------------
 class Bench:
     """What the parts share: our model (built once), the tokenizer, SGLang (started once) and the native engine
@@ -158,13 +207,20 @@ class Bench:
         self.args, self.rows = args, []
         self.device = resolve_device(args.device)
         self.dtype = resolve_dtype("auto", self.device)
-        mcfg = ModelConfig(path=args.model_dir, trust_remote_code=args.trust_remote_code)
+        pinned = None
+        if args.pin_routes:  # both sides load the pinned copy
+            from miles_k3.model.checkpoint import inspect_checkpoint
+            top_k = inspect_checkpoint(args.model_dir).config.num_experts_per_token
+            pinned = pin_routes(args.model_dir, args.pin_routes, top_k, args.seed)
+            args.model_dir = str(args.pin_routes)
+        self.mcfg = mcfg = ModelConfig(path=args.model_dir, trust_remote_code=args.trust_remote_code)
         self.model = build_model(mcfg, self.device, self.dtype).eval()
         self.tokenizer, stops = build_tokenizer(mcfg)
         self.special = set(self.tokenizer.all_special_ids) | set(stops)
         self.emit({"part": "setup", "model_dir": args.model_dir, "device": str(self.device),
                    "dtype": str(self.dtype).removeprefix("torch."), "params": num_params(self.model),
-                   "experts": self.model.expert_format, "vocab_size": self.model.config.vocab_size})
+                   "experts": self.model.expert_format, "vocab_size": self.model.config.vocab_size,
+                   "pinned_moe_layers": None if pinned is None else len(pinned)})
         self._native: RolloutEngine | None = None
         self.sgl: SGLangEngine | None = None
         self.sgl_error: str | None = None
@@ -281,6 +337,13 @@ def prompt_logprob_gap(b: Bench, prompts: list[list[int]]) -> dict:
     ours = [sequence_logprobs(b.model, p) for p in prompts]
     row = logprob_gap(ours, theirs) | {"ours_spread": spread(ours),
                                         "push_tolerance": SGLangConfig().parity_tolerance}
+    if b.args.floor:  # the rounding floor: our model against itself in fp32 (on the CPU, fp32 both: 0)
+        ref = build_model(b.mcfg, b.device, torch.float32).eval()
+        ours32 = [sequence_logprobs(ref, p) for p in prompts]
+        del ref
+        floor, vs32 = logprob_gap(ours32, ours), logprob_gap(ours32, theirs)
+        row |= {"floor_mean": floor["mean"], "floor_max": floor["max"], "fp32_mean": vs32["mean"],
+                "fp32_max": vs32["max"]}
     first = sglang_top1(sgl, prompts[0])  # None: this SGLang (or double) gives no top log-probs; not asked again
     top = None if first is None else [first] + [sglang_top1(sgl, p) for p in prompts[1:]]
     row["argmax_agree"] = None if top is None or any(t is None for t in top) else \
@@ -386,6 +449,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--mem-fraction", type=float, default=0.35, help="sglang mem_fraction_static")
     ap.add_argument("--no-cuda-graph", action="store_true", help="sglang: no decode CUDA graphs")
     ap.add_argument("--sglang-extra", default="{}", help="further sglang.Engine arguments, a JSON object")
+    ap.add_argument("--pin-routes", default=None, metavar="DIR",
+                    help="serve a copy of the checkpoint written to DIR whose routers always pick the same experts")
+    ap.add_argument("--no-floor", dest="floor", action="store_false",
+                    help="logprobs: skip our fp32 forward (the rounding floor)")
     args = ap.parse_args(argv)
     args.parts = [p.strip() for p in args.parts.split(",") if p.strip()]
     bad = [p for p in args.parts if p not in PARTS]

@@ -73,6 +73,8 @@ def test_logprobs_part_against_the_double(k3_dir):
     lp = rows["prompt_logprobs"]
     assert "error" not in lp and lp["tokens"] == 2 * 15 and lp["prompts"] == 2
     assert lp["mean"] < 1e-5 and lp["max"] < 1e-5 and lp["ours_spread"] > 0
+    # the floor: our model against itself in fp32, which on the CPU is its own dtype (the same forward: 0 exactly)
+    assert lp["floor_mean"] == lp["floor_max"] == 0.0 and lp["fp32_mean"] == lp["mean"]
     assert lp["argmax_agree"] is None  # the double returns no input_top_logprobs
     greedy = rows["greedy"]
     assert "error" not in greedy and greedy["sequences"] == 2 and greedy["overall_frac"] == 1.0
@@ -94,3 +96,45 @@ def test_a_failing_sglang_is_a_result_not_a_crash(k3_dir):
                       "--tokens", "8", "--greedy-tokens", "2", "--budget-gib", "0.05"], engine_cls=broken)
     errors = {r.get("check", r.get("engine")): r["error"] for r in rows if "error" in r}
     assert set(errors) == {"sglang", "prompt_logprobs", "greedy"} and "no GPU for sglang" in errors["greedy"]
+
+
+def test_pinned_routes_send_every_token_of_every_layer_to_the_same_experts(k3_dir, tmp_path):
+    """--pin-routes: the copy's routers pick, at every token of every MoE layer, exactly the experts whose selection
+    bias was raised, while the unpinned model routes tokens to different experts; nothing else changed."""
+    from safetensors.torch import load_file
+
+    from miles_k3.model.checkpoint import inspect_checkpoint, load_checkpoint
+    from miles_k3.model.routing import recording
+
+    top_k = inspect_checkpoint(k3_dir).config.num_experts_per_token
+    pinned = bench.pin_routes(k3_dir, tmp_path / "pinned", top_k=top_k, seed=0)
+    before = {k: v for f in sorted(k3_dir.glob("*.safetensors")) for k, v in load_file(f).items()}
+    after = {k: v for f in sorted((tmp_path / "pinned").glob("*.safetensors")) for k, v in load_file(f).items()}
+    assert set(before) == set(after) and len(pinned) >= 1
+    for name, t in after.items():
+        if name in pinned:
+            raised = ((t - before[name]) == bench.PIN_BIAS).nonzero().flatten().tolist()
+            assert raised == pinned[name] and len(raised) == top_k
+        else:
+            assert torch.equal(t, before[name]), name
+    ids = torch.tensor([[(7 * i + 3) % 200 + 1 for i in range(24)]])
+    routes = {}
+    for which, path in (("base", k3_dir), ("pinned", tmp_path / "pinned")):
+        model = load_checkpoint(path, "cpu", torch.float32)
+        with torch.no_grad(), recording(model) as rec:
+            model(ids)
+        routes[which] = rec.routes().long().sort(-1).values  # [24 tokens, MoE layers, top_k]
+    want = torch.tensor([pinned[n] for n in sorted(pinned, key=lambda n: int(n.split(".layers.")[1].split(".")[0]))])
+    assert torch.equal(routes["pinned"], want.expand_as(routes["pinned"]))
+    assert len({tuple(r.flatten().tolist()) for r in routes["base"]}) > 1  # unpinned: tokens route differently
+    with pytest.raises(ValueError, match="is the model directory itself"):
+        bench.pin_routes(k3_dir, k3_dir, top_k=top_k, seed=0)
+    # the bench with --pin-routes: both sides load the pinned copy (the double serves the one written above; the
+    # bench writes the same bytes again, same seed)
+    argv = ["--model-dir", str(k3_dir), "--device", "cpu", "--parts", "logprobs", "--prompts", "1", "--tokens", "12",
+            "--greedy-tokens", "0", "--budget-gib", "0.05", "--pin-routes", str(tmp_path / "pinned")]
+    double = load_checkpoint(tmp_path / "pinned", "cpu", torch.float32)
+    rows = bench.run(argv, engine_cls=functools.partial(FakeSGLangEngine, model=double))
+    assert rows[0]["pinned_moe_layers"] == len(pinned) and rows[0]["model_dir"] == str(tmp_path / "pinned")
+    lp = next(r for r in rows if r.get("check") == "prompt_logprobs")
+    assert "error" not in lp and lp["mean"] < 1e-5
