@@ -121,6 +121,9 @@ def k3_shape_problems(c: K3Config, mxfp4: bool, runner: str | None, attention_ba
     need(lac.head_dim == c.v_head_dim, "linear_attn_config.head_dim", lac.head_dim, f"must equal v_head_dim "
          f"({c.v_head_dim}): SGLang's KDA takes its value head size from v_head_dim (models/kimi_k3.py:1247, "
          "layers/radix_linear_attention.py:67-69) and fails at the first prefill otherwise")
+    need(len(c.mla_layer_ids) > 0, "linear_attn_config.full_attn_layers", lac.full_attn_layers, "must name at "
+         "least one MLA layer: SGLang sizes its hybrid memory pool's value head from the first MLA layer's buffer "
+         "(mem_cache/memory_pool.py:3872, :4014) and fails to start otherwise (IndexError: seen on the H200)")
     rows = -(-c.num_hidden_layers // c.attn_res_block_size) + 1
     need(rows <= 16, "num_hidden_layers / attn_res_block_size", f"{c.num_hidden_layers} / {c.attn_res_block_size}",
          f"ceil(num_hidden_layers / attn_res_block_size) + 1 = {rows} attention-residual bank rows; SGLang's kernel "

@@ -112,6 +112,14 @@ def test_k3_shapes_sglang_cannot_serve_are_refused_naming_each_key(tmp_path):
         compose_config("train", ["engine.backend=sglang", f"model.path={bf16}"])
     with pytest.raises(ConfigFieldError, match=r"^model.path: engine.backend=sglang serves a local K3 checkpoint"):
         compose_config("train", ["engine.backend=sglang", "model.path=moonshotai/Kimi-K3"])
+    # no MLA layer at all (a K3 cut to its first KDA layers): SGLang's memory pool fails to start
+    raw = _servable_raw()
+    n = raw["num_hidden_layers"]
+    raw["linear_attn_config"].update(kda_layers=list(range(1, n + 1)), full_attn_layers=[])
+    no_mla = _write_config(tmp_path / "no_mla", nested_config(raw))
+    with pytest.raises(CheckpointError, match=r"\(1 problem\):[\s\S]*linear_attn_config.full_attn_layers = \(\): "
+                                              r"must name at least one MLA layer"):
+        k3_checkpoint(str(no_mla), SGLangConfig())
 
 
 def test_a_flat_k3_config_is_refused_with_the_command_that_rewrites_it(tmp_path, monkeypatch):
