@@ -127,12 +127,8 @@ class LatentMoE(nn.Module):
             own_SK = self.gate.select(scores_SE)
             ids_NK = replay.ids(self.moe_index, num_tokens).to(x_SD.device)
             ids_SK = ids_NK if ep is None else ep.local_tokens(ids_NK)
-            # the forward's own top-k where a token has no route (-1: a padding position) or the replayed experts
-            # are its own (then its own slot order: the same experts in the same fp32 summation order as without
-            # replay; the engine's order follows its scores' low bits)
-            own_S = (ids_SK < 0).any(-1, keepdim=True) | (ids_SK.sort(-1).values == own_SK.sort(-1).values).all(
-                -1, keepdim=True)
-            ids_SK = torch.where(own_S, own_SK, ids_SK)
+            # a token without a route (-1: a padding position) keeps the forward's own top-k
+            ids_SK = torch.where((ids_SK < 0).any(-1, keepdim=True), own_SK, ids_SK)
             w_SK = self.gate.weights(scores_SE, ids_SK)
         recorder.record(self.moe_index, own_SK if ep is None else ep.all_tokens(own_SK, num_tokens))
         return ids_SK, w_SK

@@ -9,7 +9,7 @@ tokens the engine processed (prefill: the prompt but its last token; one decode 
 `recording(model)`: within the block every MoE forward of `model` stores its own top-k ids (all N tokens, gathered
 over tp under tensor parallelism); `Recorder.routes()` stacks them. `replaying(model, ids_NLK)`: every MoE forward
 takes its layer's ids from ids_NLK instead of its own top-k (under tp/ep each rank its share of the tokens; a token
-whose ids are -1, a padding position, or are its own top-k's set, keeps its own top-k in its own slot order); the
+whose ids are -1, a padding position, keeps its own top-k); the
 gate weights are computed from the forward's own router scores at those ids, so gradients reach the router's
 sigmoid as in the published R3; the forward's own top-k is recorded beside them (`Recorder.routes()`), which is
 how a mismatch is measured. The state lives on the MoE modules for the block (activation checkpointing
