@@ -31,8 +31,8 @@ after each line); a part that fails prints a line with its `error` and the other
   computes something else (attention residuals, SiTU, KDA, the MLA output gate) should show as 0.01 and more, judged
   against `floor_mean` / `floor_max`: the same gap between our own model in bf16 and in fp32 (the run's rounding
   floor; `fp32_mean`: SGLang against our fp32). On a random init the floor is no small number: its routers' top-k
-  flips under rounding and the flips cascade (measured on k3_m2: 0.46 nats/token ours bf16 vs fp32, as large as
-  SGLang's gap), so compare a random init with `--pin-routes`. `push_tolerance` is the push parity check's limit
+  flips under rounding and the flips cascade (bench_rounding_floor.py on a random k3_m2, CPU: 0.453 nats/token ours
+  bf16 vs fp32, as large as SGLang's gap), so compare a random init with `--pin-routes`. `push_tolerance` is the push parity check's limit
   (sglang.parity_tolerance): a mean above it refuses every push. `ours_spread` (mean |log-prob - its mean|) is the
   scale a gap is judged against: a random init predicts near-uniform tokens, so its gaps are small whatever the
   kernels do; a trained checkpoint (README, "routing replay": sft then quantize) is the sharper test. `argmax_agree`:
@@ -42,7 +42,7 @@ after each line); a part that fails prints a line with its `error` and the other
   PIN_BIAS at top_k experts (seeded), then both sides load DIR: the bias only selects experts (the weights still come
   from the unbiased sigmoid scores, renormalised) and sigmoid scores lie in (0, 1), so every token of every layer
   takes those experts whatever the rounding; the rest of the model is computed as before (ours bf16 vs fp32 there:
-  0.025 nats/token on k3_m2).
+  0.027 nats/token, bench_rounding_floor.py --pin-routes, same checkpoint).
 * `logprobs` / `greedy`: temperature 0, `--greedy-tokens` new tokens (0: this check skipped) from each prompt's
   first 32 tokens, our native engine against SGLang (ignore_eos). `prefix_frac`: positions equal before each pair's
   first divergence, over all positions; `overall_frac`: equal positions; `identical`: pairs equal throughout. bf16

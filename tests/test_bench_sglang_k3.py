@@ -138,3 +138,19 @@ def test_pinned_routes_send_every_token_of_every_layer_to_the_same_experts(k3_di
     assert rows[0]["pinned_moe_layers"] == len(pinned) and rows[0]["model_dir"] == str(tmp_path / "pinned")
     lp = next(r for r in rows if r.get("check") == "prompt_logprobs")
     assert "error" not in lp and lp["mean"] < 1e-5
+
+
+def test_rounding_floor_bench_compares_bf16_with_fp32_and_serves_the_pinned_copy(k3_dir, tmp_path):
+    """benchmarks/bench_rounding_floor.py: our model in bf16 against fp32 on the same prompts (a gap above 0, the
+    positions of every prompt but its first token), and with --pin-routes the pinned copy."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import bench_rounding_floor
+
+    row = bench_rounding_floor.run(["--model-dir", str(k3_dir), "--prompts", "2", "--tokens", "12"])
+    assert row["tokens"] == 2 * 11 and row["mean"] > 0 and row["max"] >= row["mean"]
+    assert 0 <= row["argmax_agree"] <= 1 and row["pinned_moe_layers"] is None
+    pinned = bench_rounding_floor.run(["--model-dir", str(k3_dir), "--prompts", "1", "--tokens", "12",
+                                       "--pin-routes", str(tmp_path / "pinned")])
+    assert pinned["model_dir"] == str(tmp_path / "pinned") and pinned["pinned_moe_layers"] >= 1
