@@ -1,7 +1,7 @@
 """The train/rollout on-policy gap with and without rollout routing replay: the same GRPO run three ways (same seed),
 then the per-step medians side by side.
 
-    python benchmarks/bench_routing_replay.py --out DIR [--steps 24] [--modes plain,measure,replay]
+    python benchmarks/bench_routing_replay.py --out DIR [--steps 24] [--modes plain,measure,replay] [--rounds 1]
                                               [-- extra train overrides ...]
 
 Modes: `plain` (no routes: the step-time baseline), `measure` (rollout.return_routed_experts=true: the engine's
@@ -12,6 +12,18 @@ over the steps after the first `--skip`): train/rollout_logprob_abs_diff (mean p
 train/route_mismatch_frac, perf/step_s, perf/rollout_s, perf/train_s, and each mode's step time over plain's.
 Pass `data.source=FILE.jsonl data.problem_field=null` after `--` to train on a local file (id / question / answer
 rows) instead of the recipe's generated problems.
+
+`--rounds R` runs the modes R times, interleaved (plain, replay, plain, replay, ...; run directories DIR/<mode>.<r>),
+so that a drift of the machine's speed during the runs falls on every mode alike: the medians pool every round's
+steps, and `step_s_over_plain_rounds` lists each round's ratio to that round's plain run.
+
+`--alternate` measures the cost in ONE run instead (one process, one model, one engine, warm kernels and graphs):
+the modes take turns step by step in blocks of plain, replay, replay, plain (`schedule`: each block the modes and
+then the modes reversed, so that a trend within a block falls on both alike), the adapter training on through all
+of them; `--steps` is then the number of blocks, `--skip` the blocks left out (the first compiles every mode's
+kernels). Printed per mode as above, plus `step_s_over_plain_blocks`: the median over blocks of each block's
+mean step time of the mode over its mean plain step time (the paired estimate of the cost). DIR/alternate holds
+the run's metrics (each row with `bench/mode_index`: its mode's place in --modes).
 """
 from __future__ import annotations
 
@@ -27,21 +39,104 @@ KEYS = ("train/rollout_logprob_abs_diff", "train/rollout_logprob_abs_diff_p99", 
         "perf/step_s", "perf/rollout_s", "perf/train_s")
 
 
-def run_mode(mode: str, args, extra: list[str]) -> Path:
-    run_dir = Path(args.out) / mode
+def run_mode(mode: str, args, extra: list[str], name: str) -> Path:
+    run_dir = Path(args.out) / name
     cmd = [sys.executable, "-m", "miles_k3.train", f"device={args.device}", f"steps={args.steps}",
            "eval.every_n_steps=0", f"seed={args.seed}", f"rollout.seed={args.seed}", f"run_dir={run_dir}",
            *MODES[mode], *extra]
     print(" ".join(cmd), flush=True)
-    with open(Path(args.out) / f"{mode}.log", "w") as log:
+    with open(Path(args.out) / f"{name}.log", "w") as log:
         subprocess.run(cmd, check=True, stdout=log, stderr=subprocess.STDOUT)
     return run_dir / "metrics.jsonl"
 
 
-def summarize(path: Path, skip: int) -> dict[str, float]:
+def schedule(modes: list[str], blocks: int) -> list[str]:
+    """The modes of --alternate's steps: each block the modes, then the modes reversed."""
+    return [m for _ in range(blocks) for m in (*modes, *reversed(modes))]
+
+
+def alternate(args, extra: list[str]) -> tuple[dict[str, dict], list[dict]]:
+    """--alternate: one train run whose steps take the modes in turn (`schedule`); returns (the per-mode summary,
+    the step rows: metrics + bench/mode, bench/block, bench/routes: whether every sample carried routes)."""
+    import dataclasses
+
+    from miles_k3.config import compose_config
+    from miles_k3.launch import build_run
+    from miles_k3.parallel.mesh import naming_rank
+    from miles_k3.train import one_step
+
+    modes = args.modes.split(",")
+    base = compose_config("train", [f"device={args.device}", f"steps={args.steps * 2 * len(modes)}",
+                                    "eval.every_n_steps=0", f"seed={args.seed}", f"rollout.seed={args.seed}",
+                                    f"run_dir={Path(args.out) / 'alternate'}", *extra])
+    if base.rollout.return_routed_experts or base.trainer.routing_replay:
+        raise SystemExit("--alternate: the modes set rollout.return_routed_experts and trainer.routing_replay; "
+                         "leave both out of the overrides")
+    cfgs = {m: dataclasses.replace(base, rollout=dataclasses.replace(base.rollout, return_routed_experts=m == "measure"),
+                                   trainer=dataclasses.replace(base.trainer, routing_replay=m == "replay"))
+            for m in modes}
+    order = schedule(modes, args.steps)
+    run = build_run(base)
+    rows = []
+    try:
+        with naming_rank(run.ctx):
+            for i, mode in enumerate(order):
+                run.cfg = cfgs[mode]
+                metrics, samples = one_step(run, i + 1)
+                routed = bool(samples) and all(s.routed_experts is not None for s in samples)
+                row = metrics | {"bench/mode": mode, "bench/block": i // (2 * len(modes)), "bench/routes": routed}
+                run.tracker.log(metrics | {"bench/mode_index": float(modes.index(mode))}, step=i + 1)
+                print(json.dumps({"step": i + 1, **{k: row[k] for k in ("bench/mode", *KEYS) if k in row}}),
+                      flush=True)
+                rows.append(row)
+    finally:
+        run.cfg = base
+        run.close()
+    kept = [r for r in rows if r["bench/block"] >= args.skip]
+    if not kept:
+        raise SystemExit(f"--alternate: --skip {args.skip} leaves none of --steps {args.steps} blocks")
+    return compare_blocks(kept, modes), rows
+
+
+def compare_blocks(rows: list[dict], modes: list[str]) -> dict[str, dict]:
+    """Per mode: the medians over its steps in `rows`, and (beside plain) the step time over plain's, pooled and
+    paired by block (the median over blocks of mean mode step / mean plain step in that block)."""
+    results = {m: summarize([r for r in rows if r["bench/mode"] == m]) for m in modes}
+    if "plain" in results:
+        blocks = sorted({r["bench/block"] for r in rows})
+
+        def mean_step(m, b):
+            return statistics.fmean(r["perf/step_s"] for r in rows if r["bench/mode"] == m and r["bench/block"] == b)
+
+        for m, r in results.items():
+            r["step_s_over_plain"] = r["perf/step_s"] / results["plain"]["perf/step_s"]
+            r["step_s_over_plain_blocks"] = statistics.median(mean_step(m, b) / mean_step("plain", b) for b in blocks)
+    return results
+
+
+def step_rows(path: Path, skip: int) -> list[dict]:
+    """The metrics rows of one run's steps, less the first `skip`."""
     rows = [json.loads(line) for line in path.read_text().splitlines()]
-    rows = [r for r in rows if "perf/step_s" in r][skip:]
+    return [r for r in rows if "perf/step_s" in r][skip:]
+
+
+def summarize(rows: list[dict]) -> dict[str, float]:
     return {k: statistics.median(r[k] for r in rows) for k in KEYS if all(k in r for r in rows)} | {"steps": len(rows)}
+
+
+def compare(runs: dict[str, list[list[dict]]]) -> dict[str, dict]:
+    """Per mode: the medians over every round's steps, and (beside a plain mode) the step time over plain's, pooled
+    and per round (round r's median over round r's plain median)."""
+    results = {m: summarize([row for rnd in rounds for row in rnd]) for m, rounds in runs.items()}
+    base = results.get("plain", {}).get("perf/step_s")
+    if base:
+        plain = [statistics.median(r["perf/step_s"] for r in rnd) for rnd in runs["plain"]]
+        for m, r in results.items():
+            r["step_s_over_plain"] = r["perf/step_s"] / base
+            if len(plain) > 1:
+                r["step_s_over_plain_rounds"] = [statistics.median(x["perf/step_s"] for x in rnd) / p
+                                                 for rnd, p in zip(runs[m], plain)]
+    return results
 
 
 def main() -> None:
@@ -54,17 +149,32 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--modes", default="plain,measure,replay")
+    ap.add_argument("--rounds", type=int, default=1, help="run the modes this many times, interleaved")
+    ap.add_argument("--alternate", action="store_true",
+                    help="one run, the modes taking turns step by step (--steps: blocks; --skip: blocks left out)")
     args = ap.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
     Path(args.out).mkdir(parents=True, exist_ok=True)
     modes = args.modes.split(",")
     bad = [m for m in modes if m not in MODES]
     if bad:
         ap.error(f"--modes: {bad} not among {list(MODES)}")
-    results = {m: summarize(run_mode(m, args, extra), args.skip) for m in modes}
-    base = results.get("plain", {}).get("perf/step_s")
+    if args.rounds < 1:
+        ap.error(f"--rounds: {args.rounds}; give 1 or more")
+    if args.alternate:
+        if args.rounds != 1:
+            ap.error("--alternate takes no --rounds (its modes alternate within one run)")
+        results, _ = alternate(args, extra)
+        for m, r in results.items():
+            print(json.dumps({"mode": m, **r}), flush=True)
+        (Path(args.out) / "summary.json").write_text(json.dumps(results, indent=2) + "\n")
+        return
+    runs: dict[str, list[list[dict]]] = {m: [] for m in modes}
+    for r in range(args.rounds):
+        for m in modes:
+            name = m if args.rounds == 1 else f"{m}.{r}"
+            runs[m].append(step_rows(run_mode(m, args, extra, name), args.skip))
+    results = compare(runs)
     for m, r in results.items():
-        if base:
-            r["step_s_over_plain"] = r["perf/step_s"] / base
         print(json.dumps({"mode": m, **r}), flush=True)
     (Path(args.out) / "summary.json").write_text(json.dumps(results, indent=2) + "\n")
 

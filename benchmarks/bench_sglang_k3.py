@@ -52,7 +52,8 @@ after each line); a part that fails prints a line with its `error` and the other
   SGLang on the same checkpoint and the same prompts: for each of `--batches`, B prompts of `--prompt` random ids and
   `--new` new tokens; then `--grpo` PxN:prompt+new (P prompts, N samples each). ignore_eos, temperature 1, log-probs
   returned (as rollouts need). Each engine is warmed up once on other prompts of the same shape first (compiles,
-  graph captures; SGLang's prefix cache is flushed after), then timed: `tokens` new tokens generated, `seconds`
+  graph captures; SGLang's prefix cache is flushed after; SGLang captures decode graphs at exactly the race's batch
+  sizes, `race_graphs`), then timed: `tokens` new tokens generated, `seconds`
   wall time of the generate call (prefill included), `tok_s` = tokens / seconds; the sglang row carries
   `native_over_sglang`.
 """
@@ -235,7 +236,7 @@ class Bench:
     def _start_sglang(self, engine_cls) -> None:
         a = self.args
         cfg = SGLangConfig(attention_backend=a.attention_backend, mem_fraction_static=a.mem_fraction,
-                           cuda_graph=not a.no_cuda_graph, extra_args=json.loads(a.sglang_extra))
+                           cuda_graph=not a.no_cuda_graph, extra_args=race_graphs(a) | json.loads(a.sglang_extra))
         try:  # no stop ids: every request ends at max_new_tokens, as the native engine's (ignore_eos)
             self.sgl = SGLangEngine(cfg, a.model_dir, seed=a.seed, max_context=context_needed(a),
                                     engine_cls=engine_cls)
@@ -280,6 +281,20 @@ def context_needed(a: argparse.Namespace) -> int:
         if grpo is not None:
             need.append(grpo[2] + grpo[3])
     return 64 * -(-max(need) // 64)
+
+
+def race_graphs(a: argparse.Namespace) -> dict:
+    """SGLang's decode CUDA graphs for the race: exactly its batch sizes (0.5.17's ServerArgs
+    cuda_graph_bs_decode / cuda_graph_max_bs_decode), none when no race runs or graphs are off. Its default list
+    (1, 2, 4, 8, 12, then 16 .. 256 by 8) stops at 256, so the GRPO workload's 512 would decode eagerly, and
+    capturing that list took 6 min 49 s of the H200's first start; --sglang-extra overrides either key."""
+    if "race" not in a.parts or a.no_cuda_graph:
+        return {}
+    sizes = {int(x) for x in a.batches.split(",")}
+    grpo = parse_grpo(a.grpo)
+    if grpo is not None:
+        sizes.add(grpo[0] * grpo[1])
+    return {"cuda_graph_bs_decode": sorted(sizes), "cuda_graph_max_bs_decode": max(sizes)}
 
 
 def guarded(b: Bench, row: dict, fn) -> None:

@@ -57,7 +57,7 @@ RECORDED_SERVER_ARGS = ("model_path", "skip_tokenizer_init", "random_seed", "att
                         "mem_fraction_static", "disable_cuda_graph", "enable_lora",
                         "max_lora_rank", "lora_target_modules", "max_loras_per_batch", "lora_backend",
                         "enable_memory_saver", "enable_weights_cpu_backup", "dtype", "context_length", "log_level",
-                        "enable_multimodal", "moe_runner_backend")
+                        "enable_multimodal", "moe_runner_backend", "cuda_graph_bs_decode", "cuda_graph_max_bs_decode")
 K3_LORA = ("q_a_proj", "kv_a_proj_with_mqa", "q_b_proj", "kv_b_proj")  # what SGLang's K3 LoRA applies
 K3_LORA_DROPPED = ("q_proj", "k_proj", "v_proj")  # accepted, silently not applied
 

@@ -154,3 +154,12 @@ def test_rounding_floor_bench_compares_bf16_with_fp32_and_serves_the_pinned_copy
     pinned = bench_rounding_floor.run(["--model-dir", str(k3_dir), "--prompts", "1", "--tokens", "12",
                                        "--pin-routes", str(tmp_path / "pinned")])
     assert pinned["model_dir"] == str(tmp_path / "pinned") and pinned["pinned_moe_layers"] >= 1
+
+
+def test_sglang_captures_decode_graphs_at_the_race_batch_sizes():
+    a = bench.parse_args(["--model-dir", "x", "--parts", "logprobs,race", "--batches", "1,64,256", "--grpo", "64x8:512+512"])
+    assert bench.race_graphs(a) == {"cuda_graph_bs_decode": [1, 64, 256, 512], "cuda_graph_max_bs_decode": 512}
+    a = bench.parse_args(["--model-dir", "x", "--parts", "race", "--batches", "4,2", "--grpo", "none"])
+    assert bench.race_graphs(a) == {"cuda_graph_bs_decode": [2, 4], "cuda_graph_max_bs_decode": 4}
+    assert bench.race_graphs(bench.parse_args(["--model-dir", "x", "--parts", "logprobs"])) == {}
+    assert bench.race_graphs(bench.parse_args(["--model-dir", "x", "--no-cuda-graph"])) == {}

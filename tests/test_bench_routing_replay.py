@@ -1,0 +1,74 @@
+"""benchmarks/bench_routing_replay.py's pooling of interleaved rounds, on hand-worked step rows (the runs themselves
+are GPU work: the script's GRPO runs)."""
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+_spec = importlib.util.spec_from_file_location(
+    "bench_routing_replay", Path(__file__).resolve().parents[1] / "benchmarks" / "bench_routing_replay.py")
+bench = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(bench)
+
+
+def _rows(*steps):
+    return [{"perf/step_s": s, "train/rollout_logprob_abs_diff": 0.001 * s} for s in steps]
+
+
+def test_rounds_pool_steps_and_ratio_per_round():
+    # round 0: plain median 1.0, replay 1.1; round 1 (the machine slower): plain 2.0, replay 2.1
+    runs = {"plain": [_rows(0.9, 1.0, 1.2), _rows(2.0, 2.0, 1.9)], "replay": [_rows(1.2, 1.1, 1.1), _rows(2.1, 2.2, 2.0)]}
+    res = bench.compare(runs)
+    assert res["plain"]["perf/step_s"] == pytest.approx(1.55)  # median of 0.9 1.0 1.2 2.0 2.0 1.9: (1.2 + 1.9) / 2
+    assert res["replay"]["perf/step_s"] == pytest.approx(1.6)  # of 1.2 1.1 1.1 2.1 2.2 2.0: (1.2 + 2.0) / 2
+    assert res["replay"]["steps"] == 6
+    assert res["replay"]["step_s_over_plain_rounds"] == pytest.approx([1.1, 2.1 / 2.0])
+    assert res["plain"]["step_s_over_plain_rounds"] == pytest.approx([1.0, 1.0])
+
+
+def test_one_round_has_no_per_round_list(tmp_path):
+    (tmp_path / "m.jsonl").write_text('{"perf/step_s": 5}\n{"eval/acc": 1}\n{"perf/step_s": 1}\n{"perf/step_s": 3}\n')
+    rows = bench.step_rows(tmp_path / "m.jsonl", skip=1)  # the first step row left out, the eval row skipped
+    assert [r["perf/step_s"] for r in rows] == [1, 3]
+    res = bench.compare({"plain": [rows], "replay": [_rows(4.0)]})
+    assert res["replay"]["step_s_over_plain"] == pytest.approx(2.0) and "step_s_over_plain_rounds" not in res["replay"]
+
+
+def test_schedule_is_modes_then_reversed_per_block():
+    assert bench.schedule(["plain", "replay"], 2) == ["plain", "replay", "replay", "plain"] * 2
+    assert bench.schedule(["plain", "measure", "replay"], 1) == ["plain", "measure", "replay", "replay", "measure",
+                                                                  "plain"]
+
+
+def test_compare_blocks_pairs_each_block_with_its_own_plain_steps():
+    def row(mode, block, s):
+        return {"bench/mode": mode, "bench/block": block, "perf/step_s": s}
+    # block 0: plain 1.0, 1.2 (mean 1.1), replay 1.1, 1.3 (1.2); block 1 (slower): plain 2.0, 2.2, replay 2.2, 2.2
+    rows = [row("plain", 0, 1.0), row("replay", 0, 1.1), row("replay", 0, 1.3), row("plain", 0, 1.2),
+            row("plain", 1, 2.0), row("replay", 1, 2.2), row("replay", 1, 2.2), row("plain", 1, 2.2)]
+    res = bench.compare_blocks(rows, ["plain", "replay"])
+    assert res["replay"]["step_s_over_plain_blocks"] == pytest.approx((1.2 / 1.1 + 2.2 / 2.1) / 2)
+    assert res["replay"]["step_s_over_plain"] == pytest.approx(((1.3 + 2.2) / 2) / ((1.2 + 2.0) / 2))
+    assert res["plain"]["step_s_over_plain_blocks"] == pytest.approx(1.0)
+
+
+def test_alternate_toggles_routes_step_by_step_in_one_run(tmp_path):
+    """The tiny K3 on the CPU, one block: the engine returns routes on the replay steps only, and replaying
+    steps train on them (the run goes on from the adapter the plain step left)."""
+    import argparse
+    import json
+
+    data = tmp_path / "sums.jsonl"
+    data.write_text("".join(json.dumps({"id": f"q{i}", "question": f"{i} + {i} = ?", "answer": str(2 * i)}) + "\n"
+                            for i in range(6)))
+    args = argparse.Namespace(out=str(tmp_path), steps=1, skip=0, device="cpu", seed=0, modes="plain,replay")
+    extra = [f"data.source={data}", "data.problem_field=null", "model=k3_tiny", "model.path=null",
+             "model.dtype=fp32", "rollout.prompts_per_step=2", "rollout.group_size=2", "rollout.max_new_tokens=3",
+             "rollout.template=plain", "engine.max_context=64", "engine.memory_budget_bytes=2097152",
+             "lora.rank=2", "reward=coin"]
+    results, rows = bench.alternate(args, extra)
+    assert [r["bench/mode"] for r in rows] == ["plain", "replay", "replay", "plain"]
+    assert [r["bench/routes"] for r in rows] == [False, True, True, False]
+    assert results["plain"]["steps"] == 2 and results["replay"]["steps"] == 2
+    logged = [json.loads(x) for x in (tmp_path / "alternate" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["bench/mode_index"] for r in logged if "bench/mode_index" in r] == [0, 1, 1, 0]
