@@ -9,7 +9,9 @@ routes recorded, the trainer's own top-k compared with them: train/route_mismatc
 (trainer.routing_replay=true). Each mode is one `python -m miles_k3.train` with its run directory DIR/<mode>; the
 default recipe is the quickstart's (the trained k3_nano base) on `--device` with eval off. Printed per mode (medians
 over the steps after the first `--skip`): train/rollout_logprob_abs_diff (mean per token) and its _p99,
-train/route_mismatch_frac, perf/step_s, perf/rollout_s, perf/train_s, and each mode's step time over plain's.
+train/route_mismatch_frac, perf/step_s, perf/rollout_s, perf/train_s, step_s_per_1k_tokens (the median of step time
+per 1,000 trained tokens, train/num_tokens), and each mode's step time over plain's (step_s_over_plain; per token:
+per_token_over_plain).
 Pass `data.source=FILE.jsonl data.problem_field=null` after `--` to train on a local file (id / question / answer
 rows) instead of the recipe's generated problems.
 
@@ -22,7 +24,9 @@ the modes take turns step by step in blocks of plain, replay, replay, plain (`sc
 then the modes reversed, so that a trend within a block falls on both alike), the adapter training on through all
 of them; `--steps` is then the number of blocks, `--skip` the blocks left out (the first compiles every mode's
 kernels). Printed per mode as above, plus `step_s_over_plain_blocks`: the median over blocks of each block's
-mean step time of the mode over its mean plain step time (the paired estimate of the cost). DIR/alternate holds
+mean step time of the mode over its mean plain step time. The modes' steps see different prompts here, of
+different lengths, so the cost to read is `per_token_over_plain`: the median step time per 1,000 trained tokens
+(`step_s_per_1k_tokens`, train/num_tokens) over plain's (both printed in every mode). DIR/alternate holds
 the run's metrics (each row with `bench/mode_index`: its mode's place in --modes).
 """
 from __future__ import annotations
@@ -35,6 +39,7 @@ import sys
 from pathlib import Path
 
 MODES = {"plain": [], "measure": ["rollout.return_routed_experts=true"], "replay": ["trainer.routing_replay=true"]}
+TOKENS = "train/num_tokens"  # the loss tokens of a step
 KEYS = ("train/rollout_logprob_abs_diff", "train/rollout_logprob_abs_diff_p99", "train/route_mismatch_frac",
         "perf/step_s", "perf/rollout_s", "perf/train_s")
 
@@ -108,8 +113,8 @@ def compare_blocks(rows: list[dict], modes: list[str]) -> dict[str, dict]:
         def mean_step(m, b):
             return statistics.fmean(r["perf/step_s"] for r in rows if r["bench/mode"] == m and r["bench/block"] == b)
 
+        over_plain(results)
         for m, r in results.items():
-            r["step_s_over_plain"] = r["perf/step_s"] / results["plain"]["perf/step_s"]
             r["step_s_over_plain_blocks"] = statistics.median(mean_step(m, b) / mean_step("plain", b) for b in blocks)
     return results
 
@@ -121,18 +126,29 @@ def step_rows(path: Path, skip: int) -> list[dict]:
 
 
 def summarize(rows: list[dict]) -> dict[str, float]:
-    return {k: statistics.median(r[k] for r in rows) for k in KEYS if all(k in r for r in rows)} | {"steps": len(rows)}
+    out = {k: statistics.median(r[k] for r in rows) for k in KEYS if all(k in r for r in rows)} | {"steps": len(rows)}
+    if all(r.get(TOKENS) for r in rows):  # steps differ in length: the time per trained token compares fairly
+        out["step_s_per_1k_tokens"] = statistics.median(1000 * r["perf/step_s"] / r[TOKENS] for r in rows)
+    return out
+
+
+def over_plain(results: dict[str, dict]) -> None:
+    """Each mode's pooled step time (and time per trained token) over plain's, in place."""
+    base = results["plain"]
+    for r in results.values():
+        r["step_s_over_plain"] = r["perf/step_s"] / base["perf/step_s"]
+        if "step_s_per_1k_tokens" in r and "step_s_per_1k_tokens" in base:
+            r["per_token_over_plain"] = r["step_s_per_1k_tokens"] / base["step_s_per_1k_tokens"]
 
 
 def compare(runs: dict[str, list[list[dict]]]) -> dict[str, dict]:
     """Per mode: the medians over every round's steps, and (beside a plain mode) the step time over plain's, pooled
     and per round (round r's median over round r's plain median)."""
     results = {m: summarize([row for rnd in rounds for row in rnd]) for m, rounds in runs.items()}
-    base = results.get("plain", {}).get("perf/step_s")
-    if base:
+    if "plain" in results:
+        over_plain(results)
         plain = [statistics.median(r["perf/step_s"] for r in rnd) for rnd in runs["plain"]]
         for m, r in results.items():
-            r["step_s_over_plain"] = r["perf/step_s"] / base
             if len(plain) > 1:
                 r["step_s_over_plain_rounds"] = [statistics.median(x["perf/step_s"] for x in rnd) / p
                                                  for rnd, p in zip(runs[m], plain)]

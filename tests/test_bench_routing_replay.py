@@ -72,3 +72,14 @@ def test_alternate_toggles_routes_step_by_step_in_one_run(tmp_path):
     assert results["plain"]["steps"] == 2 and results["replay"]["steps"] == 2
     logged = [json.loads(x) for x in (tmp_path / "alternate" / "metrics.jsonl").read_text().splitlines()]
     assert [r["bench/mode_index"] for r in logged if "bench/mode_index" in r] == [0, 1, 1, 0]
+
+
+def test_time_per_trained_token_corrects_for_longer_steps():
+    # replay's steps happen to train twice the tokens in twice the time: per token it costs nothing
+    plain = [{"perf/step_s": 1.0, "train/num_tokens": 100}, {"perf/step_s": 1.2, "train/num_tokens": 100}]
+    replay = [{"perf/step_s": 2.0, "train/num_tokens": 200}, {"perf/step_s": 2.6, "train/num_tokens": 200}]
+    res = bench.compare({"plain": [plain], "replay": [replay]})
+    assert res["plain"]["step_s_per_1k_tokens"] == pytest.approx(11.0)  # per 1k tokens: 10 s and 12 s
+    assert res["replay"]["step_s_per_1k_tokens"] == pytest.approx(11.5)  # 10 and 13
+    assert res["replay"]["step_s_over_plain"] == pytest.approx(2.3 / 1.1)
+    assert res["replay"]["per_token_over_plain"] == pytest.approx(11.5 / 11.0)
