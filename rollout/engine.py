@@ -49,6 +49,7 @@ from miles_k3.rollout.adapters import AdapterBank, share_base
 from miles_k3.rollout.graph_decode import GraphDecoder
 from miles_k3.rollout.memory import KDAStatePool, PagedLatentCache, plan_memory, pooled_state, store_state
 from miles_k3.rollout.push_copy import check_tensors
+from miles_k3.rollout.route_log import RouteLog
 from miles_k3.rollout.sampling import (
     FinishReason,
     SamplingParams,
@@ -125,9 +126,10 @@ class _Request:
     weight_versions: set[int] = field(default_factory=set)
     record: bool = False  # return_routed_experts: keep the routes of every position processed
     routes: list[torch.Tensor] = field(default_factory=list)  # host int16 [positions, L, K] chunks, in order
+    log_rows: list[int] = field(default_factory=list)  # then these decode positions' rows of the engine's RouteLog
     num_routed: int = 0  # positions 0 .. num_routed - 1 have routes
 
-    def add_routes(self, first: int, routes_TLK: torch.Tensor) -> None:
+    def add_routes(self, first: int, routes_TLK: torch.Tensor, log: RouteLog) -> None:
         """Routes of positions first .. first + T - 1 (host); positions already routed keep their first routes
         (a preempted request's recompute: the routes its tokens were sampled with)."""
         skip = self.num_routed - first
@@ -135,8 +137,15 @@ class _Request:
             raise RuntimeError(f"routes of request {self.rid}: positions {self.num_routed}..{first - 1} were "
                                "never recorded")
         if skip < routes_TLK.shape[0]:
+            if self.log_rows:  # the decode rows so far come first
+                self.routes.append(log.gather(self.log_rows))
+                self.log_rows = []
             self.routes.append(routes_TLK[skip:])
             self.num_routed = first + routes_TLK.shape[0]
+
+    def routed(self, log: RouteLog) -> torch.Tensor:
+        """All routes, [num_routed, L, K]."""
+        return torch.cat(self.routes + ([log.gather(self.log_rows)] if self.log_rows else []))
 
     @property
     def tokens(self) -> list[int]:
@@ -221,6 +230,7 @@ class RolloutEngine:
         self._unpaused.set()
         self._released: set[str] = set()  # memory tags released and not resumed yet
         self._active = 0  # generate() calls in flight (other threads may pause, push weights, release)
+        self._route_log = RouteLog()  # decode steps' routes while generate() calls are in flight
 
     # ---- public API --------------------------------------------------------------------------------
     @property
@@ -262,6 +272,8 @@ class RolloutEngine:
             self._run(groups, results, return_logprob)
         finally:
             self._active -= 1
+            if not self._active:  # every request of every call has its routes in its result
+                self._route_log.clear()
         return results
 
     def load_lora_adapter_from_tensors(self, name: str, tensors: dict[str, torch.Tensor],
@@ -467,6 +479,7 @@ class RolloutEngine:
         for req, s in zip(group[1:], slots):
             req.slot, req.cached = s, len(head.tokens) - 1
             req.routes, req.num_routed = list(head.routes), head.num_routed  # the shared prefill's routes
+            req.log_rows = list(head.log_rows)
         return True
 
     def _prefill_heads(self, heads: list[_Request]) -> set[int]:
@@ -510,7 +523,7 @@ class RolloutEngine:
             routes_BTLK = recorder.routes().view(len(rows), width, self._num_moe, -1).cpu()
             for b, (r, p) in enumerate(zip(rows, pieces)):
                 if r.record:
-                    r.add_routes(start, routes_BTLK[b, :len(p)])
+                    r.add_routes(start, routes_BTLK[b, :len(p)], self._route_log)
 
     def _make_room(self, running: list[_Request], waiting: deque) -> None:
         """Reserve one more position per running request, preempting the youngest while pages are short."""
@@ -583,13 +596,21 @@ class RolloutEngine:
             self._keep_step_routes(recorded, recorder.routes())
         return out.logits
 
-    @staticmethod
-    def _keep_step_routes(reqs: list[_Request], routes_BLK: torch.Tensor) -> None:
-        """A decode step's routes [B, L, K] (device): each recording request's, at the position it processed."""
-        host = routes_BLK.cpu()
+    def _keep_step_routes(self, reqs: list[_Request], routes_BLK: torch.Tensor) -> None:
+        """A decode step's routes [B, L, K] (device): each recording request's, at the position it processed (the
+        step's rows copied into the RouteLog once; a request keeps its row's index)."""
+        host, first = routes_BLK.cpu(), None
         for b, r in enumerate(reqs):
-            if r.record:
-                r.add_routes(len(r.tokens) - 1, host[b:b + 1])
+            if not r.record:
+                continue
+            pos = len(r.prompt) + len(r.output) - 1
+            if pos != r.num_routed:  # not the next position: add_routes keeps first routes or says what is missing
+                r.add_routes(pos, host[b:b + 1], self._route_log)
+                continue
+            if first is None:
+                first = self._route_log.append(host)
+            r.log_rows.append(first + b)
+            r.num_routed += 1
 
     def _free(self, req: _Request) -> None:
         self.kda.free(req.slot)
@@ -605,7 +626,7 @@ class RolloutEngine:
             if req.unfiltered:  # the sampling was filtered: the same tokens under the unfiltered distribution
                 meta["output_token_logprobs_unfiltered"] = list(req.unfiltered)
         if req.record:
-            routes = torch.cat(req.routes)
+            routes = req.routed(self._route_log)
             assert routes.shape[0] == len(req.tokens) - 1, (routes.shape, len(req.tokens))
             meta["routed_experts"] = routes
         return {"output_ids": list(req.output), "meta_info": meta}

@@ -22,6 +22,7 @@ from lora_helpers import tiny
 from miles_k3.model.experts import RoutedExperts
 from miles_k3.model.lora import LoRAConfig, apply_lora, lora_parameters
 from miles_k3.model.routing import mismatched_tokens, moe_layers, recording, replaying
+from miles_k3.rollout import route_log
 from miles_k3.rollout.engine import EngineConfig, RolloutEngine
 from miles_k3.trainer.batch import Sample
 from miles_k3.trainer.losses import LossConfig
@@ -49,8 +50,12 @@ def fp32():
     return tiny("mxfp4")
 
 
-@pytest.mark.parametrize("decode", ["eager", "static"])
-def test_engine_routes_are_the_trainers_token_by_token_through_fork_chunks_and_preemption(fp32, decode):
+@pytest.mark.parametrize("decode,block_rows", [("eager", None), ("static", None), ("eager", 2)])
+def test_engine_routes_are_the_trainers_token_by_token_through_fork_chunks_and_preemption(fp32, decode, block_rows,
+                                                                                          monkeypatch):
+    """block_rows 2: the decode steps' rows span many blocks of the engine's route log."""
+    if block_rows is not None:
+        monkeypatch.setattr(route_log, "BLOCK_ROWS", block_rows)
     params = {"temperature": 1.0, "max_new_tokens": 8, "sampling_seed": 5}
     # 7 pages of 4 tokens for 9 requests of up to 19 tokens: requests are preempted and recomputed
     engine = _engine(fp32, max_context=20, num_pages=7 + (decode == "static"), decode=decode)

@@ -1,0 +1,57 @@
+"""The host rows of the rollout engine's decode-step routes (`return_routed_experts`), kept once per step.
+
+A decode step's routes are `[B, L, K]` (one row per request of the step, `miles_k3.model.routing`). Kept per request
+(a view of the step's row, appended to the request's list, all concatenated at its end), they cost Python work per
+request per step. `RouteLog.append` instead copies the step's rows into fixed blocks of host rows and returns the
+index of its first row; a request keeps the integer index of its row, and `gather` reads a request's rows back in
+one index per block they span. The log lives while `generate` calls are in flight (`clear` when none is).
+"""
+from __future__ import annotations
+
+import torch
+
+BLOCK_ROWS = 8192  # rows per host block (k3: 2,944 B a row, 24 MB a block)
+
+
+class RouteLog:
+    """Rows of decode-step routes in append order, in host blocks of `block_rows` rows."""
+
+    def __init__(self, block_rows: int | None = None):
+        block_rows = BLOCK_ROWS if block_rows is None else block_rows
+        if block_rows < 1:
+            raise ValueError(f"block_rows: must be >= 1, got {block_rows}")
+        self.block_rows = block_rows
+        self.blocks: list[torch.Tensor] = []
+        self.num_rows = 0
+
+    def append(self, rows_BLK: torch.Tensor) -> int:
+        """Copy `rows_BLK` (host [B, L, K]) in; returns the index of its first row (row b is that + b)."""
+        if self.blocks and (self.blocks[0].shape[1:] != rows_BLK.shape[1:] or self.blocks[0].dtype != rows_BLK.dtype):
+            raise ValueError(f"route log: rows of shape {tuple(rows_BLK.shape[1:])} {rows_BLK.dtype}, the log holds "
+                             f"{tuple(self.blocks[0].shape[1:])} {self.blocks[0].dtype}")
+        first, done = self.num_rows, 0
+        while done < rows_BLK.shape[0]:
+            block, offset = divmod(self.num_rows, self.block_rows)
+            if block == len(self.blocks):
+                self.blocks.append(torch.empty(self.block_rows, *rows_BLK.shape[1:], dtype=rows_BLK.dtype))
+            n = min(rows_BLK.shape[0] - done, self.block_rows - offset)
+            self.blocks[block][offset:offset + n] = rows_BLK[done:done + n]
+            done += n
+            self.num_rows += n
+        return first
+
+    def gather(self, index: list[int]) -> torch.Tensor:
+        """The rows at `index` (ascending, as a request's steps are), [len(index), L, K], a copy."""
+        idx = torch.tensor(index, dtype=torch.long)
+        if idx.numel() and (int(idx[0]) < 0 or int(idx[-1]) >= self.num_rows):
+            raise IndexError(f"route log: rows {int(idx[0])}..{int(idx[-1])} asked, the log holds {self.num_rows}")
+        blocks, counts = torch.unique_consecutive(idx // self.block_rows, return_counts=True)
+        parts, start = [], 0
+        for block, count in zip(blocks.tolist(), counts.tolist()):
+            parts.append(self.blocks[block][idx[start:start + count] - block * self.block_rows])
+            start += count
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def clear(self) -> None:
+        """Forget every row (the blocks are freed)."""
+        self.blocks, self.num_rows = [], 0
