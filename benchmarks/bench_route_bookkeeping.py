@@ -6,7 +6,7 @@ engine's previous way), in one run.
 
 Each case: `--batch` recording requests with `--prompt`-token prompts (their prefill routes one chunk), `--steps`
 decode steps of [batch, layers, top_k] int16 host rows (k3_m2: 15 MoE layers, top 4); printed: ms per decode step
-(`_keep_step_routes`) and ms to assemble every request's routes at its end, median of `--repeats`, and the ratios.
+(`RouteLog.keep_step`) and ms to assemble every request's routes at its end, median of `--repeats`, and the ratios.
 """
 from __future__ import annotations
 
@@ -17,15 +17,8 @@ import time
 
 import torch
 
-from miles_k3.rollout.engine import RolloutEngine, _Request
+from miles_k3.rollout.engine import _Request
 from miles_k3.rollout.route_log import RouteLog
-
-
-class _Host:
-    """What RolloutEngine._keep_step_routes reads of the engine: its route log."""
-
-    def __init__(self):
-        self._route_log = RouteLog()
 
 
 def _requests(batch: int, prompt: int, log: RouteLog, shape: tuple[int, int]) -> list[_Request]:
@@ -38,17 +31,17 @@ def _requests(batch: int, prompt: int, log: RouteLog, shape: tuple[int, int]) ->
 
 
 def route_log_case(batch: int, steps: int, prompt: int, shape: tuple[int, int]) -> tuple[float, float]:
-    host = _Host()
-    reqs = _requests(batch, prompt, host._route_log, shape)
+    log = RouteLog()
+    reqs = _requests(batch, prompt, log, shape)
     rows = torch.zeros(batch, *shape, dtype=torch.int16)
     t0 = time.perf_counter()
     for _ in range(steps):
-        RolloutEngine._keep_step_routes(host, reqs, rows)
+        log.keep_step(reqs, rows)
         for r in reqs:
             r.output.append(1)
     t1 = time.perf_counter()
     for r in reqs:
-        r.routed(host._route_log)
+        r.routed(log)
     return (t1 - t0) / steps, time.perf_counter() - t1
 
 
@@ -59,15 +52,15 @@ def per_request_views_case(batch: int, steps: int, prompt: int, shape: tuple[int
     outputs: list[list[int]] = [[] for _ in range(batch)]
     prompt_ids = list(range(prompt))
     rows = torch.zeros(batch, *shape, dtype=torch.int16)
-    routed = [prompt - 1] * batch
+    routed = [prompt - 1] * batch  # positions with routes
     t0 = time.perf_counter()
     for _ in range(steps):
         host = rows.cpu()
         for b in range(batch):
-            first = len(prompt_ids + outputs[b]) - 1
-            if routed[b] - first < 1:
+            pos = len(prompt_ids + outputs[b]) - 1
+            if pos >= routed[b]:  # a position not routed yet
                 chunks[b].append(host[b:b + 1])
-                routed[b] = first + 1
+                routed[b] = pos + 1
         for o in outputs:
             o.append(1)
     t1 = time.perf_counter()

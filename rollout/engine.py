@@ -583,7 +583,7 @@ class RolloutEngine:
             for rid in rids:
                 self.cache.advance(rid, 1)
             if recorded is not None:
-                self._keep_step_routes(recorded, torch.cat(routes))
+                self._route_log.keep_step(recorded, torch.cat(routes))
             return chunks[0] if len(chunks) == 1 else torch.cat(chunks)
         slots_t = torch.tensor(slots, device=self.device)
         state = pooled_state(self.cfg, self.kda, slots_t, self.cache, rids)
@@ -593,24 +593,8 @@ class RolloutEngine:
         stored = store_state(self.cfg, out.state, self.kda, slots_t, self.cache, rids)
         assert stored, "positions were reserved by _make_room"
         if recorded is not None:
-            self._keep_step_routes(recorded, recorder.routes())
+            self._route_log.keep_step(recorded, recorder.routes())
         return out.logits
-
-    def _keep_step_routes(self, reqs: list[_Request], routes_BLK: torch.Tensor) -> None:
-        """A decode step's routes [B, L, K] (device): each recording request's, at the position it processed (the
-        step's rows copied into the RouteLog once; a request keeps its row's index)."""
-        host, first = routes_BLK.cpu(), None
-        for b, r in enumerate(reqs):
-            if not r.record:
-                continue
-            pos = len(r.prompt) + len(r.output) - 1
-            if pos != r.num_routed:  # not the next position: add_routes keeps first routes or says what is missing
-                r.add_routes(pos, host[b:b + 1], self._route_log)
-                continue
-            if first is None:
-                first = self._route_log.append(host)
-            r.log_rows.append(first + b)
-            r.num_routed += 1
 
     def _free(self, req: _Request) -> None:
         self.kda.free(req.slot)

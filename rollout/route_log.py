@@ -3,8 +3,9 @@
 A decode step's routes are `[B, L, K]` (one row per request of the step, `miles_k3.model.routing`). Kept per request
 (a view of the step's row, appended to the request's list, all concatenated at its end), they cost Python work per
 request per step. `RouteLog.append` instead copies the step's rows into fixed blocks of host rows and returns the
-index of its first row; a request keeps the integer index of its row, and `gather` reads a request's rows back in
-one index per block they span. The log lives while `generate` calls are in flight (`clear` when none is).
+index of its first row; a request keeps the integer index of its row (`keep_step`, the engine's call per decode
+step), and `gather` reads a request's rows back in one index per block they span. The log lives while `generate`
+calls are in flight (`clear` when none is).
 """
 from __future__ import annotations
 
@@ -39,6 +40,22 @@ class RouteLog:
             done += n
             self.num_rows += n
         return first
+
+    def keep_step(self, reqs: list, routes_BLK: torch.Tensor) -> None:
+        """A decode step's routes [B, L, K] (device) of the engine's requests `reqs` (row b: reqs[b]): each recording
+        request's, at the position it processed (the step's rows copied in once; a request keeps its row's index)."""
+        host, first = routes_BLK.cpu(), None
+        for b, r in enumerate(reqs):
+            if not r.record:
+                continue
+            pos = len(r.prompt) + len(r.output) - 1
+            if pos != r.num_routed:  # not the next position: add_routes keeps first routes or says what is missing
+                r.add_routes(pos, host[b:b + 1], self)
+                continue
+            if first is None:
+                first = self.append(host)
+            r.log_rows.append(first + b)
+            r.num_routed += 1
 
     def gather(self, index: list[int]) -> torch.Tensor:
         """The rows at `index` (ascending, as a request's steps are), [len(index), L, K], a copy."""
