@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_sglang_k3 import logprob_gap, our_argmax, pin_routes, random_prompts, spread
+from logprob_compare import logprob_gap, our_argmax, pin_routes, random_prompts, spread
 
 from miles_k3.model.build import ModelConfig, build_model, build_tokenizer
 from miles_k3.model.checkpoint import inspect_checkpoint
