@@ -13,7 +13,7 @@ lands in the working copy:
     python benchmarks/bench_sglang_k3.py --model-dir $HOME/k3_m2_mxfp4 --json $HOME/bench_sglang_k3.json
 
     [--parts logprobs,race] [--prompts 32] [--tokens 256] [--greedy-tokens 64] [--data FILE.jsonl --template boxed]
-    [--batches 1,64,256] [--prompt 32] [--new 64] [--grpo 64x8:512+512|none] [--budget-gib 24] [--decode auto]
+    [--no-random] [--batches 1,64,256] [--prompt 32] [--new 64] [--grpo 64x8:512+512|none] [--budget-gib 24] [--decode auto]
     [--attention-backend triton] [--mem-fraction 0.35] [--no-cuda-graph] [--sglang-extra '{"key": value}']
     [--pin-routes DIR] [--no-floor] [--device cuda] [--seed 0]
 
@@ -23,9 +23,10 @@ MXFP4 experts, enable_multimodal False, bf16). Every result is one JSON line (`-
 after each line); a part that fails prints a line with its `error` and the others still run.
 
 * `logprobs` / `prompt_logprobs`: `--prompts` prompts of `--tokens` token ids (seeded, drawn uniformly from the
-  vocabulary without the tokenizer's special and stop ids; `--data`: problems of a .jsonl file rendered with
-  `--template`, cut to `--tokens`). SGLang's prompt log-probs (`SGLangEngine.prompt_logprobs`: max_new_tokens=1,
-  logprob_start_len=0, input_token_logprobs) against the trainer's (`sequence_logprobs`: bf16 on CUDA). `mean` /
+  vocabulary without the tokenizer's special and stop ids; `--data`: then also the first `--prompts` problems of a
+  .jsonl file rendered with `--template`, cut to `--tokens`, each set its own rows; `--no-random`: the data
+  alone). SGLang's prompt log-probs (`SGLangEngine.prompt_logprobs`: max_new_tokens=1, logprob_start_len=0,
+  input_token_logprobs) against the trainer's (`sequence_logprobs`: bf16 on CUDA). `mean` /
   `max`: |ours - SGLang's| per prompt token, nats/token, over `tokens` positions of all prompts. Expected: bf16 noise,
   ~0.001 nats/token as the HF Qwen3 backend measured (README: 0.0009-0.0013), max well below 0.1; a kernel that
   computes something else (attention residuals, SiTU, KDA, the MLA output gate) should show as 0.01 and more, judged
@@ -226,18 +227,21 @@ def outputs(records: list[dict]) -> list[list[int]]:
 
 
 # ---- part 1: log-probs and greedy agreement -----------------------------------------------------------------------
-def logprob_prompts(b: Bench) -> tuple[list[list[int]], str]:
+def logprob_prompts(b: Bench) -> list[tuple[list[list[int]], str]]:
+    """The prompt sets of the logprobs part: random ids (unless --no-random), then --data's problems if given."""
     a = b.args
-    if a.data is None:
-        vocab = b.model.config.vocab_size
-        return random_prompts(a.prompts, a.tokens, vocab, b.special, a.seed), "random"
-    problems = load_problems(DatasetConfig(source=a.data, limit=a.prompts))
-    ids = [b.tokenizer.encode(render_prompt(a.template, p.problem, b.tokenizer), add_special_tokens=False)[:a.tokens]
-           for p in problems]
-    short = [i for i, p in enumerate(ids) if len(p) < 2]
-    if short:
-        raise ValueError(f"--data {a.data}: problems {short[:5]} render to fewer than 2 tokens")
-    return ids, f"{a.data} ({a.template})"
+    sets = []
+    if a.random:
+        sets.append((random_prompts(a.prompts, a.tokens, b.model.config.vocab_size, b.special, a.seed), "random"))
+    if a.data is not None:
+        problems = load_problems(DatasetConfig(source=a.data, limit=a.prompts))
+        ids = [b.tokenizer.encode(render_prompt(a.template, p.problem, b.tokenizer),
+                                  add_special_tokens=False)[:a.tokens] for p in problems]
+        short = [i for i, p in enumerate(ids) if len(p) < 2]
+        if short:
+            raise ValueError(f"--data {a.data}: problems {short[:5]} render to fewer than 2 tokens")
+        sets.append((ids, f"{a.data} ({a.template})"))
+    return sets
 
 
 def sglang_top1(sgl: SGLangEngine, ids: list[int]) -> list[int | None] | None:
@@ -282,17 +286,19 @@ def greedy_continuations(b: Bench, prompts: list[list[int]]) -> dict:
 
 def part_logprobs(b: Bench) -> None:
     try:
-        prompts, source = logprob_prompts(b)
+        sets = logprob_prompts(b)
     except Exception as e:  # the race still runs
         log.exception("logprobs: no prompts")
         b.emit({"part": "logprobs", "error": f"{type(e).__name__}: {e}"})
         return
-    head = {"part": "logprobs", "source": source, "prompts": len(prompts)}
-    guarded(b, head | {"check": "prompt_logprobs", "prompt_tokens": max(map(len, prompts))},
-            lambda: prompt_logprob_gap(b, prompts))
-    if b.args.greedy_tokens:
-        guarded(b, head | {"check": "greedy", "prefix_tokens": GREEDY_PREFIX, "new_tokens": b.args.greedy_tokens},
-                lambda: greedy_continuations(b, prompts))
+    for prompts, source in sets:
+        head = {"part": "logprobs", "source": source, "prompts": len(prompts)}
+        guarded(b, head | {"check": "prompt_logprobs", "prompt_tokens": max(map(len, prompts))},
+                lambda p=prompts: prompt_logprob_gap(b, p))
+        if b.args.greedy_tokens:
+            guarded(b, head | {"check": "greedy", "prefix_tokens": GREEDY_PREFIX,
+                               "new_tokens": b.args.greedy_tokens},
+                    lambda p=prompts: greedy_continuations(b, p))
 
 
 # ---- part 2: the throughput race ----------------------------------------------------------------------------------
@@ -358,7 +364,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--prompts", type=int, default=32, help="logprobs: prompts")
     ap.add_argument("--tokens", type=int, default=256, help="logprobs: tokens per prompt")
     ap.add_argument("--greedy-tokens", type=int, default=64, help="logprobs: greedy new tokens per prompt (0: none)")
-    ap.add_argument("--data", default=None, help="logprobs: a .jsonl of problems instead of random ids")
+    ap.add_argument("--data", default=None, help="logprobs: a .jsonl of problems, checked after the random ids")
+    ap.add_argument("--no-random", dest="random", action="store_false", help="logprobs: no random-id prompts")
     ap.add_argument("--template", default="boxed", help="logprobs: the prompt template of --data")
     ap.add_argument("--batches", default="1,64,256", help="race: batch sizes of the decode workload")
     ap.add_argument("--prompt", type=int, default=32, help="race: prompt tokens of the decode workload")
@@ -379,6 +386,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     bad = [p for p in args.parts if p not in PARTS]
     if bad or not args.parts:
         ap.error(f"--parts: {bad or 'none'} not among {', '.join(PARTS)}")
+    if "logprobs" in args.parts and not args.random and args.data is None:
+        ap.error("--no-random needs --data (the logprobs part would have no prompts)")
     if args.tokens < 2 or args.prompts < 1 or args.greedy_tokens < 0:
         ap.error("--tokens must be >= 2, --prompts >= 1, --greedy-tokens >= 0 (0: no greedy check)")
     if not isinstance(json.loads(args.sglang_extra), dict):

@@ -163,3 +163,26 @@ def test_sglang_captures_decode_graphs_at_the_race_batch_sizes():
     assert bench.race_graphs(a) == {"cuda_graph_bs_decode": [2, 4], "cuda_graph_max_bs_decode": 4}
     assert bench.race_graphs(bench.parse_args(["--model-dir", "x", "--parts", "logprobs"])) == {}
     assert bench.race_graphs(bench.parse_args(["--model-dir", "x", "--no-cuda-graph"])) == {}
+
+
+def test_data_prompts_are_a_second_set_after_the_random_ids(k3_dir, tmp_path):
+    """--data adds its problems as their own rows after the random ids; --no-random leaves the data alone."""
+    import json
+
+    from miles_k3.model.checkpoint import load_checkpoint
+
+    data = tmp_path / "lp.jsonl"
+    data.write_text("".join(json.dumps({"id": str(i), "problem": p, "answer": "0"}) + "\n"
+                            for i, p in enumerate(["15-43-75=-103", "1+5=6", "7-2=5"])))
+    double = functools.partial(FakeSGLangEngine, model=load_checkpoint(k3_dir, "cpu", torch.float32))
+    argv = ["--model-dir", str(k3_dir), "--device", "cpu", "--parts", "logprobs", "--prompts", "2", "--tokens", "16",
+            "--greedy-tokens", "0", "--budget-gib", "0.05", "--data", str(data), "--template", "plain"]
+    lps = [r for r in bench.run(argv, engine_cls=double) if r.get("check") == "prompt_logprobs"]
+    assert [r["source"] for r in lps] == ["random", f"{data} (plain)"]
+    assert [r["prompts"] for r in lps] == [2, 2] and lps[0]["tokens"] == 2 * 15
+    assert all("error" not in r and r["mean"] < 1e-5 for r in lps)
+    assert lps[1]["prompt_tokens"] < 16  # the two problems' own lengths, not the random ids' 16
+    lps = [r for r in bench.run(argv + ["--no-random"], engine_cls=double) if r.get("check") == "prompt_logprobs"]
+    assert [r["source"] for r in lps] == [f"{data} (plain)"]
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--model-dir", str(k3_dir), "--no-random"])
