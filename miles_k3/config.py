@@ -310,9 +310,6 @@ class EvalRunConfig:
         check_device(self.device)
         check_weights_given(self.model)
         check_backend(self.model, self.engine.backend, self.sglang)
-        if self.sglang.push == "merged":
-            raise ValueError("sglang.push: merged writes the trainer's merged weights (python -m miles_k3.train); "
-                             "eval loads the adapter file as a LoRA adapter: leave sglang.push=auto")
         check_context("eval.max_new_tokens", self.eval.max_new_tokens, self.engine, self.sglang)
 
 

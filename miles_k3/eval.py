@@ -59,20 +59,26 @@ def build_engine(cfg):
 
 
 def _sglang_engine(cfg):
-    """engine.backend=sglang: SGLang serves the checkpoint directory and loads the adapter directory's PEFT tensors
-    as they are (checked by `read_adapter`; no model is built in this process)."""
+    """engine.backend=sglang: SGLang serves the checkpoint directory, and the adapter directory (checked by
+    `read_adapter`; no model is built in this process) is pushed as sglang.push resolves for its targets: as a LoRA
+    adapter, its PEFT tensors as they are, or merged (a K3 adapter SGLang's K3 LoRA cannot serve): W0 + s * B @ A
+    from the checkpoint's own W0, written once before the first request."""
     from miles_k3.adapter import read_adapter
     from miles_k3.rollout.sglang_backend import serve_checkpoint
+    from miles_k3.weight_sync.sglang import merged_from_checkpoint
 
     lora_cfg, tensors = read_adapter(cfg.adapter) if cfg.adapter else (None, None)
     tokenizer, stop_ids = build_tokenizer(cfg.model)  # a checkpoint directory's own tokenizer
     engine = serve_checkpoint(cfg.sglang, cfg.model, tokenizer, cfg.engine.eos_token_ids or stop_ids,
-                              lora=lora_cfg, seed=cfg.seed, fallback_context=cfg.engine.max_context,
-                              push="lora")  # the adapter file as is: on K3, its targets must be SGLang-servable
+                              lora=lora_cfg, seed=cfg.seed, fallback_context=cfg.engine.max_context)
     if lora_cfg is None:
         return engine, tokenizer, None
     try:
-        engine.load_lora_adapter_from_tensors(ADAPTER_NAME, tensors, lora_cfg)
+        if engine.push == "merged":
+            engine.serve_merged(ADAPTER_NAME)
+            engine.write_base_weights(merged_from_checkpoint(cfg.model.path, lora_cfg, tensors))
+        else:
+            engine.load_lora_adapter_from_tensors(ADAPTER_NAME, tensors, lora_cfg)
     except BaseException:
         engine.close()
         raise

@@ -176,8 +176,7 @@ def resolve_push(requested: str, lora, k3: K3Checkpoint | None, cfg: SGLangConfi
         if unserved:
             raise ConfigError("sglang.push: lora cannot serve lora.targets " + "; ".join(
                 f"{t} ({K3_LORA_FAULTS[t]})" for t in unserved) + f" on SGLang 0.5.17's K3 LoRA, which serves "
-                f"{list(K3_LORA_TARGETS)} only; set sglang.push=merged (or auto) or keep lora.targets within those (an "
-                f"adapter file with other targets evaluates with engine.backend=native)")
+                f"{list(K3_LORA_TARGETS)} only; set sglang.push=merged (or auto) or keep lora.targets within those")
         return "lora", f"K3 with lora.targets within {list(K3_LORA_TARGETS)} (SGLang's K3 LoRA serves them)"
     experts = [t for t in lora.targets if t in EXPERT_TARGETS]
     if experts:

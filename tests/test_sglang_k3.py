@@ -188,8 +188,8 @@ def test_k3_push_modes_resolve_and_refuse(k3_dir, qwen3_dir, tmp_path):
     with pytest.raises(ConfigFieldError, match=r"^sglang.push: merged writes K3 checkpoint names"):
         compose_config("train", ["engine.backend=sglang", "model.path=null", f"model.hf_path={qwen3_dir}",
                                  "sglang.push=merged"])
-    with pytest.raises(ConfigFieldError, match=r"^sglang.push: merged writes the trainer's merged weights"):
-        compose_config("eval", ["engine.backend=sglang", f"model.path={k3_dir}", "sglang.push=merged"])
+    assert compose_config("eval", ["engine.backend=sglang", f"model.path={k3_dir}", "sglang.push=merged",
+                                   "sglang.cuda_graph=false"]).sglang.push == "merged"  # eval merges a saved adapter
     with pytest.raises(ConfigFieldError, match=r"^sglang.push: 'both' is not one of auto, lora, merged"):
         compose_config("eval", ["engine.backend=sglang", f"model.path={k3_dir}", "sglang.push=both"])
 
@@ -393,18 +393,22 @@ def test_three_grpo_steps_with_sglang_serving_k3(k3_dir, tmp_path, monkeypatch):
 
 def test_eval_entry_point_with_sglang_serving_k3(k3_dir, tmp_path, monkeypatch):
     """python -m miles_k3.eval engine.backend=sglang model.path=<K3 dir>: an adapter of the MLA targets is served as
-    LoRA (greedy completions = the trainer model's with it); one with KDA targets is refused before SGLang starts."""
+    LoRA (greedy completions = the trainer model's with it); one with a KDA target is merged into the base weights
+    (sglang.push=auto: one write of W0 + s * B @ A from the checkpoint file before the first request) and refused
+    before SGLang starts under sglang.push=lora."""
     import miles_k3.rollout.sglang_backend as backend
     from miles_k3.adapter import save_adapter
     from miles_k3.config import compose_config
     from miles_k3.eval import run
     from miles_k3.model.build import build_tokenizer
     from miles_k3.model.config import ConfigError
+    from miles_k3.weight_sync.sglang import merged_weights
 
     trainer = _k3_model(k3_dir, K3_MLA, std=0.2)
     save_adapter(trainer, K3_MLA, tmp_path / "mla", base_model_name_or_path=str(k3_dir))
     kda = LoRAConfig(rank=4, alpha=8.0, targets=["q_proj", "q_b_proj"])
-    save_adapter(_k3_model(k3_dir, kda), kda, tmp_path / "kda", base_model_name_or_path=str(k3_dir))
+    kda_trainer = _k3_model(k3_dir, kda, std=0.2, seed=5)
+    save_adapter(kda_trainer, kda, tmp_path / "kda", base_model_name_or_path=str(k3_dir))
     (tmp_path / "p.jsonl").write_text("".join(json.dumps({"problem": q, "answer": a}) + "\n"
                                               for q, a in [("1+2", "3"), ("9*9", "81")]))
     made = []
@@ -428,9 +432,59 @@ def test_eval_entry_point_with_sglang_serving_k3(k3_dir, tmp_path, monkeypatch):
     for r, ids in zip(rows, calls[0]["input_ids"]):  # the trained adapter's own greedy tokens
         out = _greedy(trainer, ids, 3, stops[0])
         assert r["response"] == tokenizer.decode([t for t in out if t not in stops], skip_special_tokens=False)
+
+    run(compose_config("eval", [*common, f"adapter={tmp_path}/kda", f"run_dir={tmp_path}/kda_out"]))
+    eng = made[1]
+    assert "lora_target_modules" not in eng.server_args and not eng.adapters  # no LoRA in SGLang
+    expected = merged_weights(_k3_model(k3_dir, kda), {n: p.detach() for n, p in lora_parameters(kda_trainer).items()})
+    writes = eng.calls_of("update_weights_from_tensor")
+    assert len(writes) == 1 and sorted(writes[0]["names"]) == sorted(expected)  # every q_proj / q_b_proj, once
+    served = dict(eng.model.named_parameters())
+    for name, w in expected.items():  # the file's bf16 W0 + s * B @ A, rounded to bf16 (the trainer's fp32: within it)
+        got = served[name.removeprefix("language_model.")]
+        assert torch.allclose(got, w, rtol=2**-7, atol=1e-6) and not torch.equal(got, _k3_model(k3_dir).state_dict()[
+            name.removeprefix("language_model.")])
+    calls = eng.calls_of("generate")
+    assert calls and all(c.get("lora_path") in (None, [None] * 2) for c in calls)  # requests go to the base
+    merged_model = _k3_model(k3_dir)
+    merged_model.load_state_dict({k: v for k, v in served.items() if "lora_" not in k}, strict=False)
+    rows = [json.loads(x) for x in (tmp_path / "kda_out/results.jsonl").read_text().splitlines()]
+    for r, ids in zip(rows, calls[0]["input_ids"]):
+        out = _greedy(merged_model, ids, 3, stops[0])
+        assert r["response"] == tokenizer.decode([t for t in out if t not in stops], skip_special_tokens=False)
     with pytest.raises(ConfigError, match=r"^sglang.push: lora cannot serve lora.targets q_proj \(silently dropped"):
-        run(compose_config("eval", [*common, f"adapter={tmp_path}/kda", f"run_dir={tmp_path}/kda_out"]))
-    assert len(made) == 1  # refused before SGLang starts
+        run(compose_config("eval", [*common, "sglang.push=lora", f"adapter={tmp_path}/kda",
+                                    f"run_dir={tmp_path}/kda_lora"]))
+    assert len(made) == 2  # refused before SGLang starts
+
+
+def test_merged_from_checkpoint_equals_the_trainers_merge_and_names_bad_adapters(k3_dir, tmp_path):
+    """merged_from_checkpoint (eval's merge, from the adapter file and the checkpoint's W0) gives bit for bit what
+    merged_weights gives on the trainer's model in the checkpoint's bf16; expert, foreign and mis-shaped adapters
+    are refused by name."""
+    from miles_k3.adapter import read_adapter, save_adapter
+    from miles_k3.model.checkpoint import load_checkpoint
+    from miles_k3.weight_sync.sglang import merged_from_checkpoint, merged_weights
+
+    lora = LoRAConfig(rank=4, alpha=8.0, use_rslora=True, targets=["q_proj", "q_b_proj", "o_proj"])
+    trainer = load_checkpoint(k3_dir, "cpu", torch.bfloat16).eval()
+    apply_lora(trainer, lora)
+    _set_b(trainer, 0.2, 7)
+    save_adapter(trainer, lora, tmp_path / "a", base_model_name_or_path=str(k3_dir))
+    cfg, tensors = read_adapter(tmp_path / "a")
+    got = merged_from_checkpoint(k3_dir, cfg, tensors)
+    want = merged_weights(trainer)
+    assert sorted(got) == sorted(want) and len(got) >= 3
+    assert all(got[n].dtype == torch.bfloat16 and torch.equal(got[n], want[n]) for n in want)
+    name = next(iter(tensors))
+    with pytest.raises(ValueError, match="expert adapters cannot be merged"):
+        merged_from_checkpoint(k3_dir, cfg, {name.replace("self_attn.", "mlp.experts.0."): tensors[name]})
+    with pytest.raises(ValueError, match="has no such weight"):
+        merged_from_checkpoint(k3_dir, cfg, {name.replace("layers.", "layers.9"): tensors[name]})
+    a_name = next(n for n in tensors if n.endswith("lora_A.weight"))
+    bad = dict(tensors) | {a_name: torch.zeros(4, 3)}
+    with pytest.raises(ValueError, match=r"B @ A is \d+ x 3"):
+        merged_from_checkpoint(k3_dir, cfg, bad)
 
 
 def test_k3_m2_is_the_one_gpu_config_sglang_serves_and_k3_m_is_not():

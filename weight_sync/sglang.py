@@ -242,6 +242,47 @@ def _adapter_tensor(adapter: Mapping[str, torch.Tensor] | None, name: str, own: 
     return t.detach().to(own.device)
 
 
+def merged_from_checkpoint(path, lora, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """What `merged_weights` gives for a saved adapter, without building the model: checkpoint name -> W0 + s * B @ A
+    for each module of `tensors` (an adapter file's PEFT-named A / B, `miles_k3.adapter.read_adapter`), W0 read from
+    the K3 checkpoint directory `path`, s the scale of `lora` (a LoRAConfig), summed in fp32 and rounded once to
+    W0's stored dtype (python -m miles_k3.eval engine.backend=sglang serves an adapter SGLang's K3 LoRA cannot so).
+    Raises ValueError naming the tensor for an expert adapter, a module the checkpoint lacks, or a shape that does
+    not fit W0."""
+    from miles_k3.adapter import PEFT_PREFIX
+    from miles_k3.model.checkpoint import inspect_checkpoint, open_safetensors
+    from miles_k3.model.lora import lora_scale
+
+    pairs: dict[str, dict[str, torch.Tensor]] = {}
+    for key, t in tensors.items():
+        module, _, part = key.rpartition(".lora_")
+        if not module.startswith(PEFT_PREFIX):
+            raise ValueError(f"adapter tensor {key}: not a K3 module (expected {PEFT_PREFIX}<module path>.lora_A/B)")
+        if ".experts." in module:
+            raise ValueError(f"adapter tensor {key}: expert adapters cannot be merged into SGLang's MXFP4 experts")
+        pairs.setdefault(CHECKPOINT_PREFIX + module.removeprefix(PEFT_PREFIX) + ".weight", {})[part[0]] = t
+    info = inspect_checkpoint(path)
+    missing = [name for name in pairs if name not in info.tensors]
+    if missing:
+        raise ValueError(f"adapter modules {missing[:3]}: checkpoint {path} has no such weight; the adapter belongs "
+                         "to another model")
+    by_file: dict = {}
+    for name in sorted(pairs):
+        by_file.setdefault(info.tensors[name][0], []).append(name)
+    scale = lora_scale(lora.rank, lora.alpha, lora.use_rslora)
+    out = {}
+    with torch.no_grad():
+        for file, names in by_file.items():
+            with open_safetensors(file, names) as f:
+                for name in names:
+                    w0, a, b = f.get_tensor(name), pairs[name]["A"], pairs[name]["B"]
+                    if (b.shape[0], a.shape[1]) != tuple(w0.shape):
+                        raise ValueError(f"adapter for {name}: B @ A is {b.shape[0]} x {a.shape[1]}, the "
+                                         f"checkpoint's weight is {tuple(w0.shape)}")
+                    out[name] = (w0.float() + (b.float() @ a.float()) * scale).to(w0.dtype)
+    return out
+
+
 def base_weights(model) -> dict[str, torch.Tensor]:
     """Checkpoint name -> the frozen base weight W0 of every LoRA-wrapped linear (what SGLang served at start)."""
     return {f"{CHECKPOINT_PREFIX}{path}.weight": m.weight.detach() for path, m in lora_linears(model)}
