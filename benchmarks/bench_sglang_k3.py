@@ -13,8 +13,8 @@ lands in the working copy:
     python benchmarks/bench_sglang_k3.py --model-dir $HOME/k3_m2_mxfp4 --json $HOME/bench_sglang_k3.json
 
     [--parts logprobs,race] [--prompts 32] [--tokens 256] [--greedy-tokens 64] [--data FILE.jsonl --template boxed]
-    [--no-random] [--batches 1,64,256] [--prompt 32] [--new 64] [--grpo 64x8:512+512|none] [--budget-gib 24] [--decode auto]
-    [--attention-backend triton] [--mem-fraction 0.35] [--no-cuda-graph] [--sglang-extra '{"key": value}']
+    [--no-random] [--batches 1,64,256] [--prompt 32] [--new 64] [--grpo 64x8:512+512|none] [--budget-gib 24]
+    [--decode auto] [--attention-backend triton] [--mem-fraction 0.35] [--no-cuda-graph] [--sglang-extra '{"key": value}']
     [--pin-routes DIR] [--no-floor] [--device cuda] [--seed 0]
 
 SGLang is started once, before the native engine takes its memory budget, from `SGLangConfig`'s defaults plus the

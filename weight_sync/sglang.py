@@ -226,9 +226,13 @@ def merged_weights(model, adapter: Mapping[str, torch.Tensor] | None = None) -> 
         for path, m in lora_linears(model):
             a, b = (_adapter_tensor(adapter, f"{path}.{ab}.weight", own.weight)
                     for ab, own in (("lora_A", m.lora_A), ("lora_B", m.lora_B)))
-            w0 = m.weight
-            out[f"{CHECKPOINT_PREFIX}{path}.weight"] = (w0.float() + (b.float() @ a.float()) * m.scale).to(w0.dtype)
+            out[f"{CHECKPOINT_PREFIX}{path}.weight"] = _merge(m.weight, a, b, m.scale)
     return out
+
+
+def _merge(w0: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
+    """W0 + scale * B @ A, summed in fp32 and rounded once to W0's dtype."""
+    return (w0.float() + (b.float() @ a.float()) * scale).to(w0.dtype)
 
 
 def _adapter_tensor(adapter: Mapping[str, torch.Tensor] | None, name: str, own: torch.Tensor) -> torch.Tensor:
@@ -279,7 +283,7 @@ def merged_from_checkpoint(path, lora, tensors: Mapping[str, torch.Tensor]) -> d
                     if (b.shape[0], a.shape[1]) != tuple(w0.shape):
                         raise ValueError(f"adapter for {name}: B @ A is {b.shape[0]} x {a.shape[1]}, the "
                                          f"checkpoint's weight is {tuple(w0.shape)}")
-                    out[name] = (w0.float() + (b.float() @ a.float()) * scale).to(w0.dtype)
+                    out[name] = _merge(w0, a, b, scale)
     return out
 
 
