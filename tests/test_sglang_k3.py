@@ -447,8 +447,7 @@ def test_eval_entry_point_with_sglang_serving_k3(k3_dir, tmp_path, monkeypatch):
     calls = eng.calls_of("generate")
     assert calls and all(c.get("lora_path") in (None, [None] * 2) for c in calls)  # requests go to the base
     merged_model = _k3_model(k3_dir)
-    loaded = merged_model.load_state_dict({k: v for k, v in served.items() if "lora_" not in k}, strict=False)
-    assert not loaded.missing_keys and not loaded.unexpected_keys  # every base weight of the served model, by name
+    merged_model.load_state_dict({k: v for k, v in eng.model.state_dict().items() if "lora_" not in k})
     rows = [json.loads(x) for x in (tmp_path / "kda_out/results.jsonl").read_text().splitlines()]
     for r, ids in zip(rows, calls[0]["input_ids"]):
         out = _greedy(merged_model, ids, 3, stops[0])
