@@ -1,0 +1,149 @@
+"""The rules of a run's config that span its sections (engine backend against model, routes, memory tags, sync,
+device, context, weights), called by the section-level `validate`s of `miles_k3.config`'s run configs. Each raises
+ValueError (ParallelConfigError for the mesh) naming the field and the fix."""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from miles_k3.model.build import ModelConfig
+from miles_k3.model.lora import LoRAConfig
+from miles_k3.parallel.config import ParallelConfig, ParallelConfigError
+from miles_k3.rollout.engine import MEMORY_TAGS, EngineConfig
+from miles_k3.rollout.sglang_backend import SGLangConfig
+from miles_k3.weight_sync.config import WeightSyncConfig
+
+
+def check_parallel(parallel: ParallelConfig, device: str, backend: str) -> None:
+    """The `parallel:` mesh (its own fields checked by ParallelConfig.validate) fits the rest of the run: the
+    engine can be colocated on every rank and each rank picks its own device (an EP group spanning DP replicas
+    runs its forwards in lockstep: `parallel.lockstep`). The world size (torchrun's) and the model's shapes are
+    checked when the run starts (`launch.build_run`: `init_parallel`, `ParallelConfig.check_model`)."""
+    if parallel.world_size == 1:
+        return
+    if backend == "sglang":
+        raise ParallelConfigError(f"parallel.dp x parallel.tp = {parallel.world_size}: engine.backend=sglang runs "
+                                  "one SGLang engine for one trainer process; use engine.backend=native (colocated "
+                                  "on every rank) or parallel.dp=1 parallel.tp=1")
+    if device.startswith("cuda:"):
+        raise ParallelConfigError(f"parallel.dp x parallel.tp = {parallel.world_size}: device={device} pins one GPU "
+                                  "for every rank, and each rank takes cuda:LOCAL_RANK; use device=cuda or "
+                                  "device=auto")
+
+
+def check_backend(model: ModelConfig, backend: str, sglang: SGLangConfig | None = None, lora: LoRAConfig | None = None
+                  ) -> None:
+    """engine.backend (`backend`, one of rollout.engine.BACKENDS: EngineConfig checks) can serve the model: the
+    native engine serves K3 only; SGLang serves a checkpoint directory, and a local K3 one only when SGLang 0.5.17
+    can (`k3_checkpoint`: the nested config.json, its shapes) with an sglang.push that serves `lora` (None: the
+    adapter is not known yet, as in eval)."""
+    if backend == "native" and model.hf_path is not None:
+        raise ValueError("model.hf_path: an HF architecture is served by SGLang only; set engine.backend=sglang "
+                         "(the native engine serves K3 models)")
+    if backend != "sglang":
+        return
+    if model.hf_path is None and model.path is None:
+        raise ValueError("engine.backend: sglang serves a checkpoint directory; set model.hf_path (an HF "
+                         "architecture such as Qwen3) or model.path (a K3 checkpoint directory)")
+    if sglang is None:
+        return
+    from miles_k3.rollout.sglang_k3 import k3_checkpoint, resolve_push
+
+    k3 = k3_checkpoint(model.hf_path or model.path, sglang)  # None: not a local K3 directory
+    if k3 is None and model.hf_path is None:
+        raise ValueError(f"model.path: engine.backend=sglang serves a local K3 checkpoint directory (its config.json "
+                         f"is checked before SGLang starts); {model.path} is not one: download it, or set "
+                         "model.hf_path for an HF architecture")
+    if lora is not None:
+        resolve_push(sglang.push, lora, k3, sglang)
+
+
+def check_routes(return_routed_experts: bool, routing_replay: bool, backend: str) -> None:
+    """Routes come from the native engine: engine.backend=sglang serves HF architectures, whose routers the
+    trainer's HF model does not replay, and K3, whose routed-experts capture is broken in SGLang 0.5.17
+    (state_capturer/routed_experts.py:67 reads num_experts_per_tok; K3's TopK has no layer_id,
+    models/kimi_k3.py:424-449, so every layer gets the same ids)."""
+    if backend == "sglang" and (return_routed_experts or routing_replay):
+        field = "trainer.routing_replay" if routing_replay else "rollout.return_routed_experts"
+        raise ValueError(f"{field}: engine.backend=sglang serves HF architectures, whose MoE routers the trainer "
+                         "does not record or replay, and K3, whose routed experts SGLang 0.5.17 does not capture "
+                         "right (its capturer reads num_experts_per_tok, which K3's config lacks, and K3's TopK has "
+                         "no layer id, so every layer would get the same experts); use engine.backend=native or set "
+                         f"{field}=false")
+
+
+def check_release_tags(tags: list[str], backend: str, sglang: SGLangConfig) -> None:
+    """rollout.release_tags are memory tags of the engine engine.backend names (SGLang can also release its
+    weights, given a CPU backup to restore them from)."""
+    allowed = (*MEMORY_TAGS, "weights") if backend == "sglang" else MEMORY_TAGS
+    bad = [t for t in tags if t not in allowed]
+    if bad:
+        raise ValueError(f"rollout.release_tags: {bad} are not {backend} engine memory tags ({', '.join(allowed)}; "
+                         f"engine.backend={backend})")
+    if "weights" in tags and not sglang.enable_weights_cpu_backup:
+        raise ValueError("rollout.release_tags: releasing weights needs sglang.enable_weights_cpu_backup=true "
+                         "(SGLang resumes released weights as garbage otherwise)")
+
+
+def check_sync(sync: WeightSyncConfig, backend: str) -> None:
+    """`python -m miles_k3.train` runs its engine in its own process: only the local transport applies, and with
+    the SGLang backend (pushes through SGLang's adapter API) no `sync:` field does anything."""
+    if backend == "sglang":
+        default = WeightSyncConfig()
+        changed = [f.name for f in dataclasses.fields(sync) if getattr(sync, f.name) != getattr(default, f.name)]
+        if changed:
+            raise ValueError(f"sync.{changed[0]}: does nothing with engine.backend=sglang (a push goes through "
+                             "SGLang's adapter API, verified by sglang.verify_push); remove the sync: overrides")
+        return
+    if sync.transport != "local":
+        raise ValueError(f"sync.transport: '{sync.transport}' carries pushes to an engine in another process or on "
+                         "other ranks, and python -m miles_k3.train runs its engine in its own process; use "
+                         "sync.transport=local (ipc and dist are for launchers of your own: "
+                         "miles_k3.weight_sync.channel.open_sender / open_receiver)")
+
+
+def check_device(device: str) -> None:
+    """`device` is auto, cpu, cuda or cuda:N, and a CUDA device is one this machine has (checked with the config,
+    before any data or model loads; `runtime.resolve_device` checks again when it resolves it)."""
+    kind, colon, index = device.partition(":")
+    if not (device in ("auto", "cpu", "cuda") or (kind == "cuda" and colon and index.isdigit())):
+        raise ValueError(f"device: '{device}' is not one of auto, cpu, cuda, cuda:N")
+    if kind != "cuda":
+        return
+    if not torch.cuda.is_available():
+        why = "this torch build has no CUDA" if torch.version.cuda is None else "no CUDA device is visible"
+        raise ValueError(f"device: {device} but CUDA is not available here ({why}); use device=cpu or device=auto")
+    count = torch.cuda.device_count()
+    if index and int(index) >= count:
+        raise ValueError(f"device: {device} but this machine has {count} CUDA device(s) (cuda:0..cuda:{count - 1}); "
+                         f"use device=cuda:0..cuda:{count - 1}, device=cuda or device=auto")
+
+
+def check_context(field_name: str, max_new_tokens: int, engine: EngineConfig,
+                  sglang: SGLangConfig | None = None) -> None:
+    """A request holds its prompt and up to `max_new_tokens` (the field `field_name`) in the engine's context, so
+    max_new_tokens must be below it: engine.max_context (engine.backend=native), sglang.context_length when set
+    (sglang; unset, the checkpoint's own length applies, known only when it is served). The prompts themselves
+    are checked when the data loads (train) or before they are generated (eval)."""
+    if engine.backend == "sglang":
+        if sglang is None or sglang.context_length is None:
+            return
+        limit_name, limit = "sglang.context_length", sglang.context_length
+    else:
+        limit_name, limit = "engine.max_context", engine.max_context
+    if max_new_tokens >= limit:
+        raise ValueError(f"{field_name}: {max_new_tokens} leaves no room for the prompt in {limit_name}={limit} "
+                         f"(a request holds its prompt plus up to {field_name} tokens); raise {limit_name} to at "
+                         f"least the longest prompt + {max_new_tokens}, or lower {field_name}")
+
+
+RANDOM_INIT_REFUSED = ("k3",)
+"""Shipped architectures that train and eval never build with random weights (the published 2.78T K3)."""
+
+
+def check_weights_given(model: ModelConfig) -> None:
+    """A run of the full K3 needs its checkpoint: random weights of 2.78T parameters are never meant."""
+    if model.path is None and model.name in RANDOM_INIT_REFUSED:
+        raise ValueError(f"model.path: required for model '{model.name}' (its weights are not random-initialised "
+                         "for a run); set model.path=/path/to/checkpoint or model.path=moonshotai/Kimi-K3")
