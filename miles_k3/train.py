@@ -7,6 +7,10 @@ checkpoint with `resume=auto|PATH`) and runs the loop (the README's "The loop"):
     rollout -> rewards -> advantages -> release engine memory -> train step -> weight sync (version + 1) ->
     resume engine memory -> log -> eval every N -> checkpoint every N (and on SIGINT / SIGTERM)
 
+A push the engine refuses or fails to take (SyncError) stops the run without losing the step: the step's metrics
+are logged (sync/refused = 1, with the parity figures of a refused SGLang check) and the trainer's state after it is
+checkpointed, its adapter recorded as the version the push carried, so `resume=auto` continues from there.
+
 (with engine.backend=sglang the memory is resumed before the weight sync, whose parity probe runs a request).
 
 `steps=0` builds everything and stops (a dry run of the config). Everything a run writes, Hydra's record
@@ -20,6 +24,8 @@ import functools
 import logging
 import signal
 import time
+from pathlib import Path
+from typing import NoReturn
 
 import hydra
 import torch
@@ -38,6 +44,7 @@ from miles_k3.trainer.checkpoint_ranks import save_checkpoint_ranks
 from miles_k3.trainer.dp import max_over, world_of
 from miles_k3.trainer.rollouts import check_on_policy, collect_rollouts
 from miles_k3.trainer.step import train_step
+from miles_k3.weight_sync.protocol import SyncError
 
 log = logging.getLogger("miles_k3.train")
 register_schemas()
@@ -72,7 +79,10 @@ def run_loop(run: Run, raw_yaml: str) -> tuple[int, dict[int, dict]]:
     try:
         with logging_redirect_tqdm(tqdm_class=tqdm):  # log lines go above the bar, not into it
             for step in range(run.start_step + 1, cfg.steps + 1):
-                metrics, samples = one_step(run, step)
+                try:
+                    metrics, samples = one_step(run, step)
+                except PushFailed as failed:
+                    _save_before_stopping(run, step, raw_yaml, failed)
                 run.tracker.log(metrics, step=step)
                 log_samples(run, samples, step)
                 log.info(step_line(step, cfg.steps, metrics))
@@ -92,6 +102,29 @@ def run_loop(run: Run, raw_yaml: str) -> tuple[int, dict[int, dict]]:
         bar.close()
         stop.restore()
     return step, evals
+
+
+class PushFailed(Exception):
+    """A step whose push was refused or failed (`error`, a SyncError) after its rollouts and its train step: the
+    step's metrics and samples, for the loop to log before it saves the run and stops."""
+
+    def __init__(self, metrics: dict[str, float], samples: list, error: SyncError):
+        super().__init__(str(error))
+        self.metrics, self.samples, self.error = metrics, samples, error
+
+
+def _save_before_stopping(run: Run, step: int, raw_yaml: str, failed: PushFailed) -> NoReturn:
+    """The step trained but the engine did not take its adapter: log the step (with the refused push's figures,
+    sync/refused = 1), checkpoint the trainer's state after it (its adapter as weight version run.version + 1, the
+    version the push carried: a resumed run's engine starts serving it), and raise the push's SyncError with where
+    the checkpoint is. On many ranks every rank gets the same SyncError (the push is collective), so every rank
+    reaches the checkpoint's collectives."""
+    run.tracker.log(failed.metrics, step=step)
+    log_samples(run, failed.samples, step)
+    path = checkpoint(run, step, raw_yaml, version=run.version + 1)
+    raise SyncError(f"step {step}: {failed.error}. The trainer's state after step {step} is saved in {path}: fix the "
+                    f"cause, then resume with resume=auto run_dir={run.run_dir} (the engine starts serving that "
+                    "step's adapter)", failed.error.tensor, failed.error.metrics) from failed.error
 
 
 def final_summary(run: Run, step: int, evals: dict[int, dict], wall_s: float) -> dict:
@@ -149,7 +182,12 @@ def one_step(run: Run, step: int) -> tuple[dict[str, float], list]:
     if tags and resume_first:
         run.engine.resume_memory_occupation(tags)
         timer.lap("resume")
-    report = run.channel.push(run.lora_tensors(), version=run.version + 1)
+    try:
+        report = run.channel.push(run.lora_tensors(), version=run.version + 1)
+    except SyncError as e:  # the step trained: the loop logs it and saves its state before the run stops
+        timer.lap("sync")
+        metrics |= e.metrics | {"sync/refused": 1.0} | {f"perf/{k}_s": v for k, v in timer.laps.items()}
+        raise PushFailed(metrics, samples, e) from e
     run.version += 1
     timer.lap("sync")
     if tags and not resume_first:
@@ -187,16 +225,18 @@ def log_samples(run: Run, samples: list, step: int) -> None:
         run.tracker.log_table("rollout/samples", ["step", "prompt", "response", "reward", "advantage"], rows, step)
 
 
-def checkpoint(run: Run, step: int, raw_yaml: str) -> None:
-    """One checkpoint of the run at `step` (on many ranks every rank's state in one directory, together)."""
+def checkpoint(run: Run, step: int, raw_yaml: str, version: int | None = None) -> Path:
+    """One checkpoint of the run at `step` (on many ranks every rank's state in one directory, together); the
+    adapter's weight version is `version` (None: run.version, the one the engine serves)."""
     save = save_checkpoint if not run.ctx.distributed else functools.partial(save_checkpoint_ranks, run.ctx)
     path = save(run.run_dir, step, run.model, run.cfg.lora, run.opt, run.sched,
-                {"stream": run.stream.state()}, {"weight_version": run.version},
+                {"stream": run.stream.state()}, {"weight_version": run.version if version is None else version},
                 raw_yaml, keep=run.cfg.keep_checkpoints,
                 base_model_name_or_path=run.cfg.model.hf_path or run.cfg.model.path or run.cfg.model.name)
     run.guard.last_good = path
     run.last_checkpoint = path
     log.info("checkpoint: %s", path)
+    return path
 
 
 STEP_LINE = (("reward", "rollout/reward_mean"), ("accuracy", "rollout/accuracy"), ("loss", "train/loss"),

@@ -391,6 +391,73 @@ def test_three_grpo_steps_with_sglang_serving_k3(k3_dir, tmp_path, monkeypatch):
     assert run.summary["steps"] == 3 and not eng.alive
 
 
+def test_a_refused_push_stops_the_run_with_its_step_logged_and_checkpointed(k3_dir, tmp_path, monkeypatch):
+    """Step 3's merged push reaches the double with every name but one misspelt (SGLang skips names it does not
+    know): the check refuses it and the run stops, but loses nothing. Step 3 is logged with the refused check's
+    figures (sync/refused = 1), the trainer's state after step 3 is checkpointed (its adapter is exactly the one the
+    refused push carried; weight version 3), the error says where, and resume=auto continues at step 4 with the
+    engine serving that adapter."""
+    import miles_k3.rollout.sglang_backend as backend
+    from miles_k3.adapter import load_adapter
+    from miles_k3.config import compose_config
+    from miles_k3.train import train
+    from miles_k3.weight_sync.sglang import merged_weights
+
+    made, pushed = [], []
+
+    def double(misspell_write=None, **args):
+        eng = FakeSGLangEngine(model=_k3_model(k3_dir), **args)
+        update = eng.update_weights_from_tensor
+
+        def write(named_tensors, **kw):  # write 0 is the initial adapter, write k push k (then the restore)
+            named_tensors = list(named_tensors)
+            pushed.append(dict(named_tensors))
+            if len(pushed) - 1 == misspell_write:
+                keep = named_tensors[0][0]
+                named_tensors = [(n if n == keep else n.replace(".weight", ".wieght"), t) for n, t in named_tensors]
+            return update(named_tensors=named_tensors, **kw)
+
+        eng.update_weights_from_tensor = write
+        made.append(eng)
+        return eng
+
+    run_dir = tmp_path / "run"
+    overrides = [f"run_dir={run_dir}", "engine.backend=sglang", f"model.path={k3_dir}", "lora.rank=4", "lora.alpha=8",
+                 f"lora.targets=[{','.join(K3_DEFAULT.targets)}]", "sglang.cuda_graph=false",
+                 "rollout.prompts_per_step=2", "rollout.group_size=2", "rollout.max_new_tokens=3",
+                 "rollout.dynamic_sampling=false", "data.size=16", "eval.every_n_steps=0", "sglang.verify_push=every",
+                 "sglang.parity_tolerance=1e-3", "sglang.probe_tokens=12", "trainer.optim.lr=1e-2", "steps=5",
+                 "reward=coin"]  # a coin: every step has advantages, so every step moves the adapter
+    monkeypatch.setattr(backend, "import_engine_class", lambda: functools.partial(double, misspell_write=3))
+    with pytest.raises(SyncError, match=r"^step 3: push of version 3 refused: .*the engine serves version 2 again\. "
+                                        r"The trainer's state after step 3 is saved in .*step_00000003: fix the cause, "
+                                        r"then resume with resume=auto run_dir="):
+        train(compose_config("train", overrides), "")
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert "sync/refused" not in rows[1] and rows[2]["sync/refused"] == 1.0
+    assert rows[2]["sync/parity_logprob_abs_diff"] > 1e-3 > rows[1]["sync/parity_logprob_abs_diff"]
+    assert rows[2]["train/num_tokens"] > 0  # the step trained before its push
+    ckpt = run_dir / "checkpoints/step_00000003"
+    assert json.loads((ckpt / "state.json").read_text())["extra_state"]["weight_version"] == 3
+    trainer = _k3_model(k3_dir, K3_DEFAULT)
+    load_adapter(trainer, ckpt / "adapter")
+    saved = merged_weights(trainer)  # the checkpoint's adapter merged as the trainer merges (fp32 here)
+    refused = pushed[3]  # what push 3 carried, before the misspelling
+    assert sorted(saved) == sorted(refused)
+    assert all(torch.equal(saved[n], refused[n]) for n in saved)
+    assert not made[0].alive
+
+    monkeypatch.setattr(backend, "import_engine_class", lambda: double)
+    pushed.clear()
+    run = train(compose_config("train", [*overrides, "resume=auto"]), "")
+    assert run.summary["first_step"] == 4 and run.summary["last_step"] == 5
+    assert all(torch.equal(pushed[0][n], refused[n]) for n in refused)  # the resumed engine starts with it
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5] and all(r["sync/parity_logprob_abs_diff"] < 1e-3
+                                                                 for r in rows[3:])
+
+
 def test_eval_entry_point_with_sglang_serving_k3(k3_dir, tmp_path, monkeypatch):
     """python -m miles_k3.eval engine.backend=sglang model.path=<K3 dir>: an adapter of the MLA targets is served as
     LoRA (greedy completions = the trainer model's with it); one with a KDA target is merged into the base weights

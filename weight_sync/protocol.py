@@ -43,11 +43,13 @@ CHECKSUM_ALGOS = ("crc32", "block16")
 
 class SyncError(RuntimeError):
     """A push was refused; nothing was applied and the engine still serves its previous version. `tensor` names
-    the offending tensor when there is one."""
+    the offending tensor when there is one; `metrics` holds what the push measured before it was refused (an SGLang
+    parity check's figures, `sync/parity_*`), which the training loop logs with the step."""
 
-    def __init__(self, message: str, tensor: str | None = None):
+    def __init__(self, message: str, tensor: str | None = None, metrics: dict[str, float] | None = None):
         super().__init__(message)
         self.tensor = tensor
+        self.metrics = dict(metrics or {})
 
 
 @dataclass(frozen=True)

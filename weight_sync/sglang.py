@@ -87,8 +87,9 @@ class Parity:
         """Why the push is refused, or None."""
         if self.gap > tolerance:
             return (f"the engine's log-probs differ from the trainer's by {self.gap:.4g} nats/token on the probe "
-                    f"(> sglang.parity_tolerance={tolerance}); the adapter did not arrive as trained (names, layout "
-                    "or scaling)")
+                    f"(> sglang.parity_tolerance={tolerance}; on the base they differ by {self.base_gap:.4g}, and "
+                    f"the adapter moves the trainer's by {self.effect_trainer:.4g} and the engine's by "
+                    f"{self.effect_engine:.4g}); the adapter did not arrive as trained (names, layout or scaling)")
         if not self.inconclusive and self.effect_diff > EFFECT_RTOL * self.effect_trainer:
             return (f"the adapter moves the engine's log-probs by {self.effect_engine:.4g} nats/token and the "
                     f"trainer's by {self.effect_trainer:.4g}: they differ by {self.effect_diff:.4g} (> "
@@ -199,7 +200,8 @@ class SGLangChannel(_VerifiedPushes):
         why = parity.refusal(self.cfg.parity_tolerance)
         if why is not None:
             self.engine.discard_adapter(staged)
-            raise SyncError(f"push of version {version} refused: {why}; the engine keeps serving version {serving}")
+            raise SyncError(f"push of version {version} refused: {why}; the engine keeps serving version {serving}",
+                            metrics=parity.metrics())
         self._passed(parity, version)
         return parity
 
@@ -362,7 +364,8 @@ class SGLangMergedChannel(_VerifiedPushes):
                             f"{e}); {self._restore(serving)}") from e
         why = parity.refusal(self.cfg.parity_tolerance)
         if why is not None:
-            raise SyncError(f"push of version {version} refused: {why}; {self._restore(serving)}")
+            raise SyncError(f"push of version {version} refused: {why}; {self._restore(serving)}",
+                            metrics=parity.metrics())
         self._passed(parity, version)
         return parity
 
