@@ -58,10 +58,15 @@ class RouteLog:
             r.num_routed += 1
 
     def gather(self, index: list[int]) -> torch.Tensor:
-        """The rows at `index` (ascending, as a request's steps are), [len(index), L, K], a copy."""
+        """The rows at `index` (ascending, as a request's steps are; not empty), [len(index), L, K], a copy."""
+        if not index:
+            raise ValueError("route log: gather of no rows")
+        if index[0] < 0 or index[-1] >= self.num_rows:
+            raise IndexError(f"route log: rows {index[0]}..{index[-1]} asked, the log holds {self.num_rows}")
         idx = torch.tensor(index, dtype=torch.long)
-        if idx.numel() and (int(idx[0]) < 0 or int(idx[-1]) >= self.num_rows):
-            raise IndexError(f"route log: rows {int(idx[0])}..{int(idx[-1])} asked, the log holds {self.num_rows}")
+        block = index[0] // self.block_rows
+        if index[-1] // self.block_rows == block:  # one block (every request of a rollout shorter than a block)
+            return self.blocks[block][idx - block * self.block_rows if block else idx]
         blocks, counts = torch.unique_consecutive(idx // self.block_rows, return_counts=True)
         parts, start = [], 0
         for block, count in zip(blocks.tolist(), counts.tolist()):

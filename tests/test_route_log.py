@@ -30,6 +30,8 @@ def test_bad_rows_and_indices_are_refused_and_clear_forgets():
         log.append(torch.zeros(1, 3, 1, dtype=torch.int16))
     with pytest.raises(IndexError, match="rows 0..2 asked, the log holds 2"):
         log.gather([0, 2])
+    with pytest.raises(ValueError, match="gather of no rows"):
+        log.gather([])
     log.clear()
     assert log.num_rows == 0 and log.blocks == []
     assert log.append(_rows(5)) == 0
