@@ -177,7 +177,6 @@ def read_adapter(path: str | os.PathLike) -> tuple[LoRAConfig, dict[str, torch.T
     tensors = _read_tensors(file)
     if not tensors:
         raise ValueError(f"{file}: holds no tensors; re-export the adapter")
-    pairs: dict[str, dict[str, torch.Tensor]] = {}
     for key, t in tensors.items():
         module, dot, part = key.rpartition(".lora_")
         if not dot or part not in ("A.weight", "B.weight"):
@@ -189,8 +188,7 @@ def read_adapter(path: str | os.PathLike) -> tuple[LoRAConfig, dict[str, torch.T
         if t.dim() != 2 or not t.is_floating_point() or not bool(torch.isfinite(t).all()):
             raise ValueError(f"{file}: {key} must be a 2-D finite floating-point tensor, got "
                              f"{t.dtype} {tuple(t.shape)}; re-export the adapter")
-        pairs.setdefault(module, {})[part[0]] = t
-    for module, ab in pairs.items():
+    for module, ab in lora_pairs(tensors).items():
         if set(ab) != {"A", "B"}:
             lacking = "B" if "A" in ab else "A"
             raise ValueError(f"{file}: {module}.lora_{lacking}.weight is missing; the file is incomplete: "
@@ -200,6 +198,16 @@ def read_adapter(path: str | os.PathLike) -> tuple[LoRAConfig, dict[str, torch.T
                              f"{tuple(ab['B'].shape)}, but r={cfg.rank} in {CONFIG_FILE}; the files do not "
                              "belong together")
     return cfg, tensors
+
+
+def lora_pairs(tensors: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
+    """PEFT module key (`...<module path>`) -> {"A": its lora_A.weight, "B": its lora_B.weight} (either may be
+    missing) of an adapter file's tensors whose keys `read_adapter` checked."""
+    pairs: dict[str, dict[str, torch.Tensor]] = {}
+    for key, t in tensors.items():
+        module, _, part = key.rpartition(".lora_")
+        pairs.setdefault(module, {})[part[0]] = t
+    return pairs
 
 
 def _peft_cross_check(adapter_dir: Path) -> None:

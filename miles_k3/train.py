@@ -80,11 +80,13 @@ def run_loop(run: Run, raw_yaml: str) -> tuple[int, dict[int, dict]]:
         with logging_redirect_tqdm(tqdm_class=tqdm):  # log lines go above the bar, not into it
             for step in range(run.start_step + 1, cfg.steps + 1):
                 try:
-                    metrics, samples = one_step(run, step)
+                    metrics, samples, refused = *one_step(run, step), None
                 except PushFailed as failed:
-                    _save_before_stopping(run, step, raw_yaml, failed)
+                    metrics, samples, refused = failed.metrics, failed.samples, failed.error
                 run.tracker.log(metrics, step=step)
                 log_samples(run, samples, step)
+                if refused is not None:
+                    _save_and_stop(run, step, raw_yaml, refused)
                 log.info(step_line(step, cfg.steps, metrics))
                 bar.update(1)
                 if run.eval_hook is not None:
@@ -113,18 +115,15 @@ class PushFailed(Exception):
         self.metrics, self.samples, self.error = metrics, samples, error
 
 
-def _save_before_stopping(run: Run, step: int, raw_yaml: str, failed: PushFailed) -> NoReturn:
-    """The step trained but the engine did not take its adapter: log the step (with the refused push's figures,
-    sync/refused = 1), checkpoint the trainer's state after it (its adapter as weight version run.version + 1, the
-    version the push carried: a resumed run's engine starts serving it), and raise the push's SyncError with where
-    the checkpoint is. On many ranks every rank gets the same SyncError (the push is collective), so every rank
-    reaches the checkpoint's collectives."""
-    run.tracker.log(failed.metrics, step=step)
-    log_samples(run, failed.samples, step)
+def _save_and_stop(run: Run, step: int, raw_yaml: str, error: SyncError) -> NoReturn:
+    """The step trained (and is logged, sync/refused = 1) but the engine did not take its adapter: checkpoint the
+    trainer's state after it (its adapter as weight version run.version + 1, the version the push carried: a resumed
+    run's engine starts serving it) and raise the push's SyncError with where the checkpoint is. On many ranks every
+    rank gets the same SyncError (the push is collective), so every rank reaches the checkpoint's collectives."""
     path = checkpoint(run, step, raw_yaml, version=run.version + 1)
-    raise SyncError(f"step {step}: {failed.error}. The trainer's state after step {step} is saved in {path}: fix the "
-                    f"cause, then resume with resume=auto run_dir={run.run_dir} (the engine starts serving that "
-                    "step's adapter)", failed.error.tensor, failed.error.metrics) from failed.error
+    raise SyncError(f"step {step}: {error}. The trainer's state after step {step} is saved in {path}: fix the cause, "
+                    f"then resume with resume=auto run_dir={run.run_dir} (the engine starts serving that step's "
+                    "adapter)", error.tensor, error.metrics) from error
 
 
 def final_summary(run: Run, step: int, evals: dict[int, dict], wall_s: float) -> dict:
@@ -186,16 +185,14 @@ def one_step(run: Run, step: int) -> tuple[dict[str, float], list]:
         report = run.channel.push(run.lora_tensors(), version=run.version + 1)
     except SyncError as e:  # the step trained: the loop logs it and saves its state before the run stops
         timer.lap("sync")
-        metrics |= e.metrics | {"sync/refused": 1.0} | {f"perf/{k}_s": v for k, v in timer.laps.items()}
-        raise PushFailed(metrics, samples, e) from e
+        raise PushFailed(metrics | e.metrics | {"sync/refused": 1.0} | timer.metrics(), samples, e) from e
     run.version += 1
     timer.lap("sync")
     if tags and not resume_first:
         run.engine.resume_memory_occupation(tags)
     timer.lap("resume")
     metrics |= report.metrics()
-    metrics |= {f"perf/{k}_s": v for k, v in timer.laps.items()}
-    metrics["perf/step_s"] = timer.total()
+    metrics |= timer.metrics()
     if torch.cuda.is_available() and run.device.type == "cuda":
         metrics["mem/peak_gb"] = torch.cuda.max_memory_allocated(run.device) / 1e9
     return metrics, samples
@@ -215,6 +212,10 @@ class _Timer:
 
     def total(self) -> float:
         return self.last - self.start
+
+    def metrics(self) -> dict[str, float]:
+        """perf/<phase>_s of every phase lapped so far, and perf/step_s: their total."""
+        return {f"perf/{k}_s": v for k, v in self.laps.items()} | {"perf/step_s": self.total()}
 
 
 def log_samples(run: Run, samples: list, step: int) -> None:

@@ -16,3 +16,15 @@ def qwen3_dir(tmp_path_factory):
     from miles_k3.model.hf import write_tiny_qwen3
 
     return write_tiny_qwen3(tmp_path_factory.mktemp("qwen3") / "tiny", hidden_size=64)
+
+
+@pytest.fixture(scope="module")
+def k3_dir(tmp_path_factory):
+    """The smallest K3 checkpoint SGLang's K3 kernels serve (`sglang_k3_helpers.servable_raw`), random bf16: the
+    model of the K3-on-SGLang tests (test_sglang_k3, test_sglang_k3_entry, test_bench_sglang_k3)."""
+    from sglang_k3_helpers import servable_raw
+
+    from miles_k3.init_checkpoint import init_checkpoint
+    from miles_k3.model.config import K3Config
+
+    return init_checkpoint(K3Config.from_dict(servable_raw()), tmp_path_factory.mktemp("k3") / "bf16")

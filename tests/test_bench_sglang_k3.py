@@ -45,17 +45,6 @@ def test_random_prompts_are_seeded_and_avoid_special_ids():
         bench.parse_grpo("64x8")
 
 
-@pytest.fixture(scope="module")
-def k3_dir(tmp_path_factory):
-    """The smallest K3 SGLang 0.5.17 serves (test_sglang_k3's `_servable_raw`)."""
-    from test_sglang_k3 import _servable_raw
-
-    from miles_k3.init_checkpoint import init_checkpoint
-    from miles_k3.model.config import K3Config
-
-    return init_checkpoint(K3Config.from_dict(_servable_raw()), tmp_path_factory.mktemp("k3") / "bf16")
-
-
 def _run(k3_dir, double_model, prompts=2, greedy=2):
     argv = ["--model-dir", str(k3_dir), "--device", "cpu", "--parts", "logprobs", "--prompts", str(prompts),
             "--tokens", "16", "--greedy-tokens", str(greedy), "--budget-gib", "0.05"]

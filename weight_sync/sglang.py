@@ -253,20 +253,19 @@ def merged_from_checkpoint(path, lora, tensors: Mapping[str, torch.Tensor]) -> d
     for each module of `tensors` (an adapter file's PEFT-named A / B, `miles_k3.adapter.read_adapter`), W0 read from
     the K3 checkpoint directory `path`, s the scale of `lora` (a LoRAConfig), summed in fp32 and rounded once to
     W0's stored dtype (python -m miles_k3.eval engine.backend=sglang serves an adapter SGLang's K3 LoRA cannot so).
-    Raises ValueError naming the tensor for an expert adapter, a module the checkpoint lacks, or a shape that does
+    Raises ValueError naming the module for an expert adapter, a module the checkpoint lacks, or a shape that does
     not fit W0."""
-    from miles_k3.adapter import PEFT_PREFIX
+    from miles_k3.adapter import PEFT_PREFIX, lora_pairs
     from miles_k3.model.checkpoint import inspect_checkpoint, open_safetensors
     from miles_k3.model.lora import lora_scale
 
     pairs: dict[str, dict[str, torch.Tensor]] = {}
-    for key, t in tensors.items():
-        module, _, part = key.rpartition(".lora_")
+    for module, ab in lora_pairs(tensors).items():
         if not module.startswith(PEFT_PREFIX):
-            raise ValueError(f"adapter tensor {key}: not a K3 module (expected {PEFT_PREFIX}<module path>.lora_A/B)")
+            raise ValueError(f"adapter module {module}: not a K3 module (expected {PEFT_PREFIX}<module path>)")
         if ".experts." in module:
-            raise ValueError(f"adapter tensor {key}: expert adapters cannot be merged into SGLang's MXFP4 experts")
-        pairs.setdefault(CHECKPOINT_PREFIX + module.removeprefix(PEFT_PREFIX) + ".weight", {})[part[0]] = t
+            raise ValueError(f"adapter module {module}: expert adapters cannot be merged into SGLang's MXFP4 experts")
+        pairs[CHECKPOINT_PREFIX + module.removeprefix(PEFT_PREFIX) + ".weight"] = ab
     info = inspect_checkpoint(path)
     missing = [name for name in pairs if name not in info.tensors]
     if missing:
