@@ -243,20 +243,51 @@ def _sglang_engine(cfg, model, tokenizer, problems, version: int):
     """The SGLang engine serving the run's checkpoint with the trainer's adapter as weight version `version`, and its
     verified channel: a LoRA adapter (sglang.push=lora), or merged into SGLang's base weights (merged: a K3 adapter
     SGLang's K3 LoRA cannot serve; the engine's base log-probs on the probe are taken first, while it serves W0).
-    The parity probe is the first training prompt's token ids, repeated to sglang.probe_tokens."""
-    from miles_k3.adapter import peft_tensors
+    The parity probe (`parity_probe`, sglang.probe) is checked before SGLang starts and built before it serves any
+    adapter (its completions are the base policy's); SGLang is shut down when what follows its start fails."""
     from miles_k3.evals.templates import render_prompt
-    from miles_k3.model.lora import adapters_disabled
     from miles_k3.rollout.sglang_backend import serve_checkpoint
-    from miles_k3.trainer.step import sequence_logprobs
-    from miles_k3.weight_sync.sglang import SGLangChannel, SGLangMergedChannel
+    from miles_k3.weight_sync.sglang import check_probe
 
+    verified = cfg.sglang.verify_push != "never"
+    prompts = [tokenizer.encode(render_prompt(cfg.rollout.template, p.problem, tokenizer), add_special_tokens=False)
+               for p in problems[:64]] if verified else []
+    if verified:  # before SGLang starts
+        limit, field = engine_context(cfg)
+        if cfg.sglang.probe_tokens > limit:
+            raise ValueError(f"sglang.probe_tokens={cfg.sglang.probe_tokens}: longer than the context of {limit} "
+                             f"tokens ({field}); lower it")
+        check_probe(cfg.sglang.probe, cfg.sglang.probe_tokens, prompts)
     engine = serve_checkpoint(cfg.sglang, cfg.model, tokenizer, cfg.engine.eos_token_ids, lora=cfg.lora,
                               seed=cfg.seed, fallback_context=cfg.engine.max_context)
+    try:
+        return engine, _sglang_channel(cfg, engine, model, prompts, version)
+    except BaseException:
+        engine.shutdown()  # its scheduler runs in subprocesses
+        raise
+
+
+def _sglang_channel(cfg, engine, model, prompts: list[list[int]], version: int):
+    """The verified channel into `engine`, which serves the trainer's adapter as version `version` on return."""
+    from miles_k3.adapter import peft_tensors
+    from miles_k3.model.lora import adapters_disabled
+    from miles_k3.trainer.step import sequence_logprobs
+    from miles_k3.weight_sync.sglang import SGLangChannel, SGLangMergedChannel, parity_probe
+
     engine.weight_version = version  # the trainer's adapter (a checkpoint's on resume) is what it serves
-    first = tokenizer.encode(render_prompt(cfg.rollout.template, problems[0].problem, tokenizer),
-                             add_special_tokens=False)
-    probe = (first * (cfg.sglang.probe_tokens // max(len(first), 1) + 1))[:cfg.sglang.probe_tokens]
+    probe = None
+    if prompts:
+
+        def complete(ids: list[list[int]], max_new: int) -> list[list[int]]:  # greedy, the base (no adapter yet)
+            outs = engine.generate(input_ids=ids, sampling_params={"max_new_tokens": max_new, "temperature": 0.0},
+                                   return_logprob=False)
+            bad = next((o["error"] for o in outs if "error" in o), None)
+            if bad is not None:
+                raise RuntimeError(f"parity probe: sglang failed a base completion: {bad}")
+            return [o["output_ids"] for o in outs]
+
+        probe = parity_probe(cfg.sglang.probe, cfg.sglang.probe_tokens, prompts, complete)
+        log.info("sglang parity probe (%s): %d tokens", cfg.sglang.probe, len(probe))
 
     def base_logprobs(ids: list[int]) -> list[float]:
         with adapters_disabled(model):
@@ -267,10 +298,10 @@ def _sglang_engine(cfg, model, tokenizer, problems, version: int):
     if engine.push == "merged":
         channel = SGLangMergedChannel(engine, POLICY, cfg.sglang, model, **checks)
         channel.serve_initial({n: p.detach() for n, p in lora_parameters(model).items()})
-        return engine, channel
+        return channel
     engine.load_lora_adapter_from_tensors(POLICY, {n: t.detach() for n, t in peft_tensors(model).items()},
                                           cfg.lora)
-    return engine, SGLangChannel(engine, POLICY, cfg.sglang, **checks)
+    return SGLangChannel(engine, POLICY, cfg.sglang, **checks)
 
 
 def _resume(ckpt: Path | None, model, opt, sched, stream: PromptStream, ctx: ParallelContext) -> tuple[int, int]:

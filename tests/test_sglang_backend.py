@@ -312,6 +312,30 @@ def _mean_abs(xs, ys):
     return sum(abs(x - y) for x, y in zip(xs, ys)) / len(xs)
 
 
+def test_parity_probe_by_hand():
+    """completions: prompt, its completion, the next prompt, ... cut at the length (starting over when the prompts
+    run out); prompts are taken until they alone would fill it; prompt: the first prompt repeated."""
+    from miles_k3.weight_sync.sglang import parity_probe
+
+    asked = []
+
+    def complete(prompts, max_new):
+        asked.append((prompts, max_new))
+        return [[70 + i] * (2 - i) for i in range(len(prompts))]  # 2, 1 and 0 tokens
+
+    assert parity_probe("completions", 10, [[1, 2, 3], [4, 5], [6]], complete) == [1, 2, 3, 70, 70, 4, 5, 71, 6, 1]
+    assert asked == [([[1, 2, 3], [4, 5], [6]], 10)]  # 3 + 2 + 1 < 10: all three, then from the start
+    assert parity_probe("completions", 5, [[1, 2, 3], [4, 5], [6]], complete) == [1, 2, 3, 70, 70]
+    assert asked[-1] == ([[1, 2, 3], [4, 5]], 5)  # 3 + 2 fill 5: the third prompt is not asked for
+    assert parity_probe("prompt", 7, [[1, 2, 3], [4]]) == [1, 2, 3, 1, 2, 3, 1]
+    with pytest.raises(ValueError, match=r"first training prompt has 3 tokens, >= sglang.probe_tokens=3.*e\.g\. 67"):
+        parity_probe("completions", 3, [[1, 2, 3]], complete)
+    with pytest.raises(ValueError, match="1 completions for 2 prompts"):
+        parity_probe("completions", 5, [[1, 2, 3], [4, 5]], lambda p, n: [[9]])
+    with pytest.raises(ValueError, match="sglang.probe: 'rollout' is not one of completions, prompt"):
+        parity_probe("rollout", 5, [[1]])
+
+
 def test_parity_rule_on_hand_worked_values():
     """Four probe tokens, base log-probs b = d; the trainer's adapter moves them by (0.4, -0.4, 0.2, -0.2), so its
     effect is 0.3 nats/token; an engine at half scale moves them by half that."""

@@ -63,6 +63,16 @@ def test_three_grpo_steps_with_sglang_serving_k3(k3_dir, tmp_path, monkeypatch):
     assert len(steps) == 3 and all(r["train/rollout_logprob_abs_diff"] < 1e-4 for r in steps)
     assert steps[0]["sync/parity_logprob_abs_diff"] < 1e-3 and steps[0]["sync/bytes"] > 0
     assert run.summary["steps"] == 3 and not eng.alive
+    # the parity probe (sglang.probe=completions, 12 tokens): the first prompt and the base's greedy completion of
+    # it, asked of SGLang before anything was written (no adapter, temperature 0), then the next prompt
+    first, writes = eng.calls[0], [i for i, (m, _) in enumerate(eng.calls) if m == "update_weights_from_tensor"]
+    assert first[0] == "generate" and first[1]["lora_path"] is None and writes[0] > 0
+    assert all(sp["temperature"] == 0.0 and sp["max_new_tokens"] == 12 for sp in first[1]["sampling_params"])
+    probes = [c["input_ids"][0] for m, c in eng.calls if m == "generate" and c["logprob_start_len"] == 0]
+    p0, p1 = first[1]["input_ids"][:2]
+    done = _greedy(k3_model(k3_dir), p0, 12, cfg.engine.eos_token_ids[0])
+    assert len(p0) < 12 and probes and all(p == probes[0] for p in probes)
+    assert probes[0] == (p0 + done + p1)[:12] and done[0] != p0[0]
 
 
 def test_a_refused_push_stops_the_run_with_its_step_logged_and_checkpointed(k3_dir, tmp_path, monkeypatch):
@@ -182,3 +192,22 @@ def test_eval_entry_point_with_sglang_serving_k3(k3_dir, tmp_path, monkeypatch):
         run(compose_config("eval", [*common, "sglang.push=lora", f"adapter={tmp_path}/kda",
                                     f"run_dir={tmp_path}/kda_lora"]))
     assert len(made) == 2  # refused before SGLang starts
+
+
+def test_a_probe_that_cannot_be_built_is_refused_before_sglang_starts(k3_dir, tmp_path, monkeypatch):
+    """sglang.probe=completions needs room after the first prompt; the probe must fit the context; an unknown probe
+    is a config error."""
+    from miles_k3.config import compose_config
+    from miles_k3.train import train
+
+    made = _serve_doubles(monkeypatch, k3_model(k3_dir))
+    base = [*_run_overrides(k3_dir, tmp_path / "run"), "steps=1"]
+    with pytest.raises(ValueError, match=r"sglang.probe=completions: the first training prompt has \d+ tokens, >= "
+                                         r"sglang.probe_tokens=2, .* set sglang.probe_tokens above it"):
+        train(compose_config("train", [*base, "sglang.probe_tokens=2"]), "")
+    with pytest.raises(ValueError, match=r"sglang.probe_tokens=65: longer than the context of 64 tokens "
+                                         r"\(sglang.context_length"):
+        train(compose_config("train", [*base, "sglang.probe_tokens=65", "sglang.context_length=64"]), "")
+    assert made == []
+    with pytest.raises(Exception, match="probe: 'rollout' is not one of completions, prompt"):
+        train(compose_config("train", [*base, "sglang.probe=rollout"]), "")

@@ -3,7 +3,8 @@ adapter version (`SGLangEngine.stage_adapter`: SGLang's load_lora_adapter_from_t
 then served (`commit_adapter`; the old version is unloaded once drained). Any error while loading is a SyncError,
 with nothing served from the failed push.
 
-SGLang cannot read adapter weights back, so a push is verified by log-probs of a fixed probe (token ids), per token:
+SGLang cannot read adapter weights back, so a push is verified by log-probs of a fixed probe (token ids,
+`parity_probe`: by default the first training prompts, each with the base policy's own completion), per token:
 a = the staged version in SGLang, b = SGLang's base (no adapter), c = the trainer with the adapter, d = the trainer
 with the adapter switched off. The adapter's effect is a - b in the engine and c - d in the trainer. Means over the
 probe's tokens (nats/token):
@@ -45,6 +46,7 @@ import torch
 
 from miles_k3.model.k3 import CHECKPOINT_PREFIX
 from miles_k3.model.lora import expert_loras, lora_linears
+from miles_k3.rollout.sglang_backend import PROBE_MODES
 from miles_k3.weight_sync.protocol import PushReport, SyncError, sync_devices
 
 if TYPE_CHECKING:
@@ -101,6 +103,46 @@ class Parity:
         return {"sync/parity_logprob_abs_diff": self.gap, "sync/parity_base_abs_diff": self.base_gap,
                 "sync/parity_effect_trainer": self.effect_trainer, "sync/parity_effect_engine": self.effect_engine,
                 "sync/parity_effect_diff": self.effect_diff, "sync/parity_inconclusive": float(self.inconclusive)}
+
+
+def check_probe(mode: str, length: int, prompts: list[list[int]]) -> None:
+    """Why `parity_probe(mode, length, prompts)` cannot be built (ValueError), checked before any engine starts."""
+    if mode not in PROBE_MODES:
+        raise ValueError(f"sglang.probe: '{mode}' is not one of {', '.join(PROBE_MODES)}")
+    if not prompts or not prompts[0]:
+        raise ValueError("parity probe: no training prompt (or an empty first prompt) to build it from")
+    if mode == "completions" and len(prompts[0]) >= length:
+        raise ValueError(f"sglang.probe=completions: the first training prompt has {len(prompts[0])} tokens, "
+                         f">= sglang.probe_tokens={length}, so the probe would hold none of the policy's own text; "
+                         f"set sglang.probe_tokens above it (e.g. {len(prompts[0]) + 64})")
+
+
+def parity_probe(mode: str, length: int, prompts: list[list[int]],
+                 complete: Callable[[list[list[int]], int], list[list[int]]] | None = None) -> list[int]:
+    """The probe's `length` token ids from the training prompts `prompts` (token ids, in the data's order), as
+    sglang.probe says:
+      completions: prompt 0, then its completion, prompt 1, its completion, ... cut at `length` (the pairs start
+        over when the prompts run out). `complete(prompts, max_new)` gives the base policy's greedy completion of
+        each prompt, at most max_new = `length` tokens: text the policy reads and writes, where the trainer and
+        the engine agree as they do on the rollouts.
+      prompt: prompt 0 repeated (text the policy never writes: a policy trained far from its base puts little
+        probability on it, and bf16 noise there grows with the adapter's effect).
+    Prompts are taken until they alone would fill `length` (at most 64)."""
+    check_probe(mode, length, prompts)
+    if mode == "prompt":
+        first = prompts[0]
+        return (first * (length // len(first) + 1))[:length]
+    used, filled = [], 0
+    for ids in prompts[:64]:
+        used.append(list(ids))
+        filled += len(ids)
+        if filled >= length:
+            break
+    done = complete(used, length) if complete is not None else None
+    if done is None or len(done) != len(used):
+        raise ValueError(f"parity probe: {0 if done is None else len(done)} completions for {len(used)} prompts")
+    pairs = [t for ids, out in zip(used, done) for t in (*ids, *out)]
+    return (pairs * (length // len(pairs) + 1))[:length]
 
 
 class _VerifiedPushes:
