@@ -34,7 +34,7 @@ after each line); a part that fails prints a line with its `error` and the other
   floor; `fp32_mean`: SGLang against our fp32). On a random init the floor is no small number: its routers' top-k
   flips under rounding and the flips cascade (bench_rounding_floor.py on a random k3_m2, CPU: 0.453 nats/token ours
   bf16 vs fp32, as large as SGLang's gap), so compare a random init with `--pin-routes`. `push_tolerance` is the push parity check's limit
-  (sglang.parity_tolerance): a mean above it refuses every push. `ours_spread` (mean |log-prob - its mean|) is the
+  (sglang.parity_tolerance): a push whose gap exceeds the base's by more than it is refused. `ours_spread` (mean |log-prob - its mean|) is the
   scale a gap is judged against: a random init predicts near-uniform tokens, so its gaps are small whatever the
   kernels do; a trained checkpoint (README, "routing replay": sft then quantize) is the sharper test. `argmax_agree`:
   the share of positions where SGLang's top-1 token (input_top_logprobs, top_logprobs_num=1) is our argmax; null when

@@ -102,7 +102,8 @@ class SGLangConfig:
     """With verify_push=every_n: a check that is conclusive and passes at push k makes push k + verify_every the next
     one checked (all conclusive: pushes 1, 1 + n, 1 + 2n, ...). >= 1."""
     parity_tolerance: float = 0.05
-    """Mean |trainer - engine| log-prob (nats/token) over the probe above which a push is refused."""
+    """A push is refused when the mean |trainer - engine| log-prob (nats/token) over the probe exceeds their mean
+    difference on the base (no adapter) by more than this."""
     parity_min_effect: float = 0.01
     """Noise floor (nats/token): a check is conclusive only when the adapter moves the trainer's probe log-probs by
     at least this on average (and by 10x the engine-trainer gap on the base, the bf16 noise). Below 0.01 the

@@ -356,6 +356,16 @@ def test_parity_rule_on_hand_worked_values():
     assert dropped.base_gap == pytest.approx(0.1) and dropped.floor == pytest.approx(1.0)
     assert dropped.inconclusive and dropped.refusal(tolerance=0.5) is None
     assert dropped.metrics()["sync/parity_inconclusive"] == 1.0
+    # a model on which they already differ by 0.45 (a random-init MoE's flipped routes): the gap is judged beyond
+    # that; an adapter the engine applies where the trainer's does nothing adds 0.2 to it and is refused
+    far = [-2.45, -2.55, -1.45, -3.55]
+    same = Parity.of(far, far, d, d, min_effect=0.01)
+    assert same.gap == pytest.approx(0.45) and same.base_gap == pytest.approx(0.45) and same.inconclusive
+    assert same.refusal(tolerance=0.05) is None
+    stray = Parity.of([-2.65, -2.35, -1.65, -3.35], far, d, d, min_effect=0.01)
+    assert stray.gap == pytest.approx(0.65) and stray.effect_engine == pytest.approx(0.2)
+    assert "by 0.65 nats/token on the probe, 0.2 more than on the base (0.45;" in stray.refusal(tolerance=0.05)
+    assert stray.refusal(tolerance=0.25) is None
 
 
 @pytest.mark.parametrize("scale", [0.0, 0.5, 2.0])
