@@ -145,6 +145,7 @@ class _Request:
 
     def routed(self, log: RouteLog) -> torch.Tensor:
         """All routes, [num_routed, L, K]."""
+        log.wait()  # the prefill's and the decode steps' copies to the host have landed
         return torch.cat(self.routes + ([log.gather(self.log_rows)] if self.log_rows else []))
 
     @property
@@ -520,7 +521,7 @@ class RolloutEngine:
         stored = store_state(self.cfg, out.state, self.kda, slots, self.cache, rids)
         assert stored, "pages were reserved by _prefill_heads"
         if record:
-            routes_BTLK = recorder.routes().view(len(rows), width, self._num_moe, -1).cpu()
+            routes_BTLK = self._route_log.to_host(recorder.routes().view(len(rows), width, self._num_moe, -1))
             for b, (r, p) in enumerate(zip(rows, pieces)):
                 if r.record:
                     r.add_routes(start, routes_BTLK[b, :len(p)], self._route_log)
@@ -583,7 +584,7 @@ class RolloutEngine:
             for rid in rids:
                 self.cache.advance(rid, 1)
             if recorded is not None:
-                self._route_log.keep_step(recorded, torch.cat(routes))
+                self._route_log.keep_step(recorded, routes[0] if len(routes) == 1 else torch.cat(routes))
             return chunks[0] if len(chunks) == 1 else torch.cat(chunks)
         slots_t = torch.tensor(slots, device=self.device)
         state = pooled_state(self.cfg, self.kda, slots_t, self.cache, rids)

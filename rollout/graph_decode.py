@@ -8,9 +8,11 @@ its MLA pages (the new latent is written into its page, then the paged kernel at
 at a scratch slot and a scratch page that no request owns. Decode on CUDA is
 launch-bound in eager mode (thousands of small kernels per step); replaying a graph launches them at once.
 On CPU (or with `capture=False`) the same static step runs eagerly: that is how it is tested without a GPU.
-Every step records each MoE layer's top-k ids (`miles_k3.model.routing`): a captured graph keeps the id tensors
-of its capture alive, so each replay leaves the step's routes at fixed addresses at no extra kernel, read only
-when the engine asks (`last_routes`, return_routed_experts). Graphs capture addresses: the LoRA buffers never move (adapters are copied into them), and when the pools are
+Every step records each MoE layer's top-k ids (`miles_k3.model.routing`): a captured graph also stacks them into
+one int16 [B, MoE layers, top_k] buffer (two small kernels inside the graph, no eager launch), so each replay
+leaves the step's routes at one fixed address, read only when the engine asks (`last_routes`,
+return_routed_experts: the engine queues their copy to the host behind the replay, `rollout/route_log.py`).
+Graphs capture addresses: the LoRA buffers never move (adapters are copied into them), and when the pools are
 released the engine drops the graphs (`release_graphs`) and builds a new decoder over the resumed pools; graphs
 are captured again on their next use.
 
@@ -56,9 +58,9 @@ class GraphDecoder:
         cache.new_request(PAD_RID)
         if self._scratch_slot is None or not cache.reserve(PAD_RID, 1):
             raise ValueError("graph decode needs one spare KDA slot and one spare latent page for padding rows")
-        self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph | None, torch.Tensor, torch.Tensor,
-                                                  Recorder | None]] = {}
-        self._last: Recorder | None = None  # the routes of the last decode step
+        self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph | None, torch.Tensor, torch.Tensor | None,
+                                                  torch.Tensor | None]] = {}
+        self._last: Recorder | torch.Tensor | None = None  # the last step's routes (a graph's: its stacked buffer)
         self._pool = torch.cuda.graph_pool_handle() if self.capture else None
 
     @property
@@ -89,7 +91,7 @@ class GraphDecoder:
         lens = [self.cache.seq_len(r) for r in rids]
         need = max(lens, default=0) // self.cache.page_size + 1  # the page holding each new position
         width = next(p for p in self.page_buckets if p >= need)
-        graph, packed, logits, recorder = self._graph(bucket, width)  # captured on scratch rows before any is set
+        graph, packed, logits, routes = self._graph(bucket, width)  # captured on scratch rows before any is set
         scratch = self.scratch_page
         rows = [[i, s, ln, *self.cache.table_row(r, width, scratch)] for i, s, ln, r in zip(ids, slots, lens, rids)]
         rows += [[0, self._scratch_slot, 0] + [scratch] * width] * (bucket - n)
@@ -98,14 +100,16 @@ class GraphDecoder:
             logits, self._last = self._step(packed)
             return logits[:n]
         graph.replay()
-        self._last = recorder
+        self._last = routes
         return logits[:n]
 
     def last_routes(self, n: int) -> torch.Tensor:
-        """The last step's routes of its first n rows: [n, MoE layers, top_k] int16 on the device."""
+        """The last step's routes of its first n rows: [n, MoE layers, top_k] int16 on the device (a captured
+        graph's: a view of its static buffer, which its next replay overwrites)."""
         if self._last is None:
             raise RuntimeError("last_routes: no decode step has run")
-        return self._last.routes()[:n]
+        routes = self._last if isinstance(self._last, torch.Tensor) else self._last.routes()
+        return routes[:n]
 
     def _graph(self, bucket: int, width: int):
         key = (bucket, width)
@@ -124,8 +128,9 @@ class GraphDecoder:
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            logits, recorder = self._step(packed)  # the recorder holds the captured id tensors (fixed addresses)
-        return graph, packed, logits, recorder
+            logits, recorder = self._step(packed)
+            routes = recorder.routes()  # stacked in the graph: [B, L, K] int16 at a fixed address, no eager kernels
+        return graph, packed, logits, routes
 
     @torch.no_grad()
     def _step(self, packed: torch.Tensor) -> tuple[torch.Tensor, Recorder]:

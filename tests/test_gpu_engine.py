@@ -1,5 +1,6 @@
-"""The rollout engine on CUDA: CUDA-graph decode replays exactly the static step it captured, and its
-logprobs match the trainer-side full-sequence forward. Run with `python -m pytest -m gpu tests`."""
+"""The rollout engine on CUDA: CUDA-graph decode replays exactly the static step it captured (tokens, logprobs and
+recorded routes), its logprobs match the trainer-side full-sequence forward, and the route log's copies to the
+host are queued without a wait yet read only once they have landed. Run with `python -m pytest -m gpu tests`."""
 import copy
 
 import pytest
@@ -8,6 +9,7 @@ import torch
 from miles_k3.model import K3Config, K3ForCausalLM
 from miles_k3.model.lora import LoRAConfig, apply_lora, lora_parameters, lora_state_dict
 from miles_k3.rollout.engine import EngineConfig, RolloutEngine
+from miles_k3.rollout.route_log import RouteLog
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [5, 6, 7], [300], list(range(40, 70))]
@@ -94,3 +96,43 @@ def test_cuda_graph_tag_frees_the_graph_pool_and_recaptures(trainer):
     after = engine.generate(input_ids=PROMPTS, sampling_params=params, n=3, lora="policy")
     assert engine._graph._graphs
     assert [r["output_ids"] for r in after] == [r["output_ids"] for r in before]
+
+
+def test_graph_decode_records_the_static_steps_routes(trainer):
+    """return_routed_experts through captured graphs (routes stacked in the graph, copied to the host without a
+    wait, one step's buffer overwritten by the next replay) gives the routes of the eager static step, bitwise,
+    and the same samples."""
+    model, lora = trainer
+    params = {"temperature": 1.0, "max_new_tokens": 12, "sampling_seed": 7}
+    runs = {}
+    for decode in ("static", "graph"):
+        engine = _engine(model, lora, decode)
+        runs[decode] = engine.generate(input_ids=PROMPTS, sampling_params=params, n=2, lora="policy",
+                                       return_routed_experts=True)
+        assert engine.decode_mode == decode
+    for i, (g, s) in enumerate(zip(runs["graph"], runs["static"])):
+        assert g["output_ids"] == s["output_ids"], i
+        rg, rs = g["meta_info"]["routed_experts"], s["meta_info"]["routed_experts"]
+        assert rg.device.type == "cpu" and rg.shape[0] == len(PROMPTS[i // 2]) + len(g["output_ids"]) - 1
+        assert torch.equal(rg, rs), (i, (rg != rs).any(-1).any(-1).nonzero().flatten().tolist())
+
+
+def test_route_log_queues_its_copies_and_reads_them_only_once_landed():
+    """append and to_host return while the copy still waits behind earlier GPU work (the event not reached); the
+    source overwritten right after on the same stream (as the next graph replay does) does not reach the log;
+    gather and wait read the rows as they were when appended."""
+    log = RouteLog(block_rows=4)
+    rows = torch.arange(6 * 2 * 3, device="cuda", dtype=torch.int16).view(6, 2, 3)  # 6 rows: spans two blocks
+    want = rows.cpu()
+    torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU spinning ahead of the copies
+    src = rows.clone()
+    assert log.append(src) == 0
+    pending = not log._event.query()
+    host = log.to_host(src[1:3])
+    src.fill_(-1)  # queued after the copies: must not reach the log
+    assert pending and all(b.is_pinned() for b in log.blocks)
+    assert torch.equal(log.gather([0, 2, 5]), want[[0, 2, 5]])  # waits for the copies
+    log.wait()
+    assert torch.equal(host, want[1:3])
+    log.clear()
+    assert log.num_rows == 0 and not log.blocks
