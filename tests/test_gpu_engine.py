@@ -118,21 +118,24 @@ def test_graph_decode_records_the_static_steps_routes(trainer):
 
 
 def test_route_log_queues_its_copies_and_reads_them_only_once_landed():
-    """append and to_host return while the copy still waits behind earlier GPU work (the event not reached); the
-    source overwritten right after on the same stream (as the next graph replay does) does not reach the log;
-    gather and wait read the rows as they were when appended."""
+    """An append into blocks already allocated returns while its copy still waits behind earlier GPU work (the
+    event not reached); the source overwritten right after on the same stream (as the next graph replay does)
+    does not reach the log; gather and wait read the rows as they were when appended."""
     log = RouteLog(block_rows=4)
-    rows = torch.arange(6 * 2 * 3, device="cuda", dtype=torch.int16).view(6, 2, 3)  # 6 rows: spans two blocks
+    rows = torch.arange(8 * 2 * 3, device="cuda", dtype=torch.int16).view(8, 2, 3)
     want = rows.cpu()
-    torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU spinning ahead of the copies
-    src = rows.clone()
-    assert log.append(src) == 0
-    pending = not log._event.query()
-    host = log.to_host(src[1:3])
-    src.fill_(-1)  # queued after the copies: must not reach the log
-    assert pending and all(b.is_pinned() for b in log.blocks)
-    assert torch.equal(log.gather([0, 2, 5]), want[[0, 2, 5]])  # waits for the copies
+    assert log.append(rows[:6]) == 0  # rows 0-5: allocates both pinned blocks
+    assert len(log.blocks) == 2 and all(b.is_pinned() for b in log.blocks)
     log.wait()
-    assert torch.equal(host, want[1:3])
+    torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU spinning ahead of the next copies
+    src = rows[6:].clone()
+    assert log.append(src) == 6  # rows 6-7 into block 1
+    pending = not log._event.query()
+    host = log.to_host(src)
+    src.fill_(-1)  # queued after the copies: must not reach the log
+    assert pending, "append waited for the GPU"
+    assert torch.equal(log.gather([0, 5, 6, 7]), want[[0, 5, 6, 7]])  # waits for the copies
+    log.wait()
+    assert torch.equal(host, want[6:])
     log.clear()
     assert log.num_rows == 0 and not log.blocks
