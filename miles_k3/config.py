@@ -35,8 +35,8 @@ from miles_k3.model.checkpoint import CheckpointError
 from miles_k3.model.config import ConfigError
 from miles_k3.model.lora import LoRAConfig
 from miles_k3.parallel.config import ParallelConfig, ParallelConfigError
-from miles_k3.rollout.engine import EngineConfig
-from miles_k3.rollout.sglang_backend import SGLangConfig
+from miles_k3.rollout.engine_config import EngineConfig
+from miles_k3.rollout.sglang_config import SGLangConfig
 from miles_k3.tracking import TrackingConfig
 from miles_k3.trainer.checkpoint import ResumeError
 from miles_k3.trainer.optim import OptimConfig

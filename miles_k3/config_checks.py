@@ -10,8 +10,8 @@ import torch
 from miles_k3.model.build import ModelConfig
 from miles_k3.model.lora import LoRAConfig
 from miles_k3.parallel.config import ParallelConfig, ParallelConfigError
-from miles_k3.rollout.engine import MEMORY_TAGS, EngineConfig
-from miles_k3.rollout.sglang_backend import SGLangConfig
+from miles_k3.rollout.engine_config import MEMORY_TAGS, EngineConfig
+from miles_k3.rollout.sglang_config import SGLangConfig
 from miles_k3.weight_sync.config import WeightSyncConfig
 
 
@@ -34,7 +34,7 @@ def check_parallel(parallel: ParallelConfig, device: str, backend: str) -> None:
 
 def check_backend(model: ModelConfig, backend: str, sglang: SGLangConfig | None = None, lora: LoRAConfig | None = None
                   ) -> None:
-    """engine.backend (`backend`, one of rollout.engine.BACKENDS: EngineConfig checks) can serve the model: the
+    """engine.backend (`backend`, one of rollout.engine_config.BACKENDS: EngineConfig checks) can serve the model: the
     native engine serves K3 only; SGLang serves a checkpoint directory, and a local K3 one only when SGLang 0.5.17
     can (`k3_checkpoint`: the nested config.json, its shapes) with an sglang.push that serves `lora` (None: the
     adapter is not known yet, as in eval)."""

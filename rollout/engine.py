@@ -31,7 +31,6 @@ import itertools
 import logging
 import threading
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -46,12 +45,13 @@ from miles_k3.parallel.lockstep import Lockstep
 from miles_k3.parallel.mesh import SINGLE, ParallelContext
 from miles_k3.parallel.tensor_parallel import adopt_tp_layout
 from miles_k3.rollout.adapters import AdapterBank, share_base
+from miles_k3.rollout.engine_config import MEMORY_TAGS, EngineConfig
 from miles_k3.rollout.graph_decode import GraphDecoder
 from miles_k3.rollout.memory import KDAStatePool, PagedLatentCache, plan_memory, pooled_state, store_state
 from miles_k3.rollout.push_copy import check_tensors
+from miles_k3.rollout.requests import Request, generate_requests
 from miles_k3.rollout.route_log import RouteLog
 from miles_k3.rollout.sampling import (
-    FinishReason,
     SamplingParams,
     check_stop,
     filters,
@@ -60,126 +60,6 @@ from miles_k3.rollout.sampling import (
 )
 
 log = logging.getLogger(__name__)
-
-MEMORY_TAGS = ("kv_cache", "cuda_graph")
-BACKENDS = ("native", "sglang")
-"""The rollout engines `EngineConfig.backend` names."""
-
-
-@dataclass
-class EngineConfig:
-    """Which rollout engine generates (`backend`), and the native engine's sizes and limits."""
-
-    backend: str = "native"
-    """native (miles_k3's K3 engine in this process, sized by the fields below) or sglang (sglang.Engine serving
-    model.hf_path or model.path, its scheduler in SGLang's subprocess, configured by the sglang: section; needs the
-    sglang extra and a CUDA GPU). One switch for python -m miles_k3.train and python -m miles_k3.eval."""
-    memory_budget_bytes: int = 256 * 2**20
-    """Bytes for the KDA state slots and MLA latent pages together (sized by `memory.plan_memory`)."""
-    page_size: int = 16
-    """Tokens per MLA latent page."""
-    max_context: int = 2048
-    """Longest prompt + completion a request may reach (backend=sglang: only where neither sglang.context_length
-    nor the checkpoint's max_position_embeddings says)."""
-    prefill_chunk: int = 256
-    """Tokens per request per prefill forward (chunked prefill bounds activation memory)."""
-    max_prefill_tokens: int = 16384
-    """Tokens (rows x chunk) per batched prefill forward."""
-    num_slots: int | None = None
-    """Override the planned number of KDA slots (max running requests); None: from the budget."""
-    num_pages: int | None = None
-    """Override the planned number of latent pages (fewer than slots x context: preemption); None: planned."""
-    eos_token_ids: list[int] = field(default_factory=list)
-    """Token ids that end a sample unless `ignore_eos`."""
-    decode: str = "auto"
-    """Decode step: eager (model.step on pooled copies), static (fixed-shape step writing the pools directly,
-    `graph_decode.py`), graph (static, captured as CUDA graphs per batch bucket); auto = graph on CUDA, else
-    eager."""
-
-    def validate(self) -> None:
-        if self.backend not in BACKENDS:
-            raise ValueError(f"backend: '{self.backend}' is not one of {', '.join(BACKENDS)}")
-        for name in ("memory_budget_bytes", "page_size", "max_context", "prefill_chunk", "max_prefill_tokens"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
-        if self.decode not in ("auto", "eager", "static", "graph"):
-            raise ValueError(f"decode: '{self.decode}' is not one of auto, eager, static, graph")
-        for name in ("num_slots", "num_pages"):
-            if getattr(self, name) is not None and getattr(self, name) < 1:
-                raise ValueError(f"{name}: must be >= 1 or null, got {getattr(self, name)}")
-
-
-@dataclass(eq=False)
-class _Request:
-    rid: int
-    index: int
-    prompt: list[int]
-    params: SamplingParams
-    key: int  # sampling noise key: sampling_seed + sample index, or drawn from torch's global RNG
-    lora: str | None
-    cached: int = 0  # prompt tokens reused from a forked prefill
-    output: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    unfiltered: list[float] = field(default_factory=list)  # requests that filter (top-p/top-k/min-p) only
-    slot: int | None = None
-    finish: FinishReason | None = None
-    weight_versions: set[int] = field(default_factory=set)
-    record: bool = False  # return_routed_experts: keep the routes of every position processed
-    routes: list[torch.Tensor] = field(default_factory=list)  # host int16 [positions, L, K] chunks, in order
-    log_rows: list[int] = field(default_factory=list)  # then these decode positions' rows of the engine's RouteLog
-    num_routed: int = 0  # positions 0 .. num_routed - 1 have routes
-
-    def add_routes(self, first: int, routes_TLK: torch.Tensor, log: RouteLog) -> None:
-        """Routes of positions first .. first + T - 1 (host); positions already routed keep their first routes
-        (a preempted request's recompute: the routes its tokens were sampled with)."""
-        skip = self.num_routed - first
-        if skip < 0:
-            raise RuntimeError(f"routes of request {self.rid}: positions {self.num_routed}..{first - 1} were "
-                               "never recorded")
-        if skip < routes_TLK.shape[0]:
-            if self.log_rows:  # the decode rows so far come first
-                self.routes.append(log.gather(self.log_rows))
-                self.log_rows = []
-            self.routes.append(routes_TLK[skip:])
-            self.num_routed = first + routes_TLK.shape[0]
-
-    def routed(self, log: RouteLog) -> torch.Tensor:
-        """All routes, [num_routed, L, K]."""
-        log.wait()  # the prefill's and the decode steps' copies to the host have landed
-        return torch.cat(self.routes + ([log.gather(self.log_rows)] if self.log_rows else []))
-
-    @property
-    def tokens(self) -> list[int]:
-        return self.prompt + self.output
-
-    @property
-    def last_token(self) -> int:
-        """The newest token (what the next decode step feeds), without copying `tokens`."""
-        return self.output[-1] if self.output else self.prompt[-1]
-
-
-def generate_requests(input_ids, prompts, sampling_params, n: int, lora, tokenizer, released: set[str]):
-    """The checked arguments of an engine's `generate`: (prompt token ids, sampling params per prompt, adapter name
-    per prompt). One dict or adapter name applies to every prompt; a list needs one entry per prompt."""
-    if n < 1:
-        raise ValueError(f"n: must be >= 1, got {n}")
-    if released:
-        raise RuntimeError(f"generate: memory {sorted(released)} is released; call resume_memory_occupation() first")
-    if (input_ids is None) == (prompts is None):
-        raise ValueError("generate: pass exactly one of input_ids (token id lists) or prompts (strings)")
-    if input_ids is not None:
-        ids = [list(map(int, p)) for p in input_ids]
-    elif tokenizer is None:
-        raise ValueError("generate: prompts given as text but the engine has no tokenizer; pass input_ids")
-    else:
-        ids = [tokenizer.encode(p) for p in prompts]
-    params = sampling_params if isinstance(sampling_params, list) else [sampling_params or {}] * len(ids)
-    loras = lora if isinstance(lora, list) else [lora] * len(ids)
-    if len(params) != len(ids) or len(loras) != len(ids):
-        raise ValueError(f"sampling_params ({len(params)}) and lora ({len(loras)}) lists must have one entry per "
-                         f"prompt ({len(ids)})")
-    return ids, params, loras
-
 
 class RolloutEngine:
     """generate / load_lora_adapter_from_tensors / update_weights_from_tensor / weight_version / flush_cache /
@@ -381,7 +261,7 @@ class RolloutEngine:
 
     # ---- requests ----------------------------------------------------------------------------------
     def _make_group(self, i: int, n: int, prompt: list[int], sp: dict | None, name: str | None,
-                    record: bool = False) -> list[_Request]:
+                    record: bool = False) -> list[Request]:
         where = f"request {i}"
         params = SamplingParams.from_dict(dict(sp or {}), where)
         params.validate(self.cfg.vocab_size, where)
@@ -401,7 +281,7 @@ class RolloutEngine:
         seed = params.sampling_seed
         if seed is None:  # reproducible under torch.manual_seed, different per call
             seed = self._drawn_seed()
-        return [_Request(next(self._rids), i * n + j, list(prompt), params, seed + j, name, record=record)
+        return [Request(next(self._rids), i * n + j, list(prompt), params, seed + j, name, record=record)
                 for j in range(n)]
 
     def _drawn_seed(self) -> int:
@@ -416,7 +296,7 @@ class RolloutEngine:
 
     # ---- scheduling --------------------------------------------------------------------------------
     def _run(self, waiting: deque, results: list, return_logprob: bool) -> None:
-        running: list[_Request] = []
+        running: list[Request] = []
         while waiting or running:
             self._unpaused.wait()
             with self._lock:
@@ -446,7 +326,7 @@ class RolloutEngine:
         self.adapters.bind(self.adapters.name_at(adapter), self.weight_version)
         self.model(torch.zeros(1, 1, dtype=torch.long, device=self.device), return_logits=False)
 
-    def _admit(self, waiting: deque, running: list[_Request], max_groups: int | None = None) -> None:
+    def _admit(self, waiting: deque, running: list[Request], max_groups: int | None = None) -> None:
         """Admit waiting groups in order while their slots fit: prefill every group's tokens but the last in
         batched chunks (one forward per adapter and chunk), then fork each group into its requests. A group
         that gets no pages goes back to the front of the queue, in order."""
@@ -468,7 +348,7 @@ class RolloutEngine:
                 running.extend(group)
         waiting.extendleft(reversed(back))
 
-    def _fork(self, group: list[_Request]) -> bool:
+    def _fork(self, group: list[Request]) -> bool:
         head = group[0]
         if len(group) == 1:
             return True
@@ -483,12 +363,12 @@ class RolloutEngine:
             req.log_rows = list(head.log_rows)
         return True
 
-    def _prefill_heads(self, heads: list[_Request]) -> set[int]:
+    def _prefill_heads(self, heads: list[Request]) -> set[int]:
         """Chunked prefill of each head's tokens but the last, batched (right-padded) per adapter; returns the
         rids that could not reserve pages (their state is left partial: the caller frees them)."""
         failed: set[int] = set()
         chunk = self.config.prefill_chunk
-        by_lora: dict[str | None, list[_Request]] = {}
+        by_lora: dict[str | None, list[Request]] = {}
         for h in heads:
             by_lora.setdefault(h.lora, []).append(h)
         for name, reqs in by_lora.items():
@@ -506,7 +386,7 @@ class RolloutEngine:
                     self._prefill_rows(rows[i:i + rows_per_forward], start, chunk)
         return failed
 
-    def _prefill_rows(self, rows: list[_Request], start: int, chunk: int) -> None:
+    def _prefill_rows(self, rows: list[Request], start: int, chunk: int) -> None:
         pieces = [r.tokens[start:min(start + chunk, len(r.tokens) - 1)] for r in rows]
         width = max(map(len, pieces))
         ids = torch.tensor([p + [0] * (width - len(p)) for p in pieces], device=self.device)
@@ -526,7 +406,7 @@ class RolloutEngine:
                 if r.record:
                     r.add_routes(start, routes_BTLK[b, :len(p)], self._route_log)
 
-    def _make_room(self, running: list[_Request], waiting: deque) -> None:
+    def _make_room(self, running: list[Request], waiting: deque) -> None:
         """Reserve one more position per running request, preempting the youngest while pages are short."""
         i = 0
         while i < len(running):
@@ -541,10 +421,10 @@ class RolloutEngine:
                      len(victim.tokens))
             i = min(i, len(running))
 
-    def _decode(self, running: list[_Request]) -> list[_Request]:
+    def _decode(self, running: list[Request]) -> list[Request]:
         """One token for every running request (one model step per adapter); returns the finished ones."""
         finished = []
-        by_lora: dict[str | None, list[_Request]] = {}
+        by_lora: dict[str | None, list[Request]] = {}
         for req in running:
             by_lora.setdefault(req.lora, []).append(req)
         for name, reqs in by_lora.items():
@@ -569,7 +449,7 @@ class RolloutEngine:
         return finished
 
     def _step(self, rids: list[int], slots: list[int], ids: list[int],
-              recorded: list[_Request] | None = None) -> torch.Tensor:
+              recorded: list[Request] | None = None) -> torch.Tensor:
         """One decode token for each request (positions reserved); returns logits [B, V]. `recorded`: the
         requests (in order) whose routes of this step are kept (those with `record`)."""
         if self._graph is not None:  # in steps of at most the largest graph bucket
@@ -597,12 +477,12 @@ class RolloutEngine:
             self._route_log.keep_step(recorded, recorder.routes())
         return out.logits
 
-    def _free(self, req: _Request) -> None:
+    def _free(self, req: Request) -> None:
         self.kda.free(req.slot)
         self.cache.free(req.rid)
         req.slot = None
 
-    def _result(self, req: _Request, return_logprob: bool) -> dict:
+    def _result(self, req: Request, return_logprob: bool) -> dict:
         meta = {"finish_reason": req.finish.to_dict(), "prompt_tokens": len(req.prompt),
                 "completion_tokens": len(req.output), "cached_tokens": req.cached,
                 "weight_version": max(req.weight_versions), "weight_versions": sorted(req.weight_versions)}

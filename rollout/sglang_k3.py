@@ -16,7 +16,7 @@ from miles_k3.model.config import ConfigError, K3Config
 from miles_k3.model.lora import EXPERT_TARGETS
 
 if TYPE_CHECKING:
-    from miles_k3.rollout.sglang_backend import SGLangConfig
+    from miles_k3.rollout.sglang_config import SGLangConfig
 
 # File:line references are to SGLang 0.5.17's python/sglang/srt/.
 K3_LORA_TARGETS = ("q_a_proj", "kv_a_proj_with_mqa", "q_b_proj", "kv_b_proj")

@@ -1,7 +1,7 @@
 """Shared by the K3-on-SGLang tests (test_sglang_k3, test_sglang_k3_entry): the smallest K3 SGLang's kernels serve,
 its model with an adapter, and the LoRA configs and probe they use."""
 import torch
-from test_sglang_backend import _set_b
+from sglang_helpers import set_lora_b
 
 from miles_k3.model.lora import LoRAConfig, apply_lora
 
@@ -28,5 +28,5 @@ def k3_model(k3_dir, lora=None, std=0.0, seed=3):
     model = load_checkpoint(k3_dir, "cpu", torch.float32).eval()
     if lora is not None:
         apply_lora(model, lora)
-        _set_b(model, std, seed)
+        set_lora_b(model, std, seed)
     return model

@@ -9,8 +9,8 @@ import sys
 
 import pytest
 import torch
+from sglang_helpers import LORA, peft_of, set_lora_b, trainer_logprobs
 from sglang_k3_helpers import K3_DEFAULT, K3_MLA, K3_PROBE, k3_model, servable_raw
-from test_sglang_backend import LORA, _peft, _set_b, _trainer_logprobs
 
 from miles_k3.model.lora import LoRAConfig, apply_lora, lora_parameters
 from miles_k3.rollout.sglang_backend import SGLangConfig, SGLangEngine, server_args
@@ -212,8 +212,8 @@ def _merged_setup(k3_dir, **cfg):
                           engine_cls=functools.partial(FakeSGLangEngine, model=k3_model(k3_dir)))
     cfg = SGLangConfig(**({"cuda_graph": False, "verify_push": "every", "parity_tolerance": 1e-3} | cfg))
     channel = SGLangMergedChannel(engine, "policy", cfg, trainer, probe_ids=K3_PROBE,
-                                  trainer_logprobs=lambda ids: _trainer_logprobs(trainer, ids),
-                                  trainer_base_logprobs=lambda ids: _trainer_logprobs(trainer, ids, False))
+                                  trainer_logprobs=lambda ids: trainer_logprobs(trainer, ids),
+                                  trainer_base_logprobs=lambda ids: trainer_logprobs(trainer, ids, False))
     channel.serve_initial({n: p.detach() for n, p in lora_parameters(trainer).items()})
     return trainer, engine, channel
 
@@ -236,7 +236,7 @@ def test_merged_pushes_serve_the_trainers_policy_and_restore_on_refusal(k3_dir):
     double = engine.engine
     assert engine.push == "merged" and not double.calls_of("load_lora_adapter_from_tensors")
     w0 = {path: m.weight.detach().clone() for path, m in lora_linears(trainer)}
-    _set_b(trainer, 0.02, seed=5)
+    set_lora_b(trainer, 0.02, seed=5)
     first = channel.push(_adapter(trainer), version=1)
     assert first.parity.gap < 1e-4 and not first.parity.inconclusive and first.parity.effect_engine > 0.01
     assert first.num_tensors == len(w0) and first.bytes == sum(w.numel() * 4 for w in w0.values())
@@ -245,7 +245,7 @@ def test_merged_pushes_serve_the_trainers_policy_and_restore_on_refusal(k3_dir):
     assert out[0]["meta_info"]["weight_version"] == 1
     assert double.calls_of("generate")[-1]["lora_path"] is None  # the base serves the merged adapter
     served_v1 = _engine_weights(engine)
-    _set_b(trainer, 0.03, seed=6)
+    set_lora_b(trainer, 0.03, seed=6)
     real = engine.write_base_weights
     skipped = {}
 
@@ -271,7 +271,7 @@ def test_merged_pushes_serve_the_trainers_policy_and_restore_on_refusal(k3_dir):
     fails = iter([(False, "simulated update failure")])
     update = double.update_weights_from_tensor
     double.update_weights_from_tensor = lambda **kw: next(fails, None) or update(**kw)
-    _set_b(trainer, 0.01, seed=7)
+    set_lora_b(trainer, 0.01, seed=7)
     with pytest.raises(SyncError, match=r"push of version 4 failed in sglang: RuntimeError: sglang "
                                         "update_weights_from_tensor failed: simulated update failure; the engine "
                                         "serves version 3 again"):
@@ -307,17 +307,17 @@ def test_a_kda_adapter_the_double_drops_is_refused_by_parity(k3_dir, monkeypatch
     monkeypatch.setattr(backend, "resolve_push", lambda *args: ("lora", "forced by the test"))
     engine = SGLangEngine(SGLangConfig(), str(k3_dir), lora=kda,
                           engine_cls=functools.partial(FakeSGLangEngine, model=k3_model(k3_dir, kda)))
-    engine.load_lora_adapter_from_tensors("policy", _peft(trainer), kda)
+    engine.load_lora_adapter_from_tensors("policy", peft_of(trainer), kda)
     channel = SGLangChannel(engine, "policy", SGLangConfig(verify_push="every", parity_tolerance=0.5),
-                            probe_ids=K3_PROBE, trainer_logprobs=lambda ids: _trainer_logprobs(trainer, ids),
-                            trainer_base_logprobs=lambda ids: _trainer_logprobs(trainer, ids, False))
-    _set_b(trainer, 0.05)
+                            probe_ids=K3_PROBE, trainer_logprobs=lambda ids: trainer_logprobs(trainer, ids),
+                            trainer_base_logprobs=lambda ids: trainer_logprobs(trainer, ids, False))
+    set_lora_b(trainer, 0.05)
     with torch.no_grad():  # the MLA adapter off: what is left is KDA's, which the engine drops
         for name, p in lora_parameters(trainer).items():
             if "q_b_proj" in name and "lora_B" in name:
                 p.zero_()
     with pytest.raises(SyncError, match="SGLang dropped or mis-scaled the adapter|differ from the trainer's"):
-        channel.push(_peft(trainer), version=1)
+        channel.push(peft_of(trainer), version=1)
     assert engine.serving("policy") == "policy@v0"
     # the targets SGLang's K3 LoRA has no buffer for fail its startup, as SGLang's do
     with pytest.raises(NotImplementedError, match=r"get_hidden_dim not implemented for \['g_proj'\]"):
@@ -335,7 +335,7 @@ def test_merged_from_checkpoint_equals_the_trainers_merge_and_names_bad_adapters
     lora = LoRAConfig(rank=4, alpha=8.0, use_rslora=True, targets=["q_proj", "q_b_proj", "o_proj"])
     trainer = load_checkpoint(k3_dir, "cpu", torch.bfloat16).eval()
     apply_lora(trainer, lora)
-    _set_b(trainer, 0.2, 7)
+    set_lora_b(trainer, 0.2, 7)
     save_adapter(trainer, lora, tmp_path / "a", base_model_name_or_path=str(k3_dir))
     cfg, tensors = read_adapter(tmp_path / "a")
     got = merged_from_checkpoint(k3_dir, cfg, tensors)

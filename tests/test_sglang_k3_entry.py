@@ -7,8 +7,8 @@ import json
 
 import pytest
 import torch
+from sglang_helpers import greedy
 from sglang_k3_helpers import K3_DEFAULT, K3_MLA, k3_model
-from test_sglang_backend import _greedy
 
 from miles_k3.model.lora import LoRAConfig, lora_parameters
 from miles_k3.weight_sync.protocol import SyncError
@@ -70,7 +70,7 @@ def test_three_grpo_steps_with_sglang_serving_k3(k3_dir, tmp_path, monkeypatch):
     assert all(sp["temperature"] == 0.0 and sp["max_new_tokens"] == 12 for sp in first[1]["sampling_params"])
     probes = [c["input_ids"][0] for m, c in eng.calls if m == "generate" and c["logprob_start_len"] == 0]
     p0, p1 = first[1]["input_ids"][:2]
-    done = _greedy(k3_model(k3_dir), p0, 12, cfg.engine.eos_token_ids[0])
+    done = greedy(k3_model(k3_dir), p0, 12, cfg.engine.eos_token_ids[0])
     assert len(p0) < 12 and probes and all(p == probes[0] for p in probes)
     assert probes[0] == (p0 + done + p1)[:12] and done[0] != p0[0]
 
@@ -166,7 +166,7 @@ def test_eval_entry_point_with_sglang_serving_k3(k3_dir, tmp_path, monkeypatch):
     assert len(rows) == 2 and all(c["lora_path"] == ["policy@v0"] * 2 for c in calls)
     assert calls[0]["input_ids"] == [tokenizer.encode(r["prompt"], add_special_tokens=False) for r in rows]
     for r, ids in zip(rows, calls[0]["input_ids"]):  # the trained adapter's own greedy tokens
-        out = _greedy(trainer, ids, 3, stops[0])
+        out = greedy(trainer, ids, 3, stops[0])
         assert r["response"] == tokenizer.decode([t for t in out if t not in stops], skip_special_tokens=False)
 
     run(compose_config("eval", [*common, f"adapter={tmp_path}/kda", f"run_dir={tmp_path}/kda_out"]))
@@ -186,7 +186,7 @@ def test_eval_entry_point_with_sglang_serving_k3(k3_dir, tmp_path, monkeypatch):
     merged_model.load_state_dict({k: v for k, v in eng.model.state_dict().items() if "lora_" not in k})
     rows = [json.loads(x) for x in (tmp_path / "kda_out/results.jsonl").read_text().splitlines()]
     for r, ids in zip(rows, calls[0]["input_ids"]):
-        out = _greedy(merged_model, ids, 3, stops[0])
+        out = greedy(merged_model, ids, 3, stops[0])
         assert r["response"] == tokenizer.decode([t for t in out if t not in stops], skip_special_tokens=False)
     with pytest.raises(ConfigError, match=r"^sglang.push: lora cannot serve lora.targets q_proj \(silently dropped"):
         run(compose_config("eval", [*common, "sglang.push=lora", f"adapter={tmp_path}/kda",

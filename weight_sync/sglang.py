@@ -48,11 +48,11 @@ import torch
 
 from miles_k3.model.k3 import CHECKPOINT_PREFIX
 from miles_k3.model.lora import expert_loras, lora_linears
-from miles_k3.rollout.sglang_backend import PROBE_MODES
+from miles_k3.rollout.sglang_config import PROBE_MODES
 from miles_k3.weight_sync.protocol import PushReport, SyncError, sync_devices
 
 if TYPE_CHECKING:
-    from miles_k3.rollout.sglang_backend import SGLangConfig
+    from miles_k3.rollout.sglang_config import SGLangConfig
 
 log = logging.getLogger("miles_k3.weight_sync")
 EFFECT_RTOL = 0.25  # refuse when the engine's effect differs from the trainer's by more than this part of it

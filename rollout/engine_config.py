@@ -1,0 +1,52 @@
+"""The rollout engine's configuration (`engine:` of the train/eval configs): which backend generates, and the native
+engine's sizes and limits. Kept apart from `engine.py` so that composing a config does not import the engine."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+MEMORY_TAGS = ("kv_cache", "cuda_graph")
+BACKENDS = ("native", "sglang")
+"""The rollout engines `EngineConfig.backend` names."""
+
+
+@dataclass
+class EngineConfig:
+    """Which rollout engine generates (`backend`), and the native engine's sizes and limits."""
+
+    backend: str = "native"
+    """native (miles_k3's K3 engine in this process, sized by the fields below) or sglang (sglang.Engine serving
+    model.hf_path or model.path, its scheduler in SGLang's subprocess, configured by the sglang: section; needs the
+    sglang extra and a CUDA GPU). One switch for python -m miles_k3.train and python -m miles_k3.eval."""
+    memory_budget_bytes: int = 256 * 2**20
+    """Bytes for the KDA state slots and MLA latent pages together (sized by `memory.plan_memory`)."""
+    page_size: int = 16
+    """Tokens per MLA latent page."""
+    max_context: int = 2048
+    """Longest prompt + completion a request may reach (backend=sglang: only where neither sglang.context_length
+    nor the checkpoint's max_position_embeddings says)."""
+    prefill_chunk: int = 256
+    """Tokens per request per prefill forward (chunked prefill bounds activation memory)."""
+    max_prefill_tokens: int = 16384
+    """Tokens (rows x chunk) per batched prefill forward."""
+    num_slots: int | None = None
+    """Override the planned number of KDA slots (max running requests); None: from the budget."""
+    num_pages: int | None = None
+    """Override the planned number of latent pages (fewer than slots x context: preemption); None: planned."""
+    eos_token_ids: list[int] = field(default_factory=list)
+    """Token ids that end a sample unless `ignore_eos`."""
+    decode: str = "auto"
+    """Decode step: eager (model.step on pooled copies), static (fixed-shape step writing the pools directly,
+    `graph_decode.py`), graph (static, captured as CUDA graphs per batch bucket); auto = graph on CUDA, else
+    eager."""
+
+    def validate(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend: '{self.backend}' is not one of {', '.join(BACKENDS)}")
+        for name in ("memory_budget_bytes", "page_size", "max_context", "prefill_chunk", "max_prefill_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        if self.decode not in ("auto", "eager", "static", "graph"):
+            raise ValueError(f"decode: '{self.decode}' is not one of auto, eager, static, graph")
+        for name in ("num_slots", "num_pages"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be >= 1 or null, got {getattr(self, name)}")
