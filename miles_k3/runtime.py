@@ -1,11 +1,38 @@
 """Device and precision, chosen once at start and logged with the reason (the same code runs on CPU)."""
 import logging
+import os
 
 import torch
 
 log = logging.getLogger(__name__)
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+FP32_DOTS = ("auto", "tf32", "tf32x3", "ieee")
+"""`model.fp32_dots`: how Triton kernels multiply fp32 operands in `tl.dot` when they leave the precision at its
+default (fla-core's KDA chunk kernels do, forward and backward). auto: Triton's own default (TF32 tensor cores on
+NVIDIA, ~1e-3 relative per product), or whatever TRITON_F32_DEFAULT already says; tf32x3: three TF32 products,
+~fp32 accuracy; ieee: plain fp32 FMA, slowest."""
+FP32_DOTS_ENV = "TRITON_F32_DEFAULT"
+
+
+def set_fp32_dots(value: str) -> None:
+    """Make Triton compile fp32 dots at `value` in this process (sets TRITON_F32_DEFAULT, which Triton reads when it
+    compiles a kernel and keys its on-disk cache by). "auto" changes nothing.
+
+    Process-wide and one-way: a kernel compiled under one value is reused under another, so a process that already
+    holds another value refuses (ValueError) rather than silently keeping the old kernels."""
+    if value not in FP32_DOTS:
+        raise ValueError(f"model.fp32_dots: '{value}' is not one of {list(FP32_DOTS)}")
+    if value == "auto":
+        return
+    current = os.environ.get(FP32_DOTS_ENV)
+    if current not in (None, value):
+        raise ValueError(f"model.fp32_dots={value}: this process already compiles Triton's fp32 dots as "
+                         f"{FP32_DOTS_ENV}={current}, and kernels compiled under it would be reused; start a new "
+                         f"process, or make the two agree (model.fp32_dots=auto keeps {current})")
+    if current is None:
+        os.environ[FP32_DOTS_ENV] = value
+        log.info("fp32 dots in Triton kernels: %s (%s)", value, FP32_DOTS_ENV)
 
 
 def resolve_device(name: str) -> torch.device:

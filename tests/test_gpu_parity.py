@@ -42,6 +42,49 @@ def test_fla_prefill_matches_torch_chunk_forward_and_backward(dtype, tol):
     assert max(errs.values()) < tol, errs
 
 
+_IEEE_PROBE = """
+import json, sys, torch
+sys.path.insert(0, 'tests')
+from miles_k3.runtime import set_fp32_dots
+set_fp32_dots('ieee')
+import test_gpu_parity as t
+from parity import rel
+from miles_k3.model.kda_ops import resolve_kda_backend
+ref = resolve_kda_backend('torch_chunk', 'cpu')
+x = t._kda_inputs()
+xb = [y.bfloat16().float() if i in (0, 1, 2, 4) else y for i, y in enumerate(x)]  # what bf16 activations hold
+out = {}
+for name, inputs, cast in (('fla_fp32in', x, None), ('fla_fp32', xb, torch.bfloat16), ('fla', xb, torch.bfloat16)):
+    o_ref, s_ref = ref.prefill(*inputs[:5], initial_state=inputs[5], output_final_state=True)
+    dev = [y.cuda() if cast is None or i == 3 else y.cuda().to(cast) for i, y in enumerate(inputs[:5])]
+    b = resolve_kda_backend('fla' if name == 'fla_fp32in' else name, 'cuda')
+    o, s = b.prefill(*dev, initial_state=inputs[5].cuda(), output_final_state=True)
+    out[name] = {'o': rel(o, o_ref), 'state': rel(s, s_ref)}
+print(json.dumps(out))
+"""
+
+
+def test_fp32_dots_ieee_and_fla_fp32_bring_the_chunked_form_to_fp32_accuracy():
+    """model.fp32_dots=ieee (TRITON_F32_DEFAULT, process-wide: a fresh process) compiles fla's fp32 dots as plain
+    fp32 products: fp32 inputs land far inside the TF32 tolerance above (5e-3). With bf16 activations, fla_fp32
+    (fla on the fp32 values of the bf16 inputs) matches the fp32 torch form on the same values up to the one bf16
+    rounding of its output; its final state, never rounded, to fp32 accuracy. Plain fla's numbers are printed."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_F32_DEFAULT"}
+    out = subprocess.run([sys.executable, "-c", _IEEE_PROBE], check=False, capture_output=True, text=True, env=env,
+                         cwd=Path(__file__).resolve().parent.parent, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    errs = json.loads(out.stdout.strip().splitlines()[-1])
+    print("fla chunk_kda with fp32_dots=ieee vs torch_chunk fp32:", errs)
+    assert max(errs["fla_fp32in"].values()) < 1e-4, errs
+    assert errs["fla_fp32"]["state"] < 1e-4 and errs["fla_fp32"]["o"] < 3e-3, errs
+
+
 def test_fla_decode_matches_torch_decode():
     ref_b, fla_b = resolve_kda_backend("torch_chunk", "cpu"), resolve_kda_backend("fla", "cuda")
     q, k, v, g, beta, h0 = _kda_inputs(b=64, t=1)

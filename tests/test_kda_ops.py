@@ -17,6 +17,7 @@ from fla.ops.kda.naive import naive_chunk_kda, naive_recurrent_kda
 from miles_k3.model.kda_ops import (
     DEFAULT_CHUNK_SIZE,
     KDABackend,
+    _prefill_fla,
     chunk_size_for_bound,
     l2norm,
     resolve_kda_backend,
@@ -204,6 +205,40 @@ def test_resolve_auto_and_errors():
         resolve_kda_backend("flash", "cpu")
     with pytest.raises(ValueError, match="needs a CUDA device.*use 'auto' or 'torch_chunk'"):
         resolve_kda_backend("fla", torch.device("cpu"))
+    with pytest.raises(ValueError, match="'fla_fp32' runs Triton kernels and needs a CUDA device"):
+        resolve_kda_backend("fla_fp32", torch.device("cpu"))
+    fp32 = resolve_kda_backend("fla_fp32", torch.device("cuda"))
+    assert fp32.name == "fla_fp32" and "fp32 inputs" in fp32.reason
+    assert fp32.decode_into is resolve_kda_backend("fla", torch.device("cuda")).decode_into  # decode unchanged
+
+
+def test_fla_fp32_hands_fla_fp32_inputs_and_returns_the_activation_dtype(monkeypatch):
+    """fla_fp32's chunked form: fla's chunk_kda (here a stand-in computing the torch form, since fla runs on CUDA
+    only) receives fp32 q, k, v and beta, so its intermediates are fp32; the output comes back rounded once to v's
+    dtype, and gradients reach the bf16 inputs in bf16. Plain fla passes the bf16 tensors through."""
+    import fla.ops.kda
+
+    seen = []
+
+    def fake_chunk_kda(q, k, v, g, beta, initial_state=None, output_final_state=False, **_):
+        seen.append((q.dtype, k.dtype, v.dtype, g.dtype, beta.dtype))
+        return torch_chunk_kda(l2norm(q), l2norm(k), v.float(), g, beta.float(), initial_state=initial_state,
+                               output_final_state=output_final_state)
+
+    monkeypatch.setattr(fla.ops.kda, "chunk_kda", fake_chunk_kda)
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 20, 2, 16, generator=gen).bfloat16().requires_grad_(True) for _ in range(3))
+    g = -5 * torch.sigmoid(torch.randn(1, 20, 2, 16, generator=gen))
+    beta = torch.sigmoid(torch.randn(1, 20, 2, generator=gen)).bfloat16().requires_grad_(True)
+    o, state = _prefill_fla(q, k, v, g, beta, output_final_state=True, gate_lower_bound=-5.0, fp32=True)
+    assert seen == [(torch.float32,) * 5]
+    ref, ref_state = torch_chunk_kda(l2norm(q.float()), l2norm(k.float()), v.float(), g, beta.float(),
+                                     output_final_state=True)
+    assert o.dtype == torch.bfloat16 and torch.equal(o, ref.bfloat16()) and torch.equal(state, ref_state)
+    o.float().sum().backward()
+    assert all(x.grad.dtype == torch.bfloat16 for x in (q, k, v, beta))
+    _prefill_fla(q, k, v, g, beta, gate_lower_bound=-5.0)
+    assert seen[1] == (torch.bfloat16, torch.bfloat16, torch.bfloat16, torch.float32, torch.bfloat16)
 
 
 def test_chunk_size_for_bound():
@@ -255,3 +290,27 @@ def test_lowerbound_gate_is_flas_naive_gate_bitwise():
         assert torch.equal(ours, naive_kda_lowerbound_gate(f, a_log, dt_bias, lower_bound=-5.0))
     zero = lowerbound_gate(torch.zeros(1, h, k), torch.zeros(h), torch.zeros(h * k), -5.0)
     assert torch.equal(zero, torch.full((1, h, k), -2.5))
+
+
+def test_fp32_dots_sets_tritons_precision_once_and_refuses_a_change(monkeypatch):
+    """model.fp32_dots writes TRITON_F32_DEFAULT (read when a Triton kernel compiles); auto leaves it alone; a
+    process that already holds another value refuses, naming both, since its compiled kernels would be reused."""
+    import os
+
+    from miles_k3.model.build import ModelConfig, build_model
+    from miles_k3.runtime import FP32_DOTS_ENV, set_fp32_dots
+
+    monkeypatch.delenv(FP32_DOTS_ENV, raising=False)
+    set_fp32_dots("auto")
+    assert FP32_DOTS_ENV not in os.environ
+    build_model(ModelConfig(name="k3_tiny", fp32_dots="tf32x3"), torch.device("cpu"), torch.float32)
+    assert os.environ[FP32_DOTS_ENV] == "tf32x3"
+    set_fp32_dots("tf32x3")
+    set_fp32_dots("auto")
+    with pytest.raises(ValueError, match=r"^model.fp32_dots=ieee: .*TRITON_F32_DEFAULT=tf32x3.*new process"):
+        set_fp32_dots("ieee")
+    assert os.environ[FP32_DOTS_ENV] == "tf32x3"
+    monkeypatch.setenv(FP32_DOTS_ENV, "ieee")  # set by the user outside: the same value is fine, auto keeps it
+    set_fp32_dots("ieee")
+    set_fp32_dots("auto")
+    assert os.environ[FP32_DOTS_ENV] == "ieee"

@@ -19,6 +19,7 @@ from miles_k3.model.config import SHIPPED_CONFIGS, ConfigError, K3Config
 from miles_k3.model.experts import EXPERT_FORMATS, RoutedExperts
 from miles_k3.model.k3 import CHECKPOINT_PREFIX, K3ForCausalLM
 from miles_k3.model.kda_ops import BACKEND_NAMES
+from miles_k3.runtime import FP32_DOTS, set_fp32_dots
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +38,14 @@ class ModelConfig:
     dtype: str = "auto"
     """Activation/weight dtype: auto (bf16 on CUDA, fp32 on CPU), bf16 or fp32. fp32 tensors stay fp32."""
     kda_backend: str = "auto"
-    """KDA math: auto, torch_chunk, naive_recurrent, naive_chunk (CPU references) or fla (CUDA kernels)."""
+    """KDA math: auto, torch_chunk, naive_recurrent, naive_chunk (CPU references), fla (CUDA kernels) or fla_fp32
+    (fla with the chunked form, the trainer's and the engine's prefill, on fp32 inputs: fp32 intermediates, as the
+    decode step's state; for the train/rollout log-prob gap, at some speed)."""
+    fp32_dots: str = "auto"
+    """Precision of the fp32 products inside Triton kernels that keep Triton's default (fla's KDA chunk kernels, the
+    trainer's forward and backward and the engine's prefill): auto (Triton's: TF32 on NVIDIA), tf32, tf32x3 (three
+    TF32 products, ~fp32 accuracy) or ieee (fp32 FMA). Process-wide (TRITON_F32_DEFAULT), set when the model is
+    built; a process that already compiled with another value refuses. On the CPU it changes nothing."""
     experts: str = "auto"
     """Routed-expert storage: auto (as stored in the checkpoint; mxfp4 for a random init), mxfp4 (frozen
     native MXFP4, quantized with the floor rule when the checkpoint is bf16), or bf16 (a dequantized copy, for
@@ -58,6 +66,8 @@ class ModelConfig:
             raise ValueError(f"dtype: '{self.dtype}' is not one of auto, bf16, fp32")
         if self.kda_backend not in BACKEND_NAMES:
             raise ValueError(f"kda_backend: '{self.kda_backend}' is not one of {list(BACKEND_NAMES)}")
+        if self.fp32_dots not in FP32_DOTS:
+            raise ValueError(f"fp32_dots: '{self.fp32_dots}' is not one of {list(FP32_DOTS)}")
         if self.experts not in ("auto", *EXPERT_FORMATS):
             raise ValueError(f"experts: '{self.experts}' is not one of {['auto', *EXPERT_FORMATS]}")
         if not isinstance(self.trust_remote_code, bool):
@@ -168,6 +178,7 @@ def build_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> K
     With `path`: the checkpoint's weights (frozen), experts per `cfg.experts`. Without: a random init with
     MXFP4 experts unless `cfg.experts` is bf16.
     """
+    set_fp32_dots(cfg.fp32_dots)  # before any kernel of this model compiles
     if cfg.path is not None:
         from miles_k3.model.checkpoint import load_checkpoint
 

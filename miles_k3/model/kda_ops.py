@@ -24,7 +24,7 @@ DEFAULT_CHUNK_SIZE = 16
 DEFAULT_GATE_LOWER_BOUND = -5.0
 # fp32 overflows past e^88.7; the margin absorbs the K-term sums in the scores and their gradients.
 _MAX_SAFE_EXPONENT = 80.0
-BACKEND_NAMES = ("auto", "torch_chunk", "naive_recurrent", "naive_chunk", "fla")
+BACKEND_NAMES = ("auto", "torch_chunk", "naive_recurrent", "naive_chunk", "fla", "fla_fp32")
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -215,20 +215,28 @@ def _decode_naive_recurrent(q, k, v, g, beta, state):
     return naive_recurrent_kda(l2norm(q), l2norm(k), v, g, beta, initial_state=state, output_final_state=True)
 
 
-def _prefill_fla(q, k, v, g, beta, initial_state=None, output_final_state=False, *, gate_lower_bound):
+def _prefill_fla(q, k, v, g, beta, initial_state=None, output_final_state=False, *, gate_lower_bound,
+                 fp32: bool = False):
     """fla chunk_kda (Triton): L2 norm in-kernel; g precomputed (use_gate_in_kernel=False), passed as fp32.
 
     fla asserts initial_state is fp32; its output comes back in q.dtype, cast here to v.dtype. safe_gate (the
     M=16 TensorCore path) is only valid for gates bounded in [-5, 0): on with such a bound, off otherwise.
-    Its dots run in TF32: on an H200, fp32 outputs, states and gradients sit ~2e-3 (relative) off torch_chunk.
+    Its dots run in TF32: on an H200, fp32 outputs, states and gradients sit ~2e-3 (relative) off torch_chunk
+    (`model.fp32_dots` changes that). fla keeps its intermediates (w, u, the new values, each chunk's state) in
+    q/k/v's dtype: with bf16 activations they are rounded to bf16, where the engine's decode step keeps an fp32
+    state. `fp32` (backend "fla_fp32") hands fla fp32 q, k, v and beta, so every intermediate is fp32; the
+    output is rounded once, to v's dtype, and the gradients come back in the inputs' dtypes.
     """
     from fla.ops.kda import chunk_kda
     safe = gate_lower_bound is not None and -5.0 <= gate_lower_bound < 0.0
     h0 = None if initial_state is None else initial_state.float()
+    out_dtype = v.dtype
+    if fp32:
+        q, k, v, beta = q.float(), k.float(), v.float(), beta.float()
     o, state = chunk_kda(q, k, v, g.float(), beta, initial_state=h0, output_final_state=output_final_state,
                          use_qk_l2norm_in_kernel=True, safe_gate=safe,
                          lower_bound=gate_lower_bound if safe else None)
-    return o.to(v.dtype), state
+    return o.to(out_dtype), state
 
 
 @torch.no_grad()
@@ -317,9 +325,12 @@ def chunk_size_for_bound(gate_lower_bound: float | None) -> int:
 
 def resolve_kda_backend(name: str, device: torch.device | str,
                         gate_lower_bound: float | None = DEFAULT_GATE_LOWER_BOUND) -> KDABackend:
-    """Pick the KDA implementation by name ("auto", "torch_chunk", "naive_recurrent", "naive_chunk", "fla").
+    """Pick the KDA implementation by name ("auto", "torch_chunk", "naive_recurrent", "naive_chunk", "fla",
+    "fla_fp32").
 
     "auto" is "fla" on CUDA and "torch_chunk" elsewhere (measured fastest on CPU, forward and backward).
+    "fla_fp32" is "fla" with the chunked form (the trainer's forward and backward, the engine's prefill) run on fp32
+    inputs, so its intermediates are fp32 as the decode step's state is (`_prefill_fla`).
     gate_lower_bound: the model's bound on g (K3: -5.0), or None for unbounded gates. Raises ValueError for an
     unknown name, or "fla" off CUDA. The caller logs the choice (once, at start).
     """
@@ -330,8 +341,8 @@ def resolve_kda_backend(name: str, device: torch.device | str,
     if name not in BACKEND_NAMES:
         raise ValueError(f"unknown KDA backend {name!r}: valid choices are {', '.join(BACKEND_NAMES)} "
                          f"('auto' picks 'fla' on CUDA and 'torch_chunk' on CPU)")
-    if name == "fla" and device.type != "cuda":
-        raise ValueError(f"KDA backend 'fla' runs Triton kernels and needs a CUDA device, got {device}; "
+    if name in ("fla", "fla_fp32") and device.type != "cuda":
+        raise ValueError(f"KDA backend '{name}' runs Triton kernels and needs a CUDA device, got {device}; "
                          f"use 'auto' or 'torch_chunk' (or 'naive_recurrent'/'naive_chunk') on {device.type}")
     chunk = chunk_size_for_bound(gate_lower_bound)
     impls = {
@@ -342,12 +353,15 @@ def resolve_kda_backend(name: str, device: torch.device | str,
                         "fla naive_chunk_kda prefill, naive_recurrent_kda decode"),
         "fla": (partial(_prefill_fla, gate_lower_bound=gate_lower_bound), _decode_fla,
                 "fla chunk_kda/fused_recurrent_kda (Triton); engine decode step kernels.kda_decode"),
+        "fla_fp32": (partial(_prefill_fla, gate_lower_bound=gate_lower_bound, fp32=True), _decode_fla,
+                     ("fla chunk_kda on fp32 inputs (fp32 intermediates)/fused_recurrent_kda (Triton); engine "
+                      "decode step kernels.kda_decode")),
     }
     prefill, decode, what = impls[name]
     if auto and name == "torch_chunk":
         what = "torch chunked form (measured fastest on CPU; fla's Triton kernels are not used on CPU)"
     reason = f"{device.type}: {what}" + ("" if auto else " (requested by name)")
-    return KDABackend(name, reason, prefill, decode, _decode_into_kernel if name == "fla" else None)
+    return KDABackend(name, reason, prefill, decode, _decode_into_kernel if name in ("fla", "fla_fp32") else None)
 
 
 def _decode_into_kernel(*args):
