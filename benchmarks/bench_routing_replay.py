@@ -26,7 +26,9 @@ of them; `--steps` is then the number of blocks, `--skip` the blocks left out (t
 kernels). Printed per mode as above, plus `step_s_over_plain_blocks`: the median over blocks of each block's
 mean step time of the mode over its mean plain step time. The modes' steps see different prompts here, of
 different lengths, so the cost to read is `per_token_over_plain`: the median step time per 1,000 trained tokens
-(`step_s_per_1k_tokens`, train/num_tokens) over plain's (both printed in every mode). DIR/alternate holds
+(`step_s_per_1k_tokens`, train/num_tokens) over plain's (both printed in every mode), and `blocks_over_plain`: per
+block, the mode's step time per trained token and its rollout and train phases over plain's in that block, as the
+mean, standard error and median over blocks. DIR/alternate holds
 the run's metrics (each row with `bench/mode_index`: its mode's place in --modes).
 """
 from __future__ import annotations
@@ -116,7 +118,29 @@ def compare_blocks(rows: list[dict], modes: list[str]) -> dict[str, dict]:
         over_plain(results)
         for m, r in results.items():
             r["step_s_over_plain_blocks"] = statistics.median(mean_step(m, b) / mean_step("plain", b) for b in blocks)
+            r["blocks_over_plain"] = paired_ratios(rows, m, blocks)
     return results
+
+
+def paired_ratios(rows: list[dict], mode: str, blocks: list[int]) -> dict[str, dict]:
+    """Per block, `mode` over plain: step time per trained token (the block's summed step time over its summed
+    train/num_tokens, when every row has them) and each phase's mean time. Returns, per quantity, the mean, its
+    standard error and the median over blocks (the standard error needs two blocks)."""
+    def per_block(b, m, key):
+        rs = [r for r in rows if r["bench/mode"] == m and r["bench/block"] == b]
+        if key == "per_token":
+            return sum(r["perf/step_s"] for r in rs) / sum(r[TOKENS] for r in rs)
+        return statistics.fmean(r[key] for r in rs)
+
+    keys = [k for k in ("perf/rollout_s", "perf/train_s") if all(k in r for r in rows)]
+    if all(r.get(TOKENS) for r in rows):
+        keys.insert(0, "per_token")
+    out = {}
+    for key in keys:
+        ratios = [per_block(b, mode, key) / per_block(b, "plain", key) for b in blocks]
+        se = statistics.stdev(ratios) / len(ratios) ** 0.5 if len(ratios) > 1 else None
+        out[key] = {"mean": statistics.fmean(ratios), "se": se, "median": statistics.median(ratios)}
+    return out
 
 
 def step_rows(path: Path, skip: int) -> list[dict]:

@@ -83,3 +83,20 @@ def test_time_per_trained_token_corrects_for_longer_steps():
     assert res["replay"]["step_s_per_1k_tokens"] == pytest.approx(11.5)  # 10 and 13
     assert res["replay"]["step_s_over_plain"] == pytest.approx(2.3 / 1.1)
     assert res["replay"]["per_token_over_plain"] == pytest.approx(11.5 / 11.0)
+
+
+def test_blocks_over_plain_pairs_time_per_token_and_phases_by_block():
+    def row(mode, block, s, tokens, rollout):
+        return {"bench/mode": mode, "bench/block": block, "perf/step_s": s, "train/num_tokens": tokens,
+                "perf/rollout_s": rollout, "perf/train_s": s - rollout}
+    # block 0: plain 2 s / 100 tokens, replay 3 s / 120 tokens: per token 0.025 / 0.02 = 1.25; rollout 1.5 / 1.0
+    # block 1: plain 4 s / 200 tokens, replay 4.2 s / 200 tokens: 1.05; rollout 1.0 / 1.0; train 3.2 / 3.0
+    rows = [row("plain", 0, 1.0, 50, 0.5), row("replay", 0, 1.4, 60, 0.7), row("replay", 0, 1.6, 60, 0.8),
+            row("plain", 0, 1.0, 50, 0.5), row("plain", 1, 2.0, 100, 0.5), row("replay", 1, 2.1, 100, 0.5),
+            row("replay", 1, 2.1, 100, 0.5), row("plain", 1, 2.0, 100, 0.5)]
+    got = bench.compare_blocks(rows, ["plain", "replay"])["replay"]["blocks_over_plain"]
+    assert got["per_token"]["mean"] == pytest.approx((1.25 + 1.05) / 2)
+    assert got["per_token"]["median"] == pytest.approx(1.15)
+    assert got["per_token"]["se"] == pytest.approx(0.1)  # stdev of (1.25, 1.05) is 0.1414, over sqrt(2)
+    assert got["perf/rollout_s"]["mean"] == pytest.approx((1.5 + 1.0) / 2)
+    assert got["perf/train_s"]["mean"] == pytest.approx((0.75 / 0.5 + 1.6 / 1.5) / 2)

@@ -25,6 +25,7 @@ DEFAULT_GATE_LOWER_BOUND = -5.0
 # fp32 overflows past e^88.7; the margin absorbs the K-term sums in the scores and their gradients.
 _MAX_SAFE_EXPONENT = 80.0
 BACKEND_NAMES = ("auto", "torch_chunk", "naive_recurrent", "naive_chunk", "fla", "fla_fp32")
+FLA_BACKENDS = ("fla", "fla_fp32")  # fla's Triton kernels: CUDA only; the engine decodes with kernels.kda_decode
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -332,7 +333,7 @@ def resolve_kda_backend(name: str, device: torch.device | str,
     "fla_fp32" is "fla" with the chunked form (the trainer's forward and backward, the engine's prefill) run on fp32
     inputs, so its intermediates are fp32 as the decode step's state is (`_prefill_fla`).
     gate_lower_bound: the model's bound on g (K3: -5.0), or None for unbounded gates. Raises ValueError for an
-    unknown name, or "fla" off CUDA. The caller logs the choice (once, at start).
+    unknown name, or an fla backend off CUDA. The caller logs the choice (once, at start).
     """
     device = torch.device(device)
     auto = name == "auto"
@@ -341,7 +342,7 @@ def resolve_kda_backend(name: str, device: torch.device | str,
     if name not in BACKEND_NAMES:
         raise ValueError(f"unknown KDA backend {name!r}: valid choices are {', '.join(BACKEND_NAMES)} "
                          f"('auto' picks 'fla' on CUDA and 'torch_chunk' on CPU)")
-    if name in ("fla", "fla_fp32") and device.type != "cuda":
+    if name in FLA_BACKENDS and device.type != "cuda":
         raise ValueError(f"KDA backend '{name}' runs Triton kernels and needs a CUDA device, got {device}; "
                          f"use 'auto' or 'torch_chunk' (or 'naive_recurrent'/'naive_chunk') on {device.type}")
     chunk = chunk_size_for_bound(gate_lower_bound)
@@ -361,7 +362,7 @@ def resolve_kda_backend(name: str, device: torch.device | str,
     if auto and name == "torch_chunk":
         what = "torch chunked form (measured fastest on CPU; fla's Triton kernels are not used on CPU)"
     reason = f"{device.type}: {what}" + ("" if auto else " (requested by name)")
-    return KDABackend(name, reason, prefill, decode, _decode_into_kernel if name in ("fla", "fla_fp32") else None)
+    return KDABackend(name, reason, prefill, decode, _decode_into_kernel if name in FLA_BACKENDS else None)
 
 
 def _decode_into_kernel(*args):
