@@ -35,6 +35,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -44,6 +46,7 @@ MODES = {"plain": [], "measure": ["rollout.return_routed_experts=true"], "replay
 TOKENS = "train/num_tokens"  # the loss tokens of a step
 KEYS = ("train/rollout_logprob_abs_diff", "train/rollout_logprob_abs_diff_p99", "train/route_mismatch_frac",
         "perf/step_s", "perf/rollout_s", "perf/train_s")
+GRACE_S = 10.0  # seconds a stopped run gets to end on SIGTERM before its process group is killed
 
 
 def run_mode(mode: str, args, extra: list[str], name: str) -> Path:
@@ -52,9 +55,52 @@ def run_mode(mode: str, args, extra: list[str], name: str) -> Path:
            "eval.every_n_steps=0", f"seed={args.seed}", f"rollout.seed={args.seed}", f"run_dir={run_dir}",
            *MODES[mode], *extra]
     print(" ".join(cmd), flush=True)
-    with open(Path(args.out) / f"{name}.log", "w") as log:
-        subprocess.run(cmd, check=True, stdout=log, stderr=subprocess.STDOUT)
+    run_logged(cmd, Path(args.out) / f"{name}.log")
     return run_dir / "metrics.jsonl"
+
+
+def run_logged(cmd: list[str], log_path: Path, grace_s: float = GRACE_S) -> None:
+    """Runs `cmd` to its end, its output into `log_path`, in a process group of its own. If this script is stopped
+    (SIGINT, or SIGTERM: `stop_on_sigterm`, as `timeout` sends), the run and whatever it started (Triton's ptxas,
+    workers) are stopped with it: SIGTERM to the group, then SIGKILL after `grace_s` (the train loop's own SIGTERM
+    handling would first finish its step, which can be minutes of compiling), so that no run is left on the GPU
+    to skew the next measurement. A failed run raises CalledProcessError."""
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            rc = proc.wait()
+        except BaseException:
+            stop_group(proc, grace_s)
+            raise
+    if rc:
+        raise subprocess.CalledProcessError(rc, cmd)
+
+
+def stop_group(proc: subprocess.Popen, grace_s: float) -> None:
+    """SIGTERM to `proc`'s process group, SIGKILL to what is left of it after `grace_s`."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:  # the group is gone
+            return
+        try:
+            proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            continue
+        if sig == signal.SIGTERM:  # the leader is gone: what it started may not be; those get no grace
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            return
+
+
+def stop_on_sigterm() -> None:
+    """SIGTERM ends this script as SIGINT does, by an exception, so that `run_logged` and --alternate's run clean up
+    on the way out (the default action would end it at once, leaving its run going)."""
+    def _exit(signum, _frame):
+        raise SystemExit(128 + signum)
+    signal.signal(signal.SIGTERM, _exit)
 
 
 def schedule(modes: list[str], blocks: int) -> list[str]:
@@ -193,6 +239,7 @@ def main() -> None:
     ap.add_argument("--alternate", action="store_true",
                     help="one run, the modes taking turns step by step (--steps: blocks; --skip: blocks left out)")
     args = ap.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
+    stop_on_sigterm()
     Path(args.out).mkdir(parents=True, exist_ok=True)
     modes = args.modes.split(",")
     bad = [m for m in modes if m not in MODES]

@@ -100,3 +100,53 @@ def test_blocks_over_plain_pairs_time_per_token_and_phases_by_block():
     assert got["per_token"]["se"] == pytest.approx(0.1)  # stdev of (1.25, 1.05) is 0.1414, over sqrt(2)
     assert got["perf/rollout_s"]["mean"] == pytest.approx((1.5 + 1.0) / 2)
     assert got["perf/train_s"]["mean"] == pytest.approx((0.75 / 0.5 + 1.6 / 1.5) / 2)
+
+
+def _alive(pid: int) -> bool:
+    """True while `pid` runs (a zombie, ended but not yet reaped, counts as ended)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def test_a_stopped_bench_stops_its_run_and_what_the_run_started(tmp_path):
+    """`timeout` stops the bench with SIGTERM: its train run (here a stand-in that ignores SIGTERM, as the train loop
+    defers it to the end of a step, and that has started a process of its own, as Triton starts ptxas) must not
+    outlive it, or it keeps the GPU busy under the next measurement."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    pids = tmp_path / "pids"
+    run = ("import signal, subprocess, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+           "c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
+           f"open({str(pids)!r}, 'w').write(f'{{c.pid}}'); time.sleep(60)")
+    script = (f"import importlib.util, sys; s = importlib.util.spec_from_file_location('b', {bench.__file__!r}); "
+              "b = importlib.util.module_from_spec(s); s.loader.exec_module(b); b.stop_on_sigterm(); "
+              f"b.run_logged([sys.executable, '-c', {run!r}], b.Path({str(tmp_path / 'run.log')!r}), grace_s=1.0)")
+    bench_proc = subprocess.Popen([sys.executable, "-c", script])
+    deadline = time.monotonic() + 30
+    while not (pids.exists() and pids.read_text()):
+        assert time.monotonic() < deadline and bench_proc.poll() is None, "the stand-in run never started"
+        time.sleep(0.05)
+    grandchild = int(pids.read_text())
+    run_pid = next(int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit()
+                   and _parent(int(p.name)) == bench_proc.pid)
+    assert _alive(run_pid) and _alive(grandchild)
+    bench_proc.send_signal(signal.SIGTERM)
+    assert bench_proc.wait(timeout=20) == 128 + signal.SIGTERM
+    deadline = time.monotonic() + 10
+    while (_alive(run_pid) or _alive(grandchild)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(run_pid), "the run outlived the bench"
+    assert not _alive(grandchild), "what the run started outlived the bench"
+
+
+def _parent(pid: int) -> int | None:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (FileNotFoundError, ValueError):
+        return None

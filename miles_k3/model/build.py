@@ -44,8 +44,9 @@ class ModelConfig:
     fp32_dots: str = "auto"
     """Precision of the fp32 products inside Triton kernels that keep Triton's default (fla's KDA chunk kernels, the
     trainer's forward and backward and the engine's prefill): auto (Triton's: TF32 on NVIDIA), tf32, tf32x3 (three
-    TF32 products, ~fp32 accuracy) or ieee (fp32 FMA). Process-wide (TRITON_F32_DEFAULT), set when the model is
-    built; a process that already compiled with another value refuses. On the CPU it changes nothing."""
+    TF32 products, ~fp32 accuracy) or ieee (fp32 FMA; on an H200 host fla's training kernels took over 8 min to
+    compile under it, README "Routing replay"). Process-wide (TRITON_F32_DEFAULT), set when the model is built; a
+    process that already compiled with another value refuses. On the CPU it changes nothing."""
     experts: str = "auto"
     """Routed-expert storage: auto (as stored in the checkpoint; mxfp4 for a random init), mxfp4 (frozen
     native MXFP4, quantized with the floor rule when the checkpoint is bf16), or bf16 (a dequantized copy, for
