@@ -34,6 +34,7 @@ the run's metrics (each row with `bench/mode_index`: its mode's place in --modes
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -77,22 +78,15 @@ def run_logged(cmd: list[str], log_path: Path, grace_s: float = GRACE_S) -> None
 
 
 def stop_group(proc: subprocess.Popen, grace_s: float) -> None:
-    """SIGTERM to `proc`'s process group, SIGKILL to what is left of it after `grace_s`."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:  # the group is gone
-            return
-        try:
-            proc.wait(timeout=grace_s)
-        except subprocess.TimeoutExpired:
-            continue
-        if sig == signal.SIGTERM:  # the leader is gone: what it started may not be; those get no grace
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            return
+    """SIGTERM to `proc`'s process group; SIGKILL to whatever is left of it once `proc` has ended or `grace_s`
+    has passed (what the run started gets no grace of its own)."""
+    with contextlib.suppress(ProcessLookupError):  # the group may be gone already
+        os.killpg(proc.pid, signal.SIGTERM)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=grace_s)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
 
 
 def stop_on_sigterm() -> None:

@@ -102,13 +102,18 @@ def test_blocks_over_plain_pairs_time_per_token_and_phases_by_block():
     assert got["perf/train_s"]["mean"] == pytest.approx((0.75 / 0.5 + 1.6 / 1.5) / 2)
 
 
+def _stat(pid: int) -> list[str] | None:
+    """The fields of /proc/PID/stat after the command name (state, parent pid, ...), or None once it is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except FileNotFoundError:
+        return None
+
+
 def _alive(pid: int) -> bool:
     """True while `pid` runs (a zombie, ended but not yet reaped, counts as ended)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+    stat = _stat(pid)
+    return stat is not None and stat[0] != "Z"
 
 
 def test_a_stopped_bench_stops_its_run_and_what_the_run_started(tmp_path):
@@ -134,7 +139,7 @@ def test_a_stopped_bench_stops_its_run_and_what_the_run_started(tmp_path):
         time.sleep(0.05)
     grandchild = int(pids.read_text())
     run_pid = next(int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit()
-                   and _parent(int(p.name)) == bench_proc.pid)
+                   and (_stat(int(p.name)) or [None, None])[1] == str(bench_proc.pid))
     assert _alive(run_pid) and _alive(grandchild)
     bench_proc.send_signal(signal.SIGTERM)
     assert bench_proc.wait(timeout=20) == 128 + signal.SIGTERM
@@ -144,9 +149,3 @@ def test_a_stopped_bench_stops_its_run_and_what_the_run_started(tmp_path):
     assert not _alive(run_pid), "the run outlived the bench"
     assert not _alive(grandchild), "what the run started outlived the bench"
 
-
-def _parent(pid: int) -> int | None:
-    try:
-        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-    except (FileNotFoundError, ValueError):
-        return None
