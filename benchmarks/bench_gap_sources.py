@@ -1,0 +1,186 @@
+"""Where the train/rollout log-prob gap left under routing replay comes from: one checkpoint, GRPO-shaped rollouts,
+the engine's log-probs against the trainer's under several kernel choices, each side also against the exact answer.
+
+    python benchmarks/bench_gap_sources.py --model-dir DIR --data FILE.jsonl [--template equation] [--prompts 16]
+        [--n 8] [--max-new-tokens 16] [--variants default,engine_reference,engine_eager,torch_kda,fp32]
+        [--budget-gib 4] [--device cuda] [--dtype auto] [--seed 0] [--json OUT]
+
+The first `--prompts` problems of FILE (id / problem / answer rows) rendered with `--template`, `--n` samples each
+at temperature 1, the engine returning its log-probs and routes (`return_routed_experts`), as a training step's
+rollout does; the trainer's log-probs of the same tokens come from `fill_old_logprobs` with
+`trainer.routing_replay` (the forward the training pass makes, the engine's experts replayed), all samples in one
+forward. Variants (each draws its own rollouts from the same prompts and sampling seeds):
+
+* `default`: the run's setting (`--dtype`, auto: bf16 on CUDA; KDA by fla on CUDA, the engine's decode kernels and
+  CUDA graphs);
+* `engine_reference`: the engine under `reference_kernels()`: RMSNorm, SiTU, the attention-residual mix, the router
+  and the KDA decode's short conv and gated norm in their torch forms (what the trainer's forward runs);
+* `engine_eager`: the engine with `decode=eager` (`model.step` on pooled copies: no paged-latent kernel, no graph);
+* `torch_kda`: both sides with `model.kda_backend=torch_chunk` (the chunked form and its one-token step in torch,
+  fp32 inside, on both sides: no fla kernel);
+* `fp32`: both sides in fp32 with torch_chunk (cuBLAS fp32 products, no TF32).
+
+Per variant (mean |a - b| per response token, nats): `gap` engine vs trainer (train/rollout_logprob_abs_diff) and
+its p99; `engine_vs_exact` and `trainer_vs_exact`, each side against `exact`: the fp32 torch_chunk model's log-probs
+of the same tokens with the same routes replayed (so each side's own rounding; the gap is at most their sum);
+`trainer_batch`: the trainer's log-probs with each sample alone in its forward against all samples in one
+(batch variance: nonzero where a kernel's reduction order depends on the batch's shape); `tokens`: the response
+tokens compared; `route_mismatch_frac`: the response tokens whose trainer top-k differs from the engine's routes in
+>= 1 MoE layer (the engine's are what is replayed). One JSON line per variant (`--json OUT`: all of them).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import statistics
+import sys
+from dataclasses import replace
+
+import torch
+
+from miles_k3.evals.datasets import DatasetConfig, load_problems
+from miles_k3.evals.templates import render_prompt
+from miles_k3.model.build import ModelConfig, build_model, build_tokenizer
+from miles_k3.model.layers import reference_kernels
+from miles_k3.model.routing import mismatched_tokens, recording
+from miles_k3.rollout.engine import RolloutEngine
+from miles_k3.rollout.engine_config import EngineConfig
+from miles_k3.runtime import resolve_device, resolve_dtype
+from miles_k3.trainer.batch import Sample, pack
+from miles_k3.trainer.step import TrainerConfig, fill_old_logprobs
+
+VARIANTS = ("default", "engine_reference", "engine_eager", "torch_kda", "fp32")
+ONE_FORWARD = 1 << 40  # micro_batch_tokens: every sample in one forward
+ALONE = 1  # micro_batch_tokens: each sample in a forward of its own
+
+
+def rollouts(engine: RolloutEngine, prompts: list[list[int]], n: int, max_new_tokens: int, stops: list[int],
+             seed: int) -> list[Sample]:
+    """n samples per prompt at temperature 1 with the engine's log-probs and routes, as `Sample`s."""
+    params = [{"max_new_tokens": max_new_tokens, "temperature": 1.0, "stop_token_ids": list(stops),
+               "sampling_seed": seed + 1000 * i} for i in range(len(prompts))]
+    outs = engine.generate(input_ids=prompts, sampling_params=params, n=n, return_logprob=True,
+                           return_routed_experts=True)
+    bad = next((o for o in outs if "error" in o), None)
+    if bad is not None:
+        raise RuntimeError(f"the engine rejected a request: {bad['error']}")
+    return [Sample(list(prompts[i // n]), list(o["output_ids"]),
+                   [lp for lp, _ in o["meta_info"]["output_token_logprobs"]],
+                   routed_experts=o["meta_info"]["routed_experts"]) for i, o in enumerate(outs)]
+
+
+def trainer_logprobs(model, samples: list[Sample], pad_id: int, micro_batch_tokens: int) -> list[list[float]]:
+    """Each sample's response log-probs from the trainer's forward with the engine's routes replayed."""
+    copies = [replace(s, old_logprobs=[]) for s in samples]
+    cfg = TrainerConfig(routing_replay=True, micro_batch_tokens=micro_batch_tokens)
+    device = next(model.parameters()).device
+    fill_old_logprobs(model, copies, cfg, pad_id, device, temperature=1.0)
+    return [c.old_logprobs for c in copies]
+
+
+@torch.no_grad()
+def route_mismatch_frac(model, samples: list[Sample], pad_id: int) -> float:
+    """The share of response tokens whose own top-k (this model's forward, not replaying) differs from the
+    engine's routes in at least one MoE layer."""
+    device = next(model.parameters()).device
+    mb = pack(samples, pad_id).to(device)
+    with recording(model) as rec:
+        model(mb.input_ids_BT, seq_lens=mb.seq_lens_B)
+    m_N = mb.mask_BT.reshape(-1).bool()
+    return float(mismatched_tokens(rec.routes()[m_N], mb.routes_NLK.to(device)[m_N]).float().mean())
+
+
+def abs_diffs(a: list[list[float]], b: list[list[float]]) -> list[float]:
+    """|a - b| per token over all samples; raises if the samples' token counts differ."""
+    out = []
+    for i, (x, y) in enumerate(zip(a, b, strict=True)):
+        if len(x) != len(y):
+            raise ValueError(f"sample {i}: {len(x)} log-probs against {len(y)}")
+        out += [abs(u - v) for u, v in zip(x, y)]
+    return out
+
+
+def p99(xs: list[float]) -> float:
+    return sorted(xs)[min(len(xs) - 1, int(0.99 * len(xs)))]
+
+
+def summary(engine_lp, trainer_lp, exact_lp, alone_lp) -> dict:
+    gap = abs_diffs(engine_lp, trainer_lp)
+    return {"tokens": len(gap), "gap": statistics.fmean(gap), "gap_p99": p99(gap),
+            "engine_vs_exact": statistics.fmean(abs_diffs(engine_lp, exact_lp)),
+            "trainer_vs_exact": statistics.fmean(abs_diffs(trainer_lp, exact_lp)),
+            "trainer_batch": None if alone_lp is None else statistics.fmean(abs_diffs(trainer_lp, alone_lp))}
+
+
+def run(argv: list[str]) -> list[dict]:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model-dir", required=True)
+    ap.add_argument("--data", required=True, help="a .jsonl of id / problem / answer rows")
+    ap.add_argument("--template", default="equation")
+    ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument("--n", type=int, default=8)
+    ap.add_argument("--max-new-tokens", type=int, default=16)
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--budget-gib", type=float, default=4.0, help="each engine's memory budget")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--dtype", default="auto", choices=("auto", "bf16", "fp32"),
+                    help="the run's dtype (auto: bf16 on CUDA, fp32 on the CPU); `fp32` is always fp32")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", default=None, metavar="OUT")
+    a = ap.parse_args(argv)
+    variants = a.variants.split(",")
+    unknown = sorted(set(variants) - set(VARIANTS))
+    if unknown:
+        raise SystemExit(f"--variants: {unknown} not among {list(VARIANTS)}")
+    device = resolve_device(a.device)
+    run_dtype = resolve_dtype(a.dtype, device)
+    base_cfg = ModelConfig(path=a.model_dir)
+    tokenizer, stops = build_tokenizer(base_cfg)
+    pad_id = 0  # as the train loop packs (padding positions are masked)
+    problems = load_problems(DatasetConfig(source=a.data, problem_field=None, limit=a.prompts))
+    prompts = [tokenizer.encode(render_prompt(a.template, p.problem, tokenizer), add_special_tokens=False)
+               for p in problems]
+    models: dict[str, torch.nn.Module] = {}
+
+    def model(key: str):  # built once each, on first use: (kda backend, dtype)
+        if key not in models:
+            backend, dtype = {"run": ("auto", run_dtype), "torch": ("torch_chunk", run_dtype),
+                              "exact": ("torch_chunk", torch.float32)}[key]
+            models[key] = build_model(replace(base_cfg, kda_backend=backend), device, dtype).eval()
+        return models[key]
+
+    # variant -> (engine model, engine decode, reference kernels in the engine, trainer model)
+    plan = {"default": ("run", "auto", False, "run"), "engine_reference": ("run", "auto", True, "run"),
+            "engine_eager": ("run", "eager", False, "run"), "torch_kda": ("torch", "auto", False, "torch"),
+            "fp32": ("exact", "auto", False, "exact")}
+    results = []
+    for v in variants:
+        e_key, decode, ref, t_key = plan[v]
+        econf = EngineConfig(memory_budget_bytes=int(a.budget_gib * 2**30), decode=decode,
+                             max_context=max(map(len, prompts)) + a.max_new_tokens + 1)
+        engine = RolloutEngine(model(e_key), econf, tokenizer=tokenizer)
+        with reference_kernels() if ref else contextlib.nullcontext():
+            samples = rollouts(engine, prompts, a.n, a.max_new_tokens, stops, a.seed)
+        del engine
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        engine_lp = [s.rollout_logprobs for s in samples]
+        trainer_lp = trainer_logprobs(model(t_key), samples, pad_id, ONE_FORWARD)
+        alone_lp = trainer_logprobs(model(t_key), samples, pad_id, ALONE)
+        exact_lp = trainer_logprobs(model("exact"), samples, pad_id, ONE_FORWARD)
+        row = {"variant": v, "engine_decode": decode, "dtype": str(model(t_key).lm_head.weight.dtype),
+               **summary(engine_lp, trainer_lp, exact_lp, alone_lp),
+               "route_mismatch_frac": route_mismatch_frac(model(t_key), samples, pad_id)}
+        print(json.dumps(row), flush=True)
+        results.append(row)
+        if a.json:
+            with open(a.json, "w") as f:
+                f.writelines(json.dumps(r) + "\n" for r in results)
+    return results
+
+
+if __name__ == "__main__":
+    run(sys.argv[1:])
