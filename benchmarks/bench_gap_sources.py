@@ -6,27 +6,32 @@ the engine's log-probs against the trainer's under several kernel choices, each 
         [--budget-gib 4] [--device cuda] [--dtype auto] [--seed 0] [--json OUT]
 
 The first `--prompts` problems of FILE (id / problem / answer rows) rendered with `--template`, `--n` samples each
-at temperature 1, the engine returning its log-probs and routes (`return_routed_experts`), as a training step's
-rollout does; the trainer's log-probs of the same tokens come from `fill_old_logprobs` with
-`trainer.routing_replay` (the forward the training pass makes, the engine's experts replayed), all samples in one
-forward. Variants (each draws its own rollouts from the same prompts and sampling seeds):
+at temperature 1 from the policy adapter (LoRA at its initialisation, B = 0, as a run's first step: the policy is
+the base, and the trainer's activations need gradients past the adapters), the engine returning its log-probs and
+routes (`return_routed_experts`), as a training step's rollout does. The trainer's log-probs of the same tokens come
+from the training forward (autograd on, eval mode, no autocast) with the engine's experts replayed
+(`trainer.routing_replay`), all samples in one forward: what `train/rollout_logprob_abs_diff` compares. Variants
+(each draws its own rollouts from the same prompts and sampling seeds):
 
 * `default`: the run's setting (`--dtype`, auto: bf16 on CUDA; KDA by fla on CUDA, the engine's decode kernels and
   CUDA graphs);
 * `engine_reference`: the engine under `reference_kernels()`: RMSNorm, SiTU, the attention-residual mix, the router
-  and the KDA decode's short conv and gated norm in their torch forms (what the trainer's forward runs);
+  and the KDA decode's short conv and gated norm in their torch forms (the forms the training forward runs);
 * `engine_eager`: the engine with `decode=eager` (`model.step` on pooled copies: no paged-latent kernel, no graph);
 * `torch_kda`: both sides with `model.kda_backend=torch_chunk` (the chunked form and its one-token step in torch,
   fp32 inside, on both sides: no fla kernel);
-* `fp32`: both sides in fp32 with torch_chunk (cuBLAS fp32 products, no TF32).
+* `fp32`: both sides in fp32 with torch_chunk (cuBLAS fp32 products, no TF32): a run's `model.dtype=fp32
+  model.kda_backend=torch_chunk trainer.autocast_bf16=off` (autocast_bf16=auto would run the trainer in bf16).
 
 Per variant (mean |a - b| per response token, nats): `gap` engine vs trainer (train/rollout_logprob_abs_diff) and
 its p99; `engine_vs_exact` and `trainer_vs_exact`, each side against `exact`: the fp32 torch_chunk model's log-probs
-of the same tokens with the same routes replayed (so each side's own rounding; the gap is at most their sum);
+of the same tokens with the same routes replayed (each side's own rounding; the gap is at most their sum);
 `trainer_batch`: the trainer's log-probs with each sample alone in its forward against all samples in one
-(batch variance: nonzero where a kernel's reduction order depends on the batch's shape); `tokens`: the response
-tokens compared; `route_mismatch_frac`: the response tokens whose trainer top-k differs from the engine's routes in
->= 1 MoE layer (the engine's are what is replayed). One JSON line per variant (`--json OUT`: all of them).
+(batch variance: nonzero where a kernel's reduction order depends on the batch's shape); `nograd_gap`: the engine
+against the trainer's no-gradient forward (`fill_old_logprobs`, the fused kernels where the engine has them);
+`tokens`: the response tokens compared; `route_mismatch_frac`: the response tokens whose trainer top-k differs from
+the engine's routes in >= 1 MoE layer (the engine's are what is replayed). One JSON line per variant (`--json OUT`:
+all of them).
 """
 from __future__ import annotations
 
@@ -44,13 +49,16 @@ from miles_k3.evals.datasets import DatasetConfig, load_problems
 from miles_k3.evals.templates import render_prompt
 from miles_k3.model.build import ModelConfig, build_model, build_tokenizer
 from miles_k3.model.layers import reference_kernels
-from miles_k3.model.routing import mismatched_tokens, recording
+from miles_k3.model.lora import LoRAConfig, apply_lora, lora_parameters
+from miles_k3.model.routing import mismatched_tokens, recording, replaying
 from miles_k3.rollout.engine import RolloutEngine
 from miles_k3.rollout.engine_config import EngineConfig
 from miles_k3.runtime import resolve_device, resolve_dtype
-from miles_k3.trainer.batch import Sample, pack
-from miles_k3.trainer.step import TrainerConfig, fill_old_logprobs
+from miles_k3.trainer.batch import Sample, micro_batches, pack
+from miles_k3.trainer.losses import token_logprobs
+from miles_k3.trainer.step import _eval_mode
 
+POLICY = "policy"
 VARIANTS = ("default", "engine_reference", "engine_eager", "torch_kda", "fp32")
 ONE_FORWARD = 1 << 40  # micro_batch_tokens: every sample in one forward
 ALONE = 1  # micro_batch_tokens: each sample in a forward of its own
@@ -58,10 +66,10 @@ ALONE = 1  # micro_batch_tokens: each sample in a forward of its own
 
 def rollouts(engine: RolloutEngine, prompts: list[list[int]], n: int, max_new_tokens: int, stops: list[int],
              seed: int) -> list[Sample]:
-    """n samples per prompt at temperature 1 with the engine's log-probs and routes, as `Sample`s."""
+    """n samples per prompt at temperature 1 from the policy adapter, with the engine's log-probs and routes."""
     params = [{"max_new_tokens": max_new_tokens, "temperature": 1.0, "stop_token_ids": list(stops),
                "sampling_seed": seed + 1000 * i} for i in range(len(prompts))]
-    outs = engine.generate(input_ids=prompts, sampling_params=params, n=n, return_logprob=True,
+    outs = engine.generate(input_ids=prompts, sampling_params=params, n=n, return_logprob=True, lora=POLICY,
                            return_routed_experts=True)
     bad = next((o for o in outs if "error" in o), None)
     if bad is not None:
@@ -71,13 +79,24 @@ def rollouts(engine: RolloutEngine, prompts: list[list[int]], n: int, max_new_to
                    routed_experts=o["meta_info"]["routed_experts"]) for i, o in enumerate(outs)]
 
 
-def trainer_logprobs(model, samples: list[Sample], pad_id: int, micro_batch_tokens: int) -> list[list[float]]:
-    """Each sample's response log-probs from the trainer's forward with the engine's routes replayed."""
-    copies = [replace(s, old_logprobs=[]) for s in samples]
-    cfg = TrainerConfig(routing_replay=True, micro_batch_tokens=micro_batch_tokens)
+def trainer_logprobs(model, samples: list[Sample], pad_id: int, micro_batch_tokens: int,
+                     grad: bool = True) -> list[list[float]]:
+    """Each sample's response log-probs from the trainer's forward with the engine's routes replayed, in eval mode
+    and without autocast. grad=True: the training forward (`_micro_step`'s, whose log-probs the loop compares with
+    the engine's): autograd on, so past the adapters every activation needs a gradient and the fused inference
+    kernels step aside for the torch forms; grad=False: the no-gradient forward (`fill_old_logprobs`), which takes
+    the fused kernels where the engine does."""
     device = next(model.parameters()).device
-    fill_old_logprobs(model, copies, cfg, pad_id, device, temperature=1.0)
-    return [c.old_logprobs for c in copies]
+    out: list[list[float]] = [[] for _ in samples]
+    for idx in micro_batches(samples, micro_batch_tokens):
+        mb = pack([samples[i] for i in idx], pad_id).to(device)
+        with torch.set_grad_enabled(grad), replaying(model, mb.routes_NLK), _eval_mode(model):
+            logits = model(mb.input_ids_BT, seq_lens=mb.seq_lens_B).logits
+            logp_BT = token_logprobs(logits, mb.targets_BT).detach().float().cpu()
+        for row, i in enumerate(idx):
+            p, n = len(samples[i].prompt_ids), samples[i].length - 1
+            out[i] = logp_BT[row, p - 1:n].tolist()
+    return out
 
 
 @torch.no_grad()
@@ -143,12 +162,15 @@ def run(argv: list[str]) -> list[dict]:
     prompts = [tokenizer.encode(render_prompt(a.template, p.problem, tokenizer), add_special_tokens=False)
                for p in problems]
     models: dict[str, torch.nn.Module] = {}
+    lora = LoRAConfig()
 
     def model(key: str):  # built once each, on first use: (kda backend, dtype)
         if key not in models:
             backend, dtype = {"run": ("auto", run_dtype), "torch": ("torch_chunk", run_dtype),
                               "exact": ("torch_chunk", torch.float32)}[key]
-            models[key] = build_model(replace(base_cfg, kda_backend=backend), device, dtype).eval()
+            m = build_model(replace(base_cfg, kda_backend=backend), device, dtype)
+            apply_lora(m, lora)  # as the train loop: B = 0, the policy is the base
+            models[key] = m
         return models[key]
 
     # variant -> (engine model, engine decode, reference kernels in the engine, trainer model)
@@ -160,7 +182,9 @@ def run(argv: list[str]) -> list[dict]:
         e_key, decode, ref, t_key = plan[v]
         econf = EngineConfig(memory_budget_bytes=int(a.budget_gib * 2**30), decode=decode,
                              max_context=max(map(len, prompts)) + a.max_new_tokens + 1)
-        engine = RolloutEngine(model(e_key), econf, tokenizer=tokenizer)
+        engine = RolloutEngine(model(e_key), econf, lora=lora, tokenizer=tokenizer)
+        engine.load_lora_adapter_from_tensors(POLICY, {k: p.detach() for k, p in lora_parameters(model(e_key)).items()},
+                                              lora)
         with reference_kernels() if ref else contextlib.nullcontext():
             samples = rollouts(engine, prompts, a.n, a.max_new_tokens, stops, a.seed)
         del engine
@@ -170,9 +194,11 @@ def run(argv: list[str]) -> list[dict]:
         engine_lp = [s.rollout_logprobs for s in samples]
         trainer_lp = trainer_logprobs(model(t_key), samples, pad_id, ONE_FORWARD)
         alone_lp = trainer_logprobs(model(t_key), samples, pad_id, ALONE)
+        nograd_lp = trainer_logprobs(model(t_key), samples, pad_id, ONE_FORWARD, grad=False)
         exact_lp = trainer_logprobs(model("exact"), samples, pad_id, ONE_FORWARD)
         row = {"variant": v, "engine_decode": decode, "dtype": str(model(t_key).lm_head.weight.dtype),
                **summary(engine_lp, trainer_lp, exact_lp, alone_lp),
+               "nograd_gap": statistics.fmean(abs_diffs(engine_lp, nograd_lp)),
                "route_mismatch_frac": route_mismatch_frac(model(t_key), samples, pad_id)}
         print(json.dumps(row), flush=True)
         results.append(row)
