@@ -21,7 +21,7 @@ sglang = pytest.importorskip("sglang")
 
 LORA = LoRAConfig(rank=8, alpha=16.0, targets=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
                                                "down_proj"])
-PARITY_TOL = 0.05  # nats/token, mean over the probe: SGLang bf16 kernels vs the trainer's bf16-autocast forward
+PARITY_TOL = 0.05  # nats/token, mean over the probe: SGLang bf16 kernels vs the trainer's bf16 forward
 
 
 @pytest.fixture(scope="module")

@@ -95,6 +95,7 @@ def test_aime_grpo_recipe_values_and_required_checkpoint():
     ("model.dtype=fp8", "model.dtype"),
     ("model.kda_backend=cuda_magic", "model.kda_backend"),
     ("model.fp32_dots=bf16x3", "model.fp32_dots"),
+    ("trainer.autocast_bf16=auto", "trainer.autocast_bf16"),
     ("model.name=k4", "model.name"),
     ("device=tpu", "device"),
     ("sync.transport=carrier_pigeon", "sync.transport"),

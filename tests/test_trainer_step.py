@@ -14,7 +14,7 @@ import torch
 from miles_k3.model import K3Config, K3ForCausalLM
 from miles_k3.model.lora import LoRAConfig, apply_lora, lora_parameters, lora_state_dict
 from miles_k3.trainer.batch import Sample
-from miles_k3.trainer.losses import LossConfig
+from miles_k3.trainer.losses import LossConfig, token_logprobs
 from miles_k3.trainer.optim import BadStepGuard, OptimConfig, build_optimizer, build_scheduler
 from miles_k3.trainer.step import TrainerConfig, fill_old_logprobs, sequence_logprobs, train_step
 
@@ -445,3 +445,21 @@ def test_the_gradient_forward_keeps_dropout(monkeypatch):
         train_step(model, _samples(), cfg, opt, sched, params, 0, CPU)
         assert all(m.training for m in model.modules())
     assert any(not torch.equal(grads[0][n], grads[1][n]) for n in grads[0])
+
+
+def test_the_trainer_computes_in_the_models_dtype_unless_autocast_is_on():
+    """autocast_bf16=off (the default) leaves an fp32 model in fp32: its log-probs are bitwise the plain forward's,
+    as the fp32 engine's decode computes them; on runs the matmuls in bf16 (8 mantissa bits: log-probs move by far
+    more than fp32 rounding). The old `auto` turned autocast on for any fp32 model on CUDA and is refused."""
+    model, *_ = _policy()
+    ids = list(range(3, 40))
+    x = torch.tensor([ids])
+    with torch.no_grad():
+        logits = model(x[:, :-1], seq_lens=torch.tensor([len(ids) - 1])).logits
+    plain = token_logprobs(logits.float(), x[:, 1:])[0].tolist()
+    assert sequence_logprobs(model, ids) == plain
+    assert TrainerConfig().autocast_bf16 == "off"
+    bf16 = sequence_logprobs(model, ids, TrainerConfig(autocast_bf16="on"))
+    assert max(abs(a - b) for a, b in zip(bf16, plain)) > 1e-4
+    with pytest.raises(ValueError, match=r"^autocast_bf16: 'auto' is gone: .*bf16 autocast.*fp32.*use off"):
+        TrainerConfig(autocast_bf16="auto").validate()
