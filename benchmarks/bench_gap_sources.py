@@ -21,7 +21,7 @@ from the training forward (autograd on, eval mode, no autocast) with the engine'
 * `torch_kda`: both sides with `model.kda_backend=torch_chunk` (the chunked form and its one-token step in torch,
   fp32 inside, on both sides: no fla kernel);
 * `fp32`: both sides in fp32 with torch_chunk (cuBLAS fp32 products, no TF32): a run's `model.dtype=fp32
-  model.kda_backend=torch_chunk trainer.autocast_bf16=off` (autocast_bf16=auto would run the trainer in bf16).
+  model.kda_backend=torch_chunk` (the trainer in fp32: trainer.autocast_bf16=off, the default).
 
 Per variant (mean |a - b| per response token, nats): `gap` engine vs trainer (train/rollout_logprob_abs_diff) and
 its p99; `engine_vs_exact` and `trainer_vs_exact`, each side against `exact`: the fp32 torch_chunk model's log-probs
@@ -130,7 +130,7 @@ def summary(engine_lp, trainer_lp, exact_lp, alone_lp) -> dict:
     return {"tokens": len(gap), "gap": statistics.fmean(gap), "gap_p99": p99(gap),
             "engine_vs_exact": statistics.fmean(abs_diffs(engine_lp, exact_lp)),
             "trainer_vs_exact": statistics.fmean(abs_diffs(trainer_lp, exact_lp)),
-            "trainer_batch": None if alone_lp is None else statistics.fmean(abs_diffs(trainer_lp, alone_lp))}
+            "trainer_batch": statistics.fmean(abs_diffs(trainer_lp, alone_lp))}
 
 
 def run(argv: list[str]) -> list[dict]:
@@ -157,7 +157,7 @@ def run(argv: list[str]) -> list[dict]:
     run_dtype = resolve_dtype(a.dtype, device)
     base_cfg = ModelConfig(path=a.model_dir)
     tokenizer, stops = build_tokenizer(base_cfg)
-    pad_id = 0  # as the train loop packs (padding positions are masked)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0  # as the train loop packs
     problems = load_problems(DatasetConfig(source=a.data, problem_field=None, limit=a.prompts))
     prompts = [tokenizer.encode(render_prompt(a.template, p.problem, tokenizer), add_special_tokens=False)
                for p in problems]
