@@ -29,8 +29,8 @@ of the same tokens with the same routes replayed (each side's own rounding; the 
 `trainer_batch`: the trainer's log-probs with each sample alone in its forward against all samples in one
 (batch variance: nonzero where a kernel's reduction order depends on the batch's shape); `nograd_gap`: the engine
 against the trainer's no-gradient forward (`fill_old_logprobs`, the fused kernels where the engine has them);
-`tokens`: the response tokens compared; `route_mismatch_frac`: the response tokens whose trainer top-k differs from
-the engine's routes in >= 1 MoE layer (the engine's are what is replayed). One JSON line per variant (`--json OUT`:
+`tokens`: the response tokens compared; `route_mismatch_frac`: the response tokens whose own top-k in the trainer's
+replayed forward differs from the engine's routes in >= 1 MoE layer (train/route_mismatch_frac under replay). One JSON line per variant (`--json OUT`:
 all of them).
 """
 from __future__ import annotations
@@ -50,13 +50,14 @@ from miles_k3.evals.templates import render_prompt
 from miles_k3.model.build import ModelConfig, build_model, build_tokenizer
 from miles_k3.model.layers import reference_kernels
 from miles_k3.model.lora import LoRAConfig, apply_lora, lora_parameters
-from miles_k3.model.routing import mismatched_tokens, recording, replaying
+from miles_k3.model.routing import replaying
 from miles_k3.rollout.engine import RolloutEngine
 from miles_k3.rollout.engine_config import EngineConfig
 from miles_k3.runtime import resolve_device, resolve_dtype
 from miles_k3.trainer.batch import Sample, micro_batches, pack
 from miles_k3.trainer.losses import token_logprobs
-from miles_k3.trainer.step import _eval_mode
+from miles_k3.trainer.rollouts import RolloutConfig, _sample
+from miles_k3.trainer.step import _eval_mode, _mismatch_frac
 
 POLICY = "policy"
 VARIANTS = ("default", "engine_reference", "engine_eager", "torch_kda", "fp32")
@@ -74,41 +75,33 @@ def rollouts(engine: RolloutEngine, prompts: list[list[int]], n: int, max_new_to
     bad = next((o for o in outs if "error" in o), None)
     if bad is not None:
         raise RuntimeError(f"the engine rejected a request: {bad['error']}")
-    return [Sample(list(prompts[i // n]), list(o["output_ids"]),
-                   [lp for lp, _ in o["meta_info"]["output_token_logprobs"]],
-                   routed_experts=o["meta_info"]["routed_experts"]) for i, o in enumerate(outs)]
+    plain = RolloutConfig()  # no overlong handling: every sample in the loss, as the loop builds it by default
+    return [_sample(list(prompts[i // n]), o, 0.0, plain) for i, o in enumerate(outs)]
 
 
 def trainer_logprobs(model, samples: list[Sample], pad_id: int, micro_batch_tokens: int,
-                     grad: bool = True) -> list[list[float]]:
+                     grad: bool = True) -> tuple[list[list[float]], float]:
     """Each sample's response log-probs from the trainer's forward with the engine's routes replayed, in eval mode
-    and without autocast. grad=True: the training forward (`_micro_step`'s, whose log-probs the loop compares with
-    the engine's): autograd on, so past the adapters every activation needs a gradient and the fused inference
-    kernels step aside for the torch forms; grad=False: the no-gradient forward (`fill_old_logprobs`), which takes
-    the fused kernels where the engine does."""
+    and without autocast, and the share of response tokens whose own top-k in that forward differs from the
+    engine's routes in >= 1 MoE layer (train/route_mismatch_frac, as the loop measures it under replay).
+    grad=True: the training forward (`_micro_step`'s, whose log-probs the loop compares with the engine's): autograd
+    on, so past the adapters every activation needs a gradient and the fused inference kernels step aside for the
+    torch forms; grad=False: the no-gradient forward (`fill_old_logprobs`), which takes the fused kernels where the
+    engine does."""
     device = next(model.parameters()).device
     out: list[list[float]] = [[] for _ in samples]
+    differ = tokens = 0.0
     for idx in micro_batches(samples, micro_batch_tokens):
         mb = pack([samples[i] for i in idx], pad_id).to(device)
-        with torch.set_grad_enabled(grad), replaying(model, mb.routes_NLK), _eval_mode(model):
+        with torch.set_grad_enabled(grad), replaying(model, mb.routes_NLK) as own, _eval_mode(model):
             logits = model(mb.input_ids_BT, seq_lens=mb.seq_lens_B).logits
             logp_BT = token_logprobs(logits, mb.targets_BT).detach().float().cpu()
+        differ += _mismatch_frac(own, mb) * mb.num_tokens
+        tokens += mb.num_tokens
         for row, i in enumerate(idx):
             p, n = len(samples[i].prompt_ids), samples[i].length - 1
             out[i] = logp_BT[row, p - 1:n].tolist()
-    return out
-
-
-@torch.no_grad()
-def route_mismatch_frac(model, samples: list[Sample], pad_id: int) -> float:
-    """The share of response tokens whose own top-k (this model's forward, not replaying) differs from the
-    engine's routes in at least one MoE layer."""
-    device = next(model.parameters()).device
-    mb = pack(samples, pad_id).to(device)
-    with recording(model) as rec:
-        model(mb.input_ids_BT, seq_lens=mb.seq_lens_B)
-    m_N = mb.mask_BT.reshape(-1).bool()
-    return float(mismatched_tokens(rec.routes()[m_N], mb.routes_NLK.to(device)[m_N]).float().mean())
+    return out, differ / tokens
 
 
 def abs_diffs(a: list[list[float]], b: list[list[float]]) -> list[float]:
@@ -125,12 +118,13 @@ def p99(xs: list[float]) -> float:
     return sorted(xs)[min(len(xs) - 1, int(0.99 * len(xs)))]
 
 
-def summary(engine_lp, trainer_lp, exact_lp, alone_lp) -> dict:
+def summary(engine_lp, trainer_lp, exact_lp, alone_lp, nograd_lp) -> dict:
     gap = abs_diffs(engine_lp, trainer_lp)
     return {"tokens": len(gap), "gap": statistics.fmean(gap), "gap_p99": p99(gap),
             "engine_vs_exact": statistics.fmean(abs_diffs(engine_lp, exact_lp)),
             "trainer_vs_exact": statistics.fmean(abs_diffs(trainer_lp, exact_lp)),
-            "trainer_batch": statistics.fmean(abs_diffs(trainer_lp, alone_lp))}
+            "trainer_batch": statistics.fmean(abs_diffs(trainer_lp, alone_lp)),
+            "nograd_gap": statistics.fmean(abs_diffs(engine_lp, nograd_lp))}
 
 
 def run(argv: list[str]) -> list[dict]:
@@ -192,14 +186,12 @@ def run(argv: list[str]) -> list[dict]:
         if device.type == "cuda":
             torch.cuda.empty_cache()
         engine_lp = [s.rollout_logprobs for s in samples]
-        trainer_lp = trainer_logprobs(model(t_key), samples, pad_id, ONE_FORWARD)
-        alone_lp = trainer_logprobs(model(t_key), samples, pad_id, ALONE)
-        nograd_lp = trainer_logprobs(model(t_key), samples, pad_id, ONE_FORWARD, grad=False)
-        exact_lp = trainer_logprobs(model("exact"), samples, pad_id, ONE_FORWARD)
+        trainer_lp, mismatch = trainer_logprobs(model(t_key), samples, pad_id, ONE_FORWARD)
+        alone_lp, _ = trainer_logprobs(model(t_key), samples, pad_id, ALONE)
+        nograd_lp, _ = trainer_logprobs(model(t_key), samples, pad_id, ONE_FORWARD, grad=False)
+        exact_lp, _ = trainer_logprobs(model("exact"), samples, pad_id, ONE_FORWARD)
         row = {"variant": v, "engine_decode": decode, "dtype": str(model(t_key).lm_head.weight.dtype),
-               **summary(engine_lp, trainer_lp, exact_lp, alone_lp),
-               "nograd_gap": statistics.fmean(abs_diffs(engine_lp, nograd_lp)),
-               "route_mismatch_frac": route_mismatch_frac(model(t_key), samples, pad_id)}
+               **summary(engine_lp, trainer_lp, exact_lp, alone_lp, nograd_lp), "route_mismatch_frac": mismatch}
         print(json.dumps(row), flush=True)
         results.append(row)
         if a.json:
