@@ -50,9 +50,10 @@ INSTALL_HINT = ("engine.backend=sglang needs SGLang: pip install 'miles-k3[sglan
 
 
 def server_args(cfg: SGLangConfig, model_path: str, lora=None, seed: int = 0,
-                k3: K3Checkpoint | None = None) -> dict[str, Any]:
+                k3: K3Checkpoint | None = None, fp32_lm_head: bool = False) -> dict[str, Any]:
     """The keyword arguments of `sglang.Engine(...)` for `cfg` serving `model_path` with adapters like `lora`
-    (a LoRAConfig, or None for no adapter); `k3`: the directory is this K3 checkpoint (`k3_checkpoint`)."""
+    (a LoRAConfig, or None for no adapter); `k3`: the directory is this K3 checkpoint (`k3_checkpoint`);
+    `fp32_lm_head` (model.fp32_lm_head): SGLang's enable_fp32_lm_head, logits in fp32 as the trainer's."""
     cfg.validate()
     args: dict[str, Any] = {
         "model_path": model_path, "skip_tokenizer_init": True, "random_seed": seed,
@@ -63,6 +64,8 @@ def server_args(cfg: SGLangConfig, model_path: str, lora=None, seed: int = 0,
     }
     if cfg.context_length is not None:
         args["context_length"] = cfg.context_length
+    if fp32_lm_head:
+        args["enable_fp32_lm_head"] = True
     if k3 is not None:
         # K3 is a VLM class in SGLang: multimodal on builds the K3 image processor, which our tokenizer directory
         # lacks (managers/tokenizer_manager.py:468-490, multimodal/processors/kimi_k3.py:306-326).
@@ -136,7 +139,8 @@ def serve_checkpoint(cfg: SGLangConfig, model_cfg, tokenizer, stop_token_ids: li
                          "generation_config.json or the tokenizer); set engine.eos_token_ids=[ID, ...]")
     path = model_cfg.hf_path or model_cfg.path
     return SGLangEngine(cfg, path, lora=lora, seed=seed, tokenizer=tokenizer, stop_token_ids=list(stop_token_ids),
-                        max_context=checkpoint_context(path) or fallback_context, push=push)
+                        max_context=checkpoint_context(path) or fallback_context, push=push,
+                        fp32_lm_head=model_cfg.fp32_lm_head)
 
 
 def checkpoint_context(path: str) -> int | None:
@@ -155,21 +159,22 @@ class SGLangEngine:
     under their PEFT names (`miles_k3.adapter.peft_tensors`), which SGLang loads, or merged into the base weights
     (`push`: the resolved mode, `resolve_push`). A K3 checkpoint directory is checked (`k3_checkpoint`) before
     SGLang starts. `stop_token_ids` end every sample (added to each request's sampling params unless it names its
-    own). `engine_cls` replaces sglang.Engine (tests pass a double)."""
+    own). `fp32_lm_head`: SGLang computes the logits in fp32 (model.fp32_lm_head). `engine_cls` replaces
+    sglang.Engine (tests pass a double)."""
 
     backend = "sglang"
     push_needs_memory = True  # a push's parity probe runs a request: the loop resumes memory before it
 
     def __init__(self, cfg: SGLangConfig, model_path: str, lora=None, seed: int = 0, tokenizer: Any = None,
                  stop_token_ids: list[int] | None = None, max_context: int = 4096, engine_cls=None,
-                 push: str | None = None):
+                 push: str | None = None, fp32_lm_head: bool = False):
         self.cfg, self.tokenizer = cfg, tokenizer
         self.max_context = cfg.context_length or max_context  # prompt + completion tokens a request may hold
         self.stop_token_ids = list(stop_token_ids or [])
         cfg.validate()
         self.k3 = k3_checkpoint(model_path, cfg)
         self.push, why = resolve_push(push or cfg.push, lora, self.k3, cfg)
-        args = server_args(cfg, model_path, lora if self.push == "lora" else None, seed, self.k3)
+        args = server_args(cfg, model_path, lora if self.push == "lora" else None, seed, self.k3, fp32_lm_head)
         engine_cls = engine_cls or import_engine_class()
         if self.push is not None:
             log.info("sglang push=%s (%s)", self.push, why)

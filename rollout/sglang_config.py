@@ -127,5 +127,5 @@ TYPED_ARGS = {  # sglang.Engine argument -> the SGLangConfig field (or what this
     "enable_weights_cpu_backup": "enable_weights_cpu_backup", "dtype": "dtype", "context_length": "context_length",
     "log_level": "log_level", "model_path": "model.hf_path", "skip_tokenizer_init": "(always true)",
     "random_seed": "seed", "moe_runner_backend": "moe_runner_backend",
-    "enable_multimodal": "(false for a K3 checkpoint)",
+    "enable_multimodal": "(false for a K3 checkpoint)", "enable_fp32_lm_head": "model.fp32_lm_head",
 }

@@ -57,7 +57,8 @@ RECORDED_SERVER_ARGS = ("model_path", "skip_tokenizer_init", "random_seed", "att
                         "mem_fraction_static", "disable_cuda_graph", "enable_lora",
                         "max_lora_rank", "lora_target_modules", "max_loras_per_batch", "lora_backend",
                         "enable_memory_saver", "enable_weights_cpu_backup", "dtype", "context_length", "log_level",
-                        "enable_multimodal", "moe_runner_backend", "cuda_graph_bs_decode", "cuda_graph_max_bs_decode")
+                        "enable_multimodal", "moe_runner_backend", "cuda_graph_bs_decode", "cuda_graph_max_bs_decode",
+                        "enable_fp32_lm_head")
 K3_LORA = ("q_a_proj", "kv_a_proj_with_mqa", "q_b_proj", "kv_b_proj")  # what SGLang's K3 LoRA applies
 K3_LORA_DROPPED = ("q_proj", "k_proj", "v_proj")  # accepted, silently not applied
 
@@ -79,6 +80,8 @@ class FakeSGLangEngine:
         self.server_args = server_args
         self.model = model.eval() if model is not None else None
         self.k3 = isinstance(model, K3ForCausalLM)
+        if self.k3 and "enable_fp32_lm_head" in server_args:  # SGLang's logits in fp32
+            self.model.fp32_lm_head = bool(server_args["enable_fp32_lm_head"])
         if self.k3 and server_args.get("enable_lora"):
             crash = sorted(set(server_args.get("lora_target_modules") or ()) - set(K3_LORA) - set(K3_LORA_DROPPED))
             if crash:

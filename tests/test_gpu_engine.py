@@ -49,6 +49,27 @@ def test_graph_decode_replays_the_static_step_exactly(trainer):
     assert runs["graph"] == runs["static"]  # same kernels, same inputs: bitwise equal tokens and logprobs
 
 
+def test_graph_decode_with_fp32_logits_replays_the_static_step_exactly(trainer):
+    """model.fp32_lm_head through the captured decode graph: graph and static steps agree bitwise, and their
+    log-probs are not the bf16-logit ones (the fp32 product was captured, not the bf16 lm_head)."""
+    model, lora = trainer
+    params = {"temperature": 1.0, "max_new_tokens": 12, "sampling_seed": 5}
+    runs = {}
+    try:
+        for head in (False, True):
+            model.fp32_lm_head = head
+            for decode in ("static", "graph"):
+                engine = _engine(model, lora, decode)
+                runs[head, decode] = engine.generate(input_ids=PROMPTS, sampling_params=params, n=2,
+                                                     lora="policy", return_logprob=True)
+    finally:
+        model.fp32_lm_head = False
+    assert runs[True, "graph"] == runs[True, "static"]
+    logprobs = {head: [lp for o in runs[head, "graph"] for lp, _ in o["meta_info"]["output_token_logprobs"]]
+                for head in (False, True)}
+    assert logprobs[True] != logprobs[False]
+
+
 def test_engine_logprobs_match_the_trainer_forward(trainer):
     """Sampled tokens (temperature 1: the logprob is the raw model logprob) scored again by the trainer-side
     full-sequence forward: in fp32 (the truth) and in bf16 (fla chunk kernels, naive MLA). bf16 on this tiny

@@ -51,6 +51,12 @@ class ModelConfig:
     """Routed-expert storage: auto (as stored in the checkpoint; mxfp4 for a random init), mxfp4 (frozen
     native MXFP4, quantized with the floor rule when the checkpoint is bf16), or bf16 (a dequantized copy, for
     references and benchmarks)."""
+    fp32_lm_head: bool = False
+    """Logits in fp32: the lm_head's product of the bf16 hidden state and weight is computed in fp32 and kept there,
+    in the engine's decode and in the trainer's forward alike (with engine.backend=sglang: SGLang's
+    enable_fp32_lm_head). In bf16 a logit near 10 is rounded to a step of 0.06 nats, independently on each side, a
+    large part of the train/rollout log-prob gap (README "Routing replay"). Costs one fp32 copy of the lm_head weight
+    per forward and fp32 logits (twice bf16's memory). No effect on an fp32 model. K3 only: refused with hf_path."""
     trust_remote_code: bool = False
     """Run the tokenizer code shipped in the model directory (the real K3: tokenization_kimi.py)."""
     hf_path: Optional[str] = None  # noqa: UP045
@@ -71,6 +77,13 @@ class ModelConfig:
             raise ValueError(f"fp32_dots: '{self.fp32_dots}' is not one of {list(FP32_DOTS)}")
         if self.experts not in ("auto", *EXPERT_FORMATS):
             raise ValueError(f"experts: '{self.experts}' is not one of {['auto', *EXPERT_FORMATS]}")
+        if not isinstance(self.fp32_lm_head, bool):
+            raise ValueError(  # noqa: TRY004
+                f"fp32_lm_head: expected true or false, got {self.fp32_lm_head!r}")
+        if self.fp32_lm_head and self.hf_path is not None:
+            raise ValueError("fp32_lm_head: applies to K3 models (the native trainer and engine); with hf_path "
+                             "the trainer is the transformers model, which computes its own logits: set "
+                             "model.fp32_lm_head=false")
         if not isinstance(self.trust_remote_code, bool):
             raise ValueError(  # noqa: TRY004 (config errors are ValueErrors, prefixed with the field path)
                 f"trust_remote_code: expected true or false, got {self.trust_remote_code!r}")
@@ -193,6 +206,7 @@ def build_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> K
         model.requires_grad_(False)  # the base is frozen; adapters (miles_k3.model.lora) are what trains
         if device.type != "meta":
             model.kda_backend(device)  # resolve and log the backend choice now, not at the first forward
+    model.fp32_lm_head = cfg.fp32_lm_head
     log.info("model=%s: %s parameters, experts %s", cfg.path or cfg.name, f"{num_params(model):,}",
              model.expert_format)
     return model

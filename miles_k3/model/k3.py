@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
 from miles_k3.model.config import K3Config
@@ -157,6 +158,10 @@ class K3ForCausalLM(nn.Module):
         """Recompute each layer's activations in backward instead of keeping them (`forward` while autograd
         records, without `return_state`: training; prefill and decode are unaffected)."""
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.fp32_lm_head = False
+        """Logits in fp32 (`model.fp32_lm_head`): the lm_head product of the bf16 hidden state and weight computed in
+        fp32 and not rounded back to bf16 (whose step near a logit of 10 is 0.06 nats). Both sides of a run, the
+        engine's decode and the trainer's forward, read the same flag (and SGLang's enable_fp32_lm_head)."""
         self.tp_context: ParallelContext | None = None
         """The parallel context this model was sharded for (`shard_model_tp`); None: the whole model."""
         if cfg.tie_word_embeddings:
@@ -179,9 +184,14 @@ class K3ForCausalLM(nn.Module):
         return self.model.vocab_shard
 
     def _logits(self, hidden_BTD: torch.Tensor) -> torch.Tensor:
-        """lm_head logits [B, T, V] (this rank's [B, T, V/tp] under TP: hidden enters through `copy_to`)."""
+        """lm_head logits [B, T, V] (this rank's [B, T, V/tp] under TP: hidden enters through `copy_to`); fp32 with
+        `fp32_lm_head`, else the model's dtype."""
         shard = self.vocab_shard
-        return self.lm_head(hidden_BTD if shard is None else copy_to(hidden_BTD, shard.group))
+        x = hidden_BTD if shard is None else copy_to(hidden_BTD, shard.group)
+        if self.fp32_lm_head and x.dtype != torch.float32:
+            with torch.autocast(x.device.type, enabled=False):  # bf16 autocast would round the product again
+                return F.linear(x.float(), self.lm_head.weight.float())
+        return self.lm_head(x)
 
     def forward(self, input_ids_BT: torch.Tensor, seq_lens: torch.Tensor | None = None,
                 state: K3State | None = None, return_state: bool = False, return_logits: bool = True
