@@ -2,7 +2,8 @@
 the engine's log-probs against the trainer's under several kernel choices, each side also against the exact answer.
 
     python benchmarks/bench_gap_sources.py --model-dir DIR --data FILE.jsonl [--template equation] [--prompts 16]
-        [--n 8] [--max-new-tokens 16] [--variants default,engine_reference,engine_eager,torch_kda,fp32_head,fp32]
+        [--n 8] [--max-new-tokens 16]
+        [--variants default,engine_reference,engine_eager,torch_kda,fp32_head,torch_kda_fp32_head,fp32]
         [--budget-gib 4] [--device cuda] [--dtype auto] [--seed 0] [--json OUT]
 
 The first `--prompts` problems of FILE (id / problem / answer rows) rendered with `--template`, `--n` samples each
@@ -22,6 +23,7 @@ from the training forward (autograd on, eval mode, no autocast) with the engine'
   fp32 inside, on both sides: no fla kernel);
 * `fp32_head`: the default with `model.fp32_lm_head=true` on both sides (the bf16 hidden state times the bf16
   lm_head weight in fp32, the logits not rounded to bf16);
+* `torch_kda_fp32_head`: both of the above;
 * `fp32`: both sides in fp32 with torch_chunk (cuBLAS fp32 products, no TF32): a run's `model.dtype=fp32
   model.kda_backend=torch_chunk` (the trainer in fp32: trainer.autocast_bf16=off, the default).
 
@@ -62,7 +64,7 @@ from miles_k3.trainer.rollouts import RolloutConfig, _sample
 from miles_k3.trainer.step import _eval_mode, _mismatch_frac
 
 POLICY = "policy"
-VARIANTS = ("default", "engine_reference", "engine_eager", "torch_kda", "fp32_head", "fp32")
+VARIANTS = ("default", "engine_reference", "engine_eager", "torch_kda", "fp32_head", "torch_kda_fp32_head", "fp32")
 ONE_FORWARD = 1 << 40  # micro_batch_tokens: every sample in one forward
 ALONE = 1  # micro_batch_tokens: each sample in a forward of its own
 
@@ -163,7 +165,7 @@ def run(argv: list[str]) -> list[dict]:
     def model(key: str):  # built once each, on first use: (kda backend, dtype, fp32 lm_head)
         if key not in models:
             backend, dtype, head = {"run": ("auto", run_dtype, False), "torch": ("torch_chunk", run_dtype, False),
-                                    "head": ("auto", run_dtype, True),
+                                    "head": ("auto", run_dtype, True), "torch_head": ("torch_chunk", run_dtype, True),
                                     "exact": ("torch_chunk", torch.float32, False)}[key]
             m = build_model(replace(base_cfg, kda_backend=backend, fp32_lm_head=head), device, dtype)
             apply_lora(m, lora)  # as the train loop: B = 0, the policy is the base
@@ -173,7 +175,7 @@ def run(argv: list[str]) -> list[dict]:
     # variant -> (engine model, engine decode, reference kernels in the engine, trainer model)
     plan = {"default": ("run", "auto", False, "run"), "engine_reference": ("run", "auto", True, "run"),
             "engine_eager": ("run", "eager", False, "run"), "torch_kda": ("torch", "auto", False, "torch"),
-            "fp32_head": ("head", "auto", False, "head"),
+            "fp32_head": ("head", "auto", False, "head"), "torch_kda_fp32_head": ("torch_head", "auto", False, "torch_head"),
             "fp32": ("exact", "auto", False, "exact")}
     results = []
     for v in variants:
