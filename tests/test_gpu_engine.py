@@ -166,15 +166,21 @@ def test_an_fp32_run_with_replay_has_no_gap_beyond_fp32_rounding(tmp_path):
     """The embedded default in fp32 on CUDA with routing replay and KDA in torch on both sides (no TF32 anywhere):
     the trainer computes in fp32 as the engine decodes (trainer.autocast_bf16=off, the default), so every step's
     train/rollout_logprob_abs_diff is fp32 rounding, < 1e-5 nats/token (H200, SFT'd k3_m2: 3.1e-7), and no token's
-    own top-k differs from the engine's. Under bf16 autocast (the old default for an fp32 model) it was ~6e-3."""
+    own top-k differs from the engine's. Under bf16 autocast (the old default for an fp32 model) it was ~6e-3.
+    The problems come from a local file (a GPU host need not have reasoning_gym)."""
     import json
     import subprocess
     import sys
 
+    data = tmp_path / "problems.jsonl"
+    data.write_text("".join(json.dumps({"id": str(i), "problem": f"{i % 50} + {(7 * i) % 40} - {i % 9}",
+                                        "answer": str(i % 50 + (7 * i) % 40 - i % 9)}) + "\n" for i in range(64)))
     run_dir = tmp_path / "run"
-    subprocess.run([sys.executable, "-m", "miles_k3.train", "device=cuda", "steps=3", "eval.every_n_steps=0",
-                    "model.dtype=fp32", "model.kda_backend=torch_chunk", "trainer.routing_replay=true",
-                    f"run_dir={run_dir}"], check=True, capture_output=True, timeout=600)
+    proc = subprocess.run([sys.executable, "-m", "miles_k3.train", "device=cuda", "steps=3", "eval.every_n_steps=0",
+                           f"data.source={data}", "data.problem_field=null", "data.task_args={}",
+                           "model.dtype=fp32", "model.kda_backend=torch_chunk", "trainer.routing_replay=true",
+                           f"run_dir={run_dir}"], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
     rows = [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
             if "train/rollout_logprob_abs_diff" in r]
     assert len(rows) == 3
