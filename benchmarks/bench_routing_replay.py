@@ -6,8 +6,9 @@ then the per-step medians side by side.
 
 Modes: `plain` (no routes: the step-time baseline), `measure` (rollout.return_routed_experts=true: the engine's
 routes recorded, the trainer's own top-k compared with them: train/route_mismatch_frac), `replay`
-(trainer.routing_replay=true). Each mode is one `python -m miles_k3.train` with its run directory DIR/<mode>; the
-default recipe is the quickstart's (the trained k3_nano base) on `--device` with eval off. Printed per mode (medians
+(trainer.routing_replay=true), `fp32_head` (model.fp32_lm_head=true, no replay: the cost of fp32 logits against
+plain; not with --alternate, whose engine keeps the decode graphs it captured with one head). Each mode is one
+`python -m miles_k3.train` with its run directory DIR/<mode>; the default recipe is the quickstart's (the trained k3_nano base) on `--device` with eval off. Printed per mode (medians
 over the steps after the first `--skip`): train/rollout_logprob_abs_diff (mean per token) and its _p99,
 train/route_mismatch_frac, perf/step_s, perf/rollout_s, perf/train_s, step_s_per_1k_tokens (the median of step time
 per 1,000 trained tokens, train/num_tokens), and each mode's step time over plain's (step_s_over_plain; per token:
@@ -43,7 +44,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-MODES = {"plain": [], "measure": ["rollout.return_routed_experts=true"], "replay": ["trainer.routing_replay=true"]}
+MODES = {"plain": [], "measure": ["rollout.return_routed_experts=true"], "replay": ["trainer.routing_replay=true"],
+         "fp32_head": ["model.fp32_lm_head=true"]}
+STEPWISE = ("plain", "measure", "replay")  # the modes --alternate can switch between steps of one run
 TOKENS = "train/num_tokens"  # the loss tokens of a step
 KEYS = ("train/rollout_logprob_abs_diff", "train/rollout_logprob_abs_diff_p99", "train/route_mismatch_frac",
         "perf/step_s", "perf/rollout_s", "perf/train_s")
@@ -113,6 +116,11 @@ def alternate(args, extra: list[str]) -> tuple[dict[str, dict], list[dict]]:
     from miles_k3.train import one_step
 
     modes = args.modes.split(",")
+    fixed = [m for m in modes if m not in STEPWISE]
+    if fixed:
+        raise SystemExit(f"--alternate: modes {fixed} change the model (its captured decode graphs), not a step's "
+                         f"settings; measure them with --rounds R (separate runs, interleaved); --alternate takes "
+                         f"{list(STEPWISE)}")
     base = compose_config("train", [f"device={args.device}", f"steps={args.steps * 2 * len(modes)}",
                                     "eval.every_n_steps=0", f"seed={args.seed}", f"rollout.seed={args.seed}",
                                     f"run_dir={Path(args.out) / 'alternate'}", *extra])

@@ -149,3 +149,15 @@ def test_a_stopped_bench_stops_its_run_and_what_the_run_started(tmp_path):
     assert not _alive(run_pid), "the run outlived the bench"
     assert not _alive(grandchild), "what the run started outlived the bench"
 
+
+
+def test_fp32_head_mode_runs_with_its_override_and_only_as_separate_runs(tmp_path, monkeypatch):
+    import argparse
+
+    cmds = []
+    monkeypatch.setattr(bench, "run_logged", lambda cmd, log_path: cmds.append(cmd))
+    args = argparse.Namespace(out=str(tmp_path), steps=3, skip=0, device="cpu", seed=0, modes="plain,fp32_head")
+    bench.run_mode("fp32_head", args, ["model=k3_tiny"], "fp32_head.0")
+    assert "model.fp32_lm_head=true" in cmds[0] and "trainer.routing_replay=true" not in cmds[0]
+    with pytest.raises(SystemExit, match=r"--alternate: modes \['fp32_head'\] change the model"):
+        bench.alternate(args, [])
