@@ -11,8 +11,8 @@ plain; not with --alternate, whose engine keeps the decode graphs it captured wi
 `python -m miles_k3.train` with its run directory DIR/<mode>; the default recipe is the quickstart's (the trained
 k3_nano base) on `--device` with eval off. Printed per mode (medians over the steps after the first `--skip`):
 train/rollout_logprob_abs_diff (mean per token) and its _p99, train/route_mismatch_frac, perf/step_s,
-perf/rollout_s, perf/train_s, step_s_per_1k_tokens (the median of step time per 1,000 trained tokens, train/num_tokens), and each mode's step time over plain's (step_s_over_plain; per token:
-per_token_over_plain).
+perf/rollout_s, perf/train_s, step_s_per_1k_tokens (the median of step time per 1,000 trained tokens,
+train/num_tokens), and each mode's step time over plain's (step_s_over_plain; per token: per_token_over_plain).
 Pass `data.source=FILE.jsonl data.problem_field=null` after `--` to train on a local file (id / question / answer
 rows) instead of the recipe's generated problems.
 
