@@ -34,8 +34,8 @@ of the same tokens with the same routes replayed (each side's own rounding; the 
 (batch variance: nonzero where a kernel's reduction order depends on the batch's shape); `nograd_gap`: the engine
 against the trainer's no-gradient forward (`fill_old_logprobs`, the fused kernels where the engine has them);
 `tokens`: the response tokens compared; `route_mismatch_frac`: the response tokens whose own top-k in the trainer's
-replayed forward differs from the engine's routes in >= 1 MoE layer (train/route_mismatch_frac under replay). One JSON line per variant (`--json OUT`:
-all of them).
+replayed forward differs from the engine's routes in >= 1 MoE layer (train/route_mismatch_frac under replay). One
+JSON line per variant (`--json OUT`: all of them).
 """
 from __future__ import annotations
 
@@ -159,31 +159,33 @@ def run(argv: list[str]) -> list[dict]:
     problems = load_problems(DatasetConfig(source=a.data, problem_field=None, limit=a.prompts))
     prompts = [tokenizer.encode(render_prompt(a.template, p.problem, tokenizer), add_special_tokens=False)
                for p in problems]
-    models: dict[str, torch.nn.Module] = {}
+    models: dict[tuple, torch.nn.Module] = {}
     lora = LoRAConfig()
 
-    def model(key: str):  # built once each, on first use: (kda backend, dtype, fp32 lm_head)
+    def model(key: tuple):  # (kda backend, dtype, fp32 lm_head): built once each, on first use
         if key not in models:
-            backend, dtype, head = {"run": ("auto", run_dtype, False), "torch": ("torch_chunk", run_dtype, False),
-                                    "head": ("auto", run_dtype, True), "torch_head": ("torch_chunk", run_dtype, True),
-                                    "exact": ("torch_chunk", torch.float32, False)}[key]
-            m = build_model(replace(base_cfg, kda_backend=backend, fp32_lm_head=head), device, dtype)
-            apply_lora(m, lora)  # as the train loop: B = 0, the policy is the base
-            models[key] = m
+            backend, dtype, head = key
+            built = build_model(replace(base_cfg, kda_backend=backend, fp32_lm_head=head), device, dtype)
+            apply_lora(built, lora)  # as the train loop: B = 0, the policy is the base
+            models[key] = built
         return models[key]
 
-    # variant -> (engine model, engine decode, reference kernels in the engine, trainer model)
-    plan = {"default": ("run", "auto", False, "run"), "engine_reference": ("run", "auto", True, "run"),
-            "engine_eager": ("run", "eager", False, "run"), "torch_kda": ("torch", "auto", False, "torch"),
-            "fp32_head": ("head", "auto", False, "head"), "torch_kda_fp32_head": ("torch_head", "auto", False, "torch_head"),
-            "fp32": ("exact", "auto", False, "exact")}
+    run_key, torch_key = ("auto", run_dtype, False), ("torch_chunk", run_dtype, False)
+    exact_key = ("torch_chunk", torch.float32, False)
+    # variant -> (model of both sides, engine decode, reference kernels in the engine)
+    plan = {"default": (run_key, "auto", False), "engine_reference": (run_key, "auto", True),
+            "engine_eager": (run_key, "eager", False), "torch_kda": (torch_key, "auto", False),
+            "fp32_head": (("auto", run_dtype, True), "auto", False),
+            "torch_kda_fp32_head": (("torch_chunk", run_dtype, True), "auto", False),
+            "fp32": (exact_key, "auto", False)}
     results = []
     for v in variants:
-        e_key, decode, ref, t_key = plan[v]
+        key, decode, ref = plan[v]
+        m = model(key)
         econf = EngineConfig(memory_budget_bytes=int(a.budget_gib * 2**30), decode=decode,
                              max_context=max(map(len, prompts)) + a.max_new_tokens + 1)
-        engine = RolloutEngine(model(e_key), econf, lora=lora, tokenizer=tokenizer)
-        engine.load_lora_adapter_from_tensors(POLICY, {k: p.detach() for k, p in lora_parameters(model(e_key)).items()},
+        engine = RolloutEngine(m, econf, lora=lora, tokenizer=tokenizer)
+        engine.load_lora_adapter_from_tensors(POLICY, {k: p.detach() for k, p in lora_parameters(m).items()},
                                               lora)
         with reference_kernels() if ref else contextlib.nullcontext():
             samples = rollouts(engine, prompts, a.n, a.max_new_tokens, stops, a.seed)
@@ -192,11 +194,11 @@ def run(argv: list[str]) -> list[dict]:
         if device.type == "cuda":
             torch.cuda.empty_cache()
         engine_lp = [s.rollout_logprobs for s in samples]
-        trainer_lp, mismatch = trainer_logprobs(model(t_key), samples, pad_id, ONE_FORWARD)
-        alone_lp, _ = trainer_logprobs(model(t_key), samples, pad_id, ALONE)
-        nograd_lp, _ = trainer_logprobs(model(t_key), samples, pad_id, ONE_FORWARD, grad=False)
-        exact_lp, _ = trainer_logprobs(model("exact"), samples, pad_id, ONE_FORWARD)
-        row = {"variant": v, "engine_decode": decode, "dtype": str(model(t_key).lm_head.weight.dtype),
+        trainer_lp, mismatch = trainer_logprobs(m, samples, pad_id, ONE_FORWARD)
+        alone_lp, _ = trainer_logprobs(m, samples, pad_id, ALONE)
+        nograd_lp, _ = trainer_logprobs(m, samples, pad_id, ONE_FORWARD, grad=False)
+        exact_lp, _ = trainer_logprobs(model(exact_key), samples, pad_id, ONE_FORWARD)
+        row = {"variant": v, "engine_decode": decode, "dtype": str(m.lm_head.weight.dtype),
                **summary(engine_lp, trainer_lp, exact_lp, alone_lp, nograd_lp), "route_mismatch_frac": mismatch}
         print(json.dumps(row), flush=True)
         results.append(row)

@@ -150,7 +150,6 @@ def test_a_stopped_bench_stops_its_run_and_what_the_run_started(tmp_path):
     assert not _alive(grandchild), "what the run started outlived the bench"
 
 
-
 def test_fp32_head_mode_runs_with_its_override_and_only_as_separate_runs(tmp_path, monkeypatch):
     import argparse
 
