@@ -29,7 +29,9 @@ mean step time of the mode over its mean plain step time. The modes' steps see d
 different lengths, so the cost to read is `per_token_over_plain`: the median step time per 1,000 trained tokens
 (`step_s_per_1k_tokens`, train/num_tokens) over plain's (both printed in every mode), and `blocks_over_plain`: per
 block, the mode's step time per trained token and its rollout and train phases over plain's in that block, as the
-mean, standard error and median over blocks. DIR/alternate holds
+mean, standard error and median over blocks; `stalled_blocks` and `blocks_over_plain_unstalled`: the same without
+the blocks where a step of either mode had a rollout phase over twice the median (a stall landing on one mode of a
+block by chance). DIR/alternate holds
 the run's metrics (each row with `bench/mode_index`: its mode's place in --modes).
 """
 from __future__ import annotations
@@ -50,6 +52,7 @@ STEPWISE = ("plain", "measure", "replay")  # the modes --alternate can switch be
 TOKENS = "train/num_tokens"  # the loss tokens of a step
 KEYS = ("train/rollout_logprob_abs_diff", "train/rollout_logprob_abs_diff_p99", "train/route_mismatch_frac",
         "perf/step_s", "perf/rollout_s", "perf/train_s")
+STALL = 2.0  # stalled_blocks: a rollout phase over this times the median one
 GRACE_S = 10.0  # seconds a stopped run gets to end on SIGTERM before its process group is killed
 
 
@@ -164,10 +167,23 @@ def compare_blocks(rows: list[dict], modes: list[str]) -> dict[str, dict]:
             return statistics.fmean(r["perf/step_s"] for r in rows if r["bench/mode"] == m and r["bench/block"] == b)
 
         over_plain(results)
+        stalled = stalled_blocks(rows)
+        calm = [b for b in blocks if b not in stalled]
         for m, r in results.items():
             r["step_s_over_plain_blocks"] = statistics.median(mean_step(m, b) / mean_step("plain", b) for b in blocks)
             r["blocks_over_plain"] = paired_ratios(rows, m, blocks)
+            r["stalled_blocks"] = stalled
+            r["blocks_over_plain_unstalled"] = paired_ratios(rows, m, calm) if calm else None
     return results
+
+
+def stalled_blocks(rows: list[dict]) -> list[int]:
+    """The blocks holding a step (of any mode) whose rollout phase took more than STALL times the median rollout
+    phase of all `rows`: stalls that fall on one mode of a block by chance and swing its paired ratio."""
+    if not all("perf/rollout_s" in r for r in rows):
+        return []
+    median = statistics.median(r["perf/rollout_s"] for r in rows)
+    return sorted({r["bench/block"] for r in rows if r["perf/rollout_s"] > STALL * median})
 
 
 def paired_ratios(rows: list[dict], mode: str, blocks: list[int]) -> dict[str, dict]:

@@ -150,6 +150,22 @@ def test_a_stopped_bench_stops_its_run_and_what_the_run_started(tmp_path):
     assert not _alive(grandchild), "what the run started outlived the bench"
 
 
+def test_blocks_with_a_stalled_rollout_are_also_paired_without_them():
+    def row(mode, block, s, rollout):
+        return {"bench/mode": mode, "bench/block": block, "perf/step_s": s, "train/num_tokens": 100,
+                "perf/rollout_s": rollout, "perf/train_s": s - rollout}
+    # rollouts 0.5 s but block 1's replay step (3.0 s: over 2 x the median 0.5); block 2's plain one 1.2 s
+    # per token: block 0 1.1, block 1 (1.0 + 3.5) / (2 x 1.0) = 2.25, block 2 2.0 / (1.0 + 1.7) = 0.7407...
+    rows = [row("plain", 0, 1.0, 0.5), row("replay", 0, 1.1, 0.5), row("replay", 0, 1.1, 0.5), row("plain", 0, 1.0, 0.5),
+            row("plain", 1, 1.0, 0.5), row("replay", 1, 3.5, 3.0), row("replay", 1, 1.0, 0.5), row("plain", 1, 1.0, 0.5),
+            row("plain", 2, 1.7, 1.2), row("replay", 2, 1.0, 0.5), row("replay", 2, 1.0, 0.5), row("plain", 2, 1.0, 0.5)]
+    got = bench.compare_blocks(rows, ["plain", "replay"])["replay"]
+    assert got["stalled_blocks"] == [1, 2]
+    assert got["blocks_over_plain"]["per_token"]["mean"] == pytest.approx((1.1 + 2.25 + 2.0 / 2.7) / 3)
+    assert got["blocks_over_plain_unstalled"]["per_token"] == {"mean": pytest.approx(1.1), "se": None,
+                                                               "median": pytest.approx(1.1)}
+
+
 def test_fp32_head_mode_runs_with_its_override_and_only_as_separate_runs(tmp_path, monkeypatch):
     import argparse
 
