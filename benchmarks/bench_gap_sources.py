@@ -3,7 +3,8 @@ the engine's log-probs against the trainer's under several kernel choices, each 
 
     python benchmarks/bench_gap_sources.py --model-dir DIR --data FILE.jsonl [--template equation] [--prompts 16]
         [--n 8] [--max-new-tokens 16]
-        [--variants default,engine_reference,engine_eager,torch_kda,fp32_head,torch_kda_fp32_head,fp32]
+        [--variants default,engine_reference,engine_eager,torch_kda,fp32_head,torch_kda_fp32_head,fp32_res,
+                    fp32_res_head,torch_kda_fp32_res_head,fp32]
         [--budget-gib 4] [--device cuda] [--dtype auto] [--seed 0] [--json OUT]
 
 The first `--prompts` problems of FILE (id / problem / answer rows) rendered with `--template`, `--n` samples each
@@ -24,6 +25,9 @@ from the training forward (autograd on, eval mode, no autocast) with the engine'
 * `fp32_head`: the default with `model.fp32_lm_head=true` on both sides (the bf16 hidden state times the bf16
   lm_head weight in fp32, the logits not rounded to bf16);
 * `torch_kda_fp32_head`: both of the above;
+* `fp32_res`: the default with `model.fp32_residual=true` on both sides (the residual sources summed and mixed in
+  fp32, each sublayer's normed input rounded to bf16 once); `fp32_res_head`: with fp32 logits as well;
+  `torch_kda_fp32_res_head`: with KDA in torch as well;
 * `fp32`: both sides in fp32 with torch_chunk (cuBLAS fp32 products, no TF32): a run's `model.dtype=fp32
   model.kda_backend=torch_chunk` (the trainer in fp32: trainer.autocast_bf16=off, the default).
 
@@ -64,7 +68,8 @@ from miles_k3.trainer.rollouts import RolloutConfig, _sample
 from miles_k3.trainer.step import _eval_mode, _mismatch_frac
 
 POLICY = "policy"
-VARIANTS = ("default", "engine_reference", "engine_eager", "torch_kda", "fp32_head", "torch_kda_fp32_head", "fp32")
+VARIANTS = ("default", "engine_reference", "engine_eager", "torch_kda", "fp32_head", "torch_kda_fp32_head",
+            "fp32_res", "fp32_res_head", "torch_kda_fp32_res_head", "fp32")
 ONE_FORWARD = 1 << 40  # micro_batch_tokens: every sample in one forward
 ALONE = 1  # micro_batch_tokens: each sample in a forward of its own
 
@@ -162,21 +167,25 @@ def run(argv: list[str]) -> list[dict]:
     models: dict[tuple, torch.nn.Module] = {}
     lora = LoRAConfig()
 
-    def model(key: tuple):  # (kda backend, dtype, fp32 lm_head): built once each, on first use
+    def model(key: tuple):  # (kda backend, dtype, fp32 lm_head, fp32 residual): built once each, on first use
         if key not in models:
-            backend, dtype, head = key
-            built = build_model(replace(base_cfg, kda_backend=backend, fp32_lm_head=head), device, dtype)
+            backend, dtype, head, res = key
+            built = build_model(replace(base_cfg, kda_backend=backend, fp32_lm_head=head, fp32_residual=res), device,
+                                dtype)
             apply_lora(built, lora)  # as the train loop: B = 0, the policy is the base
             models[key] = built
         return models[key]
 
-    run_key, torch_key = ("auto", run_dtype, False), ("torch_chunk", run_dtype, False)
-    exact_key = ("torch_chunk", torch.float32, False)
+    run_key, torch_key = ("auto", run_dtype, False, False), ("torch_chunk", run_dtype, False, False)
+    exact_key = ("torch_chunk", torch.float32, False, False)
     # variant -> (model of both sides, engine decode, reference kernels in the engine)
     plan = {"default": (run_key, "auto", False), "engine_reference": (run_key, "auto", True),
             "engine_eager": (run_key, "eager", False), "torch_kda": (torch_key, "auto", False),
-            "fp32_head": (("auto", run_dtype, True), "auto", False),
-            "torch_kda_fp32_head": (("torch_chunk", run_dtype, True), "auto", False),
+            "fp32_head": (("auto", run_dtype, True, False), "auto", False),
+            "torch_kda_fp32_head": (("torch_chunk", run_dtype, True, False), "auto", False),
+            "fp32_res": (("auto", run_dtype, False, True), "auto", False),
+            "fp32_res_head": (("auto", run_dtype, True, True), "auto", False),
+            "torch_kda_fp32_res_head": (("torch_chunk", run_dtype, True, True), "auto", False),
             "fp32": (exact_key, "auto", False)}
     results = []
     for v in variants:

@@ -115,9 +115,10 @@ def _round(x, ROUND: tl.constexpr):
 # ---- RMSNorm ------------------------------------------------------------------------------------------------
 @triton.jit
 def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, D, stride_x, eps, BLOCK_D: tl.constexpr, NUM_TILES: tl.constexpr,
-                     ROUND: tl.constexpr):
-    """One program per row: var = mean(x^2) in fp32, y = (x * rsqrt(var + eps)).to(odt) * w.to(odt), rounded
-    to odt (the product of two 16-bit floats is exact in fp32, so this is odt's own rounded multiply)."""
+                     ROUND: tl.constexpr, OUT_ROUND: tl.constexpr):
+    """One program per row: var = mean(x^2) in fp32, y = (x * rsqrt(var + eps)).to(xdt) * w.to(xdt), rounded
+    to xdt (ROUND; the product of two 16-bit floats is exact in fp32, so this is xdt's own rounded multiply), then
+    to the output's dtype (OUT_ROUND; the same as ROUND unless the caller asks for another output dtype)."""
     odt = out_ptr.dtype.element_ty
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_x
@@ -128,7 +129,7 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, D, stride_x, eps, BLOCK_D: tl.conste
         x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
         rstd = tl.math.rsqrt(tl.sum(x * x, axis=0) / D + eps)
         w = _round(tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32), ROUND)
-        y = _round(_round(x * rstd, ROUND) * w, ROUND)
+        y = _round(_round(_round(x * rstd, ROUND) * w, ROUND), OUT_ROUND)
         tl.store(o_row + cols, y.to(odt), mask=mask)
     else:  # wide rows: sum of squares over tiles, then a second pass that normalises
         acc = tl.zeros([BLOCK_D], dtype=tl.float32)
@@ -142,14 +143,16 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, D, stride_x, eps, BLOCK_D: tl.conste
             mask = c < D
             x = tl.load(x_row + c, mask=mask, other=0.0).to(tl.float32)
             w = _round(tl.load(w_ptr + c, mask=mask, other=0.0).to(tl.float32), ROUND)
-            y = _round(_round(x * rstd, ROUND) * w, ROUND)
+            y = _round(_round(_round(x * rstd, ROUND) * w, ROUND), OUT_ROUND)
             tl.store(o_row + c, y.to(odt), mask=mask)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, block_d: int | None = None) -> torch.Tensor:
-    """Fused RMSNorm: x [..., D] (any leading shape) -> [..., D] in x.dtype, one Triton launch.
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, out_dtype: torch.dtype | None = None,
+             block_d: int | None = None) -> torch.Tensor:
+    """Fused RMSNorm: x [..., D] (any leading shape) -> [..., D] in x.dtype (or `out_dtype`), one Triton launch.
 
-    Equals `normed.to(x.dtype) * weight.to(x.dtype)` with `normed = x32 * rsqrt(mean(x32^2) + eps)` (fp32).
+    Equals `(normed.to(x.dtype) * weight.to(x.dtype)).to(out_dtype)` with `normed = x32 * rsqrt(mean(x32^2) + eps)`
+    (fp32).
     `weight` [D] may be fp32 or 16-bit. Rows need unit stride along D only (strided row views are read in
     place). `block_d` (a power of two) overrides the row tile, for tests of the multi-tile path.
     """
@@ -158,7 +161,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, block_d: int 
     d = x.shape[-1]
     w = _check_weight(fn, "weight", weight, d, x.device)
     eps = _check_eps(fn, eps)
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    out_dtype = x.dtype if out_dtype is None else out_dtype
+    if out_dtype not in ACT_DTYPES:
+        raise ValueError(f"{fn}: out_dtype must be float32, bfloat16 or float16, got {out_dtype}")
+    out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
     if out.numel() == 0:
         return out
     x2 = _rows(x)
@@ -166,7 +172,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, block_d: int 
     with _on_device(x):
         _rms_norm_kernel[(x2.shape[0],)](x2, w, out, d, x2.stride(0), eps, BLOCK_D=block,
                                          NUM_TILES=triton.cdiv(d, block),
-                                         ROUND=_ROUND_KIND[x.dtype], num_warps=_warps(block))
+                                         ROUND=_ROUND_KIND[x.dtype], OUT_ROUND=_ROUND_KIND[out_dtype],
+                                         num_warps=_warps(block))
     return out
 
 

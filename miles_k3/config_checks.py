@@ -43,6 +43,10 @@ def check_backend(model: ModelConfig, backend: str, sglang: SGLangConfig | None 
                          "(the native engine serves K3 models)")
     if backend != "sglang":
         return
+    if model.fp32_residual:
+        raise ValueError("model.fp32_residual: engine.backend=sglang samples with SGLang's own K3, whose residual "
+                         "stream is bf16, so the trainer's fp32 one would widen the train/rollout gap it is for; set "
+                         "model.fp32_residual=false or engine.backend=native")
     if model.hf_path is None and model.path is None:
         raise ValueError("engine.backend: sglang serves a checkpoint directory; set model.hf_path (an HF "
                          "architecture such as Qwen3) or model.path (a K3 checkpoint directory)")

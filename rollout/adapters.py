@@ -20,11 +20,12 @@ from miles_k3.rollout.push_copy import PushCopier, copy_checked
 
 def share_base(model: K3ForCausalLM) -> K3ForCausalLM:
     """A K3ForCausalLM whose base tensors ARE `model`'s (same Parameter / buffer objects, no copy), without
-    `model`'s adapters: the engine attaches its own LoRA buffers. Its logits are computed as `model`'s
-    (`fp32_lm_head`)."""
+    `model`'s adapters: the engine attaches its own LoRA buffers. Its residual stream and logits are computed as
+    `model`'s (`fp32_residual`, `fp32_lm_head`)."""
     twin = meta_model(model.config, model.expert_format, model.kda_backend_name)
     twin._backends = model._backends  # the same KDA backends, resolved (and logged) once for both
     twin.fp32_lm_head = model.fp32_lm_head  # the same logits dtype as the trainer's
+    twin.model.fp32_residual = model.model.fp32_residual  # and the same residual dtype
     tensors = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
     for name, t in tensors:
         if "lora_" in name:

@@ -72,7 +72,7 @@ def _gen(seed: int) -> torch.Generator:
 # ---- the checks (device-agnostic: run under the interpreter on CPU, and on CUDA) --------------------------------
 def check_rms_norm(device: str, dtype: torch.dtype, shape: tuple[int, ...], eps: float = 1e-5,
                    weight_dtype: torch.dtype = torch.float32, block_d: int | None = None, strided: bool = False,
-                   seed: int = 0) -> None:
+                   seed: int = 0, out_dtype: torch.dtype | None = None) -> None:
     from miles_k3.kernels import fused
 
     g = _gen(seed)
@@ -85,6 +85,13 @@ def check_rms_norm(device: str, dtype: torch.dtype, shape: tuple[int, ...], eps:
     if strided:
         x = x[..., 2:d + 2]  # rows with a stride != D, read in place
     w = torch.empty(d).uniform_(0.5, 1.5, generator=g).to(device=device, dtype=weight_dtype)
+    if out_dtype is not None:  # fp32 x read by a bf16 sublayer (model.fp32_residual): the fp32 result rounded once
+        got = fused.rms_norm(x, w, eps, out_dtype=out_dtype, block_d=block_d)
+        ref32 = _rms_norm_torch(x, w, eps)
+        assert got.shape == x.shape and got.dtype == out_dtype and ref32.dtype == dtype == torch.float32
+        _assertulps16(got, _rms_norm_torch(x, w, eps, out_dtype), 1, what=f"rms_norm {dtype} -> {out_dtype}")
+        assert bool(((got.float() - ref32).abs() <= ref32.abs() * 2.0**-8 + 1e-30).all())  # half a bf16 step
+        return
     got = fused.rms_norm(x, w, eps, block_d=block_d)
     ref = _rms_norm_torch(x, w, eps)
     what = f"rms_norm {dtype} {tuple(shape)}"
@@ -169,6 +176,11 @@ for _n, _dt in (("fp32", F32), ("bf16", BF16)):
         f"situ_glu-{_n}-linNone": (check_situ_glu, {"dtype": _dt, "shape": (8, 100), "linear_beta": None,
                                                     "seed": 1}),
     }
+INTERPRETER_CASES["rms_norm-fp32-to-bf16"] = (check_rms_norm, {"dtype": F32, "shape": (3, 5, 96), "weight_dtype": BF16,
+                                                               "out_dtype": BF16, "seed": 4})
+INTERPRETER_CASES["rms_norm-fp32-to-bf16-tiled"] = (check_rms_norm, {"dtype": F32, "shape": (4, 700), "block_d": 128,
+                                                                     "weight_dtype": BF16, "out_dtype": BF16,
+                                                                     "seed": 5})
 INTERPRETER_CASES["situ_glu-fp16-lin25"] = (check_situ_glu, {"dtype": torch.float16, "shape": (4, 50),
                                                              "linear_beta": 25.0, "scale": 3.0, "seed": 2})
 INTERPRETER_CASES["situ_glu-bf16-gate-fp32-up"] = (check_situ_glu, {"dtype": BF16, "shape": (3, 70),
@@ -250,6 +262,13 @@ def test_gpu_rms_norm(rows, dtype):
 @gpu_test
 def test_gpu_rms_norm_wide_and_strided(dtype, case):
     check_rms_norm("cuda", DTYPES[dtype], **case)
+
+
+@pytest.mark.parametrize("rows", [1, 7, 512])
+@gpu_test
+def test_gpu_rms_norm_of_an_fp32_residual_into_bf16(rows):
+    check_rms_norm("cuda", F32, (rows, 768), weight_dtype=BF16, out_dtype=BF16, seed=rows)
+    check_rms_norm("cuda", F32, (rows, 7168), weight_dtype=BF16, out_dtype=BF16, seed=rows + 1)  # tiled at K3 width
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])

@@ -70,6 +70,29 @@ def test_graph_decode_with_fp32_logits_replays_the_static_step_exactly(trainer):
     assert logprobs[True] != logprobs[False]
 
 
+def test_graph_decode_with_an_fp32_residual_replays_the_static_step_exactly(trainer):
+    """model.fp32_residual (with fp32 logits and without) through the captured decode graph: the fused RMSNorm's fp32
+    -> bf16 output and the fp32 depth mixes were captured; graph and static steps agree bitwise, and their log-probs
+    are not the bf16-residual ones."""
+    model, lora = trainer
+    params = {"temperature": 1.0, "max_new_tokens": 12, "sampling_seed": 5}
+    runs = {}
+    try:
+        for res, head in ((False, False), (True, False), (True, True)):
+            model.model.fp32_residual, model.fp32_lm_head = res, head
+            for decode in ("static", "graph"):
+                engine = _engine(model, lora, decode)
+                runs[res, head, decode] = engine.generate(input_ids=PROMPTS, sampling_params=params, n=2,
+                                                          lora="policy", return_logprob=True)
+    finally:
+        model.model.fp32_residual, model.fp32_lm_head = False, False
+    for res, head in ((True, False), (True, True)):
+        assert runs[res, head, "graph"] == runs[res, head, "static"]
+    logprobs = {key: [lp for o in runs[key + ("graph",)] for lp, _ in o["meta_info"]["output_token_logprobs"]]
+                for key in ((False, False), (True, False))}
+    assert logprobs[True, False] != logprobs[False, False]
+
+
 def test_engine_logprobs_match_the_trainer_forward(trainer):
     """Sampled tokens (temperature 1: the logprob is the raw model logprob) scored again by the trainer-side
     full-sequence forward: in fp32 (the truth) and in bf16 (fla chunk kernels, naive MLA). bf16 on this tiny
@@ -179,7 +202,7 @@ def test_an_fp32_run_with_replay_has_no_gap_beyond_fp32_rounding(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "miles_k3.train", "device=cuda", "steps=3", "eval.every_n_steps=0",
                            f"data.source={data}", "data.problem_field=null", "data.task_args={}",
                            "model.dtype=fp32", "model.kda_backend=torch_chunk", "trainer.routing_replay=true",
-                           f"run_dir={run_dir}"], capture_output=True, text=True, timeout=600)
+                           f"run_dir={run_dir}"], check=False, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
             if "train/rollout_logprob_abs_diff" in r]

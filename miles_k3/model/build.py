@@ -57,6 +57,14 @@ class ModelConfig:
     enable_fp32_lm_head). In bf16 a logit near 10 is rounded to a step of 0.06 nats, independently on each side, a
     large part of the train/rollout log-prob gap (README "Routing replay"). Costs one fp32 copy of the lm_head weight
     per forward and fp32 logits (twice bf16's memory). No effect on an fp32 model. K3 only: refused with hf_path."""
+    fp32_residual: bool = False
+    """Carry the residual stream in fp32 (Megatron's fp32_residual_connection, for K3's Block-AttnRes sources): the
+    block sums and the partial sum stay fp32, the depth mixer reads them in fp32, and only each sublayer's RMSNorm'd
+    input is rounded to bf16, once; the final hidden state reaches the lm_head unrounded. In the engine's decode and
+    the trainer's forward alike: bf16 rounding of the sums, made on each side at slightly different values, is a
+    part of the train/rollout log-prob gap (README "Routing replay"). Costs fp32 copies of the residual sources
+    (twice bf16's activation memory for them). No effect on an fp32 model. Native engine and K3 only: refused with
+    hf_path and with engine.backend=sglang (SGLang's K3 keeps its own bf16 residual)."""
     trust_remote_code: bool = False
     """Run the tokenizer code shipped in the model directory (the real K3: tokenization_kimi.py)."""
     hf_path: Optional[str] = None  # noqa: UP045
@@ -84,6 +92,13 @@ class ModelConfig:
             raise ValueError("fp32_lm_head: applies to K3 models (the native trainer and engine); with hf_path "
                              "the trainer is the transformers model, which computes its own logits: set "
                              "model.fp32_lm_head=false")
+        if not isinstance(self.fp32_residual, bool):
+            raise ValueError(  # noqa: TRY004
+                f"fp32_residual: expected true or false, got {self.fp32_residual!r}")
+        if self.fp32_residual and self.hf_path is not None:
+            raise ValueError("fp32_residual: applies to K3 models (the native trainer and engine); with hf_path the "
+                             "trainer is the transformers model, which keeps its own residual: set "
+                             "model.fp32_residual=false")
         if not isinstance(self.trust_remote_code, bool):
             raise ValueError(  # noqa: TRY004 (config errors are ValueErrors, prefixed with the field path)
                 f"trust_remote_code: expected true or false, got {self.trust_remote_code!r}")
@@ -207,6 +222,7 @@ def build_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> K
         if device.type != "meta":
             model.kda_backend(device)  # resolve and log the backend choice now, not at the first forward
     model.fp32_lm_head = cfg.fp32_lm_head
+    model.model.fp32_residual = cfg.fp32_residual
     log.info("model=%s: %s parameters, experts %s", cfg.path or cfg.name, f"{num_params(model):,}",
              model.expert_format)
     return model

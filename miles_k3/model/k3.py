@@ -77,14 +77,20 @@ class K3DecoderLayer(nn.Module):
 
         `attn_fn(layer, x)` runs `layer.self_attn` on its normed input (the caller binds mode and state).
         """
+        act = self.input_layernorm.weight.dtype  # the sublayers' dtype; partial may be fp32 (`fp32_residual`)
         x_in = attn_res_mix(bank + [partial], self.self_attention_res_norm, self.self_attention_res_proj) \
             if bank else partial
         if self.seals_block:
             bank.append(partial)
-        a = attn_fn(self, self.input_layernorm(x_in))
-        partial = a if self.seals_block else partial + a
+        a = attn_fn(self, self.input_layernorm(x_in, _other(act, x_in)))
+        partial = a.to(partial.dtype) if self.seals_block else partial + a
         x_ffn = attn_res_mix(bank + [partial], self.mlp_res_norm, self.mlp_res_proj)
-        return partial + self.ffn(self.post_attention_layernorm(x_ffn))
+        return partial + self.ffn(self.post_attention_layernorm(x_ffn, _other(act, x_ffn)))
+
+
+def _other(dtype: torch.dtype, x: torch.Tensor) -> torch.dtype | None:
+    """`dtype` when x is in another one (RMSNorm's `out_dtype`), else None (no cast)."""
+    return None if x.dtype == dtype else dtype
 
 
 class K3Model(nn.Module):
@@ -100,6 +106,11 @@ class K3Model(nn.Module):
         self.output_attn_res_proj = nn.Linear(d, 1, bias=False)
         self.vocab_shard: VocabShard | None = None
         """The embedding rows this rank holds under tensor parallelism (None: the whole vocabulary)."""
+        self.fp32_residual = False
+        """Carry the residual sources (the block sums and the partial sum) in fp32 (`model.fp32_residual`): each
+        sublayer's output is added to an fp32 sum, the depth mixer reads fp32 sources, and only the RMSNorm'd
+        input of a sublayer is rounded to the model's dtype; the final hidden state stays fp32. No effect on an
+        fp32 model."""
 
     def embed(self, input_ids_BT: torch.Tensor) -> torch.Tensor:
         """Token embeddings [B, T, D]; vocab-parallel: this rank's rows, ids outside them 0, summed over TP."""
@@ -112,10 +123,13 @@ class K3Model(nn.Module):
         return reduce_from(x_BTD, shard.group)
 
     def run(self, input_ids_BT: torch.Tensor, attn_fn, recompute: bool = False) -> torch.Tensor:
-        """Embedding -> layers -> output mixer -> final norm; returns the final hidden states [B, T, D].
+        """Embedding -> layers -> output mixer -> final norm; returns the final hidden states [B, T, D] (fp32 with
+        `fp32_residual`, else the model's dtype).
         `recompute`: keep only each layer's inputs for backward and recompute the rest (activation
         checkpointing; `attn_fn` then runs again during backward)."""
         partial = self.embed(input_ids_BT)
+        if self.fp32_residual:
+            partial = partial.float()
         bank: list[torch.Tensor] = []
         for layer in self.layers:
             partial = _checkpointed_layer(layer, bank, partial, attn_fn) if recompute \
@@ -185,13 +199,15 @@ class K3ForCausalLM(nn.Module):
 
     def _logits(self, hidden_BTD: torch.Tensor) -> torch.Tensor:
         """lm_head logits [B, T, V] (this rank's [B, T, V/tp] under TP: hidden enters through `copy_to`); fp32 with
-        `fp32_lm_head`, else the model's dtype."""
+        `fp32_lm_head`, else the model's dtype. An fp32 hidden state (`fp32_residual`) is read as it is by the fp32
+        head, and rounded to the weight's dtype otherwise."""
         shard = self.vocab_shard
         x = hidden_BTD if shard is None else copy_to(hidden_BTD, shard.group)
-        if self.fp32_lm_head and x.dtype != torch.float32:
+        weight = self.lm_head.weight
+        if self.fp32_lm_head and weight.dtype != torch.float32:
             with torch.autocast(x.device.type, enabled=False):  # bf16 autocast would round the product again
-                return F.linear(x.float(), self.lm_head.weight.float())
-        return self.lm_head(x)
+                return F.linear(x.float(), weight.float())
+        return self.lm_head(x.to(weight.dtype))
 
     def forward(self, input_ids_BT: torch.Tensor, seq_lens: torch.Tensor | None = None,
                 state: K3State | None = None, return_state: bool = False, return_logits: bool = True

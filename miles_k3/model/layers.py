@@ -60,18 +60,22 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Normalised x in x.dtype, then rounded once to `out_dtype` when given (an fp32 residual stream read by
+        bf16 sublayers: `model.fp32_residual`)."""
         if use_fused_kernels(x, self.weight):
             from miles_k3.kernels import fused
-            return fused.rms_norm(x, self.weight, self.eps)
-        return _rms_norm_torch(x, self.weight, self.eps)
+            return fused.rms_norm(x, self.weight, self.eps, out_dtype=out_dtype)
+        return _rms_norm_torch(x, self.weight, self.eps, out_dtype)
 
 
-def _rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Reference RMSNorm: fp32 variance; `normed.to(x.dtype) * weight.to(x.dtype)`."""
+def _rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.dtype | None = None
+                    ) -> torch.Tensor:
+    """Reference RMSNorm: fp32 variance; `normed.to(x.dtype) * weight.to(x.dtype)`, then `.to(out_dtype)`."""
     x32 = x.float()
     normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return normed.to(x.dtype) * weight.to(x.dtype)
+    y = normed.to(x.dtype) * weight.to(x.dtype)
+    return y if out_dtype is None else y.to(out_dtype)
 
 
 def situ_gate(g: torch.Tensor, beta: float) -> torch.Tensor:
