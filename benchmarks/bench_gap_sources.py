@@ -5,7 +5,7 @@ the engine's log-probs against the trainer's under several kernel choices, each 
         [--n 8] [--max-new-tokens 16]
         [--variants default,engine_reference,engine_eager,torch_kda,fp32_head,torch_kda_fp32_head,fp32_res,
                     fp32_res_head,torch_kda_fp32_res_head,fp32]
-        [--budget-gib 4] [--device cuda] [--dtype auto] [--seed 0] [--json OUT]
+        [--budget-gib 4] [--device cuda] [--dtype auto] [--fp32-gemm-reduction] [--seed 0] [--json OUT]
 
 The first `--prompts` problems of FILE (id / problem / answer rows) rendered with `--template`, `--n` samples each
 at temperature 1 from the policy adapter (LoRA at its initialisation, B = 0, as a run's first step: the policy is
@@ -30,6 +30,9 @@ from the training forward (autograd on, eval mode, no autocast) with the engine'
   `torch_kda_fp32_res_head`: with KDA in torch as well;
 * `fp32`: both sides in fp32 with torch_chunk (cuBLAS fp32 products, no TF32): a run's `model.dtype=fp32
   model.kda_backend=torch_chunk` (the trainer in fp32: trainer.autocast_bf16=off, the default).
+
+`--fp32-gemm-reduction`: every model of the run built with `model.fp32_gemm_reduction=true` (process-wide: bf16
+GEMMs reduce split-K partial sums in fp32; compare with a run without it).
 
 Per variant (mean |a - b| per response token, nats): `gap` engine vs trainer (train/rollout_logprob_abs_diff) and
 its p99; `engine_vs_exact` and `trainer_vs_exact`, each side against `exact`: the fp32 torch_chunk model's log-probs
@@ -149,6 +152,8 @@ def run(argv: list[str]) -> list[dict]:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default="auto", choices=("auto", "bf16", "fp32"),
                     help="the run's dtype (auto: bf16 on CUDA, fp32 on the CPU); `fp32` is always fp32")
+    ap.add_argument("--fp32-gemm-reduction", action="store_true",
+                    help="model.fp32_gemm_reduction=true for every model (bf16 GEMMs reduce in fp32; process-wide)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None, metavar="OUT")
     a = ap.parse_args(argv)
@@ -158,7 +163,7 @@ def run(argv: list[str]) -> list[dict]:
         raise SystemExit(f"--variants: {unknown} not among {list(VARIANTS)}")
     device = resolve_device(a.device)
     run_dtype = resolve_dtype(a.dtype, device)
-    base_cfg = ModelConfig(path=a.model_dir)
+    base_cfg = ModelConfig(path=a.model_dir, fp32_gemm_reduction=a.fp32_gemm_reduction)
     tokenizer, stops = build_tokenizer(base_cfg)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0  # as the train loop packs
     problems = load_problems(DatasetConfig(source=a.data, problem_field=None, limit=a.prompts))
@@ -208,6 +213,7 @@ def run(argv: list[str]) -> list[dict]:
         nograd_lp, _ = trainer_logprobs(m, samples, pad_id, ONE_FORWARD, grad=False)
         exact_lp, _ = trainer_logprobs(model(exact_key), samples, pad_id, ONE_FORWARD)
         row = {"variant": v, "engine_decode": decode, "dtype": str(m.lm_head.weight.dtype),
+               "fp32_gemm_reduction": a.fp32_gemm_reduction,
                **summary(engine_lp, trainer_lp, exact_lp, alone_lp, nograd_lp), "route_mismatch_frac": mismatch}
         print(json.dumps(row), flush=True)
         results.append(row)

@@ -7,7 +7,8 @@ then the per-step medians side by side.
 Modes: `plain` (no routes: the step-time baseline), `measure` (rollout.return_routed_experts=true: the engine's
 routes recorded, the trainer's own top-k compared with them: train/route_mismatch_frac), `replay`
 (trainer.routing_replay=true), `fp32_head` (model.fp32_lm_head=true, no replay: the cost of fp32 logits against
-plain; not with --alternate, whose engine keeps the decode graphs it captured with one head). Each mode is one
+plain), `fp32_res` (model.fp32_residual=true, no replay) and `fp32_res_head` (both flags, no replay); the last three
+not with --alternate, whose engine keeps the decode graphs it captured with one setting. Each mode is one
 `python -m miles_k3.train` with its run directory DIR/<mode>; the default recipe is the quickstart's (the trained
 k3_nano base) on `--device` with eval off. Printed per mode (medians over the steps after the first `--skip`):
 train/rollout_logprob_abs_diff (mean per token) and its _p99, train/route_mismatch_frac, perf/step_s,
@@ -47,7 +48,8 @@ import sys
 from pathlib import Path
 
 MODES = {"plain": [], "measure": ["rollout.return_routed_experts=true"], "replay": ["trainer.routing_replay=true"],
-         "fp32_head": ["model.fp32_lm_head=true"]}
+         "fp32_head": ["model.fp32_lm_head=true"], "fp32_res": ["model.fp32_residual=true"],
+         "fp32_res_head": ["model.fp32_lm_head=true", "model.fp32_residual=true"]}
 STEPWISE = ("plain", "measure", "replay")  # the modes --alternate can switch between steps of one run
 TOKENS = "train/num_tokens"  # the loss tokens of a step
 KEYS = ("train/rollout_logprob_abs_diff", "train/rollout_logprob_abs_diff_p99", "train/route_mismatch_frac",

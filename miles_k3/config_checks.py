@@ -43,6 +43,10 @@ def check_backend(model: ModelConfig, backend: str, sglang: SGLangConfig | None 
                          "(the native engine serves K3 models)")
     if backend != "sglang":
         return
+    if model.fp32_gemm_reduction:
+        raise ValueError("model.fp32_gemm_reduction: engine.backend=sglang samples in SGLang's scheduler process, "
+                         "whose bf16 GEMMs keep torch's default reduction, so only the trainer's would change; set "
+                         "model.fp32_gemm_reduction=false or engine.backend=native")
     if model.fp32_residual:
         raise ValueError("model.fp32_residual: engine.backend=sglang samples with SGLang's own K3, whose residual "
                          "stream is bf16, so the trainer's fp32 one would widen the train/rollout gap it is for; set "

@@ -35,6 +35,32 @@ def set_fp32_dots(value: str) -> None:
         log.info("fp32 dots in Triton kernels: %s (%s)", value, FP32_DOTS_ENV)
 
 
+_fp32_gemm_reduction_set = False  # a model of this process turned bf16 GEMMs' reduced-precision reduction off
+
+
+def set_fp32_gemm_reduction(enabled: bool) -> None:
+    """`model.fp32_gemm_reduction`: with `enabled`, cuBLAS may no longer reduce a bf16 GEMM's split-K partial sums in
+    bf16 (torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False; torch allows it by default),
+    so every bf16 GEMM of the process accumulates in fp32 and rounds once. False changes nothing.
+
+    Process-wide (torch reads the setting at every CUDA bf16 GEMM; CPU GEMMs do not read it): a process where a model
+    turned it on refuses a later model that asks for the default (ValueError), since that model would silently run
+    with it on."""
+    global _fp32_gemm_reduction_set
+    if not isinstance(enabled, bool):
+        raise ValueError(f"model.fp32_gemm_reduction: expected true or false, got {enabled!r}")  # noqa: TRY004
+    if not enabled:
+        if _fp32_gemm_reduction_set:
+            raise ValueError("model.fp32_gemm_reduction=false: a model of this process already turned bf16 GEMMs' "
+                             "reduced-precision reduction off (process-wide, so this model would run with it off "
+                             "too); start a new process, or set model.fp32_gemm_reduction=true for both")
+        return
+    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
+    if not _fp32_gemm_reduction_set:
+        log.info("bf16 GEMMs reduce in fp32 (torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction=False)")
+    _fp32_gemm_reduction_set = True
+
+
 def resolve_device(name: str) -> torch.device:
     """`auto` -> cuda when available, else cpu; `cpu`, `cuda`, `cuda:N` as given (cuda fails without CUDA)."""
     if name == "auto":

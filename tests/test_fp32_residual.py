@@ -154,3 +154,31 @@ def test_an_fp32_residual_shrinks_the_engine_trainer_gap_of_a_trained_bf16_model
     assert (head["variant"], res["variant"]) == ("fp32_head", "fp32_res_head")
     assert res["tokens"] > 40
     assert res["gap"] < 0.5 * head["gap"] and res["gap_p99"] < 0.5 * head["gap_p99"]
+
+
+@pytest.fixture
+def fresh_gemm_reduction(monkeypatch):
+    """A process where no model has set model.fp32_gemm_reduction yet; torch's setting restored afterwards."""
+    from miles_k3 import runtime
+
+    before = torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction
+    monkeypatch.setattr(runtime, "_fp32_gemm_reduction_set", False)
+    yield
+    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = before
+
+
+def test_fp32_gemm_reduction_turns_torchs_bf16_reduced_precision_reduction_off_once(fresh_gemm_reduction, tmp_path):
+    matmul = torch.backends.cuda.matmul
+    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = True  # torch's default
+    build_model(ModelConfig(name="k3_tiny"), torch.device("cpu"), torch.bfloat16)
+    assert matmul.allow_bf16_reduced_precision_reduction is True  # the default leaves torch's setting alone
+    build_model(ModelConfig(name="k3_tiny", fp32_gemm_reduction=True), torch.device("cpu"), torch.bfloat16)
+    assert matmul.allow_bf16_reduced_precision_reduction is False
+    build_model(ModelConfig(name="k3_tiny", fp32_gemm_reduction=True), torch.device("cpu"), torch.float32)  # agrees
+    with pytest.raises(ValueError, match="model.fp32_gemm_reduction=false: a model of this process already"):
+        build_model(ModelConfig(name="k3_tiny"), torch.device("cpu"), torch.bfloat16)
+    assert matmul.allow_bf16_reduced_precision_reduction is False
+    with pytest.raises(ValueError, match="fp32_gemm_reduction: expected true or false"):
+        ModelConfig(fp32_gemm_reduction="on").validate()
+    with pytest.raises(ValueError, match="model.fp32_gemm_reduction: engine.backend=sglang"):
+        check_backend(ModelConfig(path=str(tmp_path), fp32_gemm_reduction=True), "sglang")

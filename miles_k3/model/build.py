@@ -19,7 +19,7 @@ from miles_k3.model.config import SHIPPED_CONFIGS, ConfigError, K3Config
 from miles_k3.model.experts import EXPERT_FORMATS, RoutedExperts
 from miles_k3.model.k3 import CHECKPOINT_PREFIX, K3ForCausalLM
 from miles_k3.model.kda_ops import BACKEND_NAMES
-from miles_k3.runtime import FP32_DOTS, set_fp32_dots
+from miles_k3.runtime import FP32_DOTS, set_fp32_dots, set_fp32_gemm_reduction
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +65,14 @@ class ModelConfig:
     part of the train/rollout log-prob gap (README "Routing replay"). Costs fp32 copies of the residual sources
     (twice bf16's activation memory for them). No effect on an fp32 model. Native engine and K3 only: refused with
     hf_path and with engine.backend=sglang (SGLang's K3 keeps its own bf16 residual)."""
+    fp32_gemm_reduction: bool = False
+    """bf16 GEMMs on CUDA accumulate in fp32 throughout: cuBLAS may no longer reduce split-K partial sums in bf16
+    (torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction=False; torch allows it by default). Where it
+    would, the result of a GEMM depends on the kernel cuBLAS picks for the shape, which differs between the engine's
+    decode (a few rows) and the trainer's forward (many), by up to a bf16 rounding: a part of the train/rollout
+    log-prob gap (README "Routing replay"). Process-wide, set when the model is built; a process where a model set it
+    refuses a later model without it. CPU GEMMs do not read it. Native engine only: refused with
+    engine.backend=sglang (SGLang's scheduler process keeps torch's default)."""
     trust_remote_code: bool = False
     """Run the tokenizer code shipped in the model directory (the real K3: tokenization_kimi.py)."""
     hf_path: Optional[str] = None  # noqa: UP045
@@ -99,6 +107,9 @@ class ModelConfig:
             raise ValueError("fp32_residual: applies to K3 models (the native trainer and engine); with hf_path the "
                              "trainer is the transformers model, which keeps its own residual: set "
                              "model.fp32_residual=false")
+        if not isinstance(self.fp32_gemm_reduction, bool):
+            raise ValueError(  # noqa: TRY004
+                f"fp32_gemm_reduction: expected true or false, got {self.fp32_gemm_reduction!r}")
         if not isinstance(self.trust_remote_code, bool):
             raise ValueError(  # noqa: TRY004 (config errors are ValueErrors, prefixed with the field path)
                 f"trust_remote_code: expected true or false, got {self.trust_remote_code!r}")
@@ -208,6 +219,7 @@ def build_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> K
     MXFP4 experts unless `cfg.experts` is bf16.
     """
     set_fp32_dots(cfg.fp32_dots)  # before any kernel of this model compiles
+    set_fp32_gemm_reduction(cfg.fp32_gemm_reduction)
     if cfg.path is not None:
         from miles_k3.model.checkpoint import load_checkpoint
 
