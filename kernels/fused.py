@@ -6,7 +6,7 @@ launch. They compute in fp32 like their references and are meant for inference: 
 
 | kernel | reference (pure torch, `miles_k3.model.layers`) | launches |
 | --- | --- | --- |
-| `rms_norm(x, weight, eps)` | `_rms_norm_torch` (`RMSNorm.forward`) | 1 |
+| `rms_norm(x, weight, eps, out_dtype=None)` | `_rms_norm_torch` (`RMSNorm.forward`) | 1 |
 | `attn_res_mix(sources, norm_weight, proj_weight, eps)` | `_attn_res_mix_torch` (`attn_res_mix`) | 2: stack, mix |
 | `situ_glu(gate, up, beta, linear_beta)` | `_situ_glu_torch` (`situ_glu`) | 1 |
 
