@@ -27,3 +27,17 @@ def test_wheel_contains_mapped_packages_recipes_and_model_configs(tmp_path):
     scripts = zipfile.ZipFile(wheel).read(entry_points).decode().split("[console_scripts]\n")[1].split("\n[")[0]
     assert sorted(x for x in scripts.splitlines() if x.strip()) == ["miles-k3-eval = miles_k3.eval:main", "miles-k3-grade = miles_k3.grade:main",
                                            "miles-k3-sft = miles_k3.sft:main", "miles-k3-train = miles_k3.train:main"]
+
+
+def test_no_top_level_folder_shadows_an_installed_package():
+    """Run from the repository root (`python -m pytest`, `python -m miles_k3.train`), the working directory is on
+    sys.path, so each top-level folder with an __init__.py imports under its own name: none may be the import name
+    of an installed distribution. (transformers >= 5.25 imports Hugging Face's `kernels`, which the kernels' folder
+    shadowed while it was called `kernels/`: it is `k3_kernels/`.)"""
+    import importlib.metadata
+
+    installed = importlib.metadata.packages_distributions()
+    folders = sorted(p.name for p in ROOT.iterdir() if p.is_dir() and (p / "__init__.py").is_file())
+    assert "k3_kernels" in folders and "kernels" not in folders
+    clashes = {f: installed[f] for f in folders if f in installed and set(installed[f]) != {"miles-k3"}}
+    assert not clashes, f"top-level folders shadowing installed packages: {clashes}"
