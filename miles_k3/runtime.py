@@ -35,30 +35,27 @@ def set_fp32_dots(value: str) -> None:
         log.info("fp32 dots in Triton kernels: %s (%s)", value, FP32_DOTS_ENV)
 
 
-_fp32_gemm_reduction_set = False  # a model of this process turned bf16 GEMMs' reduced-precision reduction off
-
-
 def set_fp32_gemm_reduction(enabled: bool) -> None:
     """`model.fp32_gemm_reduction`: with `enabled`, cuBLAS may no longer reduce a bf16 GEMM's split-K partial sums in
     bf16 (torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False; torch allows it by default),
     so every bf16 GEMM of the process accumulates in fp32 and rounds once. False changes nothing.
 
-    Process-wide (torch reads the setting at every CUDA bf16 GEMM; CPU GEMMs do not read it): a process where a model
-    turned it on refuses a later model that asks for the default (ValueError), since that model would silently run
-    with it on."""
-    global _fp32_gemm_reduction_set
+    Process-wide (torch reads the setting at every CUDA bf16 GEMM; CPU GEMMs do not read it): in a process where it
+    is already off (a model built with it, or the caller), a model that asks for the default is refused
+    (ValueError), since it would silently run with it off."""
     if not isinstance(enabled, bool):
         raise ValueError(f"model.fp32_gemm_reduction: expected true or false, got {enabled!r}")  # noqa: TRY004
+    matmul = torch.backends.cuda.matmul
     if not enabled:
-        if _fp32_gemm_reduction_set:
-            raise ValueError("model.fp32_gemm_reduction=false: a model of this process already turned bf16 GEMMs' "
-                             "reduced-precision reduction off (process-wide, so this model would run with it off "
-                             "too); start a new process, or set model.fp32_gemm_reduction=true for both")
+        if not matmul.allow_bf16_reduced_precision_reduction:
+            raise ValueError("model.fp32_gemm_reduction=false: bf16 GEMMs' reduced-precision reduction is already "
+                             "off in this process (torch.backends.cuda.matmul, process-wide: a model built with "
+                             "model.fp32_gemm_reduction=true turns it off), so this model would run with it off too; "
+                             "start a new process, or set model.fp32_gemm_reduction=true for both")
         return
-    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
-    if not _fp32_gemm_reduction_set:
+    if matmul.allow_bf16_reduced_precision_reduction:
+        matmul.allow_bf16_reduced_precision_reduction = False
         log.info("bf16 GEMMs reduce in fp32 (torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction=False)")
-    _fp32_gemm_reduction_set = True
 
 
 def resolve_device(name: str) -> torch.device:

@@ -1,18 +1,14 @@
 """benchmarks/bench_gap_sources.py on the CPU: its comparisons line up the engine's and the trainer's log-probs token
 by token (a shift by one position would read ~nats, not fp32 rounding), and it sees bf16 rounding where there is
 some. The GPU numbers are the README's ("Routing replay")."""
-import importlib.util
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from bench_module import load_benchmark
 
-_spec = importlib.util.spec_from_file_location(
-    "bench_gap_sources", Path(__file__).resolve().parents[1] / "benchmarks" / "bench_gap_sources.py")
-bench = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(bench)
+bench = load_benchmark("bench_gap_sources")
 
 
 def test_abs_diffs_refuses_samples_of_other_lengths_and_p99_reads_the_tail():

@@ -1,16 +1,12 @@
 """benchmarks/bench_precision_switches.py on the CPU: each timed train step runs under its own setting, each
 setting's engine is built under it, the order alternates between rounds, the paired ratios are per round, and the
 process's GEMM setting is given back. (Its timings mean something on a GPU only.)"""
-import importlib.util
-from pathlib import Path
 
 import pytest
 import torch
+from bench_module import load_benchmark
 
-_spec = importlib.util.spec_from_file_location(
-    "bench_precision_switches", Path(__file__).resolve().parents[1] / "benchmarks" / "bench_precision_switches.py")
-bench = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(bench)
+bench = load_benchmark("bench_precision_switches")
 
 
 def _flags(model):

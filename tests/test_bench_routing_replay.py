@@ -1,14 +1,11 @@
 """benchmarks/bench_routing_replay.py's pooling of interleaved rounds, on hand-worked step rows (the runs themselves
 are GPU work: the script's GRPO runs)."""
-import importlib.util
 from pathlib import Path
 
 import pytest
+from bench_module import load_benchmark
 
-_spec = importlib.util.spec_from_file_location(
-    "bench_routing_replay", Path(__file__).resolve().parents[1] / "benchmarks" / "bench_routing_replay.py")
-bench = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(bench)
+bench = load_benchmark("bench_routing_replay")
 
 
 def _rows(*steps):

@@ -2,18 +2,15 @@
 `tests/sglang_double.py` (NOT SGLang: the double serves its own copy of the checkpoint, so the gap is ~0 unless a
 weight of that copy is changed). SGLang itself runs only in the script on the GPU."""
 import functools
-import importlib.util
 from pathlib import Path
 
 import pytest
 import torch
+from bench_module import load_benchmark
 
 from tests.sglang_double import FakeSGLangEngine
 
-_spec = importlib.util.spec_from_file_location(
-    "bench_sglang_k3", Path(__file__).resolve().parents[1] / "benchmarks" / "bench_sglang_k3.py")
-bench = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(bench)
+bench = load_benchmark("bench_sglang_k3")
 
 
 def test_logprob_gap_skips_sglangs_none_first_entry():

@@ -1,18 +1,14 @@
 """`model.fp32_lm_head`: the logits of a bf16 K3 computed in fp32 and not rounded back to bf16, on both sides of a run
 (the engine's decode, the trainer's forward; SGLang's enable_fp32_lm_head), on the CPU."""
-import importlib.util
-import json
-from pathlib import Path
-
 import pytest
 import torch
+from bench_module import load_benchmark
+from precision_helpers import BASE, final_hidden, write_problems
 
 from miles_k3.model import K3Config, K3ForCausalLM
 from miles_k3.model.build import ModelConfig
 from miles_k3.rollout.adapters import share_base
 from miles_k3.rollout.sglang_backend import SGLangConfig, SGLangEngine, server_args
-
-BASE = Path(__file__).resolve().parents[1] / "miles_k3" / "model" / "bases" / "k3_nano_chain_sum"
 
 
 def _bf16_tiny_with_large_logits():
@@ -24,28 +20,17 @@ def _bf16_tiny_with_large_logits():
     return model
 
 
-def _final_hidden(model, ids):
-    """The normed hidden state the lm_head reads (the final RMSNorm's output), captured by a hook."""
-    seen = []
-    handle = model.model.norm.register_forward_hook(lambda _m, _i, out: seen.append(out))
-    try:
-        logits = model(ids).logits
-    finally:
-        handle.remove()
-    return seen[0], logits
-
-
 def test_fp32_logits_are_the_unrounded_product_and_bf16_logits_its_rounding():
     model = _bf16_tiny_with_large_logits()
     ids = torch.randint(0, 512, (2, 7), generator=torch.Generator().manual_seed(1))
-    hidden, bf16_logits = _final_hidden(model, ids)
+    hidden, bf16_logits = final_hidden(model, ids)
     assert hidden.dtype == torch.bfloat16 and bf16_logits.dtype == torch.bfloat16
     # by hand: bf16 x bf16 products are exact in fp32; the sum over 128 dims in fp64, then fp32
     want = (hidden.double() @ model.lm_head.weight.double().T).float()
     assert want.abs().max() > 8.0  # large enough that bf16 rounding moves a logit by up to 2**-5
 
     model.fp32_lm_head = True
-    hidden32, logits = _final_hidden(model, ids)
+    hidden32, logits = final_hidden(model, ids)
     assert torch.equal(hidden32, hidden)  # the flag changes nothing before the head
     assert logits.dtype == torch.float32
     torch.testing.assert_close(logits, want, rtol=0, atol=2e-5)
@@ -57,7 +42,7 @@ def test_fp32_logits_are_the_unrounded_product_and_bf16_logits_its_rounding():
 
     # under bf16 autocast (which changes the layers' arithmetic) the head is still the fp32 product of its input
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        hidden_auto, auto = _final_hidden(model, ids)
+        hidden_auto, auto = final_hidden(model, ids)
     assert auto.dtype == torch.float32
     want_auto = (hidden_auto.double() @ model.lm_head.weight.double().T).float()
     torch.testing.assert_close(auto, want_auto, rtol=0, atol=2e-5)
@@ -138,23 +123,13 @@ def test_sglang_gets_enable_fp32_lm_head(k3_dir, monkeypatch):
         assert eng.engine.model.fp32_lm_head is flag
 
 
-def _gap_bench():
-    spec = importlib.util.spec_from_file_location(
-        "bench_gap_sources", Path(__file__).resolve().parents[1] / "benchmarks" / "bench_gap_sources.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    return bench
-
-
 def test_fp32_logits_shrink_the_engine_trainer_gap_of_a_trained_bf16_model(tmp_path):
     """The shipped trained k3_nano (chain_sum) in bf16 on the CPU, GRPO-shaped rollouts with replay: with fp32 logits
     each side is nearer the exact (fp32) answer and the two nearer each other. Measured here: gap 8.6e-4 -> 2.2e-4
     (p99 0.017 -> 0.0027), engine from exact 6.0e-3 -> 3.2e-3, trainer 6.3e-3 -> 3.2e-3 (8 prompts x 4 samples, 80
     tokens; with 16 prompts the same ratios)."""
-    data = tmp_path / "rl.jsonl"
-    data.write_text("".join(json.dumps({"id": str(i), "problem": f"{3 * i % 97} + {7 * i % 89} - {i}",
-                                        "answer": str(3 * i % 97 + 7 * i % 89 - i)}) + "\n" for i in range(8)))
-    default, head = _gap_bench().run([
+    data = write_problems(tmp_path / "rl.jsonl")
+    default, head = load_benchmark("bench_gap_sources").run([
         "--model-dir", str(BASE), "--data", str(data), "--device", "cpu", "--dtype", "bf16", "--prompts", "8",
         "--n", "4", "--max-new-tokens", "16", "--budget-gib", "0.25", "--variants", "default,fp32_head"])
     assert (default["variant"], head["variant"]) == ("default", "fp32_head")

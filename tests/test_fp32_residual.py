@@ -1,12 +1,10 @@
 """`model.fp32_residual`: a bf16 K3 whose residual sources (block sums, partial sum) are carried in fp32, on both sides
 of a run (the engine's decode, the trainer's forward), on the CPU. The fused RMSNorm's fp32 -> bf16 output is
 checked in tests/test_fused_kernels.py (interpreter and GPU)."""
-import importlib.util
-import json
-from pathlib import Path
-
 import pytest
 import torch
+from bench_module import load_benchmark
+from precision_helpers import BASE, final_hidden, write_problems
 
 from miles_k3.config_checks import check_backend
 from miles_k3.model import K3Config, K3ForCausalLM
@@ -14,7 +12,6 @@ from miles_k3.model.build import ModelConfig, build_model
 from miles_k3.model.k3 import K3DecoderLayer
 from miles_k3.rollout.adapters import share_base
 
-BASE = Path(__file__).resolve().parents[1] / "miles_k3" / "model" / "bases" / "k3_nano_chain_sum"
 SMALL = 2.0**-9  # below half of bf16's step at 1.0 (2**-7): 1 + SMALL rounds to 1 in bf16, is exact in fp32
 
 
@@ -69,23 +66,13 @@ def _tiny(flag: bool) -> K3ForCausalLM:
     return model
 
 
-def _final_hidden(model, ids):
-    seen = []
-    handle = model.model.norm.register_forward_hook(lambda _m, _i, out: seen.append(out))
-    try:
-        logits = model(ids).logits
-    finally:
-        handle.remove()
-    return seen[0], logits
-
-
 def test_the_model_carries_fp32_sources_feeds_bf16_sublayers_and_decodes_as_it_prefills():
     model = _tiny(True)
     dtypes = []
     for layer in model.model.layers:
         layer.self_attn.register_forward_pre_hook(lambda _m, args: dtypes.append(args[0].dtype))
     ids = torch.randint(0, 512, (2, 6), generator=torch.Generator().manual_seed(1))
-    hidden, logits = _final_hidden(model, ids)
+    hidden, logits = final_hidden(model, ids)
     assert set(dtypes) == {torch.bfloat16}  # every attention sublayer reads bf16
     assert hidden.dtype == torch.float32 and logits.dtype == torch.bfloat16  # the bf16 head rounds its input once
     torch.testing.assert_close(logits, model.lm_head(hidden.to(torch.bfloat16)), rtol=0, atol=0)
@@ -141,14 +128,8 @@ def test_an_fp32_residual_shrinks_the_engine_trainer_gap_of_a_trained_bf16_model
     here: gap 2.2e-4 -> 6.6e-5, p99 0.0027 -> 0.00054 (8 prompts x 4 samples, 80 tokens; with 16 prompts 2.2e-4 ->
     7.8e-5). Each side's distance from the exact fp32 answer stays ~3.3e-3: the flag removes roundings the two sides
     make at slightly different values, not the sublayers' bf16 arithmetic."""
-    data = tmp_path / "rl.jsonl"
-    data.write_text("".join(json.dumps({"id": str(i), "problem": f"{3 * i % 97} + {7 * i % 89} - {i}",
-                                        "answer": str(3 * i % 97 + 7 * i % 89 - i)}) + "\n" for i in range(8)))
-    spec = importlib.util.spec_from_file_location(
-        "bench_gap_sources", Path(__file__).resolve().parents[1] / "benchmarks" / "bench_gap_sources.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    head, res = bench.run([
+    data = write_problems(tmp_path / "rl.jsonl")
+    head, res = load_benchmark("bench_gap_sources").run([
         "--model-dir", str(BASE), "--data", str(data), "--device", "cpu", "--dtype", "bf16", "--prompts", "8",
         "--n", "4", "--max-new-tokens", "16", "--budget-gib", "0.25", "--variants", "fp32_head,fp32_res_head"])
     assert (head["variant"], res["variant"]) == ("fp32_head", "fp32_res_head")
@@ -157,25 +138,22 @@ def test_an_fp32_residual_shrinks_the_engine_trainer_gap_of_a_trained_bf16_model
 
 
 @pytest.fixture
-def fresh_gemm_reduction(monkeypatch):
-    """A process where no model has set model.fp32_gemm_reduction yet; torch's setting restored afterwards."""
-    from miles_k3 import runtime
-
+def fresh_gemm_reduction():
+    """torch's bf16 GEMM setting at its default for the test, and given back afterwards."""
     before = torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction
-    monkeypatch.setattr(runtime, "_fp32_gemm_reduction_set", False)
+    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = True  # torch's default
     yield
     torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = before
 
 
 def test_fp32_gemm_reduction_turns_torchs_bf16_reduced_precision_reduction_off_once(fresh_gemm_reduction, tmp_path):
     matmul = torch.backends.cuda.matmul
-    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = True  # torch's default
     build_model(ModelConfig(name="k3_tiny"), torch.device("cpu"), torch.bfloat16)
     assert matmul.allow_bf16_reduced_precision_reduction is True  # the default leaves torch's setting alone
     build_model(ModelConfig(name="k3_tiny", fp32_gemm_reduction=True), torch.device("cpu"), torch.bfloat16)
     assert matmul.allow_bf16_reduced_precision_reduction is False
     build_model(ModelConfig(name="k3_tiny", fp32_gemm_reduction=True), torch.device("cpu"), torch.float32)  # agrees
-    with pytest.raises(ValueError, match="model.fp32_gemm_reduction=false: a model of this process already"):
+    with pytest.raises(ValueError, match="model.fp32_gemm_reduction=false: bf16 GEMMs' reduced-precision reduction is already off"):
         build_model(ModelConfig(name="k3_tiny"), torch.device("cpu"), torch.bfloat16)
     assert matmul.allow_bf16_reduced_precision_reduction is False
     with pytest.raises(ValueError, match="fp32_gemm_reduction: expected true or false"):

@@ -70,8 +70,8 @@ class ModelConfig:
     (torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction=False; torch allows it by default). Where it
     would, the result of a GEMM depends on the kernel cuBLAS picks for the shape, which differs between the engine's
     decode (a few rows) and the trainer's forward (many), by up to a bf16 rounding: a part of the train/rollout
-    log-prob gap (README "Routing replay"). Process-wide, set when the model is built; a process where a model set it
-    refuses a later model without it. CPU GEMMs do not read it. Native engine only: refused with
+    log-prob gap (README "Routing replay"). Process-wide, set when the model is built; where it is already off (a
+    model set it, or the caller), a model without the flag is refused. CPU GEMMs do not read it. Native engine only: refused with
     engine.backend=sglang (SGLang's scheduler process keeps torch's default)."""
     trust_remote_code: bool = False
     """Run the tokenizer code shipped in the model directory (the real K3: tokenization_kimi.py)."""
@@ -93,26 +93,14 @@ class ModelConfig:
             raise ValueError(f"fp32_dots: '{self.fp32_dots}' is not one of {list(FP32_DOTS)}")
         if self.experts not in ("auto", *EXPERT_FORMATS):
             raise ValueError(f"experts: '{self.experts}' is not one of {['auto', *EXPERT_FORMATS]}")
-        if not isinstance(self.fp32_lm_head, bool):
-            raise ValueError(  # noqa: TRY004
-                f"fp32_lm_head: expected true or false, got {self.fp32_lm_head!r}")
-        if self.fp32_lm_head and self.hf_path is not None:
-            raise ValueError("fp32_lm_head: applies to K3 models (the native trainer and engine); with hf_path "
-                             "the trainer is the transformers model, which computes its own logits: set "
-                             "model.fp32_lm_head=false")
-        if not isinstance(self.fp32_residual, bool):
-            raise ValueError(  # noqa: TRY004
-                f"fp32_residual: expected true or false, got {self.fp32_residual!r}")
-        if self.fp32_residual and self.hf_path is not None:
-            raise ValueError("fp32_residual: applies to K3 models (the native trainer and engine); with hf_path the "
-                             "trainer is the transformers model, which keeps its own residual: set "
-                             "model.fp32_residual=false")
-        if not isinstance(self.fp32_gemm_reduction, bool):
-            raise ValueError(  # noqa: TRY004
-                f"fp32_gemm_reduction: expected true or false, got {self.fp32_gemm_reduction!r}")
-        if not isinstance(self.trust_remote_code, bool):
-            raise ValueError(  # noqa: TRY004 (config errors are ValueErrors, prefixed with the field path)
-                f"trust_remote_code: expected true or false, got {self.trust_remote_code!r}")
+        for flag in ("fp32_lm_head", "fp32_residual", "fp32_gemm_reduction", "trust_remote_code"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ValueError(  # noqa: TRY004 (config errors are ValueErrors, prefixed with the field path)
+                    f"{flag}: expected true or false, got {getattr(self, flag)!r}")
+        for flag, own in (("fp32_lm_head", "computes its own logits"), ("fp32_residual", "keeps its own residual")):
+            if getattr(self, flag) and self.hf_path is not None:
+                raise ValueError(f"{flag}: applies to K3 models (the native trainer and engine); with hf_path the "
+                                 f"trainer is the transformers model, which {own}: set model.{flag}=false")
 
 
 BUILTIN_PREFIX = "builtin:"

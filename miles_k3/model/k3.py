@@ -82,15 +82,10 @@ class K3DecoderLayer(nn.Module):
             if bank else partial
         if self.seals_block:
             bank.append(partial)
-        a = attn_fn(self, self.input_layernorm(x_in, _other(act, x_in)))
+        a = attn_fn(self, self.input_layernorm(x_in, act))
         partial = a.to(partial.dtype) if self.seals_block else partial + a
         x_ffn = attn_res_mix(bank + [partial], self.mlp_res_norm, self.mlp_res_proj)
-        return partial + self.ffn(self.post_attention_layernorm(x_ffn, _other(act, x_ffn)))
-
-
-def _other(dtype: torch.dtype, x: torch.Tensor) -> torch.dtype | None:
-    """`dtype` when x is in another one (RMSNorm's `out_dtype`), else None (no cast)."""
-    return None if x.dtype == dtype else dtype
+        return partial + self.ffn(self.post_attention_layernorm(x_ffn, act))
 
 
 class K3Model(nn.Module):
