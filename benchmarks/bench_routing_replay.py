@@ -31,8 +31,8 @@ different lengths, so the cost to read is `per_token_over_plain`: the median ste
 (`step_s_per_1k_tokens`, train/num_tokens) over plain's (both printed in every mode), and `blocks_over_plain`: per
 block, the mode's step time per trained token and its rollout and train phases over plain's in that block, as the
 mean, standard error and median over blocks; `stalled_blocks` and `blocks_over_plain_unstalled`: the same without
-the blocks where a step of either mode had a rollout phase over twice the median (a stall landing on one mode of a
-block by chance). DIR/alternate holds
+the blocks where a step of either mode had a rollout phase over twice the median (a slow step landing on one mode of
+a block by the schedule). DIR/alternate holds
 the run's metrics (each row with `bench/mode_index`: its mode's place in --modes).
 """
 from __future__ import annotations
@@ -181,7 +181,9 @@ def compare_blocks(rows: list[dict], modes: list[str]) -> dict[str, dict]:
 
 def stalled_blocks(rows: list[dict]) -> list[int]:
     """The blocks holding a step (of any mode) whose rollout phase took more than STALL times the median rollout
-    phase of all `rows`: stalls that fall on one mode of a block by chance and swing its paired ratio."""
+    phase of all `rows`: slow steps that fall on one mode of a block by the schedule and swing its paired ratio (on
+    the H200 they fell on the same steps in runs of other settings: the data's, most likely shapes met first
+    there, README "Routing replay")."""
     if not all("perf/rollout_s" in r for r in rows):
         return []
     median = statistics.median(r["perf/rollout_s"] for r in rows)
