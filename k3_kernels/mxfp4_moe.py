@@ -74,7 +74,8 @@ import torch
 import triton
 import triton.language as tl
 
-GROUP_SIZE = 32  # elements per E8M0 scale
+from miles_k3.kernels.mxfp4 import GROUP_SIZE, dequantize_mxfp4_reference
+
 DECODES = ("tl", "asm")
 ACT_DTYPES = (torch.bfloat16,)
 
@@ -149,18 +150,16 @@ def _counts_list(counts: list[int] | torch.Tensor) -> list[int]:
 
 def mxfp4_moe_matmul_reference(x_MK: torch.Tensor, counts: list[int] | torch.Tensor, packed_EOH: torch.Tensor,
                                scale_EOG: torch.Tensor, transpose: bool = False) -> torch.Tensor:
-    """The definition on any device: per expert with rows, dequantize W_e to bf16 (`dequantize_mxfp4`), then an
-    fp32 matmul of the bf16 x and W_e values; y [M, N] in x's dtype. counts: rows per expert (host list) or
-    int32 cumulative ends [E]."""
-    from miles_k3.mxfp4 import dequantize_mxfp4
-
+    """The definition on any device: per expert with rows, dequantize W_e to bf16 (the pure-torch
+    `dequantize_mxfp4_reference`, bitwise equal to the Triton decode), then an fp32 matmul of the bf16 x and
+    W_e values; y [M, N] in x's dtype. counts: rows per expert (host list) or int32 cumulative ends [E]."""
     counts = _counts_list(counts)
     n = packed_EOH.shape[2] * 2 if transpose else packed_EOH.shape[1]
     y = torch.zeros(x_MK.shape[0], n, dtype=torch.float32, device=x_MK.device)
     r0 = 0
     for e, c in enumerate(counts):
         if c:
-            w = dequantize_mxfp4(packed_EOH[e], scale_EOG[e], torch.bfloat16).float()
+            w = dequantize_mxfp4_reference(packed_EOH[e], scale_EOG[e], torch.bfloat16).float()
             xe = x_MK[r0:r0 + c].to(torch.bfloat16).float()
             y[r0:r0 + c] = xe @ w if transpose else xe @ w.t()
         r0 += c

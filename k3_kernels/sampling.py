@@ -10,8 +10,9 @@ for greedy rows):
     id_b     = the lowest v of maximal score_v               (a NaN score counts as the maximum, as in torch)
     logprob  = z[id_b] - lse_b
 
-E_v is the same integer hash -> uniform -> -log(u) as `miles_k3.rollout.sampling.keyed_exp_noise`. The kernel
-does both parts of that hash, the per-row one (`noise_row_keys`: key and position -> (k_b, mix32(k_b ^
+E_v is the keyed noise `keyed_exp_noise`, defined here in torch (its one definition: the torch path of
+`miles_k3.rollout.sampling.sample` draws it too), an integer hash -> uniform -> -log(u). The kernel does
+both parts of that hash, the per-row one (`noise_row_keys`: key and position -> (k_b, mix32(k_b ^
 0x85EBCA6B))) and the per-token one (`exp_noise_from_row_keys`), in uint32 arithmetic, whose wrap-around
 equals the int64-with-0xFFFFFFFF-mask arithmetic of the torch code, so the 23-bit integer behind u_v is
 bit-identical. (The per-row part runs in the kernel rather than in torch on the host: on the host it is ~50
@@ -35,8 +36,8 @@ id in both. A temperature so small that it is 0 in fp32 makes the row greedy her
 there).
 
 Reference: `sample_unfiltered_reference` (pure torch, any device) restates the torch path of `sample` for
-these inputs. This module imports torch and triton only (the reference imports the noise's one definition from
-`miles_k3.rollout.sampling` when called); launching the kernel needs CUDA (or `TRITON_INTERPRET=1`).
+these inputs. This module imports torch and triton only; launching the kernel needs CUDA (or
+`TRITON_INTERPRET=1`).
 """
 from __future__ import annotations
 
@@ -73,12 +74,58 @@ def _check_inputs(fn: str, logits_BV: torch.Tensor, temperature_B: torch.Tensor,
                              "move every input to the logits' device")
 
 
+# ---- the keyed noise (pure torch): its one definition ------------------------------------------------------
+_M32 = 0xFFFFFFFF
+
+
+def _mix32_int64(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (xor-shift-multiply rounds) on int64 tensors holding values in [0, 2^32); every
+    product stays below 2^63, so it is exact on every device."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _M32
+    x = x ^ (x >> 15)
+    x = (x * 0x31848BAB) & _M32
+    return x ^ (x >> 16)
+
+
+def noise_row_keys(keys_B: torch.Tensor, positions_B: torch.Tensor) -> torch.Tensor:
+    """The per-row part of `keyed_exp_noise`: int64 [B, 2] holding (k, mix32(k ^ 0x85EBCA6B)) per row,
+    values in [0, 2^32), where k mixes both 32-bit halves of the key with the position. keys_B / positions_B:
+    int64 [B] on any device (the result is on theirs). The kernel has a Triton twin of this
+    (`_noise_row_keys`) and of `exp_noise_from_row_keys` (`_log_exp_noise`), tested bit for bit against
+    them."""
+    k_B = _mix32_int64(keys_B & _M32) ^ _mix32_int64(((keys_B >> 32) & _M32) ^ 0x9E3779B9)
+    k_B = _mix32_int64(k_B ^ (positions_B & _M32))
+    return torch.stack([k_B, _mix32_int64(k_B ^ 0x85EBCA6B)], dim=1)
+
+
+def exp_noise_from_row_keys(row_keys_B2: torch.Tensor, vocab: int) -> torch.Tensor:
+    """fp32 [B, V] Exp(1) variates of token ids 0..V-1 from `noise_row_keys` (the per-token part of
+    `keyed_exp_noise`): a hash of (row key, token id) -> a 23-bit uniform u in (0, 1) -> -log(u)."""
+    k_B, kx_B = row_keys_B2.unbind(1)
+    v_V = torch.arange(vocab, device=row_keys_B2.device, dtype=torch.int64)
+    h_BV = _mix32_int64((k_B[:, None] + v_V[None, :] * 0x9E3779B1) & _M32)
+    h_BV = _mix32_int64(h_BV ^ kx_B[:, None])
+    # 23-bit uniforms on the midpoints (i + 0.5) / 2^23: in [2^-24, 1 - 2^-24], all exact in fp32, so u is
+    # never 0 or 1 (a 24-bit midpoint grid rounds its top point up to 1.0: E = 0 would force that token).
+    u_BV = ((h_BV >> 9).to(torch.float32) + 0.5) * (1.0 / (1 << 23))
+    return -torch.log(u_BV)
+
+
+def keyed_exp_noise(keys_B: torch.Tensor, positions_B: torch.Tensor, vocab: int) -> torch.Tensor:
+    """fp32 [B, V] Exp(1) variates that are a pure function of (key, position, token id): counter-based, so a
+    whole batch draws in a few kernels, with no generator state, and a row never depends on the others.
+    keys_B: int64 [B] (e.g. a request's seed), positions_B: int64 [B] (its output index). 23-bit uniforms.
+    This is the reference definition (`miles_k3.rollout.sampling` re-exports it); the kernel reproduces it bit
+    for bit."""
+    return exp_noise_from_row_keys(noise_row_keys(keys_B, positions_B), vocab)
+
+
+# ---- reference and kernel ----------------------------------------------------------------------------------
 def sample_unfiltered_reference(logits_BV: torch.Tensor, temperature_B: torch.Tensor, keys_B: torch.Tensor,
                                 positions_B: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Pure-torch reference of `sample_unfiltered` on any device (same arguments and results): exactly the
     torch path of `miles_k3.rollout.sampling.sample` when no row filters."""
-    from miles_k3.rollout.sampling import keyed_exp_noise  # the noise's one definition
-
     _check_inputs("sample_unfiltered_reference", logits_BV, temperature_B, keys_B, positions_B)
     greedy_B = temperature_B == 0
     z_BV = logits_BV.float() / torch.where(greedy_B, 1.0, temperature_B)[:, None]
@@ -90,7 +137,7 @@ def sample_unfiltered_reference(logits_BV: torch.Tensor, temperature_B: torch.Te
 
 @triton.jit
 def _mix32(x):
-    """`miles_k3.rollout.sampling._mix32` on uint32 (shifts are logical, products wrap mod 2^32)."""
+    """`_mix32_int64` on uint32 (shifts are logical, products wrap mod 2^32)."""
     x = x ^ (x >> 16)
     x = x * 0x7FEB352D
     x = x ^ (x >> 15)
@@ -100,7 +147,7 @@ def _mix32(x):
 
 @triton.jit
 def _noise_row_keys(key, pos):
-    """`miles_k3.rollout.sampling.noise_row_keys` of one row: int64 scalars key, position -> uint32 (k, kx).
+    """`noise_row_keys` of one row: int64 scalars key, position -> uint32 (k, kx).
     Casting int64 to uint32 keeps the low 32 bits (`& 0xFFFFFFFF`); `>> 32` on int64 is arithmetic in both."""
     k = _mix32(key.to(tl.uint32)) ^ _mix32((key >> 32).to(tl.uint32) ^ 0x9E3779B9)
     k = _mix32(k ^ pos.to(tl.uint32))

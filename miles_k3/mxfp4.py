@@ -19,7 +19,7 @@ import math
 
 import torch
 
-GROUP_SIZE = 32
+GROUP_SIZE = 32  # = miles_k3.kernels.mxfp4.GROUP_SIZE; not imported from there (that would import triton)
 SCALE_RULES = ("floor", "ceil")
 
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)

@@ -19,9 +19,9 @@ Semantics, fixed here once:
   log-softmax of the raw logits at temperature 1, so it equals the trainer's logprob of that token.
 * Noise and batch invariance: a sampled row takes argmax(log p - log E) over V Exp(1) variates E
   (exponential race, equivalent to Gumbel-max) that are a hash of (key, position, token id)
-  (`keyed_exp_noise`): counter-based, so there is no generator state to carry, a preempted and recomputed
-  request redraws the same noise, the whole batch draws in a few kernels, and the token for a key is the same
-  alone or inside any batch.
+  (`keyed_exp_noise`, defined beside its Triton twin in `miles_k3.kernels.sampling`): counter-based, so there
+  is no generator state to carry, a preempted and recomputed request redraws the same noise, the whole batch
+  draws in a few kernels, and the token for a key is the same alone or inside any batch.
 """
 
 from __future__ import annotations
@@ -33,6 +33,13 @@ from typing import Literal
 
 import torch
 from torch import Tensor
+
+# The noise lives in the kernels (the lowest layer, beside its Triton twin); the names stay importable here.
+from miles_k3.kernels.sampling import (  # noqa: F401 (re-exported)
+    exp_noise_from_row_keys,
+    keyed_exp_noise,
+    noise_row_keys,
+)
 
 
 @dataclass
@@ -171,50 +178,6 @@ def filtered_logprobs(logits_BV: Tensor, params: Sequence[SamplingParams]) -> Te
     keep_BV &= probs_BV >= min_p_B[:, None] * probs_BV[:, :1]
     keep_vocab_BV = torch.zeros_like(keep_BV).scatter_(1, order_BV, keep_BV)
     return torch.log_softmax(x_BV.masked_fill(~keep_vocab_BV, -math.inf), dim=-1)
-
-
-_M32 = 0xFFFFFFFF
-
-
-def _mix32(x: Tensor) -> Tensor:
-    """A 32-bit integer hash (xor-shift-multiply rounds) on int64 tensors holding values in [0, 2^32); every
-    product stays below 2^63, so it is exact on every device."""
-    x = x ^ (x >> 16)
-    x = (x * 0x7FEB352D) & _M32
-    x = x ^ (x >> 15)
-    x = (x * 0x31848BAB) & _M32
-    return x ^ (x >> 16)
-
-
-def noise_row_keys(keys_B: Tensor, positions_B: Tensor) -> Tensor:
-    """The per-row part of `keyed_exp_noise`: int64 [B, 2] holding (k, _mix32(k ^ 0x85EBCA6B)) per row,
-    values in [0, 2^32), where k mixes both 32-bit halves of the key with the position. keys_B / positions_B:
-    int64 [B] on any device (the result is on theirs). The fused kernel (`miles_k3.kernels.sampling`) has a
-    Triton twin of this and of `exp_noise_from_row_keys`, tested bit for bit against them."""
-    k_B = _mix32(keys_B & _M32) ^ _mix32(((keys_B >> 32) & _M32) ^ 0x9E3779B9)
-    k_B = _mix32(k_B ^ (positions_B & _M32))
-    return torch.stack([k_B, _mix32(k_B ^ 0x85EBCA6B)], dim=1)
-
-
-def exp_noise_from_row_keys(row_keys_B2: Tensor, vocab: int) -> Tensor:
-    """fp32 [B, V] Exp(1) variates of token ids 0..V-1 from `noise_row_keys` (the per-token part of
-    `keyed_exp_noise`): a hash of (row key, token id) -> a 23-bit uniform u in (0, 1) -> -log(u)."""
-    k_B, kx_B = row_keys_B2.unbind(1)
-    v_V = torch.arange(vocab, device=row_keys_B2.device, dtype=torch.int64)
-    h_BV = _mix32((k_B[:, None] + v_V[None, :] * 0x9E3779B1) & _M32)
-    h_BV = _mix32(h_BV ^ kx_B[:, None])
-    # 23-bit uniforms on the midpoints (i + 0.5) / 2^23: in [2^-24, 1 - 2^-24], all exact in fp32, so u is never
-    # 0 or 1 (a 24-bit midpoint grid rounds its top point up to 1.0: E = 0 would force that token).
-    u_BV = ((h_BV >> 9).to(torch.float32) + 0.5) * (1.0 / (1 << 23))
-    return -torch.log(u_BV)
-
-
-def keyed_exp_noise(keys_B: Tensor, positions_B: Tensor, vocab: int) -> Tensor:
-    """fp32 [B, V] Exp(1) variates that are a pure function of (key, position, token id): counter-based, so a
-    whole batch draws in a few kernels, with no generator state, and a row never depends on the others.
-    keys_B: int64 [B] (e.g. a request's seed), positions_B: int64 [B] (its output index). 23-bit uniforms.
-    This is the reference definition; `miles_k3.kernels.sampling` reproduces it bit for bit."""
-    return exp_noise_from_row_keys(noise_row_keys(keys_B, positions_B), vocab)
 
 
 def sample(logits_BV: Tensor, params: Sequence[SamplingParams], keys_B: Tensor, positions_B: Tensor
