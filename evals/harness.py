@@ -35,7 +35,7 @@ from miles_k3.evals.grading_pool import GradingPool
 from miles_k3.evals.metrics import SampleOutcome, summarize
 from miles_k3.evals.templates import render_prompt, response_text, template_names
 from miles_k3.parallel.mesh import SINGLE, ParallelContext
-from miles_k3.trainer.dp import gather
+from miles_k3.parallel.reduce import gather
 
 log = logging.getLogger("miles_k3.evals")
 

@@ -135,6 +135,8 @@ class ModelInfoConfig:
     """Requests each DP replica's engine holds at once (the KDA state and MLA KV figures)."""
     context: int = 20480
     """Tokens per request for the MLA KV figure (prompt + response; aime_grpo's engine.max_context)."""
+    micro_batch_tokens: int = 32768
+    """Tokens of one training micro-batch (aime_grpo's trainer.micro_batch_tokens): the activation estimate."""
     gpu_gib: float = 141.0 * 1e9 / 2**30
     """Memory of one GPU, GiB, that the per-rank total is compared with (H200: 141 GB)."""
     lora: LoRAConfig = field(default_factory=LoRAConfig)
@@ -147,7 +149,7 @@ class ModelInfoConfig:
             raise ValueError(f"gpus: {self.gpus} is not parallel.dp x parallel.tp = {self.parallel.dp} x "
                              f"{self.parallel.tp}; give gpus as a multiple of parallel.tp (parallel.dp follows) or "
                              "leave parallel.dp unset")
-        for name in ("batch", "context"):
+        for name in ("batch", "context", "micro_batch_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
         if not self.gpu_gib > 0:

@@ -1,13 +1,16 @@
 """`python -m miles_k3.init_checkpoint model=k3_tiny out=DIR [seed=0] [format=bf16|mxfp4] [overwrite=false]`:
-write a randomly initialised checkpoint directory of any K3 config. The weights follow
-`K3ForCausalLM.reset_parameters` (linears and experts N(0, 0.02), norms 1, A_log = log U(1, 16), zero AttnRes
-queries and biases; MXFP4 experts drawn per expert and quantized with the floor rule). Nothing needs the whole
-model in memory: the model is laid out on the meta device, then each decoder layer is materialised alone on
-the CPU (its routed experts one expert at a time), written and freed; the embedding, head and final norms come
-last, like the published shard layout (shard i = layer i-1, then the globals). Each part draws from its own
-generator seeded from (seed, part), so a seed reproduces the directory byte for byte. Small configs
-(vocab_size <= 65536) also get the project's byte-level tokenizer (`miles_k3.tokenizer`), and its
-bos/eos/pad ids in config.json (as K3's config.json carries its own).
+write a randomly initialised checkpoint directory of any K3 config: the random init a run draws without a
+model.path (`weights.RandomInit`: the K3 init rule, `k3.init_rule`; each stored tensor drawn in blocks of rows
+from generators seeded by (seed, name, block); MXFP4 experts quantized from their draw with the floor rule), so
+`build_model` of the config with that seed and the checkpoint written here hold the same weights, bit for bit.
+Nothing needs the whole model in memory: tensors are drawn one at a time (a routed expert's six tensors
+together) and written one shard per decoder layer, then one for the embedding, head and final norms, like the
+published layout. Small configs (vocab_size <= 65536) also get the project's byte-level tokenizer
+(`miles_k3.model.tokenizer`), and its bos/eos/pad ids in config.json (as K3's config.json carries its own).
+
+`hollow=true` writes the published 96-file layout of the config instead, with real safetensors headers and
+index and the payload left a hole in sparse files (`miles_k3.model.hollow`): the real K3's 1.56 TB takes ~0.1 GB
+of disk, enough for `python -m miles_k3.model_info model.path=DIR ...` to plan every rank's reads.
 """
 from __future__ import annotations
 
@@ -17,23 +20,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-import torch
 from hydra.core.config_store import ConfigStore
-from torch import nn
 
 from miles_k3.config import compose_cli
 from miles_k3.model.build import ModelConfig, load_k3_config
-from miles_k3.model.checkpoint import (
-    CONFIG_FILE,
-    checkpoint_config,
-    expected_tensors,
-    meta_model,
-)
-from miles_k3.model.checkpoint_writer import CheckpointWriter, to_stored
+from miles_k3.model.checkpoint import CONFIG_FILE, checkpoint_config
+from miles_k3.model.checkpoint_writer import CheckpointWriter, write_groups
 from miles_k3.model.config import K3Config
-from miles_k3.model.experts import EXPERT_FORMATS, PROJS, RoutedExperts
-from miles_k3.model.k3 import CHECKPOINT_PREFIX, K3DecoderLayer, K3ForCausalLM
-from miles_k3.tokenizer import BOS, END_OF_MSG, PAD, save_small_tokenizer, special_token_ids
+from miles_k3.model.experts import EXPERT_FORMATS
+from miles_k3.model.hollow import write_hollow_checkpoint
+from miles_k3.model.k3 import CHECKPOINT_PREFIX
+from miles_k3.model.tokenizer import BOS, END_OF_MSG, PAD, save_small_tokenizer, special_token_ids
+from miles_k3.model.weights import RandomInit
 
 log = logging.getLogger("miles_k3.init_checkpoint")
 
@@ -51,11 +49,13 @@ Fields (InitCheckpointConfig in miles_k3/init_checkpoint.py):
   format=bf16|mxfp4               routed-expert storage (mxfp4: native, as published)
   overwrite=false                 replace out if it exists (once the new directory is complete)
   max_shard_bytes=null            split a layer's shard above this size (null: one shard per layer)
+  hollow=false                    headers only, payload a hole (sparse files, the published layout; format=mxfp4)
 
 Example:  python -m miles_k3.init_checkpoint model=k3_tiny out=/tmp/k3_tiny_init format=mxfp4
+(the real K3's read plan: model=k3 out=/tmp/k3_hollow format=mxfp4 hollow=true, then python -m miles_k3.model_info
+model.path=/tmp/k3_hollow parallel.tp=8 parallel.ep=64 gpus=64)
 """
 SMALL_VOCAB = 65536  # configs up to this vocabulary get the small byte-level tokenizer
-_PART_STRIDE = 1 << 20  # seed * stride + part: distinct streams for up to 2^20 parts per seed
 
 
 @dataclass
@@ -74,6 +74,9 @@ class InitCheckpointConfig:
     """Replace `out` if it exists (only once the new directory is complete)."""
     max_shard_bytes: Optional[int] = None  # noqa: UP045
     """Split a layer's shard above this size; null: one shard per layer (memory: one layer as stored)."""
+    hollow: bool = False
+    """Write headers and index only, the payload a hole (sparse files in the published layout): for planning the
+    reads of a model too large to hold (model=k3). Needs format=mxfp4 (the published storage)."""
 
     def validate(self) -> None:
         if not self.out:
@@ -84,6 +87,9 @@ class InitCheckpointConfig:
             raise ValueError(f"seed: must be >= 0, got {self.seed}")
         if self.max_shard_bytes is not None and self.max_shard_bytes <= 0:
             raise ValueError(f"max_shard_bytes: must be > 0 or null, got {self.max_shard_bytes}")
+        if self.hollow and (self.format != "mxfp4" or self.max_shard_bytes is not None):
+            raise ValueError("hollow: writes the published layout (MXFP4 experts, one file per layer); set "
+                             "format=mxfp4 and leave max_shard_bytes null")
 
 
 def register_schema() -> None:
@@ -92,9 +98,10 @@ def register_schema() -> None:
 
 def init_checkpoint(cfg: K3Config, out: str | Path, seed: int = 0, expert_format: str = "bf16",
                     overwrite: bool = False, max_shard_bytes: int | None = None) -> Path:
-    """Write a random-init checkpoint of `cfg` to `out` (see the module docstring); returns `out`."""
-    specs = expected_tensors(cfg, expert_format)
-    skeleton = meta_model(cfg, expert_format)
+    """Write the random init of (`cfg`, `expert_format`, `seed`) to `out` (see the module docstring); returns
+    `out`. Its tensors are `weights.RandomInit`'s, so `build_model` without a path (same seed and format) holds
+    exactly these weights."""
+    source = RandomInit(cfg, expert_format, seed)
     with CheckpointWriter(out, overwrite=overwrite, max_shard_bytes=max_shard_bytes) as writer:
         token_ids = None
         if cfg.vocab_size <= SMALL_VOCAB:
@@ -102,56 +109,22 @@ def init_checkpoint(cfg: K3Config, out: str | Path, seed: int = 0, expert_format
             ids = special_token_ids()  # like K3's config.json: bos [BOS], eos <|end_of_msg|>, pad [PAD]
             token_ids = {"bos_token_id": ids[BOS], "eos_token_id": ids[END_OF_MSG], "pad_token_id": ids[PAD]}
         writer.write_json(CONFIG_FILE, checkpoint_config(cfg, expert_format, token_ids))
-        layers = list(skeleton.model.layers)
-        for i, layer in enumerate(layers):
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(seed * _PART_STRIDE + i + 1)
-                _write_layer(writer, layer, specs)
-            writer.flush()
-            log.info("layer %d/%d written", i + 1, len(layers))
-        skeleton.model.layers = nn.ModuleList()  # the rest: embedding, head, final norms
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed * _PART_STRIDE)
-            skeleton.to_empty(device="cpu")
-            skeleton.reset_parameters()
-            _write_module(writer, skeleton, "", specs)
-        del skeleton
+        layer = None
+        for group in write_groups(source.specs):
+            here = _layer_of(group[0])
+            if here != layer and layer is not None:
+                writer.flush()  # one shard per decoder layer, then one for the model-level tensors
+                log.info("layer %d/%d written", layer + 1, cfg.num_hidden_layers)
+            layer = here
+            writer.add({name: source.read(name, (slice(None),)) for name in group})
     log.info("wrote %s (seed %d, experts %s)", out, seed, expert_format)
     return Path(out)
 
 
-def _write_module(writer: CheckpointWriter, module: nn.Module, prefix: str, specs: dict) -> None:
-    """Add every state-dict tensor of a materialised module, named `language_model.` + prefix + key."""
-    for key, t in module.state_dict().items():
-        name = CHECKPOINT_PREFIX + prefix + key
-        if name in specs:  # a tied LM head is stored once
-            writer.add({name: to_stored(name, t, specs[name])})
-
-
-def _write_layer(writer: CheckpointWriter, layer: K3DecoderLayer, specs: dict) -> None:
-    """Materialise one decoder layer on the CPU without its routed experts, init and write it; then the
-    experts one at a time (each a one-expert `RoutedExperts`, initialised by its own `reset_parameters`)."""
-    prefix = f"model.layers.{layer.layer_id}."
-    experts = layer.block_sparse_moe.experts if layer.is_moe else None
-    if experts is not None:
-        layer.block_sparse_moe.experts = nn.Module()  # keep the experts on meta
-    layer.to_empty(device="cpu")
-    K3ForCausalLM.reset_parameters(layer)  # the model's init rule, applied to this layer's parameters
-    _write_module(writer, layer, prefix, specs)
-    if experts is None:
-        return
-    base = f"{CHECKPOINT_PREFIX}{prefix}block_sparse_moe.experts."
-    for e in range(experts.num_experts):
-        one = RoutedExperts(1, experts.latent, experts.inter, experts.beta, experts.linear_beta,
-                            experts.expert_format)
-        one.reset_parameters()
-        group = {}
-        for key, t in one.state_dict().items():
-            assert key.startswith("0.") and key.split(".")[1] in PROJS, key
-            name = base + str(e) + key[1:]
-            group[name] = to_stored(name, t, specs[name])
-        writer.add(group)
-    layer.to_empty(device="meta")
+def _layer_of(name: str) -> int:
+    """The decoder layer of a checkpoint name; -1 for the model-level tensors."""
+    prefix = CHECKPOINT_PREFIX + "model.layers."
+    return int(name[len(prefix):].split(".", 1)[0]) if name.startswith(prefix) else -1
 
 
 def main(argv: list[str]) -> Path:
@@ -160,6 +133,8 @@ def main(argv: list[str]) -> Path:
     register_schema()
     cfg = compose_cli("init_checkpoint", argv, "miles_k3.init_checkpoint", USAGE)
     try:
+        if cfg.hollow:
+            return write_hollow_checkpoint(load_k3_config(cfg.model), cfg.out, overwrite=cfg.overwrite)
         return init_checkpoint(load_k3_config(cfg.model), cfg.out, cfg.seed, cfg.format, cfg.overwrite,
                                cfg.max_shard_bytes)
     except ValueError as e:  # CheckpointError, ConfigError: the message names the problem and the fix

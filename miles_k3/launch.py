@@ -4,8 +4,9 @@ schedule, the reward, the prompt stream, the eval hook, the tracker and the run 
 checkpoint when `resume` names one (the run directory's metrics.jsonl and tables cut back to its step).
 `miles_k3/train.py` then only runs the loop over these.
 
-Under torchrun (`parallel:`) every rank builds the same model and adapter (same seed), shards it in place
-(`shard_model`: TP, EP), and colocates its own engine over its shard; rank 0 alone writes the run directory's
+Under torchrun (`parallel:`) every rank plans the model for its place in the mesh on the meta device, allocates and
+reads only its shard (`build_model`: the same weights and adapter as one process), and colocates its own engine
+over that shard; rank 0 alone writes the run directory's
 logs, metrics, tables and eval reports (the others get a `NullTracker`; each DP replica generates its share of
 the eval, which rank 0 grades), and every rank checkpoints its own state into one directory
 (`trainer.checkpoint_ranks`).
@@ -30,9 +31,9 @@ from miles_k3.evals.harness import EvalHook, check_prompt_lengths, prompt_ids
 from miles_k3.evals.rewards import build_reward
 from miles_k3.model.build import build_model, build_tokenizer, load_k3_config
 from miles_k3.model.lora import apply_lora, lora_parameters
-from miles_k3.parallel.expert_parallel import shard_experts_ep
+from miles_k3.model.parallelize import check_mesh
 from miles_k3.parallel.mesh import SINGLE, ParallelContext, init_parallel
-from miles_k3.parallel.tensor_parallel import shard_model_tp
+from miles_k3.parallel.reduce import broadcast, world_of
 from miles_k3.rollout.engine import RolloutEngine
 from miles_k3.rollout.sglang_backend import checkpoint_context
 from miles_k3.runtime import resolve_device, resolve_dtype
@@ -45,7 +46,6 @@ from miles_k3.trainer.checkpoint import (
     set_rng_state,
 )
 from miles_k3.trainer.checkpoint_ranks import load_checkpoint_ranks, rng_file
-from miles_k3.trainer.dp import broadcast, world_of
 from miles_k3.trainer.optim import BadStepGuard, build_optimizer, build_scheduler
 from miles_k3.trainer.rollouts import PromptStream
 from miles_k3.weight_sync.channel import open_sender
@@ -136,10 +136,9 @@ def build_run(cfg) -> Run:
         from miles_k3.model.hf import load_hf_model
 
         model = load_hf_model(cfg.model.hf_path, device, dtype)
+        apply_lora(model, cfg.lora)
     else:
-        model = build_model(cfg.model, device, dtype)
-    apply_lora(model, cfg.lora)
-    shard_model(model, ctx)
+        model = build_model(cfg.model, device, dtype, ctx, cfg.lora, cfg.seed)
     params = lora_parameters(model)
     opt = build_optimizer(params, cfg.trainer.optim)
     sched = build_scheduler(opt, cfg.trainer.optim)
@@ -176,10 +175,10 @@ def build_run(cfg) -> Run:
 
 
 def check_mesh_fits_model(cfg) -> None:
-    """Every dimension parallel.tp / parallel.ep shard divides by its degree (`ParallelConfig.check_model`), from
-    the K3 config alone: before a process group starts or a weight is built. Data parallelism shards nothing."""
+    """Every dimension parallel.tp / parallel.ep shard divides by its degree (`parallelize.check_mesh`), from the
+    K3 config alone: before a process group starts or a weight is built. Data parallelism shards nothing."""
     if cfg.model.hf_path is None and (cfg.parallel.tp > 1 or cfg.parallel.ep > 1):
-        cfg.parallel.check_model(load_k3_config(cfg.model))
+        check_mesh(load_k3_config(cfg.model), cfg.parallel.tp, cfg.parallel.ep)
 
 
 def rank_device(device: torch.device, ctx: ParallelContext) -> torch.device:
@@ -194,15 +193,6 @@ def quiet_other_ranks() -> None:
     rank 0's lines say what every rank does."""
     if os.environ.get("RANK", "0") != "0":
         logging.getLogger("miles_k3").setLevel(logging.WARNING)
-
-
-def shard_model(model, ctx: ParallelContext) -> None:
-    """The one place the trainer's model (built whole, same seed on every rank, LoRA applied) is cut to this
-    rank's shard, in place: tensor parallelism (parallel.tp), then expert parallelism (parallel.ep)."""
-    if ctx.tp_size > 1:
-        shard_model_tp(model, ctx)
-    if ctx.ep_size > 1:
-        shard_experts_ep(model, ctx)
 
 
 def check_prompts_fit(cfg, tokenizer, problems: list, eval_problems: list | None) -> None:

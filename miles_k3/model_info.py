@@ -12,29 +12,45 @@ full 2.78T K3 works anywhere), not from a second formula:
 * base_bytes: the base's tensors as stored (routed experts in `model.experts` format, MXFP4 by default: 4.25
   bits per weight; fp32 families 4 bytes; everything else bf16), and base_bytes_bf16_experts for comparison;
 * adapter_params: trainable LoRA parameters for the `lora` section (targets, rank);
-* per_rank: rank 0 of the `parallel` mesh, from the same meta model sharded by the real sharding code
-  (`shard_model_tp`, `shard_experts_ep`): its base shard (experts and the rest), its LoRA and AdamW state (fp32
-  master, gradient and two moments: 16 bytes per adapter parameter), the engine's KDA state (`batch` requests)
-  and MLA latent KV (`batch` x `context` tokens, replicated over tp), their total against `gpu_gib`, and the
-  all-to-all bytes per token per MoE layer (bf16 latent rows). Activations are not included: they depend on
-  micro_batch_tokens and activation checkpointing.
+* per_rank: rank 0 of the `parallel` mesh, planned by the build training runs (`weights.build_k3` on the meta
+  device, `parallelize`): its base shard (experts and the rest, as stored), `device_bytes` (what the loader
+  allocates on the rank: the base shard in the run's dtype and the fp32 adapter), the optimizer state (fp32
+  gradient and AdamW's two moments: 12 bytes per adapter parameter), the engine's KDA state (`batch` requests) and
+  MLA latent KV (`batch` x `context` tokens, replicated over tp), their total against `gpu_gib`, an estimate of a
+  micro-batch's activations (`activation_bytes`) and whether it all fits; the load: `load_bytes` (stored bytes
+  the rank reads from the checkpoint), `files_opened` (model.path's index; null for the published layout without
+  a directory) and, in `ranks`, every rank's; the all-to-all bytes per token per MoE layer (bf16 latent rows).
 """
 import json
 import sys
+from pathlib import Path
 
 import torch
 
 from miles_k3.config import compose_cli
 from miles_k3.model.build import load_k3_config, num_params
-from miles_k3.model.checkpoint import meta_model, stored_dtype
+from miles_k3.model.checkpoint import (
+    INDEX_FILE,
+    SINGLE_FILE,
+    STORED_BYTES,
+    expected_tensors,
+    meta_model,
+    open_checkpoint,
+    skip_meta_init,
+    spec_bytes,
+    stored_dtype,
+)
+from miles_k3.model.expert_parallel import alltoall_bytes_per_token
 from miles_k3.model.experts import RoutedExperts
 from miles_k3.model.k3 import K3ForCausalLM
 from miles_k3.model.kda import KDAAttention
 from miles_k3.model.lora import adapter_num_params, apply_lora
 from miles_k3.model.mla import MLAAttention
+from miles_k3.model.parallelize import check_mesh, shard_plan
 from miles_k3.model.routing import route_bytes_per_token
+from miles_k3.model.weights import ModelLayout, RandomInit, build_k3, device_bytes, plan_reads, read_bytes
+from miles_k3.parallel.mesh import ParallelContext
 
-STORED_BYTES = {"U8": 1, "BF16": 2, "F32": 4}
 USAGE = """
 python -m miles_k3.model_info [model=NAME | model.path=DIR] [parallel.tp=N parallel.ep=M gpus=G] [key=value ...]
 Sizing figures of a K3 config as one JSON object on stdout: parameters (total, active per token, routed
@@ -47,13 +63,15 @@ any size (the full 2.78T K3 included).
 
 Fields (ModelInfoConfig in miles_k3/config.py):
   model=k3|k3_m|k3_m2|k3_nano|k3_tiny   the shipped architecture (default k3)
-  model.path=DIR|HUB_ID           a checkpoint's config.json instead (its weights are not read)
+  model.path=DIR|HUB_ID           a checkpoint's config.json instead (a directory: its index gives each rank's
+                                  reads and files; no payload is read, so a hollow checkpoint will do)
   model.experts=auto|mxfp4|bf16   routed-expert storage counted in base_bytes (auto: mxfp4)
   parallel.tp=1                   tensor-parallel degree (also of the per-rank KDA state figure)
   parallel.ep=1                   expert-parallel degree (divides gpus)
   gpus=64                         GPUs (parallel.dp = gpus / parallel.tp; default: parallel.dp=1)
   batch=32                        requests per DP replica's engine (KDA state, MLA KV)
   context=20480                   tokens per request (MLA KV)
+  micro_batch_tokens=32768        tokens of a training micro-batch (the activation estimate)
   lora.rank=8                     the adapter adapter_params counts (lora.targets=[q_proj,...]: its modules)
 
 Example:  python -m miles_k3.model_info model=k3 parallel.tp=8 parallel.ep=64 gpus=64
@@ -118,7 +136,7 @@ def main(argv: list[str]) -> dict:
     figures = {"model": cfg.model.path or cfg.model.name, "tp": tp, **model_figures(model, tp),
                "base_bytes_bf16_experts": stored_bytes(model) - expert_bytes + sum(2 * m.num_params()
                                                                                   for m in routed)}
-    with torch.device("meta"):
+    with skip_meta_init():
         apply_lora(model, cfg.lora)
     figures["adapter_params"] = adapter_num_params(model)
     figures["lora"] = {"rank": cfg.lora.rank, "targets": list(cfg.lora.targets)}
@@ -127,40 +145,82 @@ def main(argv: list[str]) -> dict:
 
 
 def rank_figures(k3, fmt: str, cfg) -> dict:
-    """Rank 0 of `cfg.parallel`: a meta model with `cfg.lora`, sharded by the sharding code itself (a context of
-    the mesh's sizes whose groups are None: slicing needs no process group)."""
-    from miles_k3.parallel.expert_parallel import alltoall_bytes_per_token, shard_experts_ep
-    from miles_k3.parallel.mesh import ParallelContext
-    from miles_k3.parallel.tensor_parallel import shard_model_tp
-
+    """Rank 0 of `cfg.parallel` as training builds it (`build_model` on the meta device: the same plan, so
+    `device_bytes` is what the loader allocates), and every rank's load from the read plan of the checkpoint of
+    model.path (its index; a hollow checkpoint will do), else of the published layout (no files)."""
     p = cfg.parallel
-    p.check_model(k3)
-    ctx = ParallelContext(world_size=p.world_size, dp_size=p.dp, tp_size=p.tp, ep_size=p.ep)
-    model = meta_model(k3, fmt)
-    with torch.device("meta"):
-        apply_lora(model, cfg.lora)
-    shard_model_tp(model, ctx)
-    shard_experts_ep(model, ctx)
+    check_mesh(k3, p.tp, p.ep)
+    dtype = torch.float32 if cfg.model.dtype == "fp32" else torch.bfloat16  # a GPU run: bf16
+    model = build_k3(RandomInit(k3, fmt), fmt, torch.device("meta"), dtype,
+                     ParallelContext.layout(p.dp, p.tp, p.ep, 0), cfg.lora)  # no weights read on meta
     routed = [m for m in model.modules() if isinstance(m, RoutedExperts)]
     experts = sum(stored_bytes(m) for m in routed)
-    base = stored_bytes(model)
     adapter = adapter_num_params(model)
     kda = [m for m in model.modules() if isinstance(m, KDAAttention)]
     mla = [m for m in model.modules() if isinstance(m, MLAAttention)]
-    kda_state = cfg.batch * sum(m.state_bytes_per_request() + conv_state_bytes(m) for m in kda)
-    mla_kv = cfg.batch * cfg.context * sum(m.cache_bytes_per_token() for m in mla)
-    optimizer = 16 * adapter  # fp32 master, gradient, AdamW's two moments
-    total = base + optimizer + kda_state + mla_kv
+    allocated = device_bytes(model)
+    figures = {"mesh": {"gpus": p.world_size, "dp": p.dp, "tp": p.tp, "ep": p.ep},
+               "experts_per_rank": routed[0].num_experts if routed else 0,
+               "base_bytes": stored_bytes(model), "base_expert_bytes": experts,
+               "base_other_bytes": stored_bytes(model) - experts, "adapter_params": adapter,
+               "device_bytes": allocated,
+               "optimizer_bytes": 12 * adapter,  # the fp32 gradient and AdamW's two moments (the master: above)
+               "batch": cfg.batch, "context": cfg.context,
+               "kda_state_bytes": cfg.batch * sum(m.state_bytes_per_request() + conv_state_bytes(m) for m in kda),
+               "mla_kv_bytes": cfg.batch * cfg.context * sum(m.cache_bytes_per_token() for m in mla),
+               "micro_batch_tokens": cfg.micro_batch_tokens,
+               "activation_bytes_estimate": activation_bytes(k3, p.tp, cfg.micro_batch_tokens),
+               "alltoall_bytes_per_token_per_moe_layer": alltoall_bytes_per_token(k3, 2)}
+    total = sum(figures[k] for k in ("device_bytes", "optimizer_bytes", "kda_state_bytes", "mla_kv_bytes"))
     gpu = cfg.gpu_gib * 2**30
-    return {"mesh": {"gpus": p.world_size, "dp": p.dp, "tp": p.tp, "ep": p.ep},
-            "experts_per_rank": routed[0].num_experts if routed else 0,
-            "base_bytes": base, "base_expert_bytes": experts, "base_other_bytes": base - experts,
-            "adapter_params": adapter, "lora_and_optimizer_bytes": optimizer,
-            "batch": cfg.batch, "context": cfg.context,
-            "kda_state_bytes": kda_state, "mla_kv_bytes": mla_kv,
-            "total_bytes_before_activations": total, "gpu_bytes": round(gpu), "fits": total <= gpu,
-            "headroom_bytes_for_activations": round(gpu - total),
-            "alltoall_bytes_per_token_per_moe_layer": alltoall_bytes_per_token(k3, 2)}
+    figures.update(total_bytes_before_activations=total, gpu_bytes=round(gpu),
+                   headroom_bytes_for_activations=round(gpu - total),
+                   fits=total + figures["activation_bytes_estimate"] <= gpu)
+    loads = rank_loads(cfg, k3, fmt)
+    figures.update(load_bytes=loads[0]["load_bytes"], files_opened=loads[0]["files"],
+                   checkpoint_bytes=loads[0]["checkpoint_bytes"])
+    figures["ranks"] = [{"rank": r["rank"], "load_bytes": r["load_bytes"], "files": r["files"]} for r in loads]
+    return figures
+
+
+def activation_bytes(k3, tp: int, tokens: int) -> int:
+    """An estimate (arithmetic, not a measurement) of one training micro-batch's activations on a rank, with
+    activation checkpointing: each layer's saved input and the Block-AttnRes block sums (bf16, tokens x hidden),
+    plus this rank's fp32 logits and their gradient (tokens x vocab / tp x 4 B x 2). The recompute of one layer in
+    backward comes on top and is not counted."""
+    layers = k3.num_hidden_layers
+    saved = tokens * k3.hidden_size * 2 * (layers + -(-layers // k3.attn_res_block_size))
+    return saved + tokens * (k3.vocab_size // tp) * 4 * 2
+
+
+def rank_loads(cfg, k3, fmt: str) -> list[dict]:
+    """Every rank's load of `cfg.parallel`: stored bytes it reads, the files it opens, from the read plan
+    (`weights.plan_reads`) of its `shard_plan` on one whole meta model (no payload read, no allocation)."""
+    p = cfg.parallel
+    specs, files, stored_format = stored_layout(cfg, k3)
+    with skip_meta_init():
+        whole = meta_model(k3, fmt)
+        apply_lora(whole, cfg.lora)
+    sizes = {n: spec_bytes(s) for n, s in specs.items()}
+    total, layout = sum(sizes.values()), ModelLayout(whole)
+    out = []
+    for r in range(p.world_size):
+        reads = plan_reads(layout, shard_plan(whole, ParallelContext.layout(p.dp, p.tp, p.ep, r)), stored_format)
+        opened = {files[n] for read in reads for n in read.names if n in files}
+        out.append({"rank": r, "load_bytes": sum(read_bytes(read, specs, sizes) for read in reads),
+                    "files": len(opened) if files else None, "checkpoint_bytes": total, "reads": reads})
+    return out
+
+
+def stored_layout(cfg, k3) -> tuple[dict, dict, str]:
+    """(stored spec by name, file by name, stored expert format) of model.path's checkpoint when it is a local
+    directory with weights (its index and config: no shard opened), else of the published K3 format (MXFP4 experts), where
+    no file is known."""
+    path = Path(cfg.model.path).expanduser() if cfg.model.path is not None else None
+    if path is not None and ((path / INDEX_FILE).is_file() or (path / SINGLE_FILE).is_file()):
+        index = open_checkpoint(path)
+        return index.expected, {n: f.name for n, f in index.locations.items()}, index.expert_format
+    return expected_tensors(k3, "mxfp4"), {}, "mxfp4"
 
 
 if __name__ == "__main__":

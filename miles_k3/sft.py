@@ -48,7 +48,7 @@ from miles_k3.launch import engine_line, seed_everything, silence_fla_cpu_warnin
 from miles_k3.model.build import ModelConfig, build_model, build_tokenizer, checkpoint_dir, num_params
 from miles_k3.model.checkpoint_writer import save_checkpoint
 from miles_k3.model.config import ConfigError
-from miles_k3.model.lora import apply_lora, lora_parameters
+from miles_k3.model.lora import lora_parameters
 from miles_k3.rollout.engine import RolloutEngine
 from miles_k3.runtime import resolve_device, resolve_dtype
 from miles_k3.tracking import Tracker
@@ -127,10 +127,9 @@ def sft_loss(model: nn.Module, batch: TrainBatch) -> torch.Tensor:
 
 
 def trainable_parameters(model: nn.Module, cfg) -> dict[str, nn.Parameter]:
-    """full: every parameter of the model, made trainable; lora: the adapter `cfg.lora` attached (the base
-    frozen) and its Parameters."""
+    """full: every parameter of the model, made trainable; lora: the Parameters of the adapter `build_model`
+    attached (`cfg.lora`; the base frozen)."""
     if cfg.mode == "lora":
-        apply_lora(model, cfg.lora)
         return lora_parameters(model)
     model.requires_grad_(True)
     return dict(model.named_parameters())
@@ -167,7 +166,8 @@ def train_sft(cfg, raw_yaml: str = "") -> SFTResult:
                              "eval.max_new_tokens", cfg.eval.max_new_tokens, cfg.engine.max_context,
                              "engine.max_context", what="eval problem")
     device = resolve_device(cfg.device)
-    model = build_model(model_cfg, device, resolve_dtype(model_cfg.dtype, device))
+    model = build_model(model_cfg, device, resolve_dtype(model_cfg.dtype, device),
+                        lora=cfg.lora if cfg.mode == "lora" else None, seed=cfg.seed)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     examples = {id(p): encode_example(p, cfg.template, tokenizer, stop_ids[0]) for p in problems}
     params = trainable_parameters(model, cfg)

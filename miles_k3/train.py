@@ -38,10 +38,10 @@ from miles_k3.launch import POLICY, Run, build_run, seed_everything, silence_fla
 from miles_k3.model.build import build_model
 from miles_k3.model.lora import adapter_num_params, apply_lora
 from miles_k3.parallel.mesh import naming_rank, shutdown
+from miles_k3.parallel.reduce import max_over, world_of
 from miles_k3.runtime import resolve_device, resolve_dtype
 from miles_k3.trainer.checkpoint import ADAPTER_DIR, save_checkpoint
 from miles_k3.trainer.checkpoint_ranks import save_checkpoint_ranks
-from miles_k3.trainer.dp import max_over, world_of
 from miles_k3.trainer.rollouts import check_on_policy, collect_rollouts
 from miles_k3.trainer.step import train_step
 from miles_k3.weight_sync.protocol import SyncError

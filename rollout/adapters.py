@@ -15,14 +15,19 @@ from torch import nn
 from miles_k3.model.checkpoint import meta_model
 from miles_k3.model.k3 import K3ForCausalLM
 from miles_k3.model.lora import LoRAConfig, applied_lora_config, apply_lora, lora_parameters
+from miles_k3.model.parallelize import parallelize
+from miles_k3.parallel.mesh import SINGLE, ParallelContext
 from miles_k3.rollout.push_copy import PushCopier, copy_checked
 
 
-def share_base(model: K3ForCausalLM) -> K3ForCausalLM:
+def share_base(model: K3ForCausalLM, ctx: ParallelContext = SINGLE) -> K3ForCausalLM:
     """A K3ForCausalLM whose base tensors ARE `model`'s (same Parameter / buffer objects, no copy), without
-    `model`'s adapters: the engine attaches its own LoRA buffers. Its residual stream and logits are computed as
-    `model`'s (`fp32_residual`, `fp32_lm_head`)."""
+    `model`'s adapters: the engine attaches its own LoRA buffers. The twin is planned for `ctx` as the model was
+    (`parallelize` on the meta device: its shapes, head counts, held experts and groups), and each shared tensor is
+    checked to have the shape that plan gives. Its residual stream and logits are computed as `model`'s
+    (`fp32_residual`, `fp32_lm_head`)."""
     twin = meta_model(model.config, model.expert_format, model.kda_backend_name)
+    parallelize(twin, ctx)
     twin._backends = model._backends  # the same KDA backends, resolved (and logged) once for both
     twin.fp32_lm_head = model.fp32_lm_head  # the same logits dtype as the trainer's
     twin.model.fp32_residual = model.model.fp32_residual  # and the same residual dtype
@@ -32,6 +37,11 @@ def share_base(model: K3ForCausalLM) -> K3ForCausalLM:
             continue
         owner, _, leaf = name.rpartition(".")
         module: nn.Module = twin.get_submodule(owner)
+        planned = module._parameters[leaf] if leaf in module._parameters else module._buffers[leaf]
+        if planned.shape != t.shape:
+            raise ValueError(f"share_base: '{name}' is {list(t.shape)} in the model but {list(planned.shape)} in "
+                             f"the plan of {ctx.name()} (tp={ctx.tp_size}, ep={ctx.ep_size}): give the engine the "
+                             "context the model was built for")
         if leaf in module._parameters:
             module._parameters[leaf] = t
         else:

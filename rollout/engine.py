@@ -13,7 +13,7 @@ bad request gets an error entry; the others are served.
 Decode modes (`EngineConfig.decode`): eager (the reference: `model.step` on pooled copies), static and graph
 (`graph_decode.py`: a fixed-shape step writing the pools directly, captured per batch bucket on CUDA).
 
-Tensor parallelism: over a model sharded by `shard_model_tp`, every rank of the TP group runs this engine on the
+Tensor parallelism: over a model cut by `parallelize` (the engine is given the same `ctx`), every rank of the TP group runs this engine on the
 same prompts with its own shard (its pools hold its KDA heads; the MLA latents are replicated). Each step's
 logits are gathered over the vocabulary, so every rank samples the same tokens, and drawn sampling seeds are
 rank 0's: the ranks schedule identically and enter every collective together. CUDA-graph decode is not used
@@ -36,14 +36,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from miles_k3.model.experts import RoutedExperts
 from miles_k3.model.k3 import K3ForCausalLM
 from miles_k3.model.lora import LoRAConfig
 from miles_k3.model.routing import moe_layers, recording
-from miles_k3.parallel.expert_parallel import adopt_ep_layout
 from miles_k3.parallel.lockstep import Lockstep
 from miles_k3.parallel.mesh import SINGLE, ParallelContext
-from miles_k3.parallel.tensor_parallel import adopt_tp_layout
 from miles_k3.rollout.adapters import AdapterBank, share_base
 from miles_k3.rollout.engine_config import MEMORY_TAGS, EngineConfig
 from miles_k3.rollout.graph_decode import GraphDecoder
@@ -73,14 +70,9 @@ class RolloutEngine:
         self.config.validate()
         self.cfg = model.config
         self.tokenizer = tokenizer
-        self.model = share_base(model)
-        self.tp_context = model.tp_context
-        if self.tp_context is not None:
-            adopt_tp_layout(self.model, self.tp_context)
-        adopt_ep_layout(self.model, model)  # before the adapters: expert LoRA sized for the held experts
-        tp = 1 if self.tp_context is None else self.tp_context.tp_size
-        ep = max((m.total_experts // m.num_experts for m in self.model.modules() if isinstance(m, RoutedExperts)),
-                 default=1)
+        self.model = share_base(model, ctx)  # planned for ctx: expert LoRA below is sized for the held experts
+        self.ctx = ctx
+        tp, ep = ctx.tp_size, ctx.ep_size
         self.lockstep = Lockstep(ctx)
         self._num_moe = len(moe_layers(self.model))
         self.lora_config = lora
@@ -288,8 +280,8 @@ class RolloutEngine:
         """A sampling seed from torch's global RNG; under TP rank 0's (broadcast), so every rank of the group
         samples the same tokens whatever its RNG state."""
         seed = torch.randint(0, 2**62, (1,))
-        if self.tp_context is not None:
-            group = self.tp_context.tp_group
+        if self.ctx.tp_size > 1:
+            group = self.ctx.tp_group
             seed = seed.to(self.device)
             dist.broadcast(seed, src=dist.get_global_rank(group, 0), group=group)
         return int(seed.item())

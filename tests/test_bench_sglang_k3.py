@@ -52,7 +52,7 @@ def _run(k3_dir, double_model, prompts=2, greedy=2):
 def test_logprobs_part_against_the_double(k3_dir):
     """The double serves the same weights: the gap is ~0 and greedy continuations agree; one weight of its copy
     changed, the gap is clearly non-zero."""
-    from miles_k3.model.checkpoint import load_checkpoint
+    from miles_k3.model.weights import load_checkpoint
 
     rows = _run(k3_dir, load_checkpoint(k3_dir, "cpu", torch.float32))
     assert "error" not in rows["sglang"] and rows["sglang"]["server_args"]["enable_multimodal"] is False
@@ -89,8 +89,9 @@ def test_pinned_routes_send_every_token_of_every_layer_to_the_same_experts(k3_di
     bias was raised, while the unpinned model routes tokens to different experts; nothing else changed."""
     from safetensors.torch import load_file
 
-    from miles_k3.model.checkpoint import inspect_checkpoint, load_checkpoint
+    from miles_k3.model.checkpoint import inspect_checkpoint
     from miles_k3.model.routing import recording
+    from miles_k3.model.weights import load_checkpoint
 
     top_k = inspect_checkpoint(k3_dir).config.num_experts_per_token
     pinned = bench.pin_routes(k3_dir, tmp_path / "pinned", top_k=top_k, seed=0)
@@ -155,7 +156,7 @@ def test_data_prompts_are_a_second_set_after_the_random_ids(k3_dir, tmp_path):
     """--data adds its problems as their own rows after the random ids; --no-random leaves the data alone."""
     import json
 
-    from miles_k3.model.checkpoint import load_checkpoint
+    from miles_k3.model.weights import load_checkpoint
 
     data = tmp_path / "lp.jsonl"
     data.write_text("".join(json.dumps({"id": str(i), "problem": p, "answer": "0"}) + "\n"

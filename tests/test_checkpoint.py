@@ -22,11 +22,11 @@ from miles_k3.model.checkpoint import (
     INDEX_FILE,
     CheckpointError,
     config_with_quantization,
-    load_checkpoint,
     mxfp4_quantization_config,
 )
 from miles_k3.model.checkpoint_writer import save_checkpoint
 from miles_k3.model.config import ConfigError
+from miles_k3.model.weights import load_checkpoint
 from miles_k3.mxfp4 import dequantize_mxfp4, quantize_mxfp4
 from miles_k3.quantize import main as quantize_main
 from miles_k3.quantize import quantize_checkpoint

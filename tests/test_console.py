@@ -107,8 +107,8 @@ def test_help_is_short_and_lists_its_own_recipes_only(app, tmp_path):
 @pytest.mark.parametrize("flag", ["--help", "-h"])
 @pytest.mark.parametrize("app, fields", [
     ("model_info", ["model", "model.path", "model.experts", "parallel.tp", "parallel.ep", "gpus", "batch",
-                    "context", "lora.rank"]),
-    ("init_checkpoint", ["model", "model.path", "out", "seed", "format", "overwrite", "max_shard_bytes"]),
+                    "context", "micro_batch_tokens", "lora.rank"]),
+    ("init_checkpoint", ["model", "model.path", "out", "seed", "format", "overwrite", "max_shard_bytes", "hollow"]),
 ])
 def test_module_commands_print_their_usage(app, fields, flag, tmp_path):
     """The commands that are not Hydra apps: --help is a short usage text (what it does, its fields, an example

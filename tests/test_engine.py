@@ -211,7 +211,7 @@ def test_pause_blocks_scheduling_and_release_is_refused_while_generate_runs(base
 
 
 def test_text_prompts_and_stop_strings_through_the_small_tokenizer(base, tmp_path):
-    from miles_k3.tokenizer import load_tokenizer, save_small_tokenizer
+    from miles_k3.model.tokenizer import load_tokenizer, save_small_tokenizer
 
     save_small_tokenizer(tmp_path, base.config.vocab_size)
     tok = load_tokenizer(tmp_path)

@@ -18,7 +18,7 @@ from miles_k3.evals import harness
 from miles_k3.evals.datasets import Problem
 from miles_k3.evals.harness import EvalConfig, EvalHook, evaluate, write_reports
 from miles_k3.grade import main as grade_main
-from miles_k3.tokenizer import small_tokenizer, stop_token_ids
+from miles_k3.model.tokenizer import small_tokenizer, stop_token_ids
 
 TOK = small_tokenizer(300)
 PROBLEMS = [Problem("p0", "What is 30 + 3?", "033"), Problem("p1", "What is 2 + 5?", "7"),

@@ -85,7 +85,9 @@ def test_model_info_sizes_one_rank_of_a_mesh():
     dense = 2 * 16 * (128 + 192) + 16 * (192 + 128)  # gate, up (-> 384/2); down
     shared = 2 * 16 * (128 + 64) + 16 * (64 + 128)  # 2 shared experts of 64: 128 wide, 64 per rank
     assert r["adapter_params"] == 6 * kda + 3 * mla + dense + 8 * shared == 223_872
-    assert r["lora_and_optimizer_bytes"] == 16 * 223_872
+    assert r["optimizer_bytes"] == 12 * 223_872  # fp32 gradient and AdamW's two moments
+    # a bf16 run allocates the base shard as stored (bf16, the fp32 families, MXFP4 experts) and the fp32 adapter
+    assert r["device_bytes"] == r["base_bytes"] + 4 * 223_872
     # 6 KDA layers x 2 of 4 heads x 32 x 32 fp32, plus bf16 conv windows of 3 x 64 channels x 3 taps; 4 requests
     assert r["kda_state_bytes"] == 4 * 6 * (2 * 32 * 32 * 4 + 3 * 64 * 3 * 2)
     assert r["mla_kv_bytes"] == 4 * 100 * 3 * (32 + 8) * 2  # latents replicated over tp

@@ -9,6 +9,7 @@ import torch
 from dist_helpers import run_ranks
 
 from miles_k3.model.config import K3Config
+from miles_k3.model.parallelize import check_mesh
 from miles_k3.parallel.config import ParallelConfig, ParallelConfigError
 
 
@@ -31,10 +32,10 @@ def test_a_mesh_that_does_not_divide_the_model_names_the_dimension():
     cfg = _tiny()  # 4 KDA heads, 4 MLA heads, vocab 512, 16 experts
     with pytest.raises(ParallelConfigError, match=r"parallel.tp: 3 does not divide the model's KDA heads .* = 4; "
                                                   r"use a tp among \[1, 2, 4\]"):
-        ParallelConfig(dp=1, tp=3).check_model(cfg)
+        check_mesh(cfg, tp=3, ep=1)
     with pytest.raises(ParallelConfigError, match=r"parallel.ep: 3 does not divide the model's num_experts = 16"):
-        ParallelConfig(dp=3, ep=3).check_model(cfg)
-    ParallelConfig(dp=2, tp=4, ep=8).check_model(cfg)  # divides: no error
+        check_mesh(cfg, tp=1, ep=3)
+    check_mesh(cfg, tp=4, ep=8)  # divides: no error
 
 
 def test_the_world_size_must_be_the_product():

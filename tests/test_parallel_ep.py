@@ -96,25 +96,20 @@ def _decode(model, tokens):
     return [t.cpu() for t in logits]
 
 
-def _sharded(ctx, rank, tp_dense=False, **kw):
-    """The full model built as in one process (same seed), sharded (`tp_dense`: its dense layers over tp too, as a
-    run does), then moved to the rank's test device."""
-    from miles_k3.parallel.expert_parallel import shard_experts_ep
-    from miles_k3.parallel.tensor_parallel import shard_model_tp
+def _sharded(ctx, rank, **kw):
+    """The full model built as in one process (same seed), cut to the rank's shard by `parallelize` (experts over
+    ep, and under tp > 1 the dense layers over tp too), then moved to the rank's test device."""
+    from miles_k3.model.parallelize import parallelize
     model = _model(**kw)
-    if tp_dense:
-        shard_model_tp(model, ctx)
-    shard_experts_ep(model, ctx)
+    parallelize(model, ctx)
     return model.to(dist_helpers.test_device(rank))
 
 
-def _engine_twin(model):
-    """The rollout engine's view of a sharded model: `share_base` (its base tensors, modules built for the full
-    shapes), the EP layout adopted, then its own adapters (sized for the held experts), given the model's values."""
-    from miles_k3.parallel.expert_parallel import adopt_ep_layout
+def _engine_twin(model, ctx):
+    """The rollout engine's view of a sharded model: `share_base` (its base tensors, the twin planned for the same
+    ctx), then its own adapters (sized for the held experts), given the model's values."""
     from miles_k3.rollout.adapters import share_base
-    twin = share_base(model)
-    adopt_ep_layout(twin, model)
+    twin = share_base(model, ctx)
     apply_lora(twin, LoRAConfig(rank=4, alpha=8.0, targets=TARGETS))
     source = lora_parameters(model)
     with torch.no_grad():
@@ -252,7 +247,7 @@ def _ranks_world2(rank):
     model = _sharded(ctx, rank)
     out["train"] = _train_step(model, _tokens(rank), ctx)
     out["decode"] = _decode(model, _tokens(rank))
-    out["twin_decode"] = _decode(_engine_twin(model), _tokens(rank))
+    out["twin_decode"] = _decode(_engine_twin(model, ctx), _tokens(rank))
     out["moe_zero"] = _moe_zero_tokens(model, ctx, rank, empty_ranks={1})
     with sync_free_experts():
         try:
@@ -265,10 +260,9 @@ def _ranks_world2(rank):
     out["lockstep_train"] = _lockstep_train(_sharded(ctx, rank), ctx, rank)
     out["far"] = _train_step(_sharded(ctx, rank, far_bias=True), _tokens(rank), ctx)  # rank 0 receives no rows
     out["mxfp4"] = _train_step(_sharded(ctx, rank, expert_format="mxfp4"), _tokens(rank), ctx)
-    # tp = 2: tokens split over tp, EP group = TP group; the dense layers whole ("tp") and tensor-parallel too
+    # tp = 2: tokens split over tp, EP group = TP group, the dense layers tensor-parallel
     ctx_tp = build_context(ParallelConfig(tp=2, ep=2), rank, 2, DEVICE_TYPE)
-    out["tp"] = _train_step(_sharded(ctx_tp, rank), _tokens(0), ctx_tp)
-    both = _sharded(ctx_tp, rank, tp_dense=True)
+    both = _sharded(ctx_tp, rank)
     out["tp_dense"] = _train_step(both, _tokens(0), ctx_tp)
     out["tp_routed"] = _routed(both, _tokens(0), seed=0)  # the MoE input split over tp: ids split and gathered
     from miles_k3.parallel.grads import whole  # the unsharded adapter (what the PEFT export writes)
@@ -283,7 +277,7 @@ def _ranks_world4(rank):
     out = {"train": _train_step(model, _tokens(rank), ctx),
            "moe_zero": _moe_zero_tokens(model, ctx, rank, empty_ranks={2, 3})}  # rank 2 gets no rows, rank 0 does
     ctx4 = build_context(ParallelConfig(dp=2, tp=2, ep=4), rank, 4, DEVICE_TYPE)  # one EP group, both TP groups
-    out["ep4"] = _train_step(_sharded(ctx4, rank, tp_dense=True), _tokens(rank // 2), ctx4)
+    out["ep4"] = _train_step(_sharded(ctx4, rank), _tokens(rank // 2), ctx4)
     return out
 
 
@@ -433,7 +427,6 @@ def test_dp2_ep2_equals_one_process():
     assert all(not g.any() for n, g in far.items() if ".experts.lora." in n and "lora_B" in n)
     _check_step("mxfp4", [r["mxfp4"] for r in results], [0, 1], ep=2, expert_format="mxfp4")
     # tp = 2: both ranks feed the same tokens and hold the loss of those tokens once
-    _check_step("tp2 ep2", [r["tp"] for r in results], [0, 0], ep=2)
     _check_step("tp2 ep2, dense layers tensor-parallel", [r["tp_dense"] for r in results], [0, 0], ep=2, tp=2)
     full = lora_parameters(_model())  # TP halves and expert slices gathered back: the one-process adapter exactly
     for r in results:
@@ -457,22 +450,22 @@ def _fake_ctx(ep_rank, ep_size):
 
 
 def test_ep_that_does_not_divide_the_experts_and_sharding_twice_are_refused():
-    from miles_k3.parallel.expert_parallel import shard_experts_ep
+    from miles_k3.model.parallelize import parallelize
     model = _model()
     with pytest.raises(ParallelConfigError, match=r"parallel.ep: 3 does not divide the model's num_experts = 16; "
                                                   r"use an ep among \[1, 2, 4, 8, 16\]"):
-        shard_experts_ep(model, _fake_ctx(0, 3))
-    shard_experts_ep(model, _fake_ctx(1, 2))
-    with pytest.raises(ValueError, match="already sharded; shard a freshly built full model once"):
-        shard_experts_ep(model, _fake_ctx(1, 2))
+        parallelize(model, _fake_ctx(0, 3))
+    parallelize(model, _fake_ctx(1, 2))
+    with pytest.raises(ValueError, match=r"already cut for tp=1, ep=2; parallelize a whole model"):
+        parallelize(model, _fake_ctx(1, 2))
 
 
 @pytest.mark.parametrize("expert_format", ["bf16", "mxfp4"])
 def test_a_shard_keeps_its_slice_of_the_storage_under_global_expert_ids(expert_format):
-    from miles_k3.parallel.expert_parallel import shard_experts_ep
+    from miles_k3.model.parallelize import parallelize
     full = _model(expert_format)
     shard = copy.deepcopy(full)
-    shard_experts_ep(shard, _fake_ctx(1, 4))  # experts 4..7
+    parallelize(shard, _fake_ctx(1, 4))  # experts 4..7
     full_sd, shard_sd = full.state_dict(), shard.state_dict()
     prefix = "model.layers.1.block_sparse_moe.experts."
     held = sorted({int(k[len(prefix):].split(".")[0]) for k in shard_sd if k.startswith(prefix)
@@ -494,21 +487,21 @@ def test_a_shard_keeps_its_slice_of_the_storage_under_global_expert_ids(expert_f
 
 
 def test_loading_a_shard_checks_the_expert_ids():
-    from miles_k3.parallel.expert_parallel import shard_experts_ep
+    from miles_k3.model.parallelize import parallelize
     rank1, again, rank0 = _model(), _model(), _model()
     for m, r in ((rank1, 1), (again, 1), (rank0, 0)):
-        shard_experts_ep(m, _fake_ctx(r, 2))
+        parallelize(m, _fake_ctx(r, 2))
     again.load_state_dict(rank1.state_dict())  # the same ep rank's shard loads
     with pytest.raises(RuntimeError, match=r"experts\.8\.w1\.weight \(and \d+ more\): experts this module does "
                                            r"not hold: it holds experts 0\.\.7 of 16 \(a parallel.ep shard\)"):
         rank0.load_state_dict(rank1.state_dict())
     base = {k: v for k, v in _model().state_dict().items() if "lora" not in k}
-    with pytest.raises(RuntimeError, match=r"experts\.8\.w1\.weight .* load before shard_experts_ep"):
+    with pytest.raises(RuntimeError, match=r"experts\.8\.w1\.weight .* load into a model not cut by parallelize"):
         rank0.load_state_dict(base, strict=False)  # a full model's experts: refused too, not silently sliced
 
 
 def test_sync_free_decode_refuses_expert_parallel_dispatch():
-    from miles_k3.parallel.expert_parallel import ExpertParallel
+    from miles_k3.model.expert_parallel import ExpertParallel
     experts = _model().model.layers[1].block_sparse_moe.experts
     ep = ExpertParallel(tp_group=None, ep_group=object(), ep_size=2)  # refused before any collective
     with sync_free_experts(), pytest.raises(RuntimeError, match=r"parallel.ep=2.*CUDA-graph.*decode eagerly"):
@@ -526,7 +519,7 @@ def test_an_expert_shard_that_gets_no_rows_has_zero_lora_gradients():
 
 def test_alltoall_bytes_per_token_by_hand():
     from miles_k3.model.config import K3Config
-    from miles_k3.parallel.expert_parallel import alltoall_bytes_per_token
+    from miles_k3.model.expert_parallel import alltoall_bytes_per_token
     # k3_tiny: 4 experts per token, latent width 64. bf16: 4 rows x 64 x 2 B = 512 B each way.
     got = alltoall_bytes_per_token(K3Config.from_name("k3_tiny"), 2)
     assert got == {"dispatch": 512, "combine": 512, "forward": 1024, "backward": 1024}

@@ -55,10 +55,11 @@ def _loss_weights(b: int, t: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(b, t, generator=g), torch.randn(b, t, generator=g)
 
 
-def _engine_outputs(model: K3ForCausalLM, decode: str) -> list[dict]:
+def _engine_outputs(model: K3ForCausalLM, decode: str, ctx=None) -> list[dict]:
+    from miles_k3.parallel.mesh import SINGLE
     from miles_k3.rollout.engine import EngineConfig, RolloutEngine
     cfg = EngineConfig(memory_budget_bytes=4 * 2**20, max_context=64, page_size=4, prefill_chunk=4, decode=decode)
-    engine = RolloutEngine(model, cfg, lora=LORA)
+    engine = RolloutEngine(model, cfg, lora=LORA, ctx=ctx or SINGLE)
     engine.load_lora_adapter_from_tensors("policy", lora_state_dict(model), LORA)
     return engine.generate(input_ids=PROMPTS, sampling_params={"temperature": 0, "max_new_tokens": NEW_TOKENS},
                            lora="policy")
@@ -106,13 +107,13 @@ def _losses_alone(z: torch.Tensor, tokens: torch.Tensor, vocab_shard=None) -> di
 
 
 def _tp_rank(rank: int) -> dict:
+    from miles_k3.model.parallelize import parallelize
     from miles_k3.parallel.config import ParallelConfig
     from miles_k3.parallel.grads import global_grad_norm, reduce_gradients
     from miles_k3.parallel.mesh import init_parallel
-    from miles_k3.parallel.tensor_parallel import shard_model_tp
     ctx = init_parallel(ParallelConfig(tp=TP), DEVICE_TYPE)
     model = _model()
-    shard_model_tp(model, ctx)
+    parallelize(model, ctx)
     model.to(dist_helpers.test_device(rank))
     out = _run(model, model.vocab_shard)
     params = lora_parameters(model)
@@ -122,9 +123,9 @@ def _tp_rank(rank: int) -> dict:
     out["vocab"] = (model.vocab_shard.start, model.vocab_shard.end)
     out["kda_heads"] = model.model.layers[1].self_attn.num_heads
     model.zero_grad(set_to_none=True)
-    out["engine"] = {d: _tokens_and_logprobs(_engine_outputs(model, d)) for d in ("eager", "static")}
+    out["engine"] = {d: _tokens_and_logprobs(_engine_outputs(model, d, ctx)) for d in ("eager", "static")}
     from miles_k3.rollout.engine import EngineConfig, RolloutEngine
-    engine = RolloutEngine(model, EngineConfig(memory_budget_bytes=2**20, max_context=32, page_size=4))
+    engine = RolloutEngine(model, EngineConfig(memory_budget_bytes=2**20, max_context=32, page_size=4), ctx=ctx)
     out["kda_pool_heads"] = engine.kda.recurrent_NHKV[0].shape[1]
     torch.manual_seed(100 + rank)  # the ranks' RNGs differ: the drawn seed must still be one for the group
     out["drawn"] = engine.generate(input_ids=[PROMPTS[0]], sampling_params={"temperature": 1.0,
@@ -216,26 +217,26 @@ def _ranks_without_groups(tp: int) -> ParallelContext:
 ])
 def test_a_tp_that_does_not_divide_a_split_dimension_is_refused(tp, change, message):
     from miles_k3.model.checkpoint import meta_model
-    from miles_k3.parallel.tensor_parallel import shard_model_tp
+    from miles_k3.model.parallelize import parallelize
     cfg = dataclasses.replace(K3Config.from_name("k3_tiny"), **change)
     model = meta_model(cfg)
     with pytest.raises(ParallelConfigError, match=message):
-        shard_model_tp(model, _ranks_without_groups(tp))
-    assert model.tp_context is None and model.lm_head.weight.shape[0] == cfg.vocab_size  # nothing sliced
+        parallelize(model, _ranks_without_groups(tp))
+    assert model.shard_plan is None and model.lm_head.weight.shape[0] == cfg.vocab_size  # nothing sliced
 
 
 def test_sharding_a_model_twice_is_refused():
     from miles_k3.model.checkpoint import meta_model
-    from miles_k3.parallel.tensor_parallel import shard_model_tp
+    from miles_k3.model.parallelize import parallelize
     model = meta_model(K3Config.from_name("k3_tiny"))
-    shard_model_tp(model, _ranks_without_groups(2))
+    parallelize(model, _ranks_without_groups(2))
     assert model.lm_head.weight.shape[0] == 256 and model.model.layers[1].self_attn.num_heads == 2
-    with pytest.raises(ParallelConfigError, match=r"parallel.tp: this model is already sharded for tp=2"):
-        shard_model_tp(model, _ranks_without_groups(2))
+    with pytest.raises(ValueError, match=r"already cut for tp=2, ep=1; parallelize a whole model"):
+        parallelize(model, _ranks_without_groups(2))
 
 
 def test_logits_of_another_shard_are_refused():
-    from miles_k3.parallel.tensor_parallel import VocabShard
+    from miles_k3.parallel.comm import VocabShard
     from miles_k3.trainer.losses import token_logprobs
     with pytest.raises(ValueError, match=r"logits_BTV: 512 vocabulary rows, but vocab_shard holds rows "
                                          r"\[0, 256\) of 512"):

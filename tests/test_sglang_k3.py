@@ -329,7 +329,7 @@ def test_merged_from_checkpoint_equals_the_trainers_merge_and_names_bad_adapters
     merged_weights gives on the trainer's model in the checkpoint's bf16; expert, foreign and mis-shaped adapters
     are refused by name."""
     from miles_k3.adapter import read_adapter, save_adapter
-    from miles_k3.model.checkpoint import load_checkpoint
+    from miles_k3.model.weights import load_checkpoint
     from miles_k3.weight_sync.sglang import merged_from_checkpoint, merged_weights
 
     lora = LoRAConfig(rank=4, alpha=8.0, use_rslora=True, targets=["q_proj", "q_b_proj", "o_proj"])

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from miles_k3.model.config import ConfigError
-from miles_k3.tokenizer import (
+from miles_k3.model.tokenizer import (
     SMALL_TOKENIZER_SIZE,
     build_small_tokenizer,
     load_tokenizer,

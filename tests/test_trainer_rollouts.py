@@ -5,7 +5,7 @@ import pytest
 
 from miles_k3.evals.datasets import Problem
 from miles_k3.evals.rewards import RewardResult
-from miles_k3.tokenizer import small_tokenizer
+from miles_k3.model.tokenizer import small_tokenizer
 from miles_k3.trainer.rollouts import (
     PromptStream,
     RolloutConfig,

@@ -26,6 +26,7 @@ from miles_k3.atomic import atomic_write_text, publish_directory, stage_director
 from miles_k3.model.lora import LoRAConfig, applied_lora_config, lora_parameters
 from miles_k3.parallel.grads import whole
 from miles_k3.parallel.mesh import ParallelContext
+from miles_k3.parallel.reduce import broadcast, gather, ranks_where, world_of
 from miles_k3.trainer.checkpoint import (
     ADAPTER_DIR,
     CONFIG_YAML,
@@ -55,7 +56,6 @@ from miles_k3.trainer.checkpoint import (
     state_json,
     step_dir_name,
 )
-from miles_k3.trainer.dp import broadcast, gather, ranks_where, world_of
 
 
 class CheckpointWriteError(RuntimeError):

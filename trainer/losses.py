@@ -30,7 +30,7 @@ from torch.autograd.function import once_differentiable
 from miles_k3.parallel.comm import all_reduce_
 
 if TYPE_CHECKING:
-    from miles_k3.parallel.tensor_parallel import VocabShard
+    from miles_k3.parallel.comm import VocabShard
 
 RATIO_LEVELS = ("token", "sequence")
 AGGREGATIONS = ("token_mean", "seq_mean", "seq_sum_norm")

@@ -27,7 +27,7 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from miles_k3.parallel.grads import global_grad_norm, reduce_gradients
 from miles_k3.parallel.mesh import SINGLE, ParallelContext
-from miles_k3.trainer.dp import max_over, world_of
+from miles_k3.parallel.reduce import max_over, world_of
 
 ADAPTER_MARK = "lora_"  # every adapter Parameter name contains it (`...q_proj.lora_A.weight`)
 

@@ -32,9 +32,9 @@ from miles_k3.evals.datasets import Problem
 from miles_k3.evals.rewards import grade_outcome
 from miles_k3.evals.templates import render_prompt, response_text, template_names
 from miles_k3.parallel.mesh import SINGLE, ParallelContext
+from miles_k3.parallel.reduce import sum_over
 from miles_k3.trainer.advantages import ADVANTAGE_ESTIMATORS, group_advantages, zero_variance_groups
 from miles_k3.trainer.batch import Sample
-from miles_k3.trainer.dp import sum_over
 
 OVERLONG_MODES = ("none", "mask", "penalty")
 GRADER_FAILURE_WARN = 0.05  # a step whose grader timeouts + errors exceed this share of its samples warns

@@ -42,12 +42,12 @@ from dataclasses import dataclass, field
 import torch
 
 from miles_k3.model.lora import adapters_disabled
+from miles_k3.model.parallelize import vocab_shard
 from miles_k3.model.routing import mismatched_tokens, recording, replaying
 from miles_k3.parallel.lockstep import Lockstep
 from miles_k3.parallel.mesh import SINGLE, ParallelContext
-from miles_k3.parallel.tensor_parallel import vocab_shard
+from miles_k3.parallel.reduce import all_ranks, gather, max_over, sum_over, world_of
 from miles_k3.trainer.batch import Sample, micro_batches, pack
-from miles_k3.trainer.dp import all_ranks, gather, max_over, sum_over, world_of
 from miles_k3.trainer.losses import LossConfig, policy_loss, token_entropy, token_logprobs
 from miles_k3.trainer.optim import OptimConfig, optimizer_step
 

@@ -22,7 +22,7 @@ from collections.abc import Mapping
 import torch
 
 from miles_k3.parallel.mesh import SINGLE, ParallelContext
-from miles_k3.trainer.dp import gather, ranks_where, world_of
+from miles_k3.parallel.reduce import gather, ranks_where, world_of
 from miles_k3.weight_sync.protocol import PushReport, SyncError, readback_matches, sync_devices
 
 

@@ -1,10 +1,10 @@
 """`ModelConfig` (the `model` section of the run config) and building a `K3ForCausalLM` from it.
 
 The architecture comes from `model.path` (a checkpoint directory, a hub id, or `builtin:<name>` for a base shipped
-in the package; its `config.json`) when set,
-else from the shipped config `model.name`. With `path`, `build_model` loads the checkpoint's weights
-(`checkpoint.load_checkpoint`; a hub id is first fetched into the huggingface_hub cache: config, tokenizer and
-text weights only); without it, it initialises the weights randomly.
+in the package; its `config.json`) when set, else from the shipped config `model.name`. `build_model` is the one
+build of a K3: planned on the meta device for the rank's place in the mesh, then filled with the checkpoint's
+slices (a hub id is first fetched into the huggingface_hub cache: config, tokenizer and text weights only) or with
+a seeded random init (`weights.py`).
 """
 import json
 import logging
@@ -19,6 +19,8 @@ from miles_k3.model.config import SHIPPED_CONFIGS, ConfigError, K3Config
 from miles_k3.model.experts import EXPERT_FORMATS, RoutedExperts
 from miles_k3.model.k3 import CHECKPOINT_PREFIX, K3ForCausalLM
 from miles_k3.model.kda_ops import BACKEND_NAMES
+from miles_k3.model.lora import LoRAConfig
+from miles_k3.parallel.mesh import SINGLE, ParallelContext
 from miles_k3.runtime import FP32_DOTS, set_fp32_dots, set_fp32_gemm_reduction
 
 log = logging.getLogger(__name__)
@@ -200,27 +202,34 @@ def num_params(model: K3ForCausalLM) -> int:
                        if isinstance(m, RoutedExperts) and m.expert_format == "mxfp4")
 
 
-def build_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> K3ForCausalLM:
-    """The K3 of `cfg` on `device` in `dtype` (fp32 tensors kept), with its KDA backend resolved.
+def weight_source(cfg: ModelConfig, seed: int = 0):
+    """Where `cfg`'s weights come from: the checkpoint of `path` (validated by its names: `open_checkpoint`) or
+    the random init of `seed` (`RandomInit`: experts MXFP4 unless `cfg.experts` is bf16); and the experts' format
+    in the model (`cfg.experts`, auto: as stored)."""
+    from miles_k3.model.checkpoint import open_checkpoint
+    from miles_k3.model.weights import CheckpointReader, RandomInit
 
-    With `path`: the checkpoint's weights (frozen), experts per `cfg.experts`. Without: a random init with
-    MXFP4 experts unless `cfg.experts` is bf16.
-    """
+    if cfg.path is not None:
+        index = open_checkpoint(checkpoint_dir(cfg))
+        return CheckpointReader(index), index.expert_format if cfg.experts == "auto" else cfg.experts
+    fmt = "mxfp4" if cfg.experts == "auto" else cfg.experts
+    return RandomInit(K3Config.from_name(cfg.name), fmt, seed), fmt
+
+
+def build_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, ctx: ParallelContext = SINGLE,
+                lora: LoRAConfig | None = None, seed: int = 0) -> K3ForCausalLM:
+    """This rank's K3 of `cfg` on `device` in `dtype` (fp32 tensors kept), frozen, with `lora` attached and its KDA
+    backend resolved: planned on the meta device and cut to this rank's shard of `ctx` (`parallelize`), then
+    allocated once and filled with this rank's slices of the checkpoint of `path` (only the files that hold them
+    are opened), or of the random init of `seed` (the checkpoint init_checkpoint writes for it; the same weights
+    on every mesh). The adapter is drawn from `seed` too (`weights.init_adapters`). The one build of train, eval,
+    sft and model_info (on the meta device)."""
+    from miles_k3.model.weights import build_k3
+
     set_fp32_dots(cfg.fp32_dots)  # before any kernel of this model compiles
     set_fp32_gemm_reduction(cfg.fp32_gemm_reduction)
-    if cfg.path is not None:
-        from miles_k3.model.checkpoint import load_checkpoint
-
-        model = load_checkpoint(checkpoint_dir(cfg), device, dtype, expert_format=cfg.experts,
-                                kda_backend=cfg.kda_backend)
-    else:
-        fmt = "mxfp4" if cfg.experts == "auto" else cfg.experts
-        with torch.device(device):
-            model = K3ForCausalLM(K3Config.from_name(cfg.name), kda_backend=cfg.kda_backend,
-                                  expert_format=fmt).cast(dtype)
-        model.requires_grad_(False)  # the base is frozen; adapters (miles_k3.model.lora) are what trains
-        if device.type != "meta":
-            model.kda_backend(device)  # resolve and log the backend choice now, not at the first forward
+    source, fmt = weight_source(cfg, seed)
+    model = build_k3(source, fmt, device, dtype, ctx, lora, seed, cfg.kda_backend)
     model.fp32_lm_head = cfg.fp32_lm_head
     model.model.fp32_residual = cfg.fp32_residual
     log.info("model=%s: %s parameters, experts %s", cfg.path or cfg.name, f"{num_params(model):,}",
@@ -233,7 +242,7 @@ def build_tokenizer(cfg: ModelConfig, vocab_size: int | None = None):
     generation_config eos ids with `path` (or `hf_path`), else the small byte-level tokenizer of `vocab_size`
     ids (shipped configs, random init; None: the shipped config's vocab_size). Needs no model: a caller may
     build it first."""
-    from miles_k3.tokenizer import load_tokenizer, small_tokenizer, stop_token_ids
+    from miles_k3.model.tokenizer import load_tokenizer, small_tokenizer, stop_token_ids
 
     if cfg.hf_path is not None:
         tok = load_tokenizer(cfg.hf_path, trust_remote_code=cfg.trust_remote_code)

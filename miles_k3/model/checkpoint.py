@@ -7,8 +7,9 @@ experts are MXFP4; read flat or nested) plus `model.safetensors` or shards liste
 tensors are skipped (text-only model). Stored dtypes: bf16, except the fp32 families (`FP32_PARAM_SUFFIXES`)
 and the uint8 MXFP4 experts (`…experts.{e}.w{1,2,3}.weight_packed` [out, in/2] + `.weight_scale`
 [out, in/32]). `A_log` is stored padded with zeros to a multiple of 128 entries (the published [128] for 96
-heads); the model holds one per head. `load_checkpoint` validates every name, shape and dtype from the headers
-before copying anything, then streams tensors one at a time into a model built on the meta device.
+heads); the model holds one per head. `open_checkpoint` validates a directory by its names (no shard opened),
+`CheckpointIndex.headers` the specs of the tensors a rank reads (opening only their files); loading them, as slices
+into a model planned on the meta device, is `weights.py`.
 Writing (atomic: a temporary sibling directory renamed into place when complete) is in
 `checkpoint_writer.py`.
 """
@@ -26,12 +27,13 @@ from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
+from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from miles_k3.model.config import K3Config
-from miles_k3.model.experts import EXPERT_FORMATS
+from miles_k3.model.experts import RoutedExperts
 from miles_k3.model.k3 import CHECKPOINT_PREFIX, FP32_PARAM_SUFFIXES, K3ForCausalLM
-from miles_k3.mxfp4 import GROUP_SIZE, dequantize_mxfp4, quantize_mxfp4
+from miles_k3.mxfp4 import GROUP_SIZE
 
 log = logging.getLogger(__name__)
 
@@ -152,28 +154,52 @@ class _SkipMetaInit(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+@contextlib.contextmanager
+def skip_meta_init() -> Iterator[None]:
+    """Within the block, modules built on the meta device (and adapters attached there) skip their init ops."""
+    with torch.device("meta"), _SkipMetaInit():
+        yield
+
+
 def meta_model(cfg: K3Config, expert_format: str = "bf16", kda_backend: str = "auto") -> K3ForCausalLM:
     """A `K3ForCausalLM` on the meta device (shapes and dtypes only, no memory), built without init."""
-    with torch.device("meta"), _SkipMetaInit():
+    with skip_meta_init():
         return K3ForCausalLM(cfg, kda_backend=kda_backend, expert_format=expert_format)
 
 
 def expected_tensors(cfg: K3Config, expert_format: str) -> dict[str, TensorSpec]:
-    """Checkpoint name -> stored spec of every text tensor of `cfg` with experts in `expert_format`.
+    """Checkpoint name -> stored spec of every text tensor of `cfg` with experts in `expert_format`, in state-dict
+    order.
 
-    Computed from a model on the meta device (no memory). `A_log` has its padded stored shape; a tied LM head
-    is stored once (as the embedding).
+    Computed from a model on the meta device (no memory; routed experts listed from their stacked storage, no
+    per-expert views). `A_log` has its padded stored shape; a tied LM head is stored once (as the embedding).
     """
-    model = meta_model(cfg, expert_format)
     specs = {}
-    for key, t in model.state_dict().items():
+    for key, shape, dtype in state_dict_shapes(meta_model(cfg, expert_format)):
         if key == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
-        shape = tuple(t.shape)
         if key.endswith("A_log"):
             shape = (padded_a_log_len(shape[0]),)
-        specs[CHECKPOINT_PREFIX + key] = TensorSpec(shape, stored_dtype(key, t.dtype))
+        specs[CHECKPOINT_PREFIX + key] = TensorSpec(shape, stored_dtype(key, dtype))
     return specs
+
+
+def state_dict_shapes(model: nn.Module) -> Iterator[tuple[str, tuple[int, ...], torch.dtype]]:
+    """(key, shape, dtype) of every `model.state_dict()` entry, in its order, without making the entries: routed
+    experts give one entry per held expert (global ids) from their stacked storage."""
+    for path, module in model.named_modules():
+        prefix = f"{path}." if path else ""
+        if isinstance(module, RoutedExperts):
+            for suffix, stacked in module.stored_tensors().items():
+                for e in range(module.expert_offset, module.expert_offset + module.num_experts):
+                    yield f"{prefix}{e}.{suffix}", tuple(stacked.shape[1:]), stacked.dtype
+            continue
+        for name, t in module._parameters.items():
+            if t is not None:
+                yield prefix + name, tuple(t.shape), t.dtype
+        for name, t in module._buffers.items():
+            if t is not None and name not in module._non_persistent_buffers_set:
+                yield prefix + name, tuple(t.shape), t.dtype
 
 
 # ---- reading ----------------------------------------------------------------------------------------------
@@ -193,9 +219,55 @@ class CheckpointInfo:
     other_tensors: dict[str, Path] = field(default_factory=dict)
 
 
-def inspect_checkpoint(path: str | Path) -> CheckpointInfo:
-    """Read config, index and safetensors headers of a checkpoint directory and validate every text tensor's
-    name, shape and dtype (and the zero padding of `A_log`). Raises CheckpointError naming tensor and file."""
+@dataclass
+class CheckpointIndex:
+    """A checkpoint directory validated by its tensor names (config.json, and the index or the single file's
+    header): which file holds each text tensor, every expected name present and nothing else, every file present,
+    the stored expert format. No shard file is opened; `headers(names)` opens only the files holding `names`."""
+
+    path: Path
+    raw_config: dict[str, Any]
+    config: K3Config
+    expert_format: str
+    locations: dict[str, Path]
+    """Text tensor name -> the file that holds it."""
+    expected: dict[str, TensorSpec]
+    """Text tensor name -> the stored spec the config implies."""
+    skipped: dict[str, Path] = field(default_factory=dict)
+    """Vision / projector tensor name -> file (not part of the text model)."""
+
+    @property
+    def total_bytes(self) -> int:
+        """Payload bytes of every stored text tensor."""
+        return sum(spec_bytes(self.expected[n]) for n in self.locations)
+
+    def headers(self, names) -> dict[str, tuple[Path, TensorSpec]]:
+        """Name -> (file, stored spec) of `names`, read from the headers of the files that hold them and validated
+        against the config (shape, dtype; A_log's zero padding). All problems in one CheckpointError."""
+        by_file: dict[Path, list[str]] = {}
+        for name in names:
+            by_file.setdefault(self.locations[name], []).append(name)
+        headers = _read_headers(by_file)
+        _check_specs(self.config, self.expected, headers)
+        _check_a_log_padding(self.config, headers)
+        return headers
+
+
+def spec_bytes(spec: TensorSpec) -> int:
+    """Payload bytes of a stored tensor."""
+    n = 1
+    for d in spec.shape:
+        n *= d
+    return n * STORED_BYTES[spec.dtype]
+
+
+STORED_BYTES = {"U8": 1, "BF16": 2, "F32": 4}
+
+
+def open_checkpoint(path: str | Path) -> CheckpointIndex:
+    """Read config.json and the index (or the single file's header) of a checkpoint directory and validate what
+    the names alone tell: every text tensor the config implies is listed and nothing else, every listed file
+    exists, one expert format (and its quantization_config). Raises CheckpointError naming tensor and file."""
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"{path}: not a directory; pass a checkpoint directory (config.json + "
@@ -211,17 +283,24 @@ def inspect_checkpoint(path: str | Path) -> CheckpointInfo:
                                   f"('{CHECKPOINT_PREFIX}…') nor a skipped vision tensor "
                                   f"({', '.join(SKIPPED_PREFIXES)}…); remove it or fix its name")
     _check_files_exist(path, text)
-    headers = _read_headers(text)
-    fmt = _stored_expert_format(headers)
+    fmt = _stored_expert_format(text)
     if fmt == "mxfp4":
-        _check_quantization_config(raw, path / CONFIG_FILE, next(n for n in headers if n.endswith("_packed")))
-    tensors = _validate_tensors(cfg, fmt, headers)
-    _check_a_log_padding(cfg, tensors)
-    other = {n: f for n, f in skipped.items() if f.is_file()}
-    if len(other) < len(skipped):
+        _check_quantization_config(raw, path / CONFIG_FILE, next(n for n in text if n.endswith("_packed")))
+    expected = expected_tensors(cfg, fmt)
+    _check_names(cfg, fmt, expected, text)
+    present = {n: f for n, f in skipped.items() if f.is_file()}
+    if len(present) < len(skipped):
         log.info("%s: %d vision/projector tensors are in files not present here (text-only copy); skipped",
-                 path, len(skipped) - len(other))
-    return CheckpointInfo(path, raw, cfg, fmt, tensors, other)
+                 path, len(skipped) - len(present))
+    return CheckpointIndex(path, raw, cfg, fmt, {n: text[n] for n in expected if n in text}, expected, present)
+
+
+def inspect_checkpoint(path: str | Path) -> CheckpointInfo:
+    """Read config, index and every safetensors header of a checkpoint directory and validate every text tensor's
+    name, shape and dtype (and the zero padding of `A_log`). Raises CheckpointError naming tensor and file."""
+    index = open_checkpoint(path)
+    return CheckpointInfo(index.path, index.raw_config, index.config, index.expert_format,
+                          index.headers(list(index.locations)), index.skipped)
 
 
 def _read_json(file: Path, what: str) -> dict[str, Any]:
@@ -282,11 +361,8 @@ def open_safetensors(file: Path, names: list[str]) -> Iterator[Any]:
         yield f
 
 
-def _read_headers(text: dict[str, Path]) -> dict[str, tuple[Path, TensorSpec]]:
+def _read_headers(by_file: dict[Path, list[str]]) -> dict[str, tuple[Path, TensorSpec]]:
     """Name -> (file, stored spec) from the headers; every name the index maps to a file must be in it."""
-    by_file: dict[Path, list[str]] = {}
-    for name, file in text.items():
-        by_file.setdefault(file, []).append(name)
     headers = {}
     for file, names in sorted(by_file.items()):
         with open_safetensors(file, names) as f:
@@ -301,24 +377,24 @@ def _read_headers(text: dict[str, Path]) -> dict[str, tuple[Path, TensorSpec]]:
     return headers
 
 
-def _stored_expert_format(headers: dict[str, tuple[Path, TensorSpec]]) -> str:
+def _stored_expert_format(text: dict[str, Path]) -> str:
     """bf16 or mxfp4 from the expert tensor names; a mix, or packed without scale (or back), is an error."""
     kinds: dict[str, dict[str, str]] = {"weight": {}, "weight_packed": {}, "weight_scale": {}}
-    for name in headers:
+    for name in text:
         m = EXPERT_NAME.match(name)
         if m:
             kinds[m["kind"]][m["base"]] = name
     plain, packed, scale = kinds["weight"], kinds["weight_packed"], kinds["weight_scale"]
     if plain and (packed or scale):
         a, b = next(iter(plain.values())), next(iter((packed or scale).values()))
-        raise CheckpointError(f"mixed routed-expert formats: '{a}' ({headers[a][0]}) is bf16 but '{b}' "
-                              f"({headers[b][0]}) is MXFP4; a checkpoint must store all experts one way: "
+        raise CheckpointError(f"mixed routed-expert formats: '{a}' ({text[a]}) is bf16 but '{b}' "
+                              f"({text[b]}) is MXFP4; a checkpoint must store all experts one way: "
                               "re-export it (python -m miles_k3.quantize turns a bf16 checkpoint into MXFP4)")
     for have, other, want in ((packed, scale, "weight_scale"), (scale, packed, "weight_packed")):
         lonely = sorted(set(have) - set(other))
         if lonely:
             name = have[lonely[0]]
-            raise CheckpointError(f"'{name}' ({headers[name][0]}) has no matching '{lonely[0]}.{want}' "
+            raise CheckpointError(f"'{name}' ({text[name]}) has no matching '{lonely[0]}.{want}' "
                                   f"({len(lonely)} such expert projections); an MXFP4 weight needs both "
                                   "weight_packed and weight_scale: re-download or re-export the checkpoint")
     return "mxfp4" if packed else "bf16"
@@ -349,22 +425,32 @@ def _check_quantization_config(raw: dict[str, Any], source: Path, example: str) 
                                       f"{value!r} (MXFP4: num_bits 4, type float, group_size 32); {how}")
 
 
-def _validate_tensors(cfg: K3Config, fmt: str, headers: dict[str, tuple[Path, TensorSpec]]
-                      ) -> dict[str, tuple[Path, TensorSpec]]:
-    """Every expected tensor present with its shape and dtype, nothing else; all problems in one error."""
-    expected = expected_tensors(cfg, fmt)
+def _problems_error(problems: list[str]) -> CheckpointError:
+    more = f"\n  ... and {len(problems) - _MAX_LISTED} more" if len(problems) > _MAX_LISTED else ""
+    return CheckpointError(f"{len(problems)} problem(s) in the checkpoint tensors; check that config.json matches "
+                           "the weights, or re-export the checkpoint:\n  " + "\n  ".join(problems[:_MAX_LISTED]) + more)
+
+
+def _check_names(cfg: K3Config, fmt: str, expected: dict[str, TensorSpec], text: dict[str, Path]) -> None:
+    """Every expected tensor listed, nothing else (a tied LM head may be stored or not); all problems at once."""
+    tied_head = CHECKPOINT_PREFIX + "lm_head.weight" if cfg.tie_word_embeddings else None
+    problems = [f"missing tensor '{name}' (no file in the checkpoint holds it; expected {spec.dtype} "
+                f"{list(spec.shape)})" for name, spec in expected.items() if name not in text]
+    problems += [f"unexpected tensor '{name}' in {file}: not a tensor of the K3 text model that config.json "
+                 f"describes (num_hidden_layers={cfg.num_hidden_layers}, num_experts={cfg.num_experts}, experts "
+                 f"stored as {fmt})" for name, file in text.items() if name not in expected and name != tied_head]
+    if problems:
+        raise _problems_error(problems)
+
+
+def _check_specs(cfg: K3Config, expected: dict[str, TensorSpec], headers: dict[str, tuple[Path, TensorSpec]]
+                 ) -> None:
+    """Every header's shape and dtype is the one the config implies (A_log: per head, or padded as published)."""
     num_heads = cfg.linear_attn_config.num_heads
     problems = []
-    for name, spec in expected.items():
-        if name not in headers:
-            if not (name == CHECKPOINT_PREFIX + "lm_head.weight" and cfg.tie_word_embeddings):
-                problems.append(f"missing tensor '{name}' (no file in the checkpoint holds it; expected "
-                                f"{spec.dtype} {list(spec.shape)})")
-            continue
-        file, got = headers[name]
-        shapes = [spec.shape]
-        if name.endswith("A_log"):
-            shapes = [(num_heads,), spec.shape]  # per head, or padded as published
+    for name, (file, got) in headers.items():
+        spec = expected[name]
+        shapes = [(num_heads,), spec.shape] if name.endswith("A_log") else [spec.shape]
         if got.shape not in shapes:
             problems.append(f"tensor '{name}' in {file} has shape {list(got.shape)}, expected "
                             f"{' or '.join(str(list(s)) for s in shapes)} for this config.json")
@@ -372,18 +458,8 @@ def _validate_tensors(cfg: K3Config, fmt: str, headers: dict[str, tuple[Path, Te
             problems.append(f"tensor '{name}' in {file} is stored as {got.dtype}, expected {spec.dtype} (K3 "
                             "stores bf16; fp32 for A_log, dt_bias, conv1d, o_norm, e_score_correction_bias; "
                             "uint8 for MXFP4 experts)")
-    tied_head = CHECKPOINT_PREFIX + "lm_head.weight" if cfg.tie_word_embeddings else None
-    for name, (file, _) in headers.items():
-        if name not in expected and name != tied_head:
-            problems.append(f"unexpected tensor '{name}' in {file}: not a tensor of the K3 text model that "
-                            f"config.json describes (num_hidden_layers={cfg.num_hidden_layers}, "
-                            f"num_experts={cfg.num_experts}, experts stored as {fmt})")
     if problems:
-        more = f"\n  ... and {len(problems) - _MAX_LISTED} more" if len(problems) > _MAX_LISTED else ""
-        raise CheckpointError(f"{len(problems)} problem(s) in the checkpoint tensors; check that config.json "
-                              "matches the weights, or re-export the checkpoint:\n  "
-                              + "\n  ".join(problems[:_MAX_LISTED]) + more)
-    return {n: headers[n] for n in expected if n in headers}
+        raise _problems_error(problems)
 
 
 def _check_a_log_padding(cfg: K3Config, tensors: dict[str, tuple[Path, TensorSpec]]) -> None:
@@ -404,74 +480,6 @@ def _check_a_log_padding(cfg: K3Config, tensors: dict[str, tuple[Path, TensorSpe
 def _listed(names: list[str]) -> str:
     shown = ", ".join(f"'{n}'" for n in names[:3])
     return shown + (f" and {len(names) - 3} more tensors" if len(names) > 3 else "")
-
-
-# ---- loading --------------------------------------------------------------------------------------------
-def load_checkpoint(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.bfloat16,
-                    expert_format: str = "auto", kda_backend: str = "auto") -> K3ForCausalLM:
-    """Load a checkpoint directory into a frozen `K3ForCausalLM` on `device` in `dtype` (fp32 families kept).
-
-    `expert_format`: "auto" keeps the stored format; "bf16" on an MXFP4 checkpoint dequantizes while loading
-    (references, benchmarks); "mxfp4" on a bf16 checkpoint quantizes while loading (floor rule). Everything is
-    validated from the headers first; then tensors stream one at a time into the model's state-dict views.
-    """
-    if expert_format not in ("auto", *EXPERT_FORMATS):
-        raise CheckpointError(f"expert_format: '{expert_format}' is not one of auto, "
-                              f"{', '.join(EXPERT_FORMATS)}")
-    if not dtype.is_floating_point:
-        raise CheckpointError(f"dtype: {dtype} is not a floating-point dtype; use torch.bfloat16 or "
-                              "torch.float32")
-    device = torch.device(device)
-    info = inspect_checkpoint(path)
-    fmt = info.expert_format if expert_format == "auto" else expert_format
-    model = meta_model(info.config, fmt, kda_backend)
-    model.cast(dtype).to_empty(device=device)  # allocate once, already in the compute dtype
-    _stream_tensors(model, info, fmt)
-    model.requires_grad_(False)
-    if device.type != "meta":
-        model.kda_backend(device)
-    log.info("loaded %s: %d tensors, experts %s%s", info.path, len(info.tensors), fmt,
-             "" if fmt == info.expert_format else f" (stored {info.expert_format})")
-    return model
-
-
-def _stream_tensors(model: K3ForCausalLM, info: CheckpointInfo, fmt: str) -> None:
-    """Copy every stored tensor into the model's state-dict views, converting the expert format if asked."""
-    views = {CHECKPOINT_PREFIX + k: v for k, v in model.state_dict().items()}
-    written: set[str] = set()
-    num_heads = info.config.linear_attn_config.num_heads
-    with contextlib.ExitStack() as stack:
-        handles: dict[Path, Any] = {}
-
-        def read(name: str) -> torch.Tensor:
-            file = info.tensors[name][0]
-            if file not in handles:
-                handles[file] = stack.enter_context(open_safetensors(file, [name]))
-            try:
-                return handles[file].get_tensor(name)
-            except (SafetensorError, OSError) as e:
-                raise CheckpointError(f"tensor '{name}' in {file}: cannot be read ({e}); re-download or "
-                                      "re-write the file") from None
-
-        for name in sorted(info.tensors, key=lambda n: (info.tensors[n][0], n)):
-            m = EXPERT_NAME.match(name)
-            with torch.no_grad():
-                if m is None or fmt == info.expert_format:
-                    t = read(name)
-                    views[name].copy_(t[:num_heads] if name.endswith("A_log") else t)
-                    written.add(name)
-                elif m["kind"] == "weight_packed":  # stored MXFP4 -> bf16 model
-                    target = views[f"{m['base']}.weight"]
-                    exact = target.dtype if target.dtype in (torch.bfloat16, torch.float32) else torch.float32
-                    target.copy_(dequantize_mxfp4(read(name), read(f"{m['base']}.weight_scale"), exact))
-                    written.add(f"{m['base']}.weight")
-                elif m["kind"] == "weight":  # stored bf16 -> MXFP4 model
-                    packed, scale = quantize_mxfp4(read(name), "floor")
-                    views[f"{m['base']}.weight_packed"].copy_(packed)
-                    views[f"{m['base']}.weight_scale"].copy_(scale)
-                    written.update((f"{m['base']}.weight_packed", f"{m['base']}.weight_scale"))
-    tied = {CHECKPOINT_PREFIX + "lm_head.weight"} if info.config.tie_word_embeddings else set()
-    assert set(views) - tied <= written, sorted(set(views) - tied - written)[:5]
 
 
 # ---- writing --------------------------------------------------------------------------------------------

@@ -165,7 +165,7 @@ def save_checkpoint(model: K3ForCausalLM, path: str | Path,
     Stored dtypes are the checkpoint's (bf16, fp32 families, uint8 MXFP4 experts) whatever the model's compute
     dtype; LoRA or other non-base tensors are not written. Atomic; see `CheckpointWriter`.
     The tokenizer can go into the same directory (and so appear with it, atomically): `small_tokenizer` writes
-    the project's byte-level tokenizer (`miles_k3.tokenizer.save_small_tokenizer`) and its bos/eos/pad ids
+    the project's byte-level tokenizer (`miles_k3.model.tokenizer.save_small_tokenizer`) and its bos/eos/pad ids
     into config.json, as `miles_k3.init_checkpoint` does for random-init checkpoints; `tokenizer_from` copies
     the tokenizer files (TOKENIZER_FILE_PATTERNS) of a model directory. Without either, no tokenizer is
     written.
@@ -178,7 +178,7 @@ def save_checkpoint(model: K3ForCausalLM, path: str | Path,
     with CheckpointWriter(path, overwrite=overwrite, max_shard_bytes=max_shard_bytes) as writer:
         token_ids = None
         if small_tokenizer:
-            from miles_k3.tokenizer import BOS, END_OF_MSG, PAD, save_small_tokenizer, special_token_ids
+            from miles_k3.model.tokenizer import BOS, END_OF_MSG, PAD, save_small_tokenizer, special_token_ids
 
             save_small_tokenizer(writer.staging, model.config.vocab_size)
             ids = special_token_ids()  # like K3's config.json: bos [BOS], eos <|end_of_msg|>, pad [PAD]

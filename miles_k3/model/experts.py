@@ -330,7 +330,7 @@ class RoutedExperts(nn.Module):
     def keep_experts(self, first: int, count: int) -> None:
         """Keep only the experts of global ids first .. first + count - 1, in their native storage (bf16
         Parameters, the same objects, or MXFP4 uint8 buffers): a copy of that slice, so the rest is freed. The
-        LoRA deltas are the caller's to slice (`miles_k3.parallel.expert_parallel`)."""
+        LoRA deltas are the caller's to slice (`miles_k3.model.parallelize`)."""
         lo = first - self.expert_offset
         assert 0 <= lo and count >= 1 and lo + count <= self.num_experts, (first, count, self.expert_offset)
         for name in PROJS:
@@ -343,20 +343,19 @@ class RoutedExperts(nn.Module):
         self.set_held_experts(first, count)
 
     def set_held_experts(self, first: int, count: int) -> None:
-        """Record that the storage holds experts first .. first + count - 1 (global ids), as `keep_experts` leaves
-        it, for a module given another module's sliced tensors (the rollout engine's twin); checks the shapes."""
-        for suffix, stacked in self._stored().items():
+        """Record that the storage holds experts first .. first + count - 1 (global ids); checks the shapes."""
+        for suffix, stacked in self.stored_tensors().items():
             assert stacked.shape[0] == count, (suffix, tuple(stacked.shape), count)
         self.expert_offset, self.num_experts = first, count
 
-    def _stored(self) -> dict[str, torch.Tensor]:
+    def stored_tensors(self) -> dict[str, torch.Tensor]:
         """Checkpoint suffix (`w1.weight`, or `w1.weight_packed`/`w1.weight_scale`) -> stacked tensor."""
         if self.expert_format == "bf16":
             return {f"{n}.weight": getattr(self, n) for n in PROJS}
         return {f"{n}.weight_{kind}": getattr(self, f"{n}_{kind}") for n in PROJS for kind in ("packed", "scale")}
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
-        for suffix, stacked in self._stored().items():
+        for suffix, stacked in self.stored_tensors().items():
             for e in range(self.num_experts):
                 key = f"{prefix}{self.expert_offset + e}.{suffix}"  # global ids: a shard's keys are unambiguous
                 destination[key] = stacked[e] if keep_vars else stacked[e].detach()
@@ -364,7 +363,7 @@ class RoutedExperts(nn.Module):
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):
         expected = set()
-        for suffix, stacked in self._stored().items():
+        for suffix, stacked in self.stored_tensors().items():
             for e in range(self.num_experts):
                 key = f"{prefix}{self.expert_offset + e}.{suffix}"
                 expected.add(key)
@@ -391,5 +390,5 @@ class RoutedExperts(nn.Module):
                 error_msgs.append(f"{foreign[0]} (and {len(foreign) - 1} more): experts this module does not "
                                   f"hold: it holds experts {held.start}..{held.stop - 1} of {self.total_experts} "
                                   "(a parallel.ep shard); load the checkpoint shard of this ep rank, or load "
-                                  "before shard_experts_ep")
+                                  "into a model not cut by parallelize")
             unexpected_keys.extend(k for k in extra if k not in foreign)

@@ -103,7 +103,7 @@ def write_tiny_qwen3(directory: str | Path, seed: int = 0, hidden_size: int = 12
     """A tiny random Qwen3ForCausalLM checkpoint (bf16 safetensors) with the small byte-level tokenizer."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from miles_k3.tokenizer import BOS, EOS, PAD, save_small_tokenizer, special_token_ids
+    from miles_k3.model.tokenizer import BOS, EOS, PAD, save_small_tokenizer, special_token_ids
 
     directory = Path(directory)
     ids = special_token_ids()

@@ -9,7 +9,7 @@ sublayer outputs since the current block started. Each sublayer input is a depth
 embedding). Modes: `forward` (full sequence: training and prefill, optionally continuing from a `K3State` and
 returning one) and `step` (one decode token per request from a `K3State`); they agree numerically.
 
-Tensor parallelism (`miles_k3.parallel.tensor_parallel.shard_model_tp`) shards the vocabulary: each rank holds
+Tensor parallelism (`miles_k3.model.parallelize`) shards the vocabulary: each rank holds
 rows [start, end) of the embedding (ids outside give 0, summed over the group) and of the lm_head. `forward` then
 returns this rank's logits [B, T, V/tp] (the loss is vocab-parallel: `trainer.losses.token_logprobs` with
 `vocab_shard`); `step` returns the gathered logits [B, V] for the sampler.
@@ -38,14 +38,41 @@ from miles_k3.model.state import K3State
 from miles_k3.parallel.comm import copy_to, gather_from, reduce_from
 
 if TYPE_CHECKING:
-    from miles_k3.parallel.mesh import ParallelContext
-    from miles_k3.parallel.tensor_parallel import VocabShard
+    from miles_k3.model.parallelize import ShardPlan
+    from miles_k3.parallel.comm import VocabShard
 
 log = logging.getLogger(__name__)
 
 CHECKPOINT_PREFIX = "language_model."
 # Tensors the checkpoint keeps in fp32 whatever the model dtype (K3 reference, checkpoint dtypes).
 FP32_PARAM_SUFFIXES = ("A_log", "dt_bias", "conv1d.weight", "o_norm.weight", "e_score_correction_bias")
+
+
+def init_rule(name: str, ndim: int) -> str:
+    """How K3's init fills the tensor `name` (a state-dict or checkpoint name) of `ndim` dims: "zeros" (AttnRes
+    pseudo-queries, dt_bias, the router's selection bias), "a_log" (log U(1, 16)), "conv" (U(+-W^-1/2), nn.Conv1d's
+    bound for fan_in = W), "ones" (norms) or "normal" (N(0, std): linears, embeddings, experts)."""
+    if name.endswith(("_res_proj.weight", "dt_bias", "e_score_correction_bias")):
+        return "zeros"
+    if name.endswith("A_log"):
+        return "a_log"
+    if name.endswith("conv1d.weight"):
+        return "conv"
+    return "ones" if ndim == 1 else "normal"
+
+
+def fill_init_(t: torch.Tensor, rule: str, std: float = 0.02, generator: torch.Generator | None = None
+               ) -> torch.Tensor:
+    """Fill `t` in place by `rule` (`init_rule`), drawing from `generator` (None: torch's global RNG)."""
+    if rule == "zeros":
+        return t.zero_()
+    if rule == "a_log":
+        return t.uniform_(1, 16, generator=generator).log_()
+    if rule == "conv":
+        return t.uniform_(-1, 1, generator=generator).mul_(t.shape[-1] ** -0.5)
+    if rule == "ones":
+        return t.fill_(1.0)
+    return t.normal_(0.0, std, generator=generator)
 
 
 class K3DecoderLayer(nn.Module):
@@ -171,8 +198,8 @@ class K3ForCausalLM(nn.Module):
         """Logits in fp32 (`model.fp32_lm_head`): the lm_head product of the bf16 hidden state and weight computed in
         fp32 and not rounded back to bf16 (whose step near a logit of 10 is 0.06 nats). Both sides of a run, the
         engine's decode and the trainer's forward, read the same flag (and SGLang's enable_fp32_lm_head)."""
-        self.tp_context: ParallelContext | None = None
-        """The parallel context this model was sharded for (`shard_model_tp`); None: the whole model."""
+        self.shard_plan: ShardPlan | None = None
+        """What this rank holds of the model (`parallelize`); None: the whole model, never parallelized."""
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.reset_parameters()
@@ -270,21 +297,13 @@ class K3ForCausalLM(nn.Module):
     # ---- parameters --------------------------------------------------------------------------------
     @torch.no_grad()
     def reset_parameters(self, std: float = 0.02) -> None:
-        """Pretraining-style init (K3 reference / NeMo port): linears and experts N(0, std), norms 1,
-        A_log = log U(1, 16), dt_bias 0, AttnRes pseudo-queries 0 (so a first mix is a uniform average)."""
+        """Pretraining-style init (K3 reference / NeMo port; `init_rule`): linears and experts N(0, std), norms 1,
+        A_log = log U(1, 16), dt_bias 0, AttnRes pseudo-queries 0 (so a first mix is a uniform average), drawn from
+        torch's global RNG. (A run's random base is drawn per tensor instead: `weights.RandomInit`.)"""
         for name, p in self.named_parameters():
             if p.is_meta or "lora_" in name:
                 continue  # meta: nothing to fill (initialising costs seconds); adapters init themselves
-            if name.endswith(("_res_proj.weight", "dt_bias", "e_score_correction_bias")):
-                p.zero_()
-            elif name.endswith("A_log"):
-                p.uniform_(1, 16).log_()
-            elif name.endswith("conv1d.weight"):
-                p.uniform_(-1, 1).mul_(p.shape[-1] ** -0.5)  # nn.Conv1d's default bound, fan_in = W
-            elif p.ndim == 1:
-                p.fill_(1.0)
-            else:
-                p.normal_(0.0, std)
+            fill_init_(p, init_rule(name, p.ndim), std)
         for m in self.modules():
             if isinstance(m, RoutedExperts) and m.expert_format == "mxfp4":
                 m.reset_parameters(std)

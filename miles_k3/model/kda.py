@@ -5,7 +5,7 @@ q/k (in the backend); decay gate g = lower_bound * sigmoid(exp(A_log) * (f_b(f_a
 beta = sigmoid(b_proj x); the delta-rule recurrence (fla-core: kernels on CUDA, references or our torch chunked
 form on CPU, chosen by `KDABackend`); per-head RMSNorm gated by sigmoid(g_proj x); o_proj.
 
-Tensor parallelism (`miles_k3.parallel.tensor_parallel`): heads are split over the `tp_group` ranks, so
+Tensor parallelism (`miles_k3.model.parallelize`): heads are split over the `tp_group` ranks, so
 `num_heads` is this rank's count and the states hold this rank's heads. x enters the column projections
 (q/k/v/g, b_proj, f_b_proj) through `copy_to`; f_a_proj (D -> K) is replicated and its output enters f_b_proj
 through `copy_to`; o_proj takes this rank's head columns and its partial outputs are summed by `reduce_from`.

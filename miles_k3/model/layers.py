@@ -106,7 +106,7 @@ def _situ_glu_torch(gate: torch.Tensor, up: torch.Tensor, beta: float, linear_be
 class SiTUMLP(nn.Module):
     """Gated MLP `down(SiTU-GLU(gate(x), up(x)))`: the dense layer 0 (`mlp`) and the shared experts.
 
-    Under tensor parallelism (`tp_group` set by `miles_k3.parallel.tensor_parallel`) gate/up hold this rank's
+    Under tensor parallelism (`tp_group` set by `miles_k3.model.parallelize`) gate/up hold this rank's
     rows of the width I and down its columns: x enters through `copy_to`, the partial outputs are summed by
     `reduce_from`, so the output is the whole MLP's on every rank."""
 

@@ -6,7 +6,7 @@ Two forms over the same weights:
 * absorbed ("MQA mode", decode): W_UK is folded into the query and W_UV applied after attention, so attention runs
   directly over the cached 512+64 latent per token, exactly MQA with 576-dim keys and 512-dim values.
 
-Tensor parallelism (`miles_k3.parallel.tensor_parallel`): query heads are split over the `tp_group` ranks
+Tensor parallelism (`miles_k3.model.parallelize`): query heads are split over the `tp_group` ranks
 (`num_heads` is this rank's count) and the single latent KV is replicated, as in SGLang. q_a_proj and
 kv_a_proj_with_mqa (with their norms) run on every rank; their outputs (the q latent, the kv latent) and x before
 g_proj enter the head-split projections through `copy_to`; o_proj takes this rank's head columns and its

@@ -4,7 +4,7 @@
 only, top-k, renormalisation); the routed path runs in the latent: `routed_expert_down_proj` (D -> Dl), the
 experts `experts.{e}.w1/w3/w2` (gate/up/down), the latent RMSNorm `routed_expert_norm`, `routed_expert_up_proj`
 (Dl -> D); the shared experts are one SiTU MLP on the full width. The experts (bf16 or frozen MXFP4) are in
-`experts.py`. Under expert parallelism (`miles_k3.parallel.expert_parallel`, `expert_parallel` set) the routed
+`experts.py`. Under expert parallelism (`parallelize.py` sets `expert_parallel`; the runtime is `expert_parallel.py`) the routed
 path runs on this rank's share of the tokens and its rows travel to the ranks that hold their experts.
 
 Legend: N tokens (flattened B*T), S this rank's share of them (all N unless expert-parallel), D hidden, L (Dl)
@@ -22,7 +22,7 @@ from miles_k3.model.experts import RoutedExperts
 from miles_k3.model.layers import RMSNorm, SiTUMLP, use_fused_kernels
 
 if TYPE_CHECKING:
-    from miles_k3.parallel.expert_parallel import ExpertParallel
+    from miles_k3.model.expert_parallel import ExpertParallel
 
 ROUTER_KERNEL_MAX_WEIGHT = 2**20  # gate weights up to this many elements use the fused router kernel
 
@@ -90,7 +90,7 @@ class LatentMoE(nn.Module):
             self.shared_experts = SiTUMLP(d, cfg.num_shared_experts * cfg.moe_intermediate_size,
                                           cfg.activation_situ_beta, cfg.activation_situ_linear_beta)
         self.expert_parallel: ExpertParallel | None = None
-        """Set by `shard_experts_ep`: the routed path's token split (tp) and expert placement (ep)."""
+        """Set by `parallelize` (ep > 1): the routed path's token split (tp) and expert placement (ep)."""
         self.moe_index = 0
         """This layer's place among the model's MoE layers (set by K3Model): its column of recorded routes."""
         self.routing: tuple | None = None

@@ -11,12 +11,27 @@ the same on every rank of the group.
 * `all_to_all(x, out_splits, in_splits, group)`: rows to other ranks (expert dispatch); backward sends the
   gradients back the way they came.
 
-A group of None (one process, or a degree of 1) makes every function the identity.
+A group of None (one process, or a degree of 1) makes every function the identity. `VocabShard` records the
+vocabulary rows a rank's embedding and logits hold (vocab-parallel embedding, loss and sampling).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class VocabShard:
+    """The vocabulary rows [start, end) of `size` that this rank's embedding, lm_head and logits hold."""
+
+    start: int
+    end: int
+    size: int
+    """The whole vocabulary (V)."""
+    group: object
+    """The TP process group the vocabulary is split over."""
 
 
 def group_size(group) -> int:

@@ -1,4 +1,5 @@
-"""The `parallel:` config section and its checks against the world size and the model's shapes.
+"""The `parallel:` config section and its checks against the world size (the model's shapes are checked by the
+model's own plan, `miles_k3.model.parallelize.check_mesh`).
 
 Ranks are laid out dp-major: rank = dp_rank * tp + tp_rank (the DeviceMesh `("dp", "tp")`). Expert parallelism
 groups `ep` consecutive ranks (an EP group spans whole TP groups or a part of one) and each of its ranks owns
@@ -7,9 +8,9 @@ replica groups: ranks with the same position in their EP group).
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
-
-from miles_k3.model.config import K3Config
+from typing import Optional
 
 
 class ParallelConfigError(ValueError):
@@ -18,8 +19,9 @@ class ParallelConfigError(ValueError):
 
 @dataclass
 class ParallelConfig:
-    dp: int = 1
-    """Data-parallel replicas: each samples its own prompt groups; LoRA gradients are summed over them."""
+    dp: Optional[int] = None  # noqa: UP045 (OmegaConf 2.3 structured configs need Optional)
+    """Data-parallel replicas: each samples its own prompt groups; LoRA gradients are summed over them. Default
+    (null): torchrun's world size / tp (1 without torchrun); set when the config is validated."""
     tp: int = 1
     """Tensor-parallel degree of every dense part (KDA and MLA heads, dense/shared MLPs, vocabulary)."""
     ep: int = 1
@@ -32,6 +34,8 @@ class ParallelConfig:
         return self.dp * self.tp
 
     def validate(self) -> None:
+        if self.dp is None:
+            self.dp = self._default_dp()
         for name in ("dp", "tp", "ep"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
@@ -42,6 +46,19 @@ class ParallelConfig:
             raise ParallelConfigError(
                 f"parallel.ep: {self.ep} does not divide the dp x tp = {self.dp} x {self.tp} = {self.world_size} "
                 f"ranks (an EP group is ep consecutive ranks); use an ep among {divisors(self.world_size)}")
+
+    def _default_dp(self) -> int:
+        """world / tp under torchrun (WORLD_SIZE); 1 without it (a tp > 1 is then refused at start, `check_world`)."""
+        if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+            return 1
+        world = int(os.environ["WORLD_SIZE"])
+        if not isinstance(self.tp, int) or self.tp < 1:
+            return 1  # the tp check names the field
+        if world % self.tp:
+            raise ParallelConfigError(f"parallel.tp: {self.tp} does not divide the {world} processes torchrun "
+                                      f"started (parallel.dp defaults to their number / tp); use a tp among "
+                                      f"{divisors(world)}")
+        return world // self.tp
 
     def check_world(self, world_size: int, launched: bool) -> None:
         """The launcher started dp x tp processes (`world_size`; `launched`: under torchrun)."""
@@ -54,25 +71,6 @@ class ParallelConfig:
                    "parallel.tp at 1")
             raise ParallelConfigError(f"parallel.dp x parallel.tp = {self.dp} x {self.tp} = {self.world_size} but "
                                       f"{how}; {fix}")
-
-    def check_model(self, cfg: K3Config) -> None:
-        """Every sharded dimension of `cfg` divides by its degree (before any weight is built)."""
-        lac = cfg.linear_attn_config
-        tp_dims = [("KDA heads (linear_attn_config.num_heads)", lac.num_heads),
-                   ("MLA heads (num_attention_heads)", cfg.num_attention_heads),
-                   ("vocab_size", cfg.vocab_size),
-                   ("dense MLP width (intermediate_size)", cfg.intermediate_size)]
-        if cfg.num_shared_experts:
-            tp_dims.append(("shared-expert width (num_shared_experts x moe_intermediate_size)",
-                            cfg.num_shared_experts * cfg.moe_intermediate_size))
-        for what, size in tp_dims:
-            if size % self.tp:
-                raise ParallelConfigError(f"parallel.tp: {self.tp} does not divide the model's {what} = {size}; "
-                                          f"use a tp among {divisors(size)}")
-        if cfg.num_experts % self.ep:
-            raise ParallelConfigError(f"parallel.ep: {self.ep} does not divide the model's num_experts = "
-                                      f"{cfg.num_experts}; use an ep among {divisors(cfg.num_experts)} that also "
-                                      f"divides dp x tp = {self.world_size}")
 
 
 def divisors(n: int) -> list[int]:

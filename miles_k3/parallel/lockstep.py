@@ -30,7 +30,7 @@ from collections.abc import Callable
 import torch.distributed as dist
 
 from miles_k3.parallel.mesh import SINGLE, ParallelContext
-from miles_k3.trainer.dp import max_over
+from miles_k3.parallel.reduce import max_over
 
 
 def spans_replicas(ctx: ParallelContext) -> bool:

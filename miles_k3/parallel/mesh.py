@@ -6,6 +6,7 @@ group trivial, today's one-process run unchanged.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import logging
 import os
@@ -47,6 +48,14 @@ class ParallelContext:
         """Rank 0: the one that writes logs, W&B, the PEFT adapter and the run summary."""
         return self.rank == 0
 
+    @classmethod
+    def layout(cls, dp: int, tp: int, ep: int, rank: int) -> ParallelContext:
+        """Rank `rank`'s place in a dp x tp mesh with ep expert ranks, without process groups (what a rank holds
+        depends on its place only: planning and sizing need no process group). Ranks are dp-major (rank = dp_rank *
+        tp + tp_rank); an EP group is ep consecutive ranks."""
+        return cls(rank=rank, world_size=dp * tp, dp_rank=rank // tp, dp_size=dp, tp_rank=rank % tp, tp_size=tp,
+                   ep_rank=rank % ep, ep_size=ep)
+
     def name(self) -> str:
         """`rank 3 (dp 1, tp 1, ep 3)`: how messages name this process."""
         return f"rank {self.rank} (dp {self.dp_rank}, tp {self.tp_rank}, ep {self.ep_rank})"
@@ -61,6 +70,14 @@ class ParallelContext:
 
 
 SINGLE = ParallelContext()
+RESTART_HINT = ("torchrun --max-restarts shares one rendezvous store between attempts, and a restarted rank can "
+                "read a dead attempt's peer addresses from it (torch 2.13: 'Connection refused' on the restart); "
+                "export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 before torchrun, with --rdzv-backend c10d or --standalone")
+
+
+def _store_per_attempt() -> bool:
+    """torchrun was told to give every restart its own rendezvous store (see RESTART_HINT)."""
+    return os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "0") == "1"
 
 
 def launched_by_torchrun() -> bool:
@@ -70,6 +87,7 @@ def launched_by_torchrun() -> bool:
 def init_parallel(cfg: ParallelConfig, device_type: str) -> ParallelContext:
     """Start this process's groups for `cfg` (validated) on `device_type` ("cpu": gloo, "cuda": NCCL, the device
     cuda:LOCAL_RANK made current). One process (no torchrun, dp = tp = ep = 1): SINGLE, nothing started."""
+    cfg.validate()  # parallel.dp (default: world / tp) resolved
     launched = launched_by_torchrun()
     world = int(os.environ["WORLD_SIZE"]) if launched else 1
     cfg.check_world(world, launched)
@@ -85,12 +103,16 @@ def init_parallel(cfg: ParallelConfig, device_type: str) -> ParallelContext:
         torch.cuda.set_device(local)
     backend = "nccl" if device_type == "cuda" else "gloo"
     if not dist.is_initialized():
+        if rank == 0 and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0 and not _store_per_attempt():
+            log.warning(RESTART_HINT)
         try:
             dist.init_process_group(backend, timeout=datetime.timedelta(seconds=cfg.timeout_s))
         except Exception as err:  # the rendezvous: MASTER_ADDR/PORT unreachable, a peer that never came
+            restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0 and not _store_per_attempt()
             raise RuntimeError(f"rank {rank}: could not join the process group ({backend}, MASTER_ADDR="
                                f"{os.environ.get('MASTER_ADDR')}, MASTER_PORT={os.environ.get('MASTER_PORT')}) "
-                               f"within parallel.timeout_s={cfg.timeout_s}: {err}") from err
+                               f"within parallel.timeout_s={cfg.timeout_s}: {err}"
+                               + (f"; this is a restart: {RESTART_HINT}" if restarted else "")) from err
     return build_context(cfg, rank, world, device_type)
 
 
@@ -99,16 +121,18 @@ def build_context(cfg: ParallelConfig, rank: int, world: int, device_type: str) 
     creating a group is itself a collective)."""
     from torch.distributed.device_mesh import init_device_mesh
 
+    cfg.validate()  # parallel.dp resolved (default: world / tp)
     mesh = init_device_mesh(device_type, (cfg.dp, cfg.tp), mesh_dim_names=("dp", "tp"))
-    ep_groups = [dist.new_group(list(range(s, s + cfg.ep))) for s in range(0, world, cfg.ep)]
-    replica_groups = [dist.new_group(list(range(i, world, cfg.ep))) for i in range(cfg.ep)]
-    ctx = ParallelContext(
-        rank=rank, world_size=world, dp_rank=rank // cfg.tp, dp_size=cfg.dp, tp_rank=rank % cfg.tp,
-        tp_size=cfg.tp, ep_rank=rank % cfg.ep, ep_size=cfg.ep,
+    ep_groups = replica_groups = []
+    if cfg.ep > 1:  # creating a group is a collective of every rank: all of them call it, or none
+        ep_groups = [dist.new_group(list(range(s, s + cfg.ep))) for s in range(0, world, cfg.ep)]
+        replica_groups = [dist.new_group(list(range(i, world, cfg.ep))) for i in range(cfg.ep)]
+    ctx = dataclasses.replace(
+        ParallelContext.layout(cfg.dp, cfg.tp, cfg.ep, rank),
         dp_group=mesh.get_group("dp") if cfg.dp > 1 else None,
         tp_group=mesh.get_group("tp") if cfg.tp > 1 else None,
         ep_group=ep_groups[rank // cfg.ep] if cfg.ep > 1 else None,
-        expert_replica_group=replica_groups[rank % cfg.ep] if world // cfg.ep > 1 else None,
+        expert_replica_group=replica_groups[rank % cfg.ep] if cfg.ep > 1 and world // cfg.ep > 1 else None,
         mesh=mesh)
     log.info("parallel: %s of %d (dp=%d x tp=%d, ep=%d; %s)", ctx.name(), world, cfg.dp, cfg.tp, cfg.ep,
              dist.get_backend())

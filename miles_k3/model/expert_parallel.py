@@ -1,8 +1,9 @@
-"""Expert parallelism (EP) of K3's routed experts: each rank of an EP group (`ep` consecutive ranks) holds
+"""The expert-parallel (EP) runtime of K3's routed experts: each rank of an EP group (`ep` consecutive ranks) holds
 num_experts / ep of every MoE layer's routed experts, in their native storage (bf16 Parameters or MXFP4 uint8
-buffers) with their per-expert LoRA slices; the router stays replicated and picks among all E experts.
+buffers) with their per-expert LoRA slices; the router stays replicated and picks among all E experts. Which
+experts a rank holds is planned by `parallelize.py` (on the meta device, before any weight exists).
 
-`shard_experts_ep` slices a full model in place. In each LatentMoE forward the rank takes its share of the tokens
+In each LatentMoE forward the rank takes its share of the tokens
 (the MoE input is replicated over tp: `split_to`), routes them, projects them to the latent width, and sends every
 (token, slot) row to the rank owning its expert (rows sorted by global expert id, i.e. by destination rank then
 expert): one count exchange, one dispatch all-to-all of the latent rows, the SiTU-GLU experts on the owner (rows
@@ -12,7 +13,7 @@ all-to-all back, and the fp32 weighted sum over the K slots in the single-proces
 expert from the exchanged per-expert counts, so no expert ids travel. Autograd runs back through both
 all-to-alls: every rank of an EP group makes the same collectives, zero-token ranks included.
 
-Gradient sums (`grads.py`): an owner's expert LoRA already has the gradient of every token its EP group routed to
+Gradient sums (`miles_k3.parallel.grads`, marked by `parallelize.py`): an owner's expert LoRA already has the gradient of every token its EP group routed to
 it, and EP groups see disjoint tokens (each rank its own dp sample and tp slice), so expert LoRA is summed over the
 expert-replica group (the ranks holding the same experts) and is an "ep" shard for the norm. The routed path's
 replicated projections (routed_expert_down_proj / up_proj) see only this rank's tp slice of its dp sample:
@@ -26,16 +27,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 
 from miles_k3.model.config import K3Config
 from miles_k3.model.experts import RoutedExperts, combine_slots, sync_free_active
-from miles_k3.model.lora import LoRALinear
-from miles_k3.model.moe import LatentMoE
 from miles_k3.parallel import comm
-from miles_k3.parallel.config import ParallelConfigError, divisors
-from miles_k3.parallel.grads import mark_grad_groups, mark_sharded
-from miles_k3.parallel.mesh import ParallelContext
 
 
 @dataclass(frozen=True)
@@ -89,57 +84,6 @@ def dispatch_combine(experts: RoutedExperts, z_SL: torch.Tensor, ids_SK: torch.T
     y_RL = torch.empty_like(y_grouped).index_copy_(0, perm_R, y_grouped)
     y_ML = comm.all_to_all(y_RL, send, recv, group)
     return combine_slots(y_ML, order_M, w_SK, z_SL.dtype)
-
-
-def shard_experts_ep(model: nn.Module, ctx: ParallelContext) -> None:
-    """In place, on a full model after `apply_lora` (and before an optimizer holds its adapters): every
-    RoutedExperts keeps the experts [ep_rank * E/ep, (ep_rank + 1) * E/ep) and their LoRA slices, every LatentMoE
-    runs its routed path on its tp share of the tokens with all-to-all dispatch over `ctx.ep_group`, and the
-    adapters are marked for `reduce_gradients` / `global_grad_norm`. With ep = 1 the experts stay whole and only
-    the token split over tp remains. Raises ParallelConfigError (parallel.ep) when ep does not divide
-    num_experts, ValueError on a model already sharded."""
-    moes = [m for m in model.modules() if isinstance(m, LatentMoE)]
-    if any(m.expert_parallel is not None for m in moes):
-        raise ValueError("shard_experts_ep: this model's routed experts are already sharded; shard a freshly "
-                         "built full model once")
-    for num_experts in {m.experts.num_experts for m in moes}:
-        if num_experts % ctx.ep_size:
-            raise ParallelConfigError(f"parallel.ep: {ctx.ep_size} does not divide the model's num_experts = "
-                                      f"{num_experts}; use an ep among {divisors(num_experts)} that also divides "
-                                      f"dp x tp = {ctx.world_size}")
-    for moe in moes:
-        per_rank = moe.experts.num_experts // ctx.ep_size
-        first = ctx.ep_rank * per_rank
-        moe.experts.keep_experts(first, per_rank)
-        for lora in (moe.experts.lora or {}).values():
-            _keep_lora_experts(lora, first, per_rank)
-        for proj in (moe.routed_expert_down_proj, moe.routed_expert_up_proj):
-            if isinstance(proj, LoRALinear):  # replicated, but fed only this rank's tp slice of the tokens
-                mark_grad_groups(proj.lora_A.weight, "dp", "tp")
-                mark_grad_groups(proj.lora_B.weight, "dp", "tp")
-        moe.expert_parallel = ExpertParallel(ctx.tp_group, ctx.ep_group, ctx.ep_size)
-
-
-def _keep_lora_experts(lora: nn.Module, first: int, count: int) -> None:
-    """An ExpertLoRA's lora_A [E, r, In] / lora_B [E, Out, r] cut to experts first .. first + count - 1 (the same
-    Parameters, holding a copy of the slice), summed over expert replicas, sharded over ep."""
-    for p in (lora.lora_A, lora.lora_B):
-        p.data = p.data[first: first + count].clone()
-        mark_grad_groups(p, "expert_replica")
-        mark_sharded(p, "ep")
-
-
-def adopt_ep_layout(twin: nn.Module, model: nn.Module) -> None:
-    """Give `twin`, built for the full shapes but holding `model`'s expert tensors (the rollout engine's
-    `share_base` twin), the EP layout `shard_experts_ep` gave `model`: held expert ids and the dispatch. Call it
-    before attaching the twin's adapters (they are then sized for the held experts). Nothing is sliced; the
-    storage shapes are checked. A no-op for a model without EP."""
-    sources = {path: m for path, m in model.named_modules() if isinstance(m, LatentMoE)}
-    for path, moe in twin.named_modules():
-        if isinstance(moe, LatentMoE) and sources[path].expert_parallel is not None:
-            held = sources[path].experts
-            moe.experts.set_held_experts(held.expert_offset, held.num_experts)
-            moe.expert_parallel = sources[path].expert_parallel
 
 
 def alltoall_bytes_per_token(cfg: K3Config, dtype_bytes: int) -> dict[str, int]:

@@ -68,5 +68,6 @@ def ranks_where(flag: bool, group) -> list[int]:
 
 
 def world_of(ctx):
-    """The WORLD group of a distributed run's context `ctx` (a ParallelContext), None in one process."""
-    return dist.group.WORLD if ctx.distributed else None
+    """The WORLD group of a distributed run's context `ctx` (a ParallelContext), None in one process and for a
+    context without process groups (`ParallelContext.layout`: planning and sizing one rank of a mesh)."""
+    return dist.group.WORLD if ctx.distributed and ctx.mesh is not None else None

@@ -1,0 +1,123 @@
+"""The read plan of the real K3 at scale, without its bytes: a hollow checkpoint (the published 96-file layout,
+real headers and index, payload a hole) planned for tp=8 x ep=64 over 64 ranks (dp=8).
+
+* every stored text byte is read by exactly one rank of each replica that shares it: a tensor-parallel tensor's
+  slices tile it once within every TP group (8 times in all), each routed expert is read by exactly one rank
+  (ep = world), and every other text tensor whole by every rank; A_log's padding (heads 96..127 of its stored
+  [128]) by no rank's plan;
+* every rank opens the 94 text files and never the projector and vision files;
+* the loader itself, executed for one rank against the hollow files (a reader that counts the bytes each request
+  asks for, and hands back meta tensors), asks for exactly that rank's `load_bytes` as model_info prints it.
+"""
+from __future__ import annotations
+
+import itertools
+from collections import defaultdict
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from miles_k3.model.build import ModelConfig
+from miles_k3.model.checkpoint import open_checkpoint, spec_bytes
+from miles_k3.model.config import K3Config
+from miles_k3.model.hollow import write_hollow_checkpoint
+from miles_k3.model.lora import LoRAConfig
+from miles_k3.model.weights import CheckpointReader, build_k3, check_reads, load_weights
+from miles_k3.model_info import rank_loads
+from miles_k3.parallel.config import ParallelConfig
+from miles_k3.parallel.mesh import ParallelContext
+
+pytestmark = pytest.mark.slow
+DP, TP, EP = 8, 8, 64
+
+
+@pytest.fixture(scope="module")
+def hollow(tmp_path_factory):
+    return write_hollow_checkpoint(K3Config.from_name("k3"), tmp_path_factory.mktemp("hollow") / "kimi-k3")
+
+
+@pytest.fixture(scope="module")
+def loads(hollow):
+    cfg = SimpleNamespace(parallel=ParallelConfig(dp=DP, tp=TP, ep=EP), model=ModelConfig(path=str(hollow)),
+                          lora=LoRAConfig(rank=16))
+    return rank_loads(cfg, K3Config.from_name("k3"), "mxfp4")
+
+
+def test_every_stored_text_byte_is_read_once_per_replica_that_shares_it(hollow, loads):
+    index = open_checkpoint(hollow)
+    pieces = defaultdict(list)  # stored name -> [(rank, slice or None)]
+    for load in loads:
+        for read in load["reads"]:
+            (name,) = read.names
+            pieces[name].append((load["rank"], read.slice))
+    assert pieces.keys() == index.locations.keys()  # every text tensor is someone's
+    heads = K3Config.from_name("k3").linear_attn_config.num_heads
+    kinds = defaultdict(int)
+    for name, got in pieces.items():
+        shape = index.expected[name].shape
+        if ".experts." in name:  # ep = world: one rank each
+            assert len(got) == 1 and got[0][1] is None, name
+            kinds["expert"] += 1
+        elif name.endswith("A_log") and all(s.full == heads for _, s in got if s is not None):
+            _tiles(name, got, heads)
+            kinds["A_log"] += 1
+        elif all(s is None for _, s in got):
+            assert sorted(r for r, _ in got) == list(range(DP * TP)), name
+            kinds["replicated"] += 1
+        else:
+            _tiles(name, got, shape[got[0][1].dim])
+            kinds["tensor-parallel"] += 1
+    assert kinds["expert"] == 92 * 896 * 6 and kinds["A_log"] == 69
+    files = {f.name for f in index.locations.values()}
+    assert len(files) == 94 and "model-00095-of-000096.safetensors" not in files
+    assert all(load["files"] == 94 for load in loads)
+
+
+def _tiles(name: str, got: list, full: int) -> None:
+    """Within every TP group (dp replica) the slices of `name` cover [0, full) once; over the mesh, 8 times."""
+    by_replica = defaultdict(list)
+    for rank, s in got:
+        by_replica[rank // TP].append((s.start, s.start + s.length))
+    assert sorted(by_replica) == list(range(DP)), name
+    for spans in by_replica.values():
+        spans.sort()
+        assert spans[0][0] == 0 and spans[-1][1] == full, name
+        assert all(a[1] == b[0] for a, b in itertools.pairwise(spans)), name
+
+
+class _CountingReader(CheckpointReader):
+    """The hollow checkpoint's reader, asked for slices but reading nothing: it counts the stored bytes of each
+    request and returns a meta tensor of the requested shape."""
+
+    requested = 0
+
+    def read(self, name, index):
+        spec = self.spec(name)
+        shape = [len(range(*i.indices(n))) for i, n in zip(index + (slice(None),) * len(spec.shape), spec.shape)]
+        elems = 1
+        for n in shape:
+            elems *= n
+        self.requested += elems * spec_bytes(spec) // max(1, _numel(spec.shape))
+        return torch.empty(shape, dtype=torch.uint8 if spec.dtype == "U8" else torch.float32, device="meta")
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def test_the_loader_asks_one_rank_for_exactly_its_load_bytes(hollow, loads):
+    rank = 19  # dp 2, tp 3, ep 19
+    reader = _CountingReader(open_checkpoint(hollow))
+    model = build_k3(reader, "mxfp4", torch.device("meta"), torch.bfloat16,
+                     ParallelContext.layout(DP, TP, EP, rank), LoRAConfig(rank=16))
+    reads = check_reads(model, model.shard_plan, reader)  # the headers of this rank's files, validated
+    stats = load_weights(model, reads, reader)
+    assert reader.requested == stats.bytes_read == loads[rank]["load_bytes"]
+    assert len(stats.files) == 94
+    # the rank's share by hand: its 14 experts of every MoE layer, 1/8 of each tensor-parallel tensor, the rest
+    experts = 92 * 14 * 17_547_264
+    assert experts < loads[rank]["load_bytes"] < experts + 25e9
