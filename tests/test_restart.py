@@ -1,0 +1,270 @@
+"""A rank that dies does not lose the run: the real `torchrun --max-restarts 2` CLI (a subprocess) runs the GRPO loop
+on 2 gloo ranks (parallel.dp=2, CPU) with `resume=auto checkpoint_every=1`, and the test kills rank 1 with SIGKILL
+twice, from outside (no fault injection in the project):
+
+1. mid-step: 0.15 s after the checkpoint of step 2 is published, inside step 3 (before its metrics row);
+2. between a step's logged row and its published checkpoint (after the first restart's resume): rank 1 dies before,
+   while or after writing its checkpoint files, so the step is either published whole or left as a staging
+   directory, and rank 0 has already logged its row.
+
+torchrun restarts both ranks each time, every restart resumes from its last complete checkpoint (train.log:
+"resumed from"), the rows logged past it are cut, and the run finishes with the adapter of the uninterrupted run
+bit for bit: the final PEFT adapter (the last checkpoint's `adapter/`), every rank's adapter shard and optimizer
+state, and the logged losses and rewards."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+pytestmark = pytest.mark.slow
+STEPS = 5
+FIRST_KILL_AFTER = 2  # kill 1: inside step 3, once the checkpoint of step 2 is published
+RUN_TIMEOUT_S = 150
+
+
+def _write_data(path: Path) -> str:
+    rows = [{"id": f"q{i}", "question": " + ".join([str(i)] * (1 + i % 3)) + " = ?", "answer": str(i * (1 + i % 3))}
+            for i in range(10)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def _command(data: str, run_dir: Path) -> list[str]:
+    """torchrun, 2 ranks on this node (a free rendezvous port: --standalone), 2 restarts; the tiny dp=2 run of
+    test_parallel_loop without its eval, rewarded by the shipped coin (a test reward registered here would not
+    exist in the workers) so every step trains."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+            "--max-restarts", "2", "--monitor-interval", "0.1",
+            "-m", "miles_k3.train", f"steps={STEPS}", f"data.source={data}", "data.problem_field=null",
+            f"run_dir={run_dir}", "model=k3_tiny", "model.path=null", "model.dtype=fp32", "device=cpu",
+            "eval.every_n_steps=0", "reward=coin", "rollout.prompts_per_step=4", "rollout.group_size=2",
+            "rollout.max_new_tokens=8", "rollout.template=plain", "rollout.log_samples=2",
+            "rollout.dynamic_sampling=false", "engine.max_context=64", "trainer.minibatches=2",
+            "trainer.optim.lr=0.01", "trainer.optim.eps=1e-3", "trainer.optim.total_steps=null", "lora.rank=2",
+            "parallel.dp=2", "checkpoint_every=1", "keep_checkpoints=10", "resume=auto"]
+
+
+def _env() -> dict:
+    """1 thread per rank (2 cores); torchrun's INFO log (its restarts); TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: the
+    workers of each attempt get a fresh TCPStore (rank 0's, on a new port). Without it torch 2.13's c10d rendezvous
+    hands every attempt the agent's one store, which still holds the previous attempt's gloo addresses
+    (default_pg/...): a restarted rank may read a dead peer's address and fail "Gloo connectFullMesh failed ...
+    Connection refused" (pytorch/pytorch#135712; the static rendezvous has the same race)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC_", "MASTER_"))
+           and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK")}
+    return env | {"OMP_NUM_THREADS": "1", "LOGLEVEL": "INFO", "PYTHONUNBUFFERED": "1",
+                  "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+
+
+def _start(data: str, run_dir: Path, log_dir: Path) -> tuple[subprocess.Popen, Path]:
+    log = log_dir / f"{run_dir.name}.torchrun.log"
+    with open(log, "w") as f:
+        proc = subprocess.Popen(_command(data, run_dir), cwd=log_dir, env=_env(), stdout=f, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    return proc, log
+
+
+def _wait(proc: subprocess.Popen, log: Path) -> str:
+    try:
+        rc = proc.wait(timeout=RUN_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # the test's own torchrun and its workers (their own session)
+        proc.wait()
+        pytest.fail(f"torchrun still running after {RUN_TIMEOUT_S} s:\n{log.read_text()[-6000:]}")
+    text = log.read_text()
+    assert rc == 0, f"torchrun exited {rc}:\n{text[-6000:]}"
+    return text
+
+
+# ---- the run directory, read while it runs -----------------------------------------------------------------
+def _latest(run_dir: Path) -> int | None:
+    try:
+        name = (run_dir / "checkpoints/latest").read_text().strip()
+    except FileNotFoundError:
+        return None
+    m = re.fullmatch(r"step_(\d+)", name)
+    return int(m.group(1)) if m else None
+
+
+def _published(run_dir: Path) -> set[int]:
+    root = run_dir / "checkpoints"
+    return {int(p.name[5:]) for p in root.iterdir() if re.fullmatch(r"step_\d+", p.name)} if root.is_dir() else set()
+
+
+def _logged_steps(run_dir: Path) -> list[int]:
+    try:
+        text = (run_dir / "metrics.jsonl").read_text()
+    except FileNotFoundError:
+        return []
+    out = []
+    for line in text.splitlines():
+        try:
+            out.append(json.loads(line)["step"])
+        except (json.JSONDecodeError, KeyError, TypeError):
+            pass  # a row being written
+    return out
+
+
+def _resumes(run_dir: Path) -> list[int]:
+    """The steps of train.log's "resumed from ... at step N" lines, in order."""
+    path = run_dir / "train.log"
+    return [int(m) for m in re.findall(r"resumed from \S+ at step (\d+)", path.read_text())] if path.exists() else []
+
+
+# ---- torchrun's workers ---------------------------------------------------------------------------------------
+def _children(pid: int) -> list[int]:
+    out = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            out += [int(c) for c in (task / "children").read_text().split()]
+        except (FileNotFoundError, ProcessLookupError):
+            pass
+    return out
+
+
+def _environ(pid: int) -> dict[str, str]:
+    try:
+        raw = Path(f"/proc/{pid}/environ").read_bytes()
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return {}
+    return dict(kv.split("=", 1) for kv in raw.decode(errors="replace").split("\0") if "=" in kv)
+
+
+def _worker(agent: int, rank: int, attempt: int) -> int | None:
+    """The pid of torchrun's worker of global `rank` in restart `attempt` (TORCHELASTIC_RESTART_COUNT), if running."""
+    for pid in _children(agent):
+        env = _environ(pid)
+        if env.get("RANK") == str(rank) and env.get("TORCHELASTIC_RESTART_COUNT") == str(attempt):
+            return pid
+    return None
+
+
+def _poll(what: str, cond, proc: subprocess.Popen, log: Path, timeout_s: float = 120.0, every_s: float = 0.002):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = cond()
+        if value:
+            return value
+        if proc.poll() is not None:
+            pytest.fail(f"torchrun exited ({proc.returncode}) while waiting for {what}:\n{log.read_text()[-6000:]}")
+        time.sleep(every_s)
+    os.killpg(proc.pid, signal.SIGKILL)
+    pytest.fail(f"timed out waiting for {what}:\n{log.read_text()[-6000:]}")
+
+
+# ---- what the runs left -------------------------------------------------------------------------------------
+def _rows(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _rank_state(ckpt: Path, rank: int) -> dict:
+    own = ckpt / f"rank-{rank:05d}"
+    return {"shard": torch.load(own / "adapter_shard.pt", weights_only=True),
+            "optimizer": torch.load(own / "optimizer.pt", weights_only=True)}
+
+
+def _equal(a, b, where: str) -> None:
+    """Nested dicts / lists of tensors and plain values, bitwise."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and sorted(a, key=str) == sorted(b, key=str), where
+        for k in a:
+            _equal(a[k], b[k], f"{where}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert isinstance(b, (list, tuple)) and len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            _equal(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, where
+
+
+def test_a_rank_killed_mid_step_is_restarted_and_the_run_ends_bitwise_as_the_uninterrupted_one(tmp_path):
+    data = _write_data(tmp_path / "train.jsonl")
+    run_a, run_b = tmp_path / "A", tmp_path / "B"
+
+    t0 = time.monotonic()
+    proc, log_a = _start(data, run_a, tmp_path)
+    text_a = _wait(proc, log_a)
+    t_a = time.monotonic() - t0
+    assert "attempts left" not in text_a and _resumes(run_a) == []
+
+    t0 = time.monotonic()
+    proc, log_b = _start(data, run_b, tmp_path)
+    try:
+        # kill 1, mid-step: step 3 is running (its checkpoint's predecessor is published, its row not logged)
+        _poll("the checkpoint of step 2", lambda: _latest(run_b) == FIRST_KILL_AFTER, proc, log_b)
+        time.sleep(0.15)
+        victim = _poll("rank 1 of the first attempt", lambda: _worker(proc.pid, 1, 0), proc, log_b, every_s=0.01)
+        assert max(_published(run_b)) == FIRST_KILL_AFTER and max(_logged_steps(run_b)) == FIRST_KILL_AFTER, \
+            "the first kill came too late: step 3 had already ended"
+        os.kill(victim, signal.SIGKILL)
+
+        # kill 2, after the restart resumed: a step's row is logged, its checkpoint not yet published
+        _poll("the first restart's resume", lambda: len(_resumes(run_b)) == 1, proc, log_b, every_s=0.05)
+        first_resume = _resumes(run_b)[0]
+        victim = _poll("rank 1 of the second attempt", lambda: _worker(proc.pid, 1, 1), proc, log_b, every_s=0.01)
+
+        def logged_not_published():
+            steps = _logged_steps(run_b)
+            last = steps[-1] if steps else 0
+            return last if last > first_resume and last < STEPS and _latest(run_b) != last else None
+        cut = _poll("a step logged before its checkpoint", logged_not_published, proc, log_b, every_s=0.001)
+        os.kill(victim, signal.SIGKILL)
+        text_b = _wait(proc, log_b)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    t_b = time.monotonic() - t0
+    print(f"\nrun A (uninterrupted) {t_a:.1f} s; run B (2 kills, 2 restarts) {t_b:.1f} s; second kill after step "
+          f"{cut} was logged")
+
+    # torchrun restarted the worker group twice; each restart resumed from its last complete checkpoint
+    assert text_b.count("will restart worker group") == 2, text_b[-6000:]
+    resumes = _resumes(run_b)
+    assert resumes[0] == FIRST_KILL_AFTER, resumes
+    assert len(resumes) == 2 and resumes[1] in (cut - 1, cut), (resumes, cut)  # cut: rank 1 had written its files
+    assert "the run was resumed from an earlier checkpoint" not in text_b  # no newer published step was left behind
+    assert not [p.name for p in (run_b / "checkpoints").iterdir() if p.name.startswith(".")]  # staging pruned
+
+    # every step logged once, in order (the rows logged past a resumed checkpoint were cut), as in run A
+    rows_a, rows_b = _rows(run_a), _rows(run_b)
+    assert [r["step"] for r in rows_a] == [r["step"] for r in rows_b] == list(range(1, STEPS + 1))
+    for a, b in zip(rows_a, rows_b):
+        for key in a:
+            if key.startswith(("rollout/", "train/")):
+                assert a[key] == b[key], (a["step"], key)
+    tables_a, tables_b = ([json.loads(line)["step"] for line in (r / "tables/rollout_samples.jsonl").read_text()
+                           .splitlines()] for r in (run_a, run_b))
+    assert tables_a == tables_b == [s for s in range(1, STEPS + 1) for _ in range(2)]
+
+    # the final adapter (the last checkpoint's PEFT directory) and every rank's state, bitwise
+    last_a, last_b = (r / f"checkpoints/step_{STEPS:08d}" for r in (run_a, run_b))
+    for run, text in ((run_a, text_a), (run_b, text_b)):
+        assert (run / "checkpoints/latest").read_text().strip() == f"step_{STEPS:08d}"
+        summary = re.findall(r"^\s*adapter:\s+(\S+)$", text, re.MULTILINE)  # rank 0's summary, once: the last attempt's
+        assert summary == [str(run / f"checkpoints/step_{STEPS:08d}/adapter")], summary
+    adapter_a, adapter_b = (load_file(str(p / "adapter/adapter_model.safetensors")) for p in (last_a, last_b))
+    assert sorted(adapter_a) == sorted(adapter_b) and adapter_a
+    for name, t in adapter_a.items():
+        assert torch.equal(adapter_b[name], t), name
+    assert any(t.abs().sum() > 0 for n, t in adapter_a.items() if "lora_B" in n)  # it trained
+    for rank in (0, 1):
+        _equal(_rank_state(last_a, rank), _rank_state(last_b, rank), f"rank {rank}")
+    for step in range(FIRST_KILL_AFTER, STEPS + 1):  # every checkpoint B (re)wrote is A's
+        a, b = (load_file(str(r / f"checkpoints/step_{step:08d}/adapter/adapter_model.safetensors"))
+                for r in (run_a, run_b))
+        assert all(torch.equal(a[n], b[n]) for n in a), step
+        assert json.loads((run_a / f"checkpoints/step_{step:08d}/state.json").read_text()) == \
+            json.loads((run_b / f"checkpoints/step_{step:08d}/state.json").read_text()), step
