@@ -28,3 +28,17 @@ def k3_dir(tmp_path_factory):
     from miles_k3.model.config import K3Config
 
     return init_checkpoint(K3Config.from_dict(servable_raw()), tmp_path_factory.mktemp("k3") / "bf16")
+
+
+@pytest.fixture(scope="session")
+def hollow_k3(tmp_path_factory):
+    """(directory, seconds to write) of the hollow real K3 (`miles_k3.model.hollow`: the published 96-file layout,
+    real headers, the payload a hole), written once for the hollow-checkpoint and read-plan tests."""
+    import time
+
+    from miles_k3.model.config import K3Config
+    from miles_k3.model.hollow import write_hollow_checkpoint
+
+    start = time.perf_counter()
+    out = write_hollow_checkpoint(K3Config.from_name("k3"), tmp_path_factory.mktemp("hollow") / "kimi-k3")
+    return out, time.perf_counter() - start

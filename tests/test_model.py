@@ -92,8 +92,8 @@ def test_model_info_sizes_one_rank_of_a_mesh():
     assert r["kda_state_bytes"] == 4 * 6 * (2 * 32 * 32 * 4 + 3 * 64 * 3 * 2)
     assert r["mla_kv_bytes"] == 4 * 100 * 3 * (32 + 8) * 2  # latents replicated over tp
     assert r["alltoall_bytes_per_token_per_moe_layer"]["forward"] == 2 * 4 * 64 * 2  # K rows of the latent, bf16
-    k3 = model_info(["model=k3", "parallel.tp=8", "parallel.ep=64", "gpus=64"])["per_rank"]
-    assert k3["experts_per_rank"] == 14 and k3["base_expert_bytes"] == 2_722_740_830_208 * 17 // 32 // 64
+    k3 = model_info(["model=k3", "parallel.tp=8", "parallel.ep=16", "gpus=16"])["per_rank"]
+    assert k3["experts_per_rank"] == 56 and k3["base_expert_bytes"] == 2_722_740_830_208 * 17 // 32 // 16
     with pytest.raises(SystemExit):
         model_info(["model=k3", "parallel.tp=8", "gpus=60"])
 

@@ -21,7 +21,6 @@ import torch
 from miles_k3.model.build import ModelConfig
 from miles_k3.model.checkpoint import open_checkpoint, spec_bytes
 from miles_k3.model.config import K3Config
-from miles_k3.model.hollow import write_hollow_checkpoint
 from miles_k3.model.lora import LoRAConfig
 from miles_k3.model.weights import CheckpointReader, build_k3, check_reads, load_weights
 from miles_k3.model_info import rank_loads
@@ -33,8 +32,8 @@ DP, TP, EP = 8, 8, 64
 
 
 @pytest.fixture(scope="module")
-def hollow(tmp_path_factory):
-    return write_hollow_checkpoint(K3Config.from_name("k3"), tmp_path_factory.mktemp("hollow") / "kimi-k3")
+def hollow(hollow_k3):
+    return hollow_k3[0]  # conftest.py: written once per session
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +91,7 @@ class _CountingReader(CheckpointReader):
 
     requested = 0
 
-    def read(self, name, index):
+    def read(self, name, index, device=None):
         spec = self.spec(name)
         shape = [len(range(*i.indices(n))) for i, n in zip(index + (slice(None),) * len(spec.shape), spec.shape)]
         elems = 1

@@ -20,9 +20,10 @@ import json
 import logging
 from pathlib import Path
 
+import dist_helpers
 import pytest
 import torch
-from dist_helpers import DEVICE_TYPE, run_ranks, test_device
+from dist_helpers import DEVICE_TYPE, run_ranks
 from safetensors.torch import load_file, save_file
 
 from miles_k3.init_checkpoint import init_checkpoint
@@ -99,8 +100,8 @@ class _Recording:
         self.calls: list[tuple[str, tuple, int]] = []
         read = weights.CheckpointReader.read
 
-        def recorded(reader, name, index):
-            t = read(reader, name, index)
+        def recorded(reader, name, index, device=None):
+            t = read(reader, name, index, device)
             self.calls.append((name, index, t.numel() * t.element_size()))
             return t
 
@@ -252,7 +253,7 @@ def _load_rank(rank: int, good: str, broken: str) -> dict:
         build_context(ParallelConfig(ep=ep), rank, 2, DEVICE_TYPE)
         out["new_groups"][ep] = len(made)
     dist.new_group = new_group
-    device = test_device(rank)
+    device = dist_helpers.test_device(rank)
     model = build_model(ModelConfig(path=good), device, torch.float32, ctx, LORA, 7)
     out["lines"] = [m for m in records if " checkpoint bytes from " in m]
     out["held"] = model.model.layers[2].block_sparse_moe.experts.expert_offset
