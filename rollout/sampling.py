@@ -34,8 +34,9 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-# The noise lives in the kernels (the lowest layer, beside its Triton twin); the names stay importable here.
-from miles_k3.kernels.sampling import (  # noqa: F401 (re-exported)
+# The noise lives in the kernels (the lowest layer; torch only, beside its Triton twin's module); the names stay
+# importable here.
+from miles_k3.kernels.noise import (  # noqa: F401 (re-exported)
     exp_noise_from_row_keys,
     keyed_exp_noise,
     noise_row_keys,

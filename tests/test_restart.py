@@ -1,5 +1,5 @@
 """A rank that dies does not lose the run: the real `torchrun --max-restarts 2` CLI (a subprocess) runs the GRPO loop
-on 2 gloo ranks (parallel.dp=2, CPU) with `resume=auto checkpoint_every=1`, and the test kills rank 1 with SIGKILL
+on 2 gloo ranks (parallel.dp left to its default, world / tp = 2; CPU) with `resume=auto checkpoint_every=1`, and the test kills rank 1 with SIGKILL
 twice, from outside (no fault injection in the project):
 
 1. mid-step: 0.15 s after the checkpoint of step 2 is published, inside step 3 (before its metrics row);
@@ -51,7 +51,7 @@ def _command(data: str, run_dir: Path) -> list[str]:
             "rollout.max_new_tokens=8", "rollout.template=plain", "rollout.log_samples=2",
             "rollout.dynamic_sampling=false", "engine.max_context=64", "trainer.minibatches=2",
             "trainer.optim.lr=0.01", "trainer.optim.eps=1e-3", "trainer.optim.total_steps=null", "lora.rank=2",
-            "parallel.dp=2", "checkpoint_every=1", "keep_checkpoints=10", "resume=auto"]
+            "checkpoint_every=1", "keep_checkpoints=10", "resume=auto"]  # parallel.dp: world / tp = 2
 
 
 def _env() -> dict:
@@ -253,6 +253,8 @@ def test_a_rank_killed_mid_step_is_restarted_and_the_run_ends_bitwise_as_the_uni
     last_a, last_b = (r / f"checkpoints/step_{STEPS:08d}" for r in (run_a, run_b))
     for run, text in ((run_a, text_a), (run_b, text_b)):
         assert (run / "checkpoints/latest").read_text().strip() == f"step_{STEPS:08d}"
+        mesh = json.loads((run / f"checkpoints/step_{STEPS:08d}/mesh.json").read_text())
+        assert mesh == {"dp": 2, "tp": 1, "ep": 1, "world": 2}  # dp defaulted to torchrun's world / tp
         summary = re.findall(r"^\s*adapter:\s+(\S+)$", text, re.MULTILINE)  # rank 0's summary, once: the last attempt's
         assert summary == [str(run / f"checkpoints/step_{STEPS:08d}/adapter")], summary
     adapter_a, adapter_b = (load_file(str(p / "adapter/adapter_model.safetensors")) for p in (last_a, last_b))

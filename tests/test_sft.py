@@ -105,9 +105,9 @@ def test_lora_sft_changes_only_the_adapter_and_writes_a_loadable_peft_directory(
 
     seen = {}
 
-    def spy(*args):
-        model = build_model(*args)
-        seen["base"] = {n: t.clone() for n, t in model.state_dict().items()}
+    def spy(*args, **kwargs):  # the base as built (the adapter attached by build_model is not base)
+        model = build_model(*args, **kwargs)
+        seen["base"] = {n: t.clone() for n, t in model.state_dict().items() if "lora_" not in n}
         return model
     monkeypatch.setattr(sft, "build_model", spy)
     cfg = _cfg(tmp_path, "lora", "mode=lora", "steps=3", "lora.rank=4", "optim.lr=1e-2",

@@ -4,8 +4,9 @@
 only, top-k, renormalisation); the routed path runs in the latent: `routed_expert_down_proj` (D -> Dl), the
 experts `experts.{e}.w1/w3/w2` (gate/up/down), the latent RMSNorm `routed_expert_norm`, `routed_expert_up_proj`
 (Dl -> D); the shared experts are one SiTU MLP on the full width. The experts (bf16 or frozen MXFP4) are in
-`experts.py`. Under expert parallelism (`parallelize.py` sets `expert_parallel`; the runtime is `expert_parallel.py`) the routed
-path runs on this rank's share of the tokens and its rows travel to the ranks that hold their experts.
+`experts.py`. Under expert parallelism (`parallelize.py` sets `expert_parallel`; the runtime is
+`expert_parallel.py`) the routed path runs on this rank's share of the tokens and its rows travel to the ranks that
+hold their experts.
 
 Legend: N tokens (flattened B*T), S this rank's share of them (all N unless expert-parallel), D hidden, L (Dl)
 latent width, E experts, K experts per token, I expert width.
