@@ -14,6 +14,7 @@ of disk, enough for `python -m miles_k3.model_info model.path=DIR ...` to plan e
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import sys
 from dataclasses import dataclass, field
@@ -24,14 +25,13 @@ from hydra.core.config_store import ConfigStore
 
 from miles_k3.config import compose_cli
 from miles_k3.model.build import ModelConfig, load_k3_config
-from miles_k3.model.checkpoint import CONFIG_FILE, checkpoint_config
+from miles_k3.model.checkpoint import CONFIG_FILE, checkpoint_config, layer_of
 from miles_k3.model.checkpoint_writer import CheckpointWriter, write_groups
 from miles_k3.model.config import K3Config
 from miles_k3.model.experts import EXPERT_FORMATS
 from miles_k3.model.hollow import write_hollow_checkpoint
-from miles_k3.model.k3 import CHECKPOINT_PREFIX
 from miles_k3.model.tokenizer import BOS, END_OF_MSG, PAD, save_small_tokenizer, special_token_ids
-from miles_k3.model.weights import RandomInit
+from miles_k3.model.weight_sources import RandomInit
 
 log = logging.getLogger("miles_k3.init_checkpoint")
 
@@ -109,22 +109,15 @@ def init_checkpoint(cfg: K3Config, out: str | Path, seed: int = 0, expert_format
             ids = special_token_ids()  # like K3's config.json: bos [BOS], eos <|end_of_msg|>, pad [PAD]
             token_ids = {"bos_token_id": ids[BOS], "eos_token_id": ids[END_OF_MSG], "pad_token_id": ids[PAD]}
         writer.write_json(CONFIG_FILE, checkpoint_config(cfg, expert_format, token_ids))
-        layer = None
-        for group in write_groups(source.specs):
-            here = _layer_of(group[0])
-            if here != layer and layer is not None:
-                writer.flush()  # one shard per decoder layer, then one for the model-level tensors
+        # one shard per decoder layer, then one for the model-level tensors (layer None)
+        for layer, groups in itertools.groupby(write_groups(source.specs), key=lambda g: layer_of(g[0])):
+            for group in groups:
+                writer.add({name: source.read(name, (slice(None),)) for name in group})
+            writer.flush()
+            if layer is not None:
                 log.info("layer %d/%d written", layer + 1, cfg.num_hidden_layers)
-            layer = here
-            writer.add({name: source.read(name, (slice(None),)) for name in group})
     log.info("wrote %s (seed %d, experts %s)", out, seed, expert_format)
     return Path(out)
-
-
-def _layer_of(name: str) -> int:
-    """The decoder layer of a checkpoint name; -1 for the model-level tensors."""
-    prefix = CHECKPOINT_PREFIX + "model.layers."
-    return int(name[len(prefix):].split(".", 1)[0]) if name.startswith(prefix) else -1
 
 
 def main(argv: list[str]) -> Path:

@@ -48,7 +48,8 @@ from miles_k3.model.lora import adapter_num_params, apply_lora
 from miles_k3.model.mla import MLAAttention
 from miles_k3.model.parallelize import check_mesh, shard_plan
 from miles_k3.model.routing import route_bytes_per_token
-from miles_k3.model.weights import ModelLayout, RandomInit, build_k3, device_bytes, plan_reads, read_bytes
+from miles_k3.model.weight_sources import RandomInit
+from miles_k3.model.weights import ModelLayout, build_k3, device_bytes, plan_reads, read_bytes
 from miles_k3.parallel.mesh import ParallelContext
 
 USAGE = """

@@ -3,7 +3,7 @@ a bf16 K3 checkpoint directory into a native MXFP4 one, as published. Only the r
 `…experts.{e}.w{1,2,3}.weight` [out, in] becomes `.weight_packed` uint8 [out, in/2] + `.weight_scale` uint8
 E8M0 [out, in/32] (group 32); every other tensor (vision ones included) is copied byte for byte, `config.json`
 gains the compressed-tensors `quantization_config` under `text_config` (a flat source config is rewritten in
-the published nested form; `miles_k3.model.checkpoint.config_with_quantization`), and every other file
+the published nested form; `miles_k3.model.checkpoint_writer.config_with_quantization`), and every other file
 (tokenizer, code, ...) is copied. Scale rules (`miles_k3.mxfp4`): `floor` (the default)
 is the OCP rule that compressed-tensors uses, X = 2^(floor(log2 amax) - 2), so a block's largest values may
 clip to 6 X; `ceil`, X = 2^ceil(log2(amax / 6)), never clips but may give up one binade of resolution. The
@@ -23,11 +23,10 @@ from miles_k3.model.checkpoint import (
     EXPERT_NAME,
     INDEX_FILE,
     CheckpointError,
-    config_with_quantization,
     inspect_checkpoint,
     open_safetensors,
 )
-from miles_k3.model.checkpoint_writer import CheckpointWriter
+from miles_k3.model.checkpoint_writer import CheckpointWriter, config_with_quantization
 from miles_k3.mxfp4 import SCALE_RULES, quantize_mxfp4
 
 log = logging.getLogger("miles_k3.quantize")

@@ -21,10 +21,9 @@ from miles_k3.model.checkpoint import (
     EXPERT_NAME,
     INDEX_FILE,
     CheckpointError,
-    config_with_quantization,
     mxfp4_quantization_config,
 )
-from miles_k3.model.checkpoint_writer import save_checkpoint
+from miles_k3.model.checkpoint_writer import config_with_quantization, save_checkpoint
 from miles_k3.model.config import ConfigError
 from miles_k3.model.weights import load_checkpoint
 from miles_k3.mxfp4 import dequantize_mxfp4, quantize_mxfp4

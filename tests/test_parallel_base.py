@@ -131,6 +131,32 @@ def test_a_rendezvous_nobody_answers_fails_naming_the_rank(monkeypatch):
     assert time.monotonic() - t0 < 30
 
 
+def test_a_restart_that_cannot_rejoin_says_how_torchrun_must_be_started(monkeypatch, caplog):
+    """torchrun --max-restarts without TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: rank 0 warns at start, and a
+    restarted rank's failed join names the setting (torch 2.13 shares one store between attempts)."""
+    import logging
+
+    from miles_k3.parallel import mesh
+    monkeypatch.setattr(mesh.dist, "init_process_group", lambda *a, **k: (_ for _ in ()).throw(
+        RuntimeError("Gloo connectFullMesh failed: Connection refused")))
+    monkeypatch.delenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "2")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    for rank in ("0", "1"):
+        monkeypatch.setenv("RANK", rank)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="miles_k3.parallel.mesh"), \
+                pytest.raises(RuntimeError, match=r"Connection refused; this is a restart: .*"
+                                                  r"export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"):
+            mesh.init_parallel(ParallelConfig(dp=2, timeout_s=2), "cpu")
+        assert any("TORCH_DISABLE_SHARE_RDZV_TCP_STORE" in r.getMessage() for r in caplog.records) == (rank == "0")
+    monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")  # set: the failure is reported as it is
+    with pytest.raises(RuntimeError) as err:
+        mesh.init_parallel(ParallelConfig(dp=2, timeout_s=2), "cpu")
+    assert "this is a restart" not in str(err.value)
+
+
 def _one_rank_skips_a_collective(rank: int):
     from miles_k3.parallel.comm import all_reduce_
     from miles_k3.parallel.mesh import init_parallel, naming_rank

@@ -12,6 +12,7 @@ real headers and index, payload a hole) planned for tp=8 x ep=64 over 64 ranks (
 from __future__ import annotations
 
 import itertools
+import math
 from collections import Counter, defaultdict
 from types import SimpleNamespace
 
@@ -22,7 +23,8 @@ from miles_k3.model.build import ModelConfig
 from miles_k3.model.checkpoint import open_checkpoint, spec_bytes
 from miles_k3.model.config import K3Config
 from miles_k3.model.lora import LoRAConfig
-from miles_k3.model.weights import CheckpointReader, build_k3, check_reads, load_weights
+from miles_k3.model.weight_sources import CheckpointReader
+from miles_k3.model.weights import build_k3, check_reads, load_weights
 from miles_k3.model_info import rank_loads
 from miles_k3.parallel.config import ParallelConfig
 from miles_k3.parallel.mesh import ParallelContext
@@ -89,18 +91,8 @@ class _CountingReader(CheckpointReader):
     def read(self, name, index, device=None):
         spec = self.spec(name)
         shape = [len(range(*i.indices(n))) for i, n in zip(index + (slice(None),) * len(spec.shape), spec.shape)]
-        elems = 1
-        for n in shape:
-            elems *= n
-        self.requested += elems * spec_bytes(spec) // max(1, _numel(spec.shape))
+        self.requested += math.prod(shape) * spec_bytes(spec) // max(1, math.prod(spec.shape))
         return torch.empty(shape, dtype=torch.uint8 if spec.dtype == "U8" else torch.float32, device="meta")
-
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def test_the_loader_asks_one_rank_for_exactly_its_load_bytes(hollow, loads):

@@ -27,7 +27,7 @@ from dist_helpers import DEVICE_TYPE, run_ranks
 from safetensors.torch import load_file, save_file
 
 from miles_k3.init_checkpoint import init_checkpoint
-from miles_k3.model import weights
+from miles_k3.model import weight_sources, weights
 from miles_k3.model.build import ModelConfig, build_model
 from miles_k3.model.checkpoint import INDEX_FILE, CheckpointError, open_checkpoint
 from miles_k3.model.config import K3Config
@@ -96,16 +96,16 @@ def test_a_random_init_is_the_checkpoint_of_its_seed(tmp_path, fmt):
 class _Recording:
     """A checkpoint reader that records what it is asked for (name, index) and the bytes each call returns."""
 
-    def __init__(self, directory: Path, monkeypatch):
+    def __init__(self, monkeypatch):
         self.calls: list[tuple[str, tuple, int]] = []
-        read = weights.CheckpointReader.read
+        read = weight_sources.CheckpointReader.read
 
         def recorded(reader, name, index, device=None):
             t = read(reader, name, index, device)
             self.calls.append((name, index, t.numel() * t.element_size()))
             return t
 
-        monkeypatch.setattr(weights.CheckpointReader, "read", recorded)
+        monkeypatch.setattr(weight_sources.CheckpointReader, "read", recorded)
 
 
 def _with_vision_shard(checkpoint: Path, tmp_path: Path) -> Path:
@@ -122,9 +122,9 @@ def _with_vision_shard(checkpoint: Path, tmp_path: Path) -> Path:
 def test_a_rank_reads_only_its_slices_and_opens_only_the_files_it_needs(checkpoint, tmp_path, monkeypatch):
     directory = _with_vision_shard(checkpoint, tmp_path)
     opened = []
-    open_file = weights.open_safetensors
-    monkeypatch.setattr(weights, "open_safetensors", lambda f, names: opened.append(Path(f).name) or open_file(f, names))
-    recording = _Recording(directory, monkeypatch)
+    open_file = weight_sources.open_safetensors
+    monkeypatch.setattr(weight_sources, "open_safetensors", lambda f, names: opened.append(Path(f).name) or open_file(f, names))
+    recording = _Recording(monkeypatch)
     monkeypatch.setattr(weights, "STAGING_BYTES", 4096)  # small chunks: a 128 x 128 fp32-sized read is 8 copies
     model = _build(ModelConfig(path=str(directory)), ParallelContext.layout(1, 2, 2, 1))
     calls = {}
@@ -162,7 +162,7 @@ def test_a_tensor_missing_from_the_file_its_index_names_is_refused_before_any_re
                                                                                  monkeypatch):
     directory = _drop_tensor(checkpoint, tmp_path, "model.layers.3.block_sparse_moe.experts.12.w3.weight_scale")
     reads = []
-    monkeypatch.setattr(weights.CheckpointReader, "read", lambda *a: reads.append(a) or None)
+    monkeypatch.setattr(weight_sources.CheckpointReader, "read", lambda *a: reads.append(a) or None)
     with pytest.raises(CheckpointError, match=r"maps tensor 'language_model\.model\.layers\.3\.block_sparse_moe\."
                                               r"experts\.12\.w3\.weight_scale' to model-00004-of-00010\.safetensors, "
                                               r"but that file has no such tensor"):

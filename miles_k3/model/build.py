@@ -15,11 +15,14 @@ from typing import Optional
 
 import torch
 
+from miles_k3.model.checkpoint import open_checkpoint
 from miles_k3.model.config import SHIPPED_CONFIGS, ConfigError, K3Config
 from miles_k3.model.experts import EXPERT_FORMATS, RoutedExperts
 from miles_k3.model.k3 import CHECKPOINT_PREFIX, K3ForCausalLM
 from miles_k3.model.kda_ops import BACKEND_NAMES
 from miles_k3.model.lora import LoRAConfig
+from miles_k3.model.weight_sources import CheckpointReader, RandomInit
+from miles_k3.model.weights import build_k3
 from miles_k3.parallel.mesh import SINGLE, ParallelContext
 from miles_k3.runtime import FP32_DOTS, set_fp32_dots, set_fp32_gemm_reduction
 
@@ -206,9 +209,6 @@ def weight_source(cfg: ModelConfig, seed: int = 0):
     """Where `cfg`'s weights come from: the checkpoint of `path` (validated by its names: `open_checkpoint`) or
     the random init of `seed` (`RandomInit`: experts MXFP4 unless `cfg.experts` is bf16); and the experts' format
     in the model (`cfg.experts`, auto: as stored)."""
-    from miles_k3.model.checkpoint import open_checkpoint
-    from miles_k3.model.weights import CheckpointReader, RandomInit
-
     if cfg.path is not None:
         index = open_checkpoint(checkpoint_dir(cfg))
         return CheckpointReader(index), index.expert_format if cfg.experts == "auto" else cfg.experts
@@ -224,8 +224,6 @@ def build_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, ctx:
     are opened), or of the random init of `seed` (the checkpoint init_checkpoint writes for it; the same weights
     on every mesh). The adapter is drawn from `seed` too (`weights.init_adapters`). The one build of train, eval,
     sft and model_info (on the meta device)."""
-    from miles_k3.model.weights import build_k3
-
     set_fp32_dots(cfg.fp32_dots)  # before any kernel of this model compiles
     set_fp32_gemm_reduction(cfg.fp32_gemm_reduction)
     source, fmt = weight_source(cfg, seed)

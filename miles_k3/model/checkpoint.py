@@ -20,6 +20,7 @@ import copy
 import functools
 import json
 import logging
+import math
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -45,6 +46,7 @@ SKIPPED_PREFIXES = ("vision_tower.", "mm_projector.")  # multimodal towers: not 
 DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
 A_LOG_PAD = 128  # the published A_log is padded with zeros to a multiple of this
 MXFP4_FORMAT = "mxfp4-pack-quantized"
+LAYER_NAME = re.compile(rf"^{re.escape(CHECKPOINT_PREFIX)}model\.layers\.(\d+)\.")
 EXPERT_NAME = re.compile(r"^(?P<base>.*\.experts\.\d+\.w[123])\.(?P<kind>weight|weight_packed|weight_scale)$")
 _MAX_LISTED = 8
 
@@ -126,6 +128,12 @@ class TensorSpec:
 
     shape: tuple[int, ...]
     dtype: str
+
+
+def layer_of(name: str) -> int | None:
+    """The decoder layer of a checkpoint name (`language_model.model.layers.{L}.…`); None for the others."""
+    m = LAYER_NAME.match(name)
+    return int(m[1]) if m else None
 
 
 def stored_dtype(name: str, tensor_dtype: torch.dtype) -> str:
@@ -261,13 +269,12 @@ class CheckpointIndex:
 
 def spec_bytes(spec: TensorSpec) -> int:
     """Payload bytes of a stored tensor."""
-    n = 1
-    for d in spec.shape:
-        n *= d
-    return n * STORED_BYTES[spec.dtype]
+    return math.prod(spec.shape) * STORED_BYTES[spec.dtype]
 
 
 STORED_BYTES = {"U8": 1, "BF16": 2, "F32": 4}
+TORCH_DTYPES = {"U8": torch.uint8, "BF16": torch.bfloat16, "F32": torch.float32}
+"""The torch dtype of each stored dtype (safetensors name)."""
 
 
 def open_checkpoint(path: str | Path) -> CheckpointIndex:
@@ -280,7 +287,7 @@ def open_checkpoint(path: str | Path) -> CheckpointIndex:
                               f"{SINGLE_FILE} or {INDEX_FILE} and shards)")
     raw = _read_json(path / CONFIG_FILE, "the model config")
     cfg = K3Config.from_dict(raw, source=str(path / CONFIG_FILE))
-    locations = _tensor_locations(path)
+    locations = tensor_locations(path)
     text = {n: f for n, f in locations.items() if n.startswith(CHECKPOINT_PREFIX)}
     skipped = {n: f for n, f in locations.items() if n.startswith(SKIPPED_PREFIXES)}
     for name, file in locations.items():
@@ -321,7 +328,7 @@ def _read_json(file: Path, what: str) -> dict[str, Any]:
     return raw
 
 
-def _tensor_locations(path: Path) -> dict[str, Path]:
+def tensor_locations(path: Path) -> dict[str, Path]:
     """Tensor name -> file, from the index's weight_map, or from the single model.safetensors' header."""
     index_file = path / INDEX_FILE
     if index_file.is_file():
@@ -488,18 +495,3 @@ def _check_a_log_padding(cfg: K3Config, tensors: dict[str, tuple[Path, TensorSpe
 def _listed(names: list[str]) -> str:
     shown = ", ".join(f"'{n}'" for n in names[:3])
     return shown + (f" and {len(names) - 3} more tensors" if len(names) > 3 else "")
-
-
-# ---- writing --------------------------------------------------------------------------------------------
-
-
-def config_with_quantization(raw: dict[str, Any]) -> dict[str, Any]:
-    """The MXFP4 config.json of a raw one: a flat config (an old checkpoint of ours) becomes the published
-    nested form (`nested_config`); a nested one keeps its structure. The quantization_config goes into
-    `text_config`, as published (a top-level one is dropped: SGLang's KimiK3Config would let it override)."""
-    if not isinstance(raw.get("text_config"), dict):
-        return nested_config(raw, mxfp4_quantization_config())
-    out = copy.deepcopy(raw)
-    out.pop("quantization_config", None)
-    out["text_config"]["quantization_config"] = mxfp4_quantization_config()
-    return out

@@ -6,8 +6,8 @@ one (`miles_k3.atomic`). Layout and validation rules are in `checkpoint.py`.
 """
 from __future__ import annotations
 
+import copy
 import json
-import re
 import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -22,10 +22,14 @@ from miles_k3.model.checkpoint import (
     EXPERT_NAME,
     INDEX_FILE,
     SINGLE_FILE,
+    TORCH_DTYPES,
     CheckpointError,
     TensorSpec,
     checkpoint_config,
     expected_tensors,
+    layer_of,
+    mxfp4_quantization_config,
+    nested_config,
 )
 from miles_k3.model.k3 import CHECKPOINT_PREFIX, K3ForCausalLM
 
@@ -127,8 +131,7 @@ class CheckpointWriter:
 
 def to_stored(name: str, t: torch.Tensor, spec: TensorSpec) -> torch.Tensor:
     """A model tensor as stored: a CPU copy in the stored dtype; `A_log` zero-padded to its stored length."""
-    dtype = {"BF16": torch.bfloat16, "F32": torch.float32, "U8": torch.uint8}[spec.dtype]
-    out = t.detach().to("cpu", dtype, copy=True)
+    out = t.detach().to("cpu", TORCH_DTYPES[spec.dtype], copy=True)
     if name.endswith("A_log") and tuple(out.shape) != spec.shape:
         out = torch.cat([out, out.new_zeros(spec.shape[0] - out.shape[0])])
     assert tuple(out.shape) == spec.shape, (name, out.shape, spec.shape)
@@ -138,12 +141,9 @@ def to_stored(name: str, t: torch.Tensor, spec: TensorSpec) -> torch.Tensor:
 def write_groups(specs: dict[str, TensorSpec]) -> list[list[str]]:
     """Checkpoint names in write order: layers 0..L-1 then the model-level tensors (as published); each
     routed expert's tensors (all projections, packed with scale) form one group that is never split."""
-    def layer_of(name: str) -> int:
-        m = re.match(rf"^{re.escape(CHECKPOINT_PREFIX)}model\.layers\.(\d+)\.", name)
-        return int(m[1]) if m else 1 << 30
-
     groups: dict[str, list[str]] = {}
-    for name in sorted(specs, key=lambda n: (layer_of(n), n)):
+    last = 1 << 30  # the model-level tensors come after every layer
+    for name in sorted(specs, key=lambda n: (last if layer_of(n) is None else layer_of(n), n)):
         m = EXPERT_NAME.match(name)
         key = m["base"].rsplit(".", 1)[0] if m else name  # `…experts.{e}`
         groups.setdefault(key, []).append(name)
@@ -198,3 +198,15 @@ def _copy_tokenizer_files(writer: CheckpointWriter, src: Path) -> None:
     names = sorted({f.name for pattern in TOKENIZER_FILE_PATTERNS for f in src.glob(pattern) if f.is_file()})
     for name in names:
         writer.copy_in(src / name, name)
+
+
+def config_with_quantization(raw: dict[str, Any]) -> dict[str, Any]:
+    """The MXFP4 config.json of a raw one: a flat config (an old checkpoint of ours) becomes the published
+    nested form (`nested_config`); a nested one keeps its structure. The quantization_config goes into
+    `text_config`, as published (a top-level one is dropped: SGLang's KimiK3Config would let it override)."""
+    if not isinstance(raw.get("text_config"), dict):
+        return nested_config(raw, mxfp4_quantization_config())
+    out = copy.deepcopy(raw)
+    out.pop("quantization_config", None)
+    out["text_config"]["quantization_config"] = mxfp4_quantization_config()
+    return out

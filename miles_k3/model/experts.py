@@ -340,12 +340,6 @@ class RoutedExperts(nn.Module):
                 continue
             for kind in ("packed", "scale"):
                 setattr(self, f"{name}_{kind}", getattr(self, f"{name}_{kind}")[lo: lo + count].clone())
-        self.set_held_experts(first, count)
-
-    def set_held_experts(self, first: int, count: int) -> None:
-        """Record that the storage holds experts first .. first + count - 1 (global ids); checks the shapes."""
-        for suffix, stacked in self.stored_tensors().items():
-            assert stacked.shape[0] == count, (suffix, tuple(stacked.shape), count)
         self.expert_offset, self.num_experts = first, count
 
     def stored_tensors(self) -> dict[str, torch.Tensor]:

@@ -34,9 +34,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import json
-import math
 import os
-import re
 import struct
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -46,11 +44,13 @@ from miles_k3.atomic import atomic_directory
 from miles_k3.model.checkpoint import (
     CONFIG_FILE,
     INDEX_FILE,
-    SINGLE_FILE,
     CheckpointError,
     TensorSpec,
     checkpoint_config,
     expected_tensors,
+    layer_of,
+    spec_bytes,
+    tensor_locations,
 )
 from miles_k3.model.config import K3Config
 from miles_k3.model.k3 import CHECKPOINT_PREFIX
@@ -60,11 +60,9 @@ HEADER_LEN_BYTES = 8  # little-endian u64 before the JSON header
 HEADER_ALIGN = 8  # safetensors pads the JSON header with spaces to a multiple of this
 MAX_HEADER_BYTES = 100_000_000  # safetensors refuses larger headers
 
-# safetensors dtypes in its `Dtype` enum order (the sort order of its serializer, descending) -> item size.
+# safetensors dtypes in its `Dtype` enum order (the sort order of its serializer, descending).
 _DTYPES = ("BOOL", "U8", "I8", "F8_E5M2", "F8_E4M3", "F8_E8M0", "I16", "U16", "F16", "BF16", "I32", "U32",
            "F32", "C64", "F64", "I64", "U64")
-_ITEM_SIZES = (1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 4, 4, 4, 8, 8, 8, 8)
-DTYPE_SIZE = dict(zip(_DTYPES, _ITEM_SIZES))
 _DTYPE_RANK = {d: i for i, d in enumerate(_DTYPES)}
 
 # ---- the published vision tower and projector (moonshotai/Kimi-K3, all BF16, no biases) ----------------
@@ -77,7 +75,6 @@ _VISION_BLOCK_SHAPES = {"wqkv.weight": (4608, 1024), "wo.weight": (1024, 1536),
 _PROJECTOR_SHAPES = {"mm_projector.proj.0.weight": (4096, 4096), "mm_projector.proj.2.weight": (7168, 4096),
                      "mm_projector.post_norm.weight": (7168,)}
 
-_LAYER_NAME = re.compile(rf"^{re.escape(CHECKPOINT_PREFIX)}model\.layers\.(\d+)\.")
 
 
 class PayloadRange(NamedTuple):
@@ -158,9 +155,8 @@ def published_layout(cfg: K3Config, tensors: Mapping[str, TensorSpec] | None = N
 
 def _file_index(name: str, layers: int, vision: bool) -> int:
     """1-based published file of a tensor (layer l -> l + 1, model-level -> layers + 1, projector, tower)."""
-    m = _LAYER_NAME.match(name)
-    if m:
-        layer = int(m[1])
+    layer = layer_of(name)
+    if layer is not None:
         if layer >= layers:
             raise ValueError(f"tensor '{name}': layer {layer} >= num_hidden_layers={layers}")
         return layer + 1
@@ -173,11 +169,6 @@ def _file_index(name: str, layers: int, vision: bool) -> int:
                      "vision)")
 
 
-def nbytes(spec: TensorSpec) -> int:
-    """Payload bytes of a stored tensor."""
-    return math.prod(spec.shape) * DTYPE_SIZE[spec.dtype]
-
-
 def safetensors_header(specs: Mapping[str, TensorSpec], metadata: Mapping[str, str] | None = None
                        ) -> tuple[bytes, int]:
     """(header, payload bytes) of a safetensors file holding `specs` in their iteration order, back to back:
@@ -187,7 +178,7 @@ def safetensors_header(specs: Mapping[str, TensorSpec], metadata: Mapping[str, s
     entries: dict[str, Any] = {"__metadata__": dict(metadata)} if metadata is not None else {}
     offset = 0
     for name, spec in specs.items():
-        end = offset + nbytes(spec)
+        end = offset + spec_bytes(spec)
         entries[name] = {"dtype": spec.dtype, "shape": list(spec.shape), "data_offsets": [offset, end]}
         offset = end
     raw = json.dumps(entries, separators=(",", ":"), ensure_ascii=False).encode()
@@ -280,25 +271,8 @@ def payload_ranges(path: str | Path, *, missing_ok: bool = False) -> dict[str, P
     its tensors are left out, as in a text-only copy)."""
     path = Path(path)
     with gc_paused():
-        return _payload_ranges(path, _weight_map(path), missing_ok)
-
-
-def _weight_map(path: Path) -> dict[str, str]:
-    """Tensor name -> file name, from the index or the single file's header."""
-    index = path / INDEX_FILE
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text()).get("weight_map")
-        except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
-            weight_map = None
-        if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
-            raise CheckpointError(f"{index}: not a JSON object with a 'weight_map' of tensor name -> file "
-                                  "name; re-download or re-write the index")
-        return weight_map
-    if (path / SINGLE_FILE).is_file():
-        names = read_header(path / SINGLE_FILE)[1].keys() - {"__metadata__"}
-        return dict.fromkeys(sorted(names), SINGLE_FILE)
-    raise CheckpointError(f"{path}: neither {INDEX_FILE} nor {SINGLE_FILE}; pass a checkpoint directory")
+        weight_map = {name: file.name for name, file in tensor_locations(path).items()}
+        return _payload_ranges(path, weight_map, missing_ok)
 
 
 def _payload_ranges(path: Path, weight_map: dict[str, str], missing_ok: bool) -> dict[str, PayloadRange]:

@@ -174,29 +174,27 @@ class _Planner:
 
     def column(self, path: str, lin: nn.Linear) -> None:
         """Output rows split (a column-parallel linear); its adapter's B split with them, A's grads partial."""
-        full = lin.out_features
-        self.take(f"{path}.weight", lin.weight, 0, full)
-        if isinstance(lin, LoRALinear):
-            self.take(f"{path}.lora_B.weight", lin.lora_B.weight, 0, full)
-            if self.apply:
-                lin.lora_B.out_features = full // self.ctx.tp_size
-                mark_sharded(lin.lora_B.weight, "tp")
-                mark_grad_groups(lin.lora_A.weight, "dp", "tp")
-        if self.apply:
-            lin.out_features = full // self.ctx.tp_size
+        self._split(path, lin, 0)
 
     def row(self, path: str, lin: nn.Linear) -> None:
         """Input columns split (a row-parallel linear); its adapter's A split with them, B's grads partial."""
-        full = lin.in_features
-        self.take(f"{path}.weight", lin.weight, 1, full)
+        self._split(path, lin, 1)
+
+    def _split(self, path: str, lin: nn.Linear, dim: int) -> None:
+        """`lin`'s weight split along `dim` (0: out_features, 1: in_features); of a LoRALinear's adapter, the half
+        on the split side (B for 0, A for 1) is split with it and the other half's gradients are partial."""
+        attr = ("out_features", "in_features")[dim]
+        full = getattr(lin, attr)
+        self.take(f"{path}.weight", lin.weight, dim, full)
         if isinstance(lin, LoRALinear):
-            self.take(f"{path}.lora_A.weight", lin.lora_A.weight, 1, full)
+            cut, other = ("lora_B", "lora_A") if dim == 0 else ("lora_A", "lora_B")
+            self.take(f"{path}.{cut}.weight", getattr(lin, cut).weight, dim, full)
             if self.apply:
-                lin.lora_A.in_features = full // self.ctx.tp_size
-                mark_sharded(lin.lora_A.weight, "tp", dim=1)
-                mark_grad_groups(lin.lora_B.weight, "dp", "tp")
+                setattr(getattr(lin, cut), attr, full // self.ctx.tp_size)
+                mark_sharded(getattr(lin, cut).weight, "tp", dim=dim)
+                mark_grad_groups(getattr(lin, other).weight, "dp", "tp")
         if self.apply:
-            lin.in_features = full // self.ctx.tp_size
+            setattr(lin, attr, full // self.ctx.tp_size)
 
 
 def _walk(model: K3ForCausalLM, planner: _Planner) -> ShardPlan:
