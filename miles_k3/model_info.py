@@ -141,14 +141,15 @@ def main(argv: list[str]) -> dict:
         apply_lora(model, cfg.lora)
     figures["adapter_params"] = adapter_num_params(model)
     figures["lora"] = {"rank": cfg.lora.rank, "targets": list(cfg.lora.targets)}
-    figures["per_rank"] = rank_figures(k3, fmt, cfg)
+    figures["per_rank"] = rank_figures(k3, fmt, cfg, model)
     return figures
 
 
-def rank_figures(k3, fmt: str, cfg) -> dict:
-    """Rank 0 of `cfg.parallel` as training builds it (`build_model` on the meta device: the same plan, so
+def rank_figures(k3, fmt: str, cfg, whole: K3ForCausalLM) -> dict:
+    """Rank 0 of `cfg.parallel` as training builds it (`build_k3` on the meta device: the same plan, so
     `device_bytes` is what the loader allocates), and every rank's load from the read plan of the checkpoint of
-    model.path (its index; a hollow checkpoint will do), else of the published layout (no files)."""
+    model.path (its index; a hollow checkpoint will do), else of the published layout (no files). `whole`: the
+    meta model with `cfg.lora`, uncut."""
     p = cfg.parallel
     check_mesh(k3, p.tp, p.ep)
     dtype = torch.float32 if cfg.model.dtype == "fp32" else torch.bfloat16  # a GPU run: bf16
@@ -177,7 +178,7 @@ def rank_figures(k3, fmt: str, cfg) -> dict:
     figures.update(total_bytes_before_activations=total, gpu_bytes=round(gpu),
                    headroom_bytes_for_activations=round(gpu - total),
                    fits=total + figures["activation_bytes_estimate"] <= gpu)
-    loads = rank_loads(cfg, k3, fmt)
+    loads = rank_loads(cfg, whole)
     figures.update(load_bytes=loads[0]["load_bytes"], files_opened=loads[0]["files"],
                    checkpoint_bytes=loads[0]["checkpoint_bytes"])
     figures["ranks"] = [{"rank": r["rank"], "load_bytes": r["load_bytes"], "files": r["files"]} for r in loads]
@@ -194,14 +195,12 @@ def activation_bytes(k3, tp: int, tokens: int) -> int:
     return saved + tokens * (k3.vocab_size // tp) * 4 * 2
 
 
-def rank_loads(cfg, k3, fmt: str) -> list[dict]:
-    """Every rank's load of `cfg.parallel`: stored bytes it reads, the files it opens, from the read plan
-    (`weights.plan_reads`) of its `shard_plan` on one whole meta model (no payload read, no allocation)."""
+def rank_loads(cfg, whole: K3ForCausalLM, with_reads: bool = False) -> list[dict]:
+    """Every rank's load of `cfg.parallel`: stored bytes it reads, the files it opens (and with `with_reads` the
+    reads themselves), from the read plan (`weights.plan_reads`) of its `shard_plan` on `whole`, the uncut meta
+    model (no payload read, no allocation)."""
     p = cfg.parallel
-    specs, files, stored_format = stored_layout(cfg, k3)
-    with skip_meta_init():
-        whole = meta_model(k3, fmt)
-        apply_lora(whole, cfg.lora)
+    specs, files, stored_format = stored_layout(cfg, whole.config)
     sizes = {n: spec_bytes(s) for n, s in specs.items()}
     total, layout = sum(sizes.values()), ModelLayout(whole)
     out = []
@@ -209,14 +208,15 @@ def rank_loads(cfg, k3, fmt: str) -> list[dict]:
         reads = plan_reads(layout, shard_plan(whole, ParallelContext.layout(p.dp, p.tp, p.ep, r)), stored_format)
         opened = {files[n] for read in reads for n in read.names if n in files}
         out.append({"rank": r, "load_bytes": sum(read_bytes(read, specs, sizes) for read in reads),
-                    "files": len(opened) if files else None, "checkpoint_bytes": total, "reads": reads})
+                    "files": len(opened) if files else None, "checkpoint_bytes": total}
+                   | ({"reads": reads} if with_reads else {}))
     return out
 
 
 def stored_layout(cfg, k3) -> tuple[dict, dict, str]:
     """(stored spec by name, file by name, stored expert format) of model.path's checkpoint when it is a local
-    directory with weights (its index and config: no shard opened), else of the published K3 format (MXFP4 experts), where
-    no file is known."""
+    directory with weights (its index and config: no shard opened), else of the published K3 format (MXFP4
+    experts), where no file is known."""
     path = Path(cfg.model.path).expanduser() if cfg.model.path is not None else None
     if path is not None and ((path / INDEX_FILE).is_file() or (path / SINGLE_FILE).is_file()):
         index = open_checkpoint(path)

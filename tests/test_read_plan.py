@@ -20,9 +20,9 @@ import pytest
 import torch
 
 from miles_k3.model.build import ModelConfig
-from miles_k3.model.checkpoint import open_checkpoint, spec_bytes
+from miles_k3.model.checkpoint import meta_model, open_checkpoint, skip_meta_init, spec_bytes
 from miles_k3.model.config import K3Config
-from miles_k3.model.lora import LoRAConfig
+from miles_k3.model.lora import LoRAConfig, apply_lora
 from miles_k3.model.weight_sources import CheckpointReader
 from miles_k3.model.weights import build_k3, check_reads, load_weights
 from miles_k3.model_info import rank_loads
@@ -42,7 +42,10 @@ def hollow(hollow_k3):
 def loads(hollow):
     cfg = SimpleNamespace(parallel=ParallelConfig(dp=DP, tp=TP, ep=EP), model=ModelConfig(path=str(hollow)),
                           lora=LoRAConfig(rank=16))
-    return rank_loads(cfg, K3Config.from_name("k3"), "mxfp4")
+    with skip_meta_init():
+        whole = meta_model(K3Config.from_name("k3"), "mxfp4")
+        apply_lora(whole, cfg.lora)
+    return rank_loads(cfg, whole, with_reads=True)
 
 
 def test_every_stored_text_byte_is_read_once_per_replica_that_shares_it(hollow, loads):
