@@ -1,5 +1,5 @@
 """LoRA push latency on one GPU: SGLang (engine.backend=sglang: the adapter loaded from tensors under a new
-versioned name, the previous version unloaded) against the native engine (sync.transport=local: an in-place copy
+versioned name, the previous version unloaded) against the native engine (its local channel: an in-place copy
 into the engine's adapter buffers), each pushing the trainer's fp32 LoRA tensors after every "step".
 
     python benchmarks/bench_sglang_push.py [--hidden 1024] [--layers 8] [--rank 16] [--pushes 20]

@@ -1,8 +1,9 @@
 """Weight-sync push latency: a LoRA adapter on every k3_m target (ranks 8, 32, 64) pushed from a trainer model
-into a rollout engine's buffers, per transport, against the physical copy bound and the disk round trip.
+into the native rollout engine's buffers (the local channel), against the physical copy bound and the disk round
+trip.
 
-    python benchmarks/bench_weight_sync.py [--device auto|cpu|cuda] [--ranks 8,32,64]
-                                           [--transports local,ipc,dist] [--repeats 20] [--json out.json]
+    python benchmarks/bench_weight_sync.py [--device auto|cpu|cuda] [--ranks 8,32,64] [--repeats 20]
+                                           [--json out.json]
 
 * adapter: `apply_lora(k3_m, LoRAConfig(rank=r, alpha=2r, targets=ALLOWED_TARGETS))` (attention, MLPs, latent
   MoE projections and every routed expert's w1/w2/w3); fp32 master tensors, as the trainer holds them.
@@ -10,9 +11,6 @@ into a rollout engine's buffers, per transport, against the physical copy bound 
   adapter's size (median of `repeats`); also reported: the bandwidth of a 1 GiB copy.
 * local: `LocalChannel.push` (checks, then one multi-tensor copy into the engine's buffers; the engine in this
   process). Goal: <= 2 x copy bound + 100 us.
-* ipc: `IPCSender.push` to an engine in a second process (shared memory on CPU, CUDA IPC on GPU); the
-  transfer buffer is allocated once before timing.
-* dist: `DistSender.push` over torch.distributed (gloo on CPU, NCCL on GPUs) to an engine on rank 1.
 * disk: what file-based frameworks do: `save_adapter` (PEFT directory, written atomically) then `load_adapter`
   into the engine's model. Goal: local >= 100 x faster.
 Every figure is a median over `repeats` pushes after one warm-up push; each push has a new version.
@@ -21,27 +19,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
-import os
-import secrets
 import statistics
 import tempfile
 import time
-from datetime import timedelta
 
 import torch
-import torch.distributed as dist
 
 from miles_k3.adapter import load_adapter, save_adapter
 from miles_k3.model import K3Config, K3ForCausalLM
 from miles_k3.model.lora import ALLOWED_TARGETS, LoRAConfig, apply_lora, lora_state_dict
 from miles_k3.rollout.engine import EngineConfig, RolloutEngine
-from miles_k3.weight_sync.dist import DistReceiver, DistSender
-from miles_k3.weight_sync.ipc import IPCReceiverServer, IPCSender, socket_address
 from miles_k3.weight_sync.local import LocalChannel
-from miles_k3.weight_sync.protocol import sync_devices
-
-BUFFER_BYTES = 512 * 2**20  # the default sync.buffer_mb
+from miles_k3.weight_sync.push import sync_devices
 
 
 def median_s(fn, repeats: int, device: torch.device) -> float:
@@ -82,97 +71,25 @@ def copy_bound_s(nbytes: int, device: torch.device, repeats: int) -> float:
     return median_s(lambda: dst.copy_(src), repeats, device)
 
 
-def _ipc_engine(device: str, rank: int, address: str, authkey: bytes, ready, done) -> None:
-    """Child process: an engine with the same adapter layout, serving ipc pushes until `done` is set."""
-    _, _, engine = build(torch.device(device), rank)
-    server = IPCReceiverServer(engine, "policy", address, authkey).start()
-    ready.set()
-    done.wait()
-    server.stop()
-
-
-def _dist_engine(device: str, rank: int, init_file: str, backend: str) -> None:
-    """Child process (rank 1): an engine serving dist pushes from rank 0 until it closes."""
-    if backend == "nccl":
-        torch.cuda.set_device(1)
-        device = "cuda:1"
-    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=1, world_size=2,
-                            timeout=timedelta(minutes=10))
-    _, _, engine = build(torch.device(device), rank)
-    DistReceiver(engine, "policy", src=0).serve_forever()
-    dist.destroy_process_group()
-
-
-def bench_ipc(device: torch.device, rank: int, tensors: dict, repeats: int) -> float:
-    ctx = mp.get_context("spawn")
-    address, authkey = socket_address("bench"), secrets.token_bytes(16)
-    ready, done = ctx.Event(), ctx.Event()
-    child = ctx.Process(target=_ipc_engine, args=(str(device), rank, address, authkey, ready, done))
-    child.start()
-    try:
-        if not ready.wait(600):
-            raise RuntimeError("ipc engine process did not start")
-        sender = IPCSender(address, authkey, buffer_bytes=BUFFER_BYTES, device=device, timeout_s=600)
-        version = iter(range(1, 10**9))
-        seconds = median_s(lambda: sender.push(tensors, next(version)), repeats, device)
-        assert sender.exports == 1
-        sender.close()
-        return seconds
-    finally:
-        done.set()
-        child.join(60)
-
-
-def bench_dist(device: torch.device, rank: int, tensors: dict, repeats: int) -> float | None:
-    """None when this host cannot run it (NCCL needs a second GPU for the engine rank)."""
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    if backend == "nccl" and torch.cuda.device_count() < 2:
-        return None
-    ctx = mp.get_context("spawn")
-    with tempfile.TemporaryDirectory() as tmp:
-        init_file = os.path.join(tmp, "init")
-        child = ctx.Process(target=_dist_engine, args=(str(device), rank, init_file, backend))
-        child.start()
-        dist.init_process_group(backend, init_method=f"file://{init_file}", rank=0, world_size=2,
-                                timeout=timedelta(minutes=10))
-        try:
-            sender = DistSender(src=0, buffer_bytes=BUFFER_BYTES)
-            version = iter(range(1, 10**9))
-            seconds = median_s(lambda: sender.push(tensors, next(version)), repeats, device)
-            sender.close()
-        finally:
-            dist.destroy_process_group()
-            child.join(60)
-    return seconds
-
-
-def bench_rank(device: torch.device, rank: int, transports: list[str], repeats: int) -> dict:
+def bench_rank(device: torch.device, rank: int, repeats: int) -> dict:
     model, cfg, engine = build(device, rank)
     tensors = lora_state_dict(model)
     nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
     row = {"rank": rank, "tensors": len(tensors), "bytes": nbytes,
            "copy_bound_s": copy_bound_s(nbytes, device, repeats)}
     version = iter(range(1, 10**9))
-    if "local" in transports:
-        ch = LocalChannel(engine, "policy")
-        row["local_s"] = median_s(lambda: ch.push(tensors, next(version)), repeats, device)
-        assert LocalChannel(engine, "policy", readback=True).push(tensors, next(version)).readback_match
+    ch = LocalChannel(engine, "policy")
+    row["local_s"] = median_s(lambda: ch.push(tensors, next(version)), repeats, device)
+    assert LocalChannel(engine, "policy", readback=True).push(tensors, next(version)).readback_match
     with tempfile.TemporaryDirectory() as tmp:
         def disk():
             save_adapter(model, cfg, f"{tmp}/adapter", base_model_name_or_path="k3_m", overwrite=True)
             load_adapter(engine.model, f"{tmp}/adapter")
         row["disk_s"] = median_s(disk, max(3, repeats // 4), device)
-    if "ipc" in transports:
-        row["ipc_s"] = bench_ipc(device, rank, tensors, repeats)
-    if "dist" in transports:
-        row["dist_s"] = bench_dist(device, rank, tensors, repeats)
     bound = row["copy_bound_s"]
-    for t in ("local", "ipc", "dist"):
-        if row.get(f"{t}_s"):
-            row[f"{t}_over_bound"] = row[f"{t}_s"] / bound
-            row[f"disk_over_{t}"] = row["disk_s"] / row[f"{t}_s"]  # >= 100 meets the goal (local)
-    if "local_s" in row:
-        row["local_over_goal"] = row["local_s"] / (2 * bound + 100e-6)  # <= 1 meets the goal
+    row["local_over_bound"] = row["local_s"] / bound
+    row["disk_over_local"] = row["disk_s"] / row["local_s"]  # >= 100 meets the goal
+    row["local_over_goal"] = row["local_s"] / (2 * bound + 100e-6)  # <= 1 meets the goal
     return row
 
 
@@ -180,17 +97,15 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="auto")
     ap.add_argument("--ranks", default="8,32,64")
-    ap.add_argument("--transports", default="local,ipc,dist")
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     dev = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
-    transports = args.transports.split(",")
     gib = 2**30
     out = {"device": str(dev), "bandwidth_1gib_bytes_per_s": gib / copy_bound_s(gib, dev, 10), "rows": []}
     print(json.dumps({k: v for k, v in out.items() if k != "rows"}), flush=True)
     for r in (int(x) for x in args.ranks.split(",")):
-        row = bench_rank(dev, r, transports, args.repeats)
+        row = bench_rank(dev, r, args.repeats)
         out["rows"].append(row)
         print(json.dumps(row), flush=True)
     if args.json:

@@ -64,7 +64,7 @@ class TrainConfig:
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     """The trained LoRA adapter: rank, alpha, dropout, target module names."""
     sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
-    """The weight-sync channel from the trainer to the rollout engine, and the staleness bound."""
+    """The weight-sync channel from the trainer into the native rollout engine (sync.readback: a debug check)."""
     reward: RewardConfig = field(default_factory=RewardConfig)
     """The verifiable reward of the rollouts (reward=aime | math, by name; format bonus; grading timeouts)."""
     steps: int = 0

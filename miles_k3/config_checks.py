@@ -95,20 +95,15 @@ def check_release_tags(tags: list[str], backend: str, sglang: SGLangConfig) -> N
 
 
 def check_sync(sync: WeightSyncConfig, backend: str) -> None:
-    """`python -m miles_k3.train` runs its engine in its own process: only the local transport applies, and with
-    the SGLang backend (pushes through SGLang's adapter API) no `sync:` field does anything."""
-    if backend == "sglang":
-        default = WeightSyncConfig()
-        changed = [f.name for f in dataclasses.fields(sync) if getattr(sync, f.name) != getattr(default, f.name)]
-        if changed:
-            raise ValueError(f"sync.{changed[0]}: does nothing with engine.backend=sglang (a push goes through "
-                             "SGLang's adapter API, verified by sglang.verify_push); remove the sync: overrides")
+    """`sync:` configures the native engine's channel; with the SGLang backend (pushes through SGLang's adapter API)
+    no `sync:` field does anything."""
+    if backend != "sglang":
         return
-    if sync.transport != "local":
-        raise ValueError(f"sync.transport: '{sync.transport}' carries pushes to an engine in another process or on "
-                         "other ranks, and python -m miles_k3.train runs its engine in its own process; use "
-                         "sync.transport=local (ipc and dist are for launchers of your own: "
-                         "miles_k3.weight_sync.channel.open_sender / open_receiver)")
+    default = WeightSyncConfig()
+    changed = [f.name for f in dataclasses.fields(sync) if getattr(sync, f.name) != getattr(default, f.name)]
+    if changed:
+        raise ValueError(f"sync.{changed[0]}: does nothing with engine.backend=sglang (a push goes through "
+                         "SGLang's adapter API, verified by sglang.verify_push); remove the sync: overrides")
 
 
 def check_device(device: str) -> None:

@@ -44,7 +44,7 @@ from miles_k3.trainer.checkpoint import ADAPTER_DIR, save_checkpoint
 from miles_k3.trainer.checkpoint_ranks import save_checkpoint_ranks
 from miles_k3.trainer.rollouts import check_on_policy, collect_rollouts
 from miles_k3.trainer.step import train_step
-from miles_k3.weight_sync.protocol import SyncError
+from miles_k3.weight_sync.push import SyncError
 
 log = logging.getLogger("miles_k3.train")
 register_schemas()

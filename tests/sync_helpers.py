@@ -1,5 +1,6 @@
-"""Shared by the weight-sync tests (run in spawned processes too: import-light, no pytest): one deterministic
-k3_tiny base, a trainer copy with a non-zero adapter, an engine serving adapter "policy", greedy outputs."""
+"""Shared by the weight-sync tests (tests/test_weight_sync.py, and the spawned ranks of tests/test_parallel_loop.py:
+import-light, no pytest): one deterministic k3_tiny base, a trainer copy with a non-zero adapter, an engine
+serving adapter "policy", greedy outputs."""
 import functools
 
 import torch
@@ -45,14 +46,13 @@ def adapter_tensors(model) -> dict[str, torch.Tensor]:
     return lora_state_dict(model)
 
 
-def engine_with_adapter(decode: str = "eager", device: str | torch.device = "cpu") -> RolloutEngine:
-    """An engine over the base (built on the CPU as everywhere, then moved to `device`), adapter "policy"
-    registered with all-zero tensors (serves the base model)."""
+def engine_with_adapter() -> RolloutEngine:
+    """An eager engine over the base (CPU), adapter "policy" registered with all-zero tensors (serves the base
+    model)."""
     trainer = base_model()
     apply_lora(trainer, LORA)  # lora_B = 0: the adapter starts as the identity
-    trainer = trainer.to(device)
     engine = RolloutEngine(trainer, EngineConfig(memory_budget_bytes=4 * 2**20, max_context=64, page_size=4,
-                                                 prefill_chunk=4, decode=decode), lora=LORA)
+                                                 prefill_chunk=4, decode="eager"), lora=LORA)
     engine.load_lora_adapter_from_tensors(ADAPTER, {n: torch.zeros_like(t) for n, t in
                                                     adapter_tensors(trainer).items()}, LORA)
     return engine

@@ -109,7 +109,7 @@ def _train_rank(rank: int, data: str, root: str, single_ckpt: str) -> dict:
 
 def _refused_push(rank: int, run, bad: str) -> dict:
     """Push version 4 of the trainer's adapter, broken on rank 1 (`bad`); what every rank saw."""
-    from miles_k3.weight_sync.protocol import SyncError
+    from miles_k3.weight_sync.push import SyncError
 
     tensors = {n: p.detach().clone() for n, p in run.params.items()}
     if rank == 1:

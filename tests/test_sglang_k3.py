@@ -14,7 +14,7 @@ from sglang_k3_helpers import K3_DEFAULT, K3_MLA, K3_PROBE, k3_model, servable_r
 
 from miles_k3.model.lora import LoRAConfig, apply_lora, lora_parameters
 from miles_k3.rollout.sglang_backend import SGLangConfig, SGLangEngine, server_args
-from miles_k3.weight_sync.protocol import SyncError
+from miles_k3.weight_sync.push import SyncError
 from miles_k3.weight_sync.sglang import SGLangChannel
 from tests.sglang_double import FakeSGLangEngine
 

@@ -11,7 +11,7 @@ from sglang_helpers import greedy
 from sglang_k3_helpers import K3_DEFAULT, K3_MLA, k3_model
 
 from miles_k3.model.lora import LoRAConfig, lora_parameters
-from miles_k3.weight_sync.protocol import SyncError
+from miles_k3.weight_sync.push import SyncError
 from tests.sglang_double import FakeSGLangEngine
 
 

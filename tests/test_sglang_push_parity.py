@@ -9,7 +9,7 @@ from sglang_helpers import LORA, double_engine, peft_of, policy, set_lora_b, tra
 
 from miles_k3.model.lora import lora_parameters
 from miles_k3.rollout.sglang_config import SGLangConfig
-from miles_k3.weight_sync.protocol import SyncError
+from miles_k3.weight_sync.push import SyncError
 from miles_k3.weight_sync.sglang import Parity, SGLangChannel
 
 PROBE = [256, 49, 53, 45, 52, 51, 61, 49, 50]

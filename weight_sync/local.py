@@ -1,11 +1,11 @@
-"""The `local` transport: trainer and engine in the same process (colocated). A push copies the trainer's tensors
-straight into the engine's adapter buffers (one multi-tensor copy, cast to the buffers' dtype where it differs):
-no transfer buffer and no staging copy. Repeated pushes of the same tensors (the trainer's LoRA parameters)
-skip the per-tensor checks and, on CUDA, run as one captured graph of a checked copy (`miles_k3.rollout.push_copy`,
-`miles_k3.kernels.checked_copy`). All-or-nothing comes from checking everything before any byte moves (names,
-shapes, dtypes, finite values: `RolloutEngine.update_weights_from_tensor`), since nothing can corrupt bytes between two
-tensors of one process, so no checksum is computed (the report's checksum_match is None). `readback=True` (debug)
-compares every byte of the engine's buffers with the trainer's tensors after the push.
+"""The native engine's channel (`engine.backend=native`): trainer and engine in the same process (colocated). A
+push copies the trainer's tensors straight into the engine's adapter buffers (one multi-tensor copy, cast to the
+buffers' dtype where it differs): no transfer buffer and no staging copy. Repeated pushes of the same tensors (the
+trainer's LoRA parameters) skip the per-tensor checks and, on CUDA, run as one captured graph of a checked copy
+(`miles_k3.rollout.push_copy`, `miles_k3.kernels.checked_copy`). All-or-nothing comes from checking everything
+before any byte moves (names, shapes, dtypes, finite values: `RolloutEngine.update_weights_from_tensor`); nothing
+can corrupt bytes between two tensors of one process, so no checksum is computed. `readback=True`
+(`sync.readback`, debug) compares every byte of the engine's buffers with the trainer's tensors after the push.
 
 On many ranks (`ctx`: each rank's trainer pushes its own adapter shard into its own colocated engine) a push is one
 transaction across the world: every rank checks its push without applying it
@@ -23,7 +23,7 @@ import torch
 
 from miles_k3.parallel.mesh import SINGLE, ParallelContext
 from miles_k3.parallel.reduce import gather, ranks_where, world_of
-from miles_k3.weight_sync.protocol import PushReport, SyncError, readback_matches, sync_devices
+from miles_k3.weight_sync.push import PushReport, SyncError, sync_devices
 
 
 class LocalChannel:
@@ -58,7 +58,7 @@ class LocalChannel:
         readback = None
         if self.readback:
             readback = readback_matches(self.engine.adapters.buffers(self.adapter), tensors)
-        return PushReport(version, self.transport, self._nbytes(tensors), seconds, len(tensors), 1, None, readback)
+        return PushReport(version, self.transport, self._nbytes(tensors), seconds, len(tensors), readback)
 
     def _check_everywhere(self, tensors: Mapping[str, torch.Tensor], version: int) -> None:
         """Phase one of a push across ranks: this rank's check, then every rank's verdict; raises SyncError on every
@@ -88,3 +88,8 @@ class LocalChannel:
 
     def close(self) -> None:
         """Nothing to release: a local channel holds no buffer and no connection."""
+
+
+def readback_matches(buffers: Mapping[str, torch.Tensor], tensors: Mapping[str, torch.Tensor]) -> bool:
+    """Debug readback: every byte of the engine's `buffers` equals `tensors` cast to the buffers' dtypes."""
+    return all(torch.equal(buffers[n], t.to(buffers[n].dtype)) for n, t in tensors.items())

@@ -49,7 +49,7 @@ import torch
 from miles_k3.model.k3 import CHECKPOINT_PREFIX
 from miles_k3.model.lora import expert_loras, lora_linears
 from miles_k3.rollout.sglang_config import PROBE_MODES
-from miles_k3.weight_sync.protocol import PushReport, SyncError, sync_devices
+from miles_k3.weight_sync.push import PushReport, SyncError, sync_devices
 
 if TYPE_CHECKING:
     from miles_k3.rollout.sglang_config import SGLangConfig
@@ -237,7 +237,7 @@ class SGLangChannel(_VerifiedPushes):
         self.engine.commit_adapter(self.adapter, staged)
         self.pushes += 1
         nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
-        return SGLangPushReport(version, self.transport, nbytes, time.perf_counter() - t0, len(tensors), 1, None,
+        return SGLangPushReport(version, self.transport, nbytes, time.perf_counter() - t0, len(tensors),
                                 load_seconds=load_s, parity=parity)
 
     def _check(self, staged: str, version: int) -> Parity:
@@ -403,7 +403,7 @@ class SGLangMergedChannel(_VerifiedPushes):
         self._served = _kept(tensors)
         self.pushes += 1
         nbytes = sum(t.numel() * t.element_size() for t in merged.values())
-        return SGLangPushReport(version, self.transport, nbytes, time.perf_counter() - t0, len(merged), 1, None,
+        return SGLangPushReport(version, self.transport, nbytes, time.perf_counter() - t0, len(merged),
                                 load_seconds=load_s, parity=parity)
 
     def _check(self, version: int, serving: int) -> Parity:
