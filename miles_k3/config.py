@@ -20,6 +20,7 @@ from miles_k3.config_checks import (
     check_backend,
     check_context,
     check_device,
+    check_kernels,
     check_parallel,
     check_release_tags,
     check_routes,
@@ -33,6 +34,7 @@ from miles_k3.evals.templates import template_names
 from miles_k3.model.build import ModelConfig
 from miles_k3.model.checkpoint import CheckpointError
 from miles_k3.model.config import ConfigError
+from miles_k3.model.kernel_config import KernelsConfig
 from miles_k3.model.lora import LoRAConfig
 from miles_k3.parallel.config import ParallelConfig, ParallelConfigError
 from miles_k3.rollout.engine_config import EngineConfig
@@ -63,6 +65,9 @@ class TrainConfig:
     """The policy's base model (frozen)."""
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     """The trained LoRA adapter: rank, alpha, dropout, target module names."""
+    kernels: KernelsConfig = field(default_factory=KernelsConfig)
+    """The kernels of the K3 forward: kernels.mxfp4_experts (auto | torch | triton), kernels.reference (pure-torch
+    references instead of the fused kernels); resolved once at startup and logged with the reason."""
     sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
     """The weight-sync channel from the trainer into the native rollout engine (sync.readback: a debug check)."""
     reward: RewardConfig = field(default_factory=RewardConfig)
@@ -100,6 +105,8 @@ class TrainConfig:
     def validate(self) -> None:
         check_parallel(self.parallel, self.device, self.engine.backend)
         check_device(self.device)
+        check_kernels(self.kernels, self.device, None if self.model.hf_path is None else
+                      "model.hf_path: the HF model's forward is transformers' and SGLang's")
         check_weights_given(self.model)
         check_backend(self.model, self.engine.backend, self.sglang, self.lora)
         check_release_tags(self.rollout.release_tags, self.engine.backend, self.sglang)
@@ -169,6 +176,9 @@ class EvalRunConfig:
     adapter: str | None = None
     """A PEFT LoRA adapter directory (save_adapter / a training run's adapter) evaluated on the base; None: the
     base alone."""
+    kernels: KernelsConfig = field(default_factory=KernelsConfig)
+    """The kernels of the K3 forward: kernels.mxfp4_experts (auto | torch | triton), kernels.reference (pure-torch
+    references instead of the fused kernels); resolved once at startup and logged with the reason."""
     engine: EngineConfig = field(default_factory=EngineConfig)
     """The engine that generates: engine.backend (native: miles_k3's K3 engine; sglang: sglang.Engine serving
     model.hf_path or model.path) and the native engine's sizes (max_context must hold the longest prompt +
@@ -185,6 +195,8 @@ class EvalRunConfig:
 
     def validate(self) -> None:
         check_device(self.device)
+        check_kernels(self.kernels, self.device, None if self.engine.backend == "native" else
+                      "engine.backend=sglang: SGLang generates with its own kernels; no model runs in this process")
         check_weights_given(self.model)
         check_backend(self.model, self.engine.backend, self.sglang)
         check_context("eval.max_new_tokens", self.eval.max_new_tokens, self.engine, self.sglang)
@@ -204,6 +216,9 @@ class SFTConfig:
     """auto (cuda if available, else cpu), cpu, cuda or cuda:N."""
     model: ModelConfig = field(default_factory=ModelConfig)
     """The model: a shipped config trained from its random init (model=k3_tiny|k3_m), or model.path=DIR."""
+    kernels: KernelsConfig = field(default_factory=KernelsConfig)
+    """The kernels of the K3 forward: kernels.mxfp4_experts (auto | torch | triton), kernels.reference (pure-torch
+    references instead of the fused kernels); resolved once at startup and logged with the reason."""
     mode: str = "full"
     """full (every parameter trains; the routed experts need model.experts=bf16, which auto becomes) or lora
     (only the `lora` adapter trains; the base stays frozen)."""
@@ -238,6 +253,7 @@ class SFTConfig:
 
     def validate(self) -> None:
         check_device(self.device)
+        check_kernels(self.kernels, self.device)
         check_weights_given(self.model)
         for name in ("steps", "batch_size", "log_every"):
             if getattr(self, name) < 1:

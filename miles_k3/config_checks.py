@@ -4,10 +4,12 @@ ValueError (ParallelConfigError for the mesh) naming the field and the fix."""
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import torch
 
 from miles_k3.model.build import ModelConfig
+from miles_k3.model.kernel_config import KernelsConfig
 from miles_k3.model.lora import LoRAConfig
 from miles_k3.parallel.config import ParallelConfig, ParallelConfigError
 from miles_k3.rollout.engine_config import MEMORY_TAGS, EngineConfig
@@ -104,6 +106,22 @@ def check_sync(sync: WeightSyncConfig, backend: str) -> None:
     if changed:
         raise ValueError(f"sync.{changed[0]}: does nothing with engine.backend=sglang (a push goes through "
                          "SGLang's adapter API, verified by sglang.verify_push); remove the sync: overrides")
+
+
+def check_kernels(kernels: KernelsConfig, device: str, no_k3_forward: str | None = None) -> None:
+    """`kernels:` (its values checked by KernelsConfig.validate) fits the run: forced triton experts need CUDA on
+    `device` (or Triton's interpreter, TRITON_INTERPRET=1), and a run where no K3 forward runs in this process
+    (`no_k3_forward` says why) takes no `kernels:` field."""
+    if no_k3_forward is not None:
+        default = KernelsConfig()
+        changed = [f.name for f in dataclasses.fields(kernels) if getattr(kernels, f.name) != getattr(default, f.name)]
+        if changed:
+            raise ValueError(f"kernels.{changed[0]}: does nothing here ({no_k3_forward}); remove the kernels: "
+                             "overrides")
+    cuda = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
+    if kernels.mxfp4_experts == "triton" and not cuda and os.environ.get("TRITON_INTERPRET", "0") != "1":
+        raise ValueError(f"kernels.mxfp4_experts: triton is a CUDA kernel and device={device} runs on the CPU here; "
+                         "use kernels.mxfp4_experts=auto (torch on the CPU) or torch")
 
 
 def check_device(device: str) -> None:

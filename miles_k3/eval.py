@@ -22,6 +22,7 @@ from miles_k3.evals.datasets import load_problems
 from miles_k3.evals.harness import evaluate, log_eval, write_reports
 from miles_k3.launch import engine_line, silence_fla_cpu_warning
 from miles_k3.model.build import build_model, build_tokenizer
+from miles_k3.model.kernel_config import apply_kernels
 from miles_k3.model.lora import lora_state_dict
 from miles_k3.rollout.engine import RolloutEngine
 from miles_k3.runtime import resolve_device, resolve_dtype
@@ -45,6 +46,7 @@ def build_engine(cfg):
     if cfg.engine.backend == "sglang":
         return _sglang_engine(cfg)
     device = resolve_device(cfg.device)
+    apply_kernels(cfg.kernels, device)
     model = build_model(cfg.model, device, resolve_dtype(cfg.model.dtype, device))
     tokenizer, stop_ids = build_tokenizer(cfg.model, model.config.vocab_size)
     if not cfg.engine.eos_token_ids:

@@ -30,6 +30,7 @@ from miles_k3.evals.datasets import load_problems
 from miles_k3.evals.harness import EvalHook, check_prompt_lengths, prompt_ids
 from miles_k3.evals.rewards import build_reward
 from miles_k3.model.build import build_model, build_tokenizer, load_k3_config
+from miles_k3.model.kernel_config import apply_kernels
 from miles_k3.model.lora import apply_lora, lora_parameters
 from miles_k3.model.parallelize import check_mesh
 from miles_k3.parallel.mesh import SINGLE, ParallelContext, init_parallel
@@ -126,6 +127,8 @@ def build_run(cfg) -> Run:
     device = resolve_device(cfg.device)
     ctx = init_parallel(cfg.parallel, device.type)
     device = rank_device(device, ctx)
+    if cfg.model.hf_path is None:  # an HF model runs transformers' kernels (kernels: is refused with it)
+        apply_kernels(cfg.kernels, device)
     problems = load_problems(cfg.data)  # bad data fails before the model is built
     eval_problems = load_problems(cfg.eval.data) if cfg.eval.every_n_steps > 0 else None
     tokenizer, stop_ids = build_tokenizer(cfg.model)  # the model config's: a prompt too long fails before it

@@ -48,6 +48,7 @@ from miles_k3.launch import engine_line, seed_everything, silence_fla_cpu_warnin
 from miles_k3.model.build import ModelConfig, build_model, build_tokenizer, checkpoint_dir, num_params
 from miles_k3.model.checkpoint_writer import save_checkpoint
 from miles_k3.model.config import ConfigError
+from miles_k3.model.kernel_config import apply_kernels
 from miles_k3.model.lora import lora_parameters
 from miles_k3.rollout.engine import RolloutEngine
 from miles_k3.runtime import resolve_device, resolve_dtype
@@ -166,6 +167,7 @@ def train_sft(cfg, raw_yaml: str = "") -> SFTResult:
                              "eval.max_new_tokens", cfg.eval.max_new_tokens, cfg.engine.max_context,
                              "engine.max_context", what="eval problem")
     device = resolve_device(cfg.device)
+    apply_kernels(cfg.kernels, device)
     model = build_model(model_cfg, device, resolve_dtype(model_cfg.dtype, device),
                         lora=cfg.lora if cfg.mode == "lora" else None, seed=cfg.seed)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0

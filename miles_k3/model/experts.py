@@ -6,14 +6,14 @@ Tokens arrive grouped by expert (rows of expert 0, then expert 1, ...; `counts[e
 projection is a grouped matmul `y[rows of e] = x[rows of e] @ W_e^T`. In MXFP4 format the weights are
 multiplied by `MXFP4GroupedLinear`, an autograd function that saves only references to the uint8 storage and
 reads it again in backward (input gradient only): no bf16 copy of an expert weight is ever kept, neither as
-storage nor for backward. Its backend is one switch, `mxfp4_experts_backend` (resolved once per device type and
-logged): "triton" on CUDA with bf16 activations, a W4A16 grouped matmul that decodes the MXFP4 codes in registers
-and reads only the experts that have rows (`miles_k3.kernels.mxfp4_moe`, also inside captured decode steps), for
-projections of at least FUSED_MIN_WEIGHTS weights unless forced (real-width K3; k3_m's small experts keep the
-torch path); "torch" everywhere else (the CPU path and the reference): dequantize a chunk of experts to bf16,
-then a grouped matmul. Force one with `with mxfp4_experts_backend("torch"):` or MILES_K3_MXFP4_EXPERTS=torch|triton (read at
-import). Optional per-expert LoRA deltas (`self.lora`, see `miles_k3.model.lora`) are added to each projection's
-output.
+storage nor for backward. Its backend is one switch, `kernels.mxfp4_experts` (auto | torch | triton: set once
+at startup by `miles_k3.model.kernel_config.apply_kernels`, which logs what it resolves to and why): "triton" on
+CUDA with bf16 activations, a W4A16 grouped matmul that decodes the MXFP4 codes in registers and reads only the
+experts that have rows (`miles_k3.kernels.mxfp4_moe`, also inside captured decode steps), for projections of at
+least FUSED_MIN_WEIGHTS weights unless forced (real-width K3; k3_m's small experts keep the torch path); "torch"
+everywhere else (the CPU path and the reference): dequantize a chunk of experts to bf16, then a grouped matmul.
+Tests and benchmarks force one within a block: `with mxfp4_experts_backend("torch"):`. Optional per-expert LoRA
+deltas (`self.lora`, see `miles_k3.model.lora`) are added to each projection's output.
 
 Legend: M routed rows (token-expert pairs), E experts, I expert width (moe_intermediate_size), Dl latent
 width, O/In a projection's output/input width.
@@ -21,7 +21,6 @@ width, O/In a projection's output/input width.
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 
 import torch
@@ -29,8 +28,6 @@ from torch import nn
 
 from miles_k3.model.layers import situ_glu
 from miles_k3.mxfp4 import GROUP_SIZE, dequantize_mxfp4, quantize_mxfp4
-
-log = logging.getLogger(__name__)
 
 EXPERT_FORMATS = ("bf16", "mxfp4")
 MXFP4_BACKENDS = ("torch", "triton")
@@ -60,17 +57,29 @@ def sync_free_active() -> bool:
     return _SYNC_FREE
 
 
-_mxfp4_forced: str | None = os.environ.get("MILES_K3_MXFP4_EXPERTS", "auto").strip().lower() or "auto"
-_mxfp4_resolved: dict[str, tuple[str, str]] = {}  # device type -> (backend, reason), logged once
+_mxfp4_forced = "auto"  # kernels.mxfp4_experts (`set_mxfp4_experts_backend`), or an `mxfp4_experts_backend` block's
+_mxfp4_resolved: dict[str, tuple[str, str]] = {}  # f"{device type}:{choice}" -> (backend, reason)
+
+
+def _check_backend_name(name: str, what: str) -> None:
+    if name not in ("auto", *MXFP4_BACKENDS):
+        raise ValueError(f"{what}: '{name}' is not one of auto, {', '.join(MXFP4_BACKENDS)}")
+
+
+def set_mxfp4_experts_backend(name: str) -> None:
+    """Make `name` ("auto", "torch" or "triton") the process's MXFP4 experts backend: kernels.mxfp4_experts, set
+    once at startup (`miles_k3.model.kernel_config.apply_kernels`). An `mxfp4_experts_backend` block overrides it."""
+    global _mxfp4_forced
+    _check_backend_name(name, "kernels.mxfp4_experts")
+    _mxfp4_forced = name
 
 
 @contextlib.contextmanager
 def mxfp4_experts_backend(name: str = "auto"):
     """Within this block MXFP4 experts use backend `name` ("torch", "triton", or "auto": triton on CUDA, torch
-    elsewhere). Restores the previous choice on exit; not thread-local."""
+    elsewhere), whatever kernels.mxfp4_experts says. Restores the previous choice on exit; not thread-local."""
     global _mxfp4_forced
-    if name not in ("auto", *MXFP4_BACKENDS):
-        raise ValueError(f"mxfp4_experts_backend: '{name}' is not one of auto, {', '.join(MXFP4_BACKENDS)}")
+    _check_backend_name(name, "mxfp4_experts_backend")
     before, _mxfp4_forced = _mxfp4_forced, name
     try:
         yield
@@ -79,26 +88,24 @@ def mxfp4_experts_backend(name: str = "auto"):
 
 
 def resolve_mxfp4_backend(device: torch.device) -> tuple[str, str]:
-    """(backend, reason) of MXFP4 expert matmuls on `device`: resolved once per device type (and forced
-    choice) and logged, e.g. "mxfp4 experts=triton (cuda: fused W4A16 grouped matmul)"."""
-    if _mxfp4_forced not in ("auto", *MXFP4_BACKENDS):
-        raise ValueError(f"MILES_K3_MXFP4_EXPERTS: '{_mxfp4_forced}' is not one of auto, "
-                         f"{', '.join(MXFP4_BACKENDS)}")
+    """(backend, reason) of MXFP4 expert matmuls on `device` under the current choice, computed once per device
+    type and choice, e.g. ("triton", "auto: CUDA available; bf16 projections of >= 134,217,728 weights, ...") or ("torch",
+    "kernels.mxfp4_experts=torch"). Forced triton without CUDA (and without TRITON_INTERPRET=1) is a ValueError."""
     key = f"{device.type}:{_mxfp4_forced}"
     if key not in _mxfp4_resolved:
-        interpreting = os.environ.get("TRITON_INTERPRET", "0") == "1"
+        forced = f"kernels.mxfp4_experts={_mxfp4_forced}"
         if _mxfp4_forced == "torch":
-            choice = ("torch", f"{device.type}: forced")
+            choice = ("torch", forced)
         elif device.type == "cuda":
-            choice = ("triton", f"cuda: fused W4A16 grouped matmul{', forced' if _mxfp4_forced == 'triton' else ''}")
-        elif _mxfp4_forced == "triton" and interpreting:
-            choice = ("triton", f"{device.type}: forced, Triton interpreter")
+            choice = ("triton", forced if _mxfp4_forced == "triton" else
+                      f"auto: CUDA available; bf16 projections of >= {FUSED_MIN_WEIGHTS:,} weights, smaller ones torch")
+        elif _mxfp4_forced == "triton" and os.environ.get("TRITON_INTERPRET", "0") == "1":
+            choice = ("triton", f"{forced}, Triton interpreter on {device.type}")
         elif _mxfp4_forced == "triton":
-            raise ValueError(f"MXFP4 experts backend 'triton' needs CUDA (or TRITON_INTERPRET=1), got "
-                             f"{device.type}; use 'torch' or 'auto'")
+            raise ValueError(f"kernels.mxfp4_experts: the triton backend of MXFP4 experts needs CUDA (or "
+                             f"TRITON_INTERPRET=1), got {device.type}; use torch or auto")
         else:
-            choice = ("torch", f"{device.type}: dequantize + grouped matmul")
-        log.info("mxfp4 experts=%s (%s)", *choice)
+            choice = ("torch", f"auto: {device.type}, no CUDA: dequantize + grouped matmul")
         _mxfp4_resolved[key] = choice
     return _mxfp4_resolved[key]
 

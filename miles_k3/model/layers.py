@@ -7,14 +7,14 @@ are cast back to the activation dtype.
 Fused kernels: on CUDA, when no gradient is needed (`torch.no_grad()`/`inference_mode()`, or no input requires
 grad), `RMSNorm.forward`, `situ_glu` and `attn_res_mix` run one fused Triton kernel each
 (`miles_k3.kernels.fused`, forward only) instead of their eager fp32 chains; training and every CPU call keep the
-differentiable pure-torch references `_rms_norm_torch`, `_situ_glu_torch` and `_attn_res_mix_torch`. Force the
-references everywhere with `with reference_kernels():` or the environment variable `MILES_K3_REFERENCE_KERNELS=1`
-(read at import).
+differentiable pure-torch references `_rms_norm_torch`, `_situ_glu_torch` and `_attn_res_mix_torch`. The same
+switch (`use_fused_kernels`) gates the router's and the KDA decode's kernels (`moe`, `kda`). `kernels.reference=true`
+forces the references everywhere for a whole run (set once at startup: `set_reference_kernels`, called by
+`miles_k3.model.kernel_config.apply_kernels`); tests force them within a block: `with reference_kernels():`.
 """
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Iterator
 
 import torch
@@ -23,7 +23,15 @@ from torch import nn
 from miles_k3.parallel.comm import copy_to, reduce_from
 
 _FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # = miles_k3.kernels.fused.ACT_DTYPES
-_force_reference = os.environ.get("MILES_K3_REFERENCE_KERNELS", "0") not in ("", "0")
+_force_reference = False  # kernels.reference (`set_reference_kernels`), or a `reference_kernels()` block's
+
+
+def set_reference_kernels(enabled: bool) -> None:
+    """Make the pure-torch references the process's choice (`enabled`) or allow the fused kernels again:
+    kernels.reference, set once at startup (`miles_k3.model.kernel_config.apply_kernels`). A `reference_kernels()`
+    block overrides it."""
+    global _force_reference
+    _force_reference = bool(enabled)
 
 
 @contextlib.contextmanager
@@ -39,7 +47,8 @@ def reference_kernels(enabled: bool = True) -> Iterator[None]:
 
 
 def fused_kernels_active() -> bool:
-    """False while `reference_kernels()` (or MILES_K3_REFERENCE_KERNELS=1) forces the torch references."""
+    """False while kernels.reference (`set_reference_kernels`) or a `reference_kernels()` block forces the torch
+    references."""
     return not _force_reference
 
 
