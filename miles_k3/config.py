@@ -73,7 +73,8 @@ class TrainConfig:
     reward: RewardConfig = field(default_factory=RewardConfig)
     """The verifiable reward of the rollouts (reward=aime | math, by name; format bonus; grading timeouts)."""
     steps: int = 0
-    """Optimizer steps to train; 0 builds the model and adapter and stops (a dry run of the config)."""
+    """Optimizer steps to train; 0 builds the base model and attaches the adapter, then stops (no data, engine or
+    optimizer: a check of the config, the model and the adapter)."""
     data: DatasetConfig = field(default_factory=DatasetConfig)
     """The training problems (prompt + gold answer): a hub id or a local jsonl/json/parquet file."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
@@ -215,7 +216,8 @@ class SFTConfig:
     device: str = "auto"
     """auto (cuda if available, else cpu), cpu, cuda or cuda:N."""
     model: ModelConfig = field(default_factory=ModelConfig)
-    """The model: a shipped config trained from its random init (model=k3_tiny|k3_m), or model.path=DIR."""
+    """The model: a shipped config trained from its random init (model=k3_nano|k3_tiny|k3_m|k3_m2), or
+    model.path=DIR."""
     kernels: KernelsConfig = field(default_factory=KernelsConfig)
     """The kernels of the K3 forward: kernels.mxfp4_experts (auto | torch | triton), kernels.reference (pure-torch
     references instead of the fused kernels); resolved once at startup and logged with the reason."""

@@ -63,7 +63,7 @@ class InitCheckpointConfig:
     """`python -m miles_k3.init_checkpoint`: a random-init checkpoint directory."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
-    """The architecture (model=k3_tiny|k3_m|k3, or model.path=DIR for a config.json)."""
+    """The architecture (model=k3|k3_m|k3_m2|k3_nano|k3_tiny, or model.path=DIR for a config.json)."""
     out: Optional[str] = None  # noqa: UP045 (OmegaConf 2.3 structured configs need Optional)
     """Output directory (required); written atomically."""
     seed: int = 0

@@ -13,7 +13,8 @@ checkpointed, its adapter recorded as the version the push carried, so `resume=a
 
 (with engine.backend=sglang the memory is resumed before the weight sync, whose parity probe runs a request).
 
-`steps=0` builds everything and stops (a dry run of the config). Everything a run writes, Hydra's record
+`steps=0` validates the config, builds the base model and attaches the adapter (logging its size), then stops: no
+data is loaded and no engine, optimizer or checkpoint is built. Everything a run writes, Hydra's record
 (`.hydra/`, `train.log`) included, goes into `run_dir`; log lines are written above the progress bar.
 
 On many ranks (`torchrun --nproc-per-node N -m miles_k3.train parallel.dp=N ...`) every rank runs this loop over its

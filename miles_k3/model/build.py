@@ -35,7 +35,8 @@ HUB_NON_WEIGHT_PATTERNS = ["*.json", "*.py", "*.model", "*.txt", "*.jinja", "tok
 @dataclass
 class ModelConfig:
     name: str = "k3_tiny"
-    """Shipped architecture used when `path` is null: k3 (published 2.78T), k3_m (~0.3B), k3_tiny (~3.1M)."""
+    """Shipped architecture used when `path` is null: k3 (published 2.78T), k3_m (~0.3B), k3_m2 (~0.6B, shapes
+    SGLang's K3 kernels accept), k3_tiny (~3.1M), k3_nano (~1.0M, the quickstart's)."""
     path: Optional[str] = None  # noqa: UP045 (OmegaConf 2.3 structured configs need Optional)
     """A checkpoint directory, a hub id (e.g. moonshotai/Kimi-K3) or builtin:<name> (a base shipped in the
     package, e.g. builtin:k3_nano_chain_sum): its config.json defines the architecture and its weights are

@@ -1,9 +1,9 @@
 """`K3Config`: the Kimi K3 text-backbone configuration under its *published* `config.json` key names.
 
 One loader serves the real checkpoint (`moonshotai/Kimi-K3`, whose `config.json` nests these keys under
-`text_config`) and our small shipped configs (`k3`, `k3_m`, `k3_tiny`, in `configs/*.json`). The 1-based layer
-lists of `linear_attn_config` are converted once, here, to 0-based `kda_layer_ids` / `mla_layer_ids` and checked
-to partition the layers. Every value is validated when the config is built; a bad file fails with the key named.
+`text_config`) and our shipped configs (SHIPPED_CONFIGS: `k3`, `k3_m`, `k3_m2`, `k3_nano`, `k3_tiny`, in
+`configs/*.json`). The 1-based layer lists of `linear_attn_config` are converted once, here, to 0-based
+`kda_layer_ids` / `mla_layer_ids` and checked to partition the layers. Every value is validated when the config is built; a bad file fails with the key named.
 Keys we do not model (token ids, `rope_theta`, `quantization_config`, ...) are kept verbatim and written back.
 """
 from __future__ import annotations
