@@ -1,4 +1,6 @@
-"""Evaluation and training problems (id, problem text, gold answer) loaded through Hugging Face `datasets`.
+"""Evaluation and training problems (id, problem text, gold answer) loaded through Hugging Face `datasets`: the
+sources (hub, local files, saved datasets, generated tasks) and our scan of JSON files; the rows then become
+`Problem`s, checked field by field, in `evals.problems`.
 
 `load_problems(DatasetConfig)` reads a hub dataset (`HuggingFaceH4/aime_2024`, ...), a local `.jsonl`, `.json`
 (a list of objects, or JSON Lines) or `.parquet` file, or a directory written by `Dataset.save_to_disk`, and
@@ -15,22 +17,27 @@ data is shipped. `datasets` is imported inside the functions that need it (GPU h
 from __future__ import annotations
 
 import json
-import math
 import re
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from miles_k3.evals.fields import MISSING, FieldPath, follow, parse_path, path_failure, show
+from miles_k3.evals.fields import MISSING, follow, parse_path, show
+from miles_k3.evals.problems import (
+    DatasetError,
+    Problem,
+    Table,
+    check_unique_ids,
+    resolve_fields,
+    rows_to_problems,
+)
 from miles_k3.evals.tasks import TaskError, generate_rows, is_task, task_name
 from miles_k3.evals.textfile import numbered_lines, utf8_text
 
 LOCAL_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 """Local file suffix -> the `datasets` builder that reads it."""
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
-_BATCH = 1024
-"""Rows decoded per batch when rows become problems (one decode per row is several times slower)."""
 
 
 @dataclass
@@ -87,19 +94,6 @@ class DatasetConfig:
             raise ValueError("source: name the generator after 'reasoning_gym:', e.g. reasoning_gym:chain_sum")
 
 
-@dataclass(frozen=True)
-class Problem:
-    """One problem: a unique `id`, the `problem` text and the gold `answer` as a string in its data form."""
-
-    id: str
-    problem: str
-    answer: str
-
-
-class DatasetError(ValueError):
-    """The data cannot be used: the message names the file or hub id, the row and field, and the fix."""
-
-
 # ---- hub presets ----------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class HubPreset:
@@ -131,25 +125,6 @@ def default_split(source: str) -> str:
 
 
 # ---- loading ----------------------------------------------------------------------------------------------------
-@dataclass
-class _Table:
-    """A loaded dataset and how to name its rows in messages. `raw` and `lines`: the JSON rows as parsed by
-    us (to tell a missing key from a null) and their line numbers (None where unknown)."""
-
-    label: str
-    ds: Any
-    raw: list[dict] | None = None
-    lines: list[int | None] | None = None
-
-    def row(self, i: int) -> str:
-        """"row i", with its line number when known: "row 3 (line 5)"."""
-        line = self.lines[i] if self.lines is not None else None
-        return f"row {i}" + (f" (line {line})" if line is not None else "")
-
-    def where(self, i: int) -> str:
-        return f"{self.label} {self.row(i)}"
-
-
 def load_problems(cfg: DatasetConfig) -> list[Problem]:
     """The problems of `cfg.source` in data order (the first `cfg.limit` rows when set).
 
@@ -160,15 +135,15 @@ def load_problems(cfg: DatasetConfig) -> list[Problem]:
     table = _load_table(cfg)
     if len(table.ds) == 0:
         raise DatasetError(f"{table.label} has no rows; point data.source at a dataset with problems")
-    fields = _resolve_fields(table, cfg)
+    fields = resolve_fields(table, cfg.problem_field, cfg.answer_field, cfg.id_field)
     if cfg.limit is not None and cfg.limit < len(table.ds):
         table.ds = table.ds.select(range(cfg.limit))
-    problems = _rows_to_problems(table, *fields)
-    _check_unique_ids(table, problems, fields[2].path if fields[2] is not None else None)
+    problems = rows_to_problems(table, *fields)
+    check_unique_ids(table, problems, fields[2].path if fields[2] is not None else None)
     return problems
 
 
-def _load_table(cfg: DatasetConfig) -> _Table:
+def _load_table(cfg: DatasetConfig) -> Table:
     if is_task(cfg.source):
         return _load_task(cfg)
     path = Path(cfg.source).expanduser()
@@ -180,7 +155,7 @@ def _load_table(cfg: DatasetConfig) -> _Table:
     return _load_hub(cfg)
 
 
-def _load_task(cfg: DatasetConfig) -> _Table:
+def _load_task(cfg: DatasetConfig) -> Table:
     import datasets
 
     split = cfg.split or "train"
@@ -188,7 +163,7 @@ def _load_task(cfg: DatasetConfig) -> _Table:
         rows = generate_rows(task_name(cfg.source), split, cfg.size, cfg.seed, cfg.task_args, cfg.distinct)
     except TaskError as e:
         raise DatasetError(str(e)) from None
-    return _Table(f"{cfg.source} [{split}, seed {cfg.seed}]", datasets.Dataset.from_list(rows), rows,
+    return Table(f"{cfg.source} [{split}, seed {cfg.seed}]", datasets.Dataset.from_list(rows), rows,
                   [None] * len(rows))
 
 
@@ -198,7 +173,7 @@ def _looks_like_path(source: str) -> bool:
             or "\\" in source or not _HUB_ID.match(source))
 
 
-def _load_local(path: Path, cfg: DatasetConfig) -> _Table:
+def _load_local(path: Path, cfg: DatasetConfig) -> Table:
     if path.is_dir():
         return _load_saved(path, cfg)
     fmt = path.suffix.lower()
@@ -212,7 +187,7 @@ def _load_local(path: Path, cfg: DatasetConfig) -> _Table:
     ds = _read_file(path, LOCAL_FORMATS[fmt], fmt.lstrip("."))
     if raw is not None and len(raw) != len(ds):
         raw, lines = None, None  # datasets read the rows differently from us: name rows without line numbers
-    return _Table(str(path), ds, raw, lines)
+    return Table(str(path), ds, raw, lines)
 
 
 def _read_file(path: Path, builder: str, kind: str):
@@ -225,7 +200,7 @@ def _read_file(path: Path, builder: str, kind: str):
             raise DatasetError(f"data file {path} could not be read as {kind}: {_cause(e)}") from e
 
 
-def _load_saved(path: Path, cfg: DatasetConfig) -> _Table:
+def _load_saved(path: Path, cfg: DatasetConfig) -> Table:
     import datasets
 
     if not ((path / "state.json").is_file() or (path / "dataset_dict.json").is_file()):
@@ -239,15 +214,15 @@ def _load_saved(path: Path, cfg: DatasetConfig) -> _Table:
     if not isinstance(loaded, datasets.DatasetDict):
         if cfg.split not in (None, "train"):
             raise DatasetError(f"data.split={cfg.split!r}: {path} holds one dataset, not splits; unset data.split")
-        return _Table(str(path), loaded)
+        return Table(str(path), loaded)
     split = cfg.split or "train"
     if split not in loaded:
         raise DatasetError(f"data directory {path} has no split {split!r} (splits: {', '.join(loaded)}); set "
                            "data.split to one of them")
-    return _Table(f"{path} [{split}]", loaded[split])
+    return Table(f"{path} [{split}]", loaded[split])
 
 
-def _load_hub(cfg: DatasetConfig) -> _Table:
+def _load_hub(cfg: DatasetConfig) -> Table:
     import datasets
 
     split = cfg.split or default_split(cfg.source)
@@ -263,7 +238,7 @@ def _load_hub(cfg: DatasetConfig) -> _Table:
             "it needs network access to the Hugging Face hub (or a copy in the local datasets cache); without "
             "it, copy the data here and use a local copy: data.source=/path/file.jsonl (no local file named "
             f"{cfg.source!r} exists either)") from e
-    return _Table(f"hub dataset {cfg.source} [{split}]", ds)
+    return Table(f"hub dataset {cfg.source} [{split}]", ds)
 
 
 def _cause(e: BaseException) -> str:
@@ -401,132 +376,3 @@ def _check_kinds(path: Path, rows: list[dict], lines: list[int] | None, fields: 
 
 def _at(lines: list[int] | None, i: int) -> str:
     return f"line {lines[i]}" if lines else f"row {i}"
-
-
-# ---- rows -> problems --------------------------------------------------------------------------------------------
-def _resolve_fields(table: _Table, cfg: DatasetConfig) -> tuple[FieldPath, FieldPath, FieldPath | None]:
-    """The problem, answer and id fields (id None: row indexes), each checked to start at a column."""
-    cols = list(table.ds.column_names)
-    problem = cfg.problem_field or ("problem" if "problem" in cols else "question")
-    id_field = cfg.id_field or ("id" if "id" in cols else None)
-    fields = []
-    for option, name in (("problem_field", problem), ("answer_field", cfg.answer_field), ("id_field", id_field)):
-        if name is None:
-            fields.append(None)
-            continue
-        column, steps = parse_path(name, name in cols)
-        if column not in cols:
-            if option == "problem_field" and not cfg.problem_field:
-                hint = "no 'problem' or 'question' column; "
-            elif steps:
-                hint = f"no column {column!r} (where the path {name!r} starts); "
-            else:
-                hint = f"no column {name!r}; "
-            tail = " (or a path into it: column.key.0)" if steps else ""
-            raise DatasetError(f"{table.label}: {hint}the columns are {', '.join(cols)}; set data.{option}= "
-                               f"to the column that holds it{tail}")
-        if any(not key for key, _ in steps):
-            raise DatasetError(f"{table.label}: data.{option} {name!r} has an empty segment; write the "
-                               "column, then each key or item number, one dot apart: prompt.0.content")
-        fields.append(FieldPath(option, name, column, steps))
-    return fields[0], fields[1], fields[2]
-
-
-def _rows_to_problems(table: _Table, problem_f: FieldPath, answer_f: FieldPath,
-                      id_f: FieldPath | None) -> list[Problem]:
-    fields = [f for f in (problem_f, answer_f, id_f) if f is not None]
-    ds = table.ds.select_columns(list(dict.fromkeys(f.column for f in fields)))
-    problems = []
-    start = 0
-    for batch in ds.iter(batch_size=_BATCH):
-        problem_col, answer_col = batch[problem_f.column], batch[answer_f.column]
-        id_col = batch[id_f.column] if id_f is not None else None
-        for j in range(len(problem_col)):
-            i = start + j
-            if table.raw is not None:
-                for f in fields:
-                    _check_present(table, i, f.column, f.option)
-            problem = _at_path(table, i, problem_f, problem_col[j])
-            answer = _at_path(table, i, answer_f, answer_col[j])
-            id_value = _at_path(table, i, id_f, id_col[j]) if id_f is not None else None
-            problems.append(Problem(id=_id_text(table, i, id_f.path if id_f else None, id_value),
-                                    problem=_problem_text(table, i, problem_f.path, problem),
-                                    answer=_answer_text(table, i, answer_f.path, answer)))
-        start += len(problem_col)
-    return problems
-
-
-def _at_path(table: _Table, i: int, field: FieldPath, value: Any) -> Any:
-    """The value of row i's field: `value` (its column's) followed along the field's path. A path that does
-    not resolve is a DatasetError naming the step; a JSON row is followed as we parsed it where datasets
-    gives null or no value (it fills keys missing from a row with null)."""
-    if not field.steps:
-        return value
-    found = follow(value, field.steps)
-    if found is None or found is MISSING:
-        failure = path_failure(table.raw[i].get(field.column), field) if table.raw is not None else None
-        if failure is None and found is MISSING:
-            failure = path_failure(value, field)
-        if failure is not None:
-            raise DatasetError(f"{table.where(i)}: data.{field.option} {field.path!r}: {failure}; fix or "
-                               f"drop the row, or set data.{field.option}= to a path that every row has")
-    return found
-
-
-def _check_present(table: _Table, i: int, name: str, option: str) -> None:
-    """A JSON row without the key at all (datasets fills it with null): say so, listing the keys it has."""
-    if table.raw is not None and name not in table.raw[i]:
-        raise DatasetError(f"{table.where(i)}: missing field {name!r} (fields present: "
-                           f"{', '.join(table.raw[i]) or 'none'}); add it, or set data.{option}= to the field "
-                           "that holds it")
-
-
-def _problem_text(table: _Table, i: int, name: str, value: Any) -> str:
-    if value is None or (isinstance(value, str) and not value.strip()):
-        raise DatasetError(f"{table.where(i)}: field {name!r} (the problem) is {_emptiness(value)}; every row "
-                           "needs the problem text: fill it in or drop the row")
-    if not isinstance(value, str):
-        raise DatasetError(f"{table.where(i)}: field {name!r} (the problem) must be text, got "
-                           f"{type(value).__name__} {show(value)}; set data.problem_field= to the text column")
-    return value
-
-
-def _answer_text(table: _Table, i: int, name: str, value: Any) -> str:
-    """The gold answer as a string in its data form: strings as they are, numbers as str() (33 -> "33")."""
-    if value is None or (isinstance(value, str) and not value.strip()) or _is_nan(value):
-        raise DatasetError(f"{table.where(i)}: field {name!r} (the gold answer) is {_emptiness(value)}; every "
-                           "row needs a gold answer: fill it in or drop the row")
-    if isinstance(value, bool) or not isinstance(value, (str, int, float)):
-        raise DatasetError(f"{table.where(i)}: field {name!r} (the gold answer) must be a string or a number, "
-                           f"got {type(value).__name__} {show(value)}; set data.answer_field= to the answer column")
-    return value if isinstance(value, str) else str(value)
-
-
-def _id_text(table: _Table, i: int, name: str | None, value: Any) -> str:
-    if name is None:
-        return str(i)
-    if value is None or (isinstance(value, str) and not value.strip()) or _is_nan(value):
-        raise DatasetError(f"{table.where(i)}: field {name!r} (the id) is {_emptiness(value)}; give every row "
-                           "an id, or unset data.id_field and drop the 'id' column to number rows from 0")
-    if isinstance(value, bool) or not isinstance(value, (str, int, float)):
-        raise DatasetError(f"{table.where(i)}: field {name!r} (the id) must be a string or a number, got "
-                           f"{type(value).__name__} {show(value)}; set data.id_field= to an id column")
-    return str(value)
-
-
-def _check_unique_ids(table: _Table, problems: list[Problem], id_f: str | None) -> None:
-    seen: dict[str, int] = {}
-    for i, p in enumerate(problems):
-        if p.id in seen:
-            raise DatasetError(f"{table.label}: duplicate id {p.id!r} in {table.row(seen[p.id])} and "
-                               f"{table.row(i)} (field {id_f!r}); ids must be unique: fix the data, or set "
-                               "data.id_field= to a unique column")
-        seen[p.id] = i
-
-
-def _is_nan(value: Any) -> bool:
-    return isinstance(value, float) and math.isnan(value)
-
-
-def _emptiness(value: Any) -> str:
-    return "null" if value is None else "NaN" if _is_nan(value) else "empty"

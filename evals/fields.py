@@ -3,7 +3,7 @@
 `prompt.0.content` is key `content` of item 0 of the list in column `prompt` (verl-format data): `parse_path`
 splits an option into its column and the steps after it, `follow` walks one row's value cheaply (MISSING where a
 step does not resolve), and `path_failure` says which step failed and what was there, for the error message.
-`evals.datasets` maps dataset columns with these.
+`evals.problems` maps dataset columns with these (`evals.datasets` checks JSON files' column types with them).
 """
 from __future__ import annotations
 

@@ -29,10 +29,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from miles_k3.evals.datasets import DatasetConfig, Problem
+from miles_k3.evals.datasets import DatasetConfig
 from miles_k3.evals.graders import MAX_RESPONSE_CHARS, Grade, grader_names
 from miles_k3.evals.grading_pool import GradingPool
 from miles_k3.evals.metrics import SampleOutcome, summarize
+from miles_k3.evals.problems import Problem
 from miles_k3.evals.templates import render_prompt, response_text, template_names
 from miles_k3.parallel.mesh import SINGLE, ParallelContext
 from miles_k3.parallel.reduce import gather

@@ -27,8 +27,9 @@ from miles_k3.config_checks import (
     check_sync,
     check_weights_given,
 )
-from miles_k3.evals.datasets import DatasetConfig, DatasetError
+from miles_k3.evals.datasets import DatasetConfig
 from miles_k3.evals.harness import EvalConfig, PromptLengthError
+from miles_k3.evals.problems import DatasetError
 from miles_k3.evals.rewards import RewardConfig
 from miles_k3.evals.templates import template_names
 from miles_k3.model.build import ModelConfig

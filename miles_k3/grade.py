@@ -14,11 +14,12 @@ import json
 import sys
 from pathlib import Path
 
-from miles_k3.evals.datasets import DatasetConfig, DatasetError, load_problems
+from miles_k3.evals.datasets import DatasetConfig, load_problems
 from miles_k3.evals.graders import MAX_RESPONSE_CHARS, grader_names
 from miles_k3.evals.grading_pool import GradingPool
 from miles_k3.evals.harness import EvalResult, SampleRecord, outcomes_by_problem, write_reports
 from miles_k3.evals.metrics import summarize
+from miles_k3.evals.problems import DatasetError
 from miles_k3.evals.textfile import numbered_lines, utf8_text
 
 

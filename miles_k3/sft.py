@@ -41,8 +41,9 @@ from torch import nn
 
 from miles_k3.atomic import atomic_write_text
 from miles_k3.config import ConfigFieldError, exit_on_user_error, register_schemas, typed_or_exit
-from miles_k3.evals.datasets import DatasetError, Problem, load_problems
+from miles_k3.evals.datasets import load_problems
 from miles_k3.evals.harness import EvalHook, check_prompt_lengths, prompt_ids
+from miles_k3.evals.problems import DatasetError, Problem
 from miles_k3.evals.templates import render_prompt
 from miles_k3.launch import engine_line, seed_everything, silence_fla_cpu_warning
 from miles_k3.model.build import ModelConfig, build_model, build_tokenizer, checkpoint_dir, num_params

@@ -6,7 +6,9 @@ import json
 import pytest
 
 from miles_k3.evals import datasets as evds
-from miles_k3.evals.datasets import DatasetConfig, DatasetError, Problem, load_problems
+from miles_k3.evals import problems as evproblems
+from miles_k3.evals.datasets import DatasetConfig, load_problems
+from miles_k3.evals.problems import DatasetError, Problem
 
 datasets = pytest.importorskip("datasets")  # the module above imports it only when loading
 pa = pytest.importorskip("pyarrow")
@@ -300,7 +302,7 @@ def test_dapo_schema_from_jsonl_parquet_and_saved(tmp_path):
 
 
 def test_rows_across_batches_keep_their_index(tmp_path, monkeypatch):
-    monkeypatch.setattr(evds, "_BATCH", 2)
+    monkeypatch.setattr(evproblems, "_BATCH", 2)
     rows = [dapo_row(f"P{i}", str(i)) for i in range(5)]
     path = write_jsonl(tmp_path / "dapo.jsonl", rows)
     assert [(p.id, p.answer) for p in load(path, **DAPO_FIELDS)] == [(str(i), str(i)) for i in range(5)]

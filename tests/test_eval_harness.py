@@ -15,8 +15,8 @@ import torch
 
 from miles_k3.config import compose_config
 from miles_k3.evals import harness
-from miles_k3.evals.datasets import Problem
 from miles_k3.evals.harness import EvalConfig, EvalHook, evaluate, write_reports
+from miles_k3.evals.problems import Problem
 from miles_k3.grade import main as grade_main
 from miles_k3.model.tokenizer import small_tokenizer, stop_token_ids
 

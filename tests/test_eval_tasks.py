@@ -2,9 +2,10 @@
 template and the eval summary's answer_rate."""
 import pytest
 
-from miles_k3.evals.datasets import DatasetConfig, DatasetError, load_problems
+from miles_k3.evals.datasets import DatasetConfig, load_problems
 from miles_k3.evals.graders import GoldError, get_grader
 from miles_k3.evals.metrics import SampleOutcome, summarize
+from miles_k3.evals.problems import DatasetError
 from miles_k3.evals.rewards import RewardConfig, build_reward
 from miles_k3.evals.tasks import TEST_BUCKETS, in_split
 from miles_k3.evals.templates import render_prompt

@@ -3,7 +3,7 @@ group advantages, dynamic sampling, overlong handling. The engine here is a scri
 `RolloutEngine.generate` (not the engine), so every sample's content is known."""
 import pytest
 
-from miles_k3.evals.datasets import Problem
+from miles_k3.evals.problems import Problem
 from miles_k3.evals.rewards import RewardResult
 from miles_k3.model.tokenizer import small_tokenizer
 from miles_k3.trainer.rollouts import (

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from miles_k3.evals.datasets import Problem
+from miles_k3.evals.problems import Problem
 from miles_k3.evals.rewards import grade_outcome
 from miles_k3.evals.templates import render_prompt, response_text, template_names
 from miles_k3.parallel.mesh import SINGLE, ParallelContext
