@@ -50,6 +50,8 @@ def no_cuda(monkeypatch):
     ("train", ["rollout.max_new_tokens=64"],  # the quickstart's engine.max_context is 64
      "rollout.max_new_tokens: 64 leaves no room for the prompt in engine.max_context=64"),
     ("train", ["rollout.group_size=1"], "rollout.group_size: must be >= 2, got 1: GRPO-family advantages"),
+    ("train", ["kernels.mxfp4_experts=triton"],  # the quickstart runs on the CPU
+     "kernels.mxfp4_experts: triton is a CUDA kernel and device=cpu runs on the CPU here; use "),
     # a prompt too long for the context with the budget: found before generating, one line as well
     ("eval", ["eval.data.source={tmp}/p.jsonl", "eval.max_new_tokens=2040", "device=cpu"],
      "problem 0: its prompt is "),
@@ -61,7 +63,7 @@ def test_entry_points_refuse_bad_settings_with_one_line(prog, overrides, message
     _assert_user_error(proc, prog, message)
     if "prompt is" in message:
         assert "with eval.max_new_tokens=2040 that exceeds the engine's max_context=2048" in proc.stderr
-    if "device" in message:
+    if message.startswith("device"):
         assert proc.stderr.strip().splitlines()[-1].endswith("; use device=cpu or device=auto")
 
 
@@ -70,6 +72,7 @@ def test_entry_points_refuse_bad_settings_with_one_line(prog, overrides, message
     ("sft", "output_dir=x", "output_dir", "output_dir", "SFTConfig"),
     ("train", "rollout.backend=sglang", "rollout.backend", "backend", "RolloutConfig"),  # renamed engine.backend
     ("eval", "backend=sglang", "backend", "backend", "EvalRunConfig"),
+    ("train", "sync.transport=local", "sync.transport", "transport", "WeightSyncConfig"),  # removed with ipc/dist
 ])
 def test_old_names_fail_naming_the_key(prog, override, key, leaf, schema, tmp_path):
     """run_dir and engine.backend are the one name of each in train, eval and sft: an old name is refused by Hydra
