@@ -18,6 +18,6 @@ DEFAULT_ADAPTER = "policy"
 
 def open_sender(cfg: WeightSyncConfig, *, engine, adapter: str = DEFAULT_ADAPTER,
                 ctx: ParallelContext | None = None) -> LocalChannel:
-    """A `LocalChannel` pushing into `engine`'s adapter `adapter`. `ctx`: the run's ranks,
-    each pushing into its own engine, one transaction across them all (None: one process)."""
+    """A `LocalChannel` pushing into `engine`'s adapter `adapter`. `ctx`: the run's ranks, each pushing into its
+    own engine, one transaction across them all (None: one process)."""
     return LocalChannel(engine, adapter, readback=cfg.readback, ctx=SINGLE if ctx is None else ctx)
