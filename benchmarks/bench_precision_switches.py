@@ -28,6 +28,7 @@ import statistics
 import time
 
 import torch
+from record import write_result
 
 from miles_k3.model.build import ModelConfig, build_model, build_tokenizer
 from miles_k3.model.lora import LoRAConfig, apply_lora, lora_parameters
@@ -145,4 +146,4 @@ def run(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    run()
+    write_result("bench_precision_switches", run())

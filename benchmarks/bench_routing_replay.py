@@ -47,6 +47,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from record import write_result
+
 MODES = {"plain": [], "measure": ["rollout.return_routed_experts=true"], "replay": ["trainer.routing_replay=true"],
          "fp32_head": ["model.fp32_lm_head=true"], "fp32_res": ["model.fp32_residual=true"],
          "fp32_res_head": ["model.fp32_lm_head=true", "model.fp32_residual=true"]}
@@ -276,6 +278,7 @@ def main() -> None:
         for m, r in results.items():
             print(json.dumps({"mode": m, **r}), flush=True)
         (Path(args.out) / "summary.json").write_text(json.dumps(results, indent=2) + "\n")
+        write_result("bench_routing_replay", results)
         return
     runs: dict[str, list[list[dict]]] = {m: [] for m in modes}
     for r in range(args.rounds):
@@ -286,6 +289,7 @@ def main() -> None:
     for m, r in results.items():
         print(json.dumps({"mode": m, **r}), flush=True)
     (Path(args.out) / "summary.json").write_text(json.dumps(results, indent=2) + "\n")
+    write_result("bench_routing_replay", results)
 
 
 if __name__ == "__main__":

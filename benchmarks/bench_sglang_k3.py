@@ -81,6 +81,7 @@ from logprob_compare import (  # noqa: F401 (PIN_BIAS: re-exported, as the tests
     spread,
     top1_ids,
 )
+from record import write_result
 
 from miles_k3.evals.datasets import DatasetConfig, load_problems
 from miles_k3.evals.templates import render_prompt
@@ -412,6 +413,7 @@ def run(argv: list[str], engine_cls=None) -> list[dict]:
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     rows = run(sys.argv[1:])
+    write_result("bench_sglang_k3", rows)
     failed = [r for r in rows if "error" in r]
     if failed:
         print(f"{len(failed)} of {len(rows)} results failed", file=sys.stderr)

@@ -31,6 +31,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from record import write_result
 
 from miles_k3.adapter import load_adapter, save_adapter
 from miles_k3.model import K3Config, K3ForCausalLM
@@ -193,9 +194,7 @@ def main() -> None:
         row = bench_rank(dev, r, transports, args.repeats)
         out["rows"].append(row)
         print(json.dumps(row), flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=2)
+    write_result("bench_weight_sync", out, out=args.json)
 
 
 if __name__ == "__main__":

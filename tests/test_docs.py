@@ -17,7 +17,7 @@ SOURCES = ("miles_k3", "trainer", "rollout", "weight_sync", "evals")
 
 
 def _bash_blocks(text: str) -> list[str]:
-    return re.findall(r"```bash\n(.*?)```", text, flags=re.S)
+    return re.findall(r"```bash\n(.*?)```", text, flags=re.DOTALL)
 
 
 def test_readme_test_command_is_ci_run():
@@ -41,7 +41,7 @@ def test_readme_summary_example_is_what_the_loop_prints():
     from miles_k3.train import format_summary
 
     text = README.read_text()
-    block = re.search(r"```\n(miles_k3\.train: .*?)```", text, flags=re.S)
+    block = re.search(r"```\n(miles_k3\.train: .*?)```", text, flags=re.DOTALL)
     assert block, "README.md: the example summary block (```\\nmiles_k3.train: ...```) is missing"
     lines = block.group(1).rstrip("\n").splitlines()
     head = re.fullmatch(r"miles_k3\.train: (\d+) steps \((\d+)-(\d+)\) in (\d+) s", lines[0])
@@ -145,7 +145,7 @@ def test_every_documented_metric_is_still_written():
 def test_relative_links_resolve():
     broken = []
     for page in [README, *DOCS.rglob("*.md")]:
-        text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
+        text = re.sub(r"```.*?```", "", page.read_text(), flags=re.DOTALL)
         for target in re.findall(r"\]\(([^)\s]+)\)", text):
             if re.match(r"[a-z]+:", target) or target.startswith("#"):
                 continue
