@@ -185,7 +185,7 @@ def stalled_blocks(rows: list[dict]) -> list[int]:
     """The blocks holding a step (of any mode) whose rollout phase took more than STALL times the median rollout
     phase of all `rows`: slow steps that fall on one mode of a block by the schedule and swing its paired ratio (on
     the H200 they fell on the same steps in runs of other settings: the data's, most likely shapes met first
-    there, README "Routing replay")."""
+    there, docs/concepts/train-rollout-gap.md)."""
     if not all("perf/rollout_s" in r for r in rows):
         return []
     median = statistics.median(r["perf/rollout_s"] for r in rows)

@@ -1,4 +1,4 @@
-"""Two micro-measurements behind the decode-step figures in the README (one GPU):
+"""Two micro-measurements behind the decode-step figures of docs/concepts/engine.md (one GPU):
 
     python benchmarks/micro_decode_gpu.py [--json out.json]
 
