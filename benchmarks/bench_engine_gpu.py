@@ -20,6 +20,7 @@ import json
 import time
 
 import torch
+from record import write_result
 
 from miles_k3.model import K3Config, K3ForCausalLM
 from miles_k3.model.experts import RoutedExperts
@@ -111,9 +112,7 @@ def main() -> None:
             results["grpo"] = {"prompts": p, "n": n, "prompt_len": plen, "new": new, "wall_s": t,
                                "new_tok_s": p * n * new / t}
             print(json.dumps(results["grpo"]), flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
+    write_result("bench_engine_gpu", results, out=args.json)
 
 
 if __name__ == "__main__":

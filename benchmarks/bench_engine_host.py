@@ -12,6 +12,7 @@ import statistics
 import time
 
 import torch
+from record import write_result
 
 from miles_k3.model import K3Config, K3ForCausalLM
 from miles_k3.rollout import engine as engine_module
@@ -41,8 +42,10 @@ def main() -> None:
         t0 = time.perf_counter()
         engine.generate(input_ids=prompts, sampling_params=params)
         times.append(time.perf_counter() - t0)
-    print(f"host ms per decode step, batch {args.batch}, prompt {args.prompt}: "
-          f"{statistics.median(times[1:]) / args.new * 1e3:.2f}")
+    host_ms = statistics.median(times[1:]) / args.new * 1e3
+    print(f"host ms per decode step, batch {args.batch}, prompt {args.prompt}: {host_ms:.2f}")
+    write_result("bench_engine_host", {"batch": args.batch, "prompt": args.prompt, "new": args.new,
+                                       "host_ms_per_decode_step": host_ms})
 
 
 if __name__ == "__main__":

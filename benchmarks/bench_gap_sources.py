@@ -55,6 +55,7 @@ import sys
 from dataclasses import replace
 
 import torch
+from record import write_result
 
 from miles_k3.evals.datasets import DatasetConfig, load_problems
 from miles_k3.evals.templates import render_prompt
@@ -224,4 +225,4 @@ def run(argv: list[str]) -> list[dict]:
 
 
 if __name__ == "__main__":
-    run(sys.argv[1:])
+    write_result("bench_gap_sources", run(sys.argv[1:]))

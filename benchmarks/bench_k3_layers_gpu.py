@@ -42,6 +42,7 @@ import statistics
 import time
 
 import torch
+from record import write_result
 
 from miles_k3.model import K3Config, K3ForCausalLM
 from miles_k3.model.experts import RoutedExperts, mxfp4_experts_backend, sync_free_experts
@@ -516,9 +517,7 @@ def main() -> None:
             apply_lora(model, LoRAConfig(rank=32, alpha=64))
         if "engine" in parts:
             results["engine"] = engine_part(args, model)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
+    write_result("bench_k3_layers_gpu", results, out=args.json)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """What the precision switches of the train/rollout gap cost, measured in ONE process: a GRPO train step and an
 engine rollout per setting, the settings taking turns round after round (so that a drift of the machine's speed
-falls on all alike; separate runs of the loop differ by more than these switches cost, README "Routing replay").
+falls on all alike; separate runs of the loop differ by more than these switches cost, docs/concepts/train-rollout-gap.md).
 
     python benchmarks/bench_precision_switches.py [--model k3_m2] [--device auto] [--rounds 10]
         [--settings plain,fp32_head,fp32_res,fp32_res_head,fp32_gemm,all] [--seqs 128] [--prompt 16] [--response 16]
@@ -28,6 +28,7 @@ import statistics
 import time
 
 import torch
+from record import write_result
 
 from miles_k3.model.build import ModelConfig, build_model, build_tokenizer
 from miles_k3.model.lora import LoRAConfig, apply_lora, lora_parameters
@@ -145,4 +146,4 @@ def run(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    run()
+    write_result("bench_precision_switches", run())

@@ -19,6 +19,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from logprob_compare import logprob_gap, our_argmax, pin_routes, random_prompts, spread
+from record import write_result
 
 from miles_k3.model.build import ModelConfig, build_model, build_tokenizer
 from miles_k3.model.checkpoint import inspect_checkpoint
@@ -54,4 +55,6 @@ def run(argv: list[str]) -> dict:
 
 
 if __name__ == "__main__":
-    print(json.dumps(run(sys.argv[1:])), flush=True)
+    result = run(sys.argv[1:])
+    print(json.dumps(result), flush=True)
+    write_result("bench_rounding_floor", result)

@@ -16,6 +16,7 @@ import statistics
 import time
 
 import torch
+from record import write_result
 
 from miles_k3.rollout.engine import _Request
 from miles_k3.rollout.route_log import RouteLog
@@ -79,6 +80,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     a = ap.parse_args()
     shape = (a.layers, a.top_k)
+    rows = []
     for batch in (int(x) for x in a.batch.split(",")):
         res = {}
         for name, fn in (("route_log", route_log_case), ("per_request_views", per_request_views_case)):
@@ -86,9 +88,11 @@ def main() -> None:
             res[name] = {"step_ms": 1e3 * statistics.median(r[0] for r in runs),
                          "results_ms": 1e3 * statistics.median(r[1] for r in runs)}
         old, new = res["per_request_views"], res["route_log"]
-        print(json.dumps({"batch": batch, "steps": a.steps, "prompt": a.prompt, **res,
-                          "step_speedup": old["step_ms"] / new["step_ms"],
-                          "results_speedup": old["results_ms"] / new["results_ms"]}), flush=True)
+        rows.append({"batch": batch, "steps": a.steps, "prompt": a.prompt, **res,
+                     "step_speedup": old["step_ms"] / new["step_ms"],
+                     "results_speedup": old["results_ms"] / new["results_ms"]})
+        print(json.dumps(rows[-1]), flush=True)
+    write_result("bench_route_bookkeeping", rows)
 
 
 if __name__ == "__main__":

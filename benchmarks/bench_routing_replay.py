@@ -47,6 +47,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from record import write_result
+
 MODES = {"plain": [], "measure": ["rollout.return_routed_experts=true"], "replay": ["trainer.routing_replay=true"],
          "fp32_head": ["model.fp32_lm_head=true"], "fp32_res": ["model.fp32_residual=true"],
          "fp32_res_head": ["model.fp32_lm_head=true", "model.fp32_residual=true"]}
@@ -183,7 +185,7 @@ def stalled_blocks(rows: list[dict]) -> list[int]:
     """The blocks holding a step (of any mode) whose rollout phase took more than STALL times the median rollout
     phase of all `rows`: slow steps that fall on one mode of a block by the schedule and swing its paired ratio (on
     the H200 they fell on the same steps in runs of other settings: the data's, most likely shapes met first
-    there, README "Routing replay")."""
+    there, docs/concepts/train-rollout-gap.md)."""
     if not all("perf/rollout_s" in r for r in rows):
         return []
     median = statistics.median(r["perf/rollout_s"] for r in rows)
@@ -276,6 +278,7 @@ def main() -> None:
         for m, r in results.items():
             print(json.dumps({"mode": m, **r}), flush=True)
         (Path(args.out) / "summary.json").write_text(json.dumps(results, indent=2) + "\n")
+        write_result("bench_routing_replay", results)
         return
     runs: dict[str, list[list[dict]]] = {m: [] for m in modes}
     for r in range(args.rounds):
@@ -286,6 +289,7 @@ def main() -> None:
     for m, r in results.items():
         print(json.dumps({"mode": m, **r}), flush=True)
     (Path(args.out) / "summary.json").write_text(json.dumps(results, indent=2) + "\n")
+    write_result("bench_routing_replay", results)
 
 
 if __name__ == "__main__":

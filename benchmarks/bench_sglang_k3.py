@@ -28,7 +28,7 @@ after each line); a part that fails prints a line with its `error` and the other
   alone). SGLang's prompt log-probs (`SGLangEngine.prompt_logprobs`: max_new_tokens=1, logprob_start_len=0,
   input_token_logprobs) against the trainer's (`sequence_logprobs`: bf16 on CUDA). `mean` /
   `max`: |ours - SGLang's| per prompt token, nats/token, over `tokens` positions of all prompts. Expected: bf16 noise,
-  ~0.001 nats/token as the HF Qwen3 backend measured (README: 0.0009-0.0013), max well below 0.1; a kernel that
+  ~0.001 nats/token as the HF Qwen3 backend measured (measured: 0.0009-0.0013), max well below 0.1; a kernel that
   computes something else (attention residuals, SiTU, KDA, the MLA output gate) should show as 0.01 and more, judged
   against `floor_mean` / `floor_max`: the same gap between our own model in bf16 and in fp32 (the run's rounding
   floor; `fp32_mean`: SGLang against our fp32). On a random init the floor is no small number: its routers' top-k
@@ -36,7 +36,7 @@ after each line); a part that fails prints a line with its `error` and the other
   bf16 vs fp32, as large as SGLang's gap), so compare a random init with `--pin-routes`. `push_tolerance` is the push parity check's limit
   (sglang.parity_tolerance): a push whose gap exceeds the base's by more than it is refused. `ours_spread` (mean |log-prob - its mean|) is the
   scale a gap is judged against: a random init predicts near-uniform tokens, so its gaps are small whatever the
-  kernels do; a trained checkpoint (README, "routing replay": sft then quantize) is the sharper test. `argmax_agree`:
+  kernels do; a trained checkpoint (sft then quantize, docs/concepts/train-rollout-gap.md) is the sharper test. `argmax_agree`:
   the share of positions where SGLang's top-1 token (input_top_logprobs, top_logprobs_num=1) is our argmax; null when
   SGLang returns no top log-probs.
 * `--pin-routes DIR`: the checkpoint copied to DIR with each MoE layer's e_score_correction_bias raised by
@@ -81,6 +81,7 @@ from logprob_compare import (  # noqa: F401 (PIN_BIAS: re-exported, as the tests
     spread,
     top1_ids,
 )
+from record import write_result
 
 from miles_k3.evals.datasets import DatasetConfig, load_problems
 from miles_k3.evals.templates import render_prompt
@@ -412,6 +413,7 @@ def run(argv: list[str], engine_cls=None) -> list[dict]:
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     rows = run(sys.argv[1:])
+    write_result("bench_sglang_k3", rows)
     failed = [r for r in rows if "error" in r]
     if failed:
         print(f"{len(failed)} of {len(rows)} results failed", file=sys.stderr)

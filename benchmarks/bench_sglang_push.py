@@ -17,6 +17,7 @@ import tempfile
 import time
 
 import torch
+from record import write_result
 
 
 def _time_pushes(push, tensors_fn, n: int) -> list[float]:
@@ -104,6 +105,7 @@ def main() -> None:
     print(f"sglang / native: {sgl['median_s'] / native['median_s']:.1f}x per push, "
           f"{(sgl['median_s'] / sgl['bytes']) / (native['median_s'] / native['bytes']):.1f}x per byte")
     print(json.dumps(rows))
+    write_result("bench_sglang_push", [{k: v for k, v in r.items() if k != "push_s"} for r in rows])
 
 
 if __name__ == "__main__":

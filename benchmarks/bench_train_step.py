@@ -16,6 +16,7 @@ import statistics
 import time
 
 import torch
+from record import write_result
 
 from miles_k3.model.build import ModelConfig, build_model
 from miles_k3.model.lora import LoRAConfig, apply_lora, lora_parameters
@@ -76,6 +77,10 @@ def main() -> None:
         results[ckpt] = (statistics.median(times), max(peaks) if peaks else float("nan"))
         print(f"{name:>12}: step {results[ckpt][0]:.3f} s ({tokens / results[ckpt][0]:,.0f} tokens/s), "
               f"peak step memory {results[ckpt][1]:.2f} GiB", flush=True)
+    write_result("bench_train_step", {"model": args.model, "device": str(device), "tokens_per_step": tokens,
+                                      "micro_batch_tokens": args.micro_batch_tokens,
+                                      **{("checkpointed" if c else "plain"): {"step_s": t, "peak_step_gib": m}
+                                         for c, (t, m) in results.items()}})
     if len(results) < 2:
         return
     (t_plain, m_plain), (t_ckpt, m_ckpt) = results[False], results[True]

@@ -24,6 +24,7 @@ import tempfile
 import time
 
 import torch
+from record import write_result
 
 from miles_k3.adapter import load_adapter, save_adapter
 from miles_k3.model import K3Config, K3ForCausalLM
@@ -108,9 +109,7 @@ def main() -> None:
         row = bench_rank(dev, r, args.repeats)
         out["rows"].append(row)
         print(json.dumps(row), flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=2)
+    write_result("bench_weight_sync", out, out=args.json)
 
 
 if __name__ == "__main__":

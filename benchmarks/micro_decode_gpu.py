@@ -1,4 +1,4 @@
-"""Two micro-measurements behind the decode-step figures in the README (one GPU):
+"""Two micro-measurements behind the decode-step figures of docs/concepts/engine.md (one GPU):
 
     python benchmarks/micro_decode_gpu.py [--json out.json]
 
@@ -12,6 +12,7 @@ import argparse
 import json
 
 import torch
+from record import write_result
 
 from miles_k3.kernels.kda_decode import short_conv_step, short_conv_step_reference
 
@@ -60,9 +61,7 @@ def main() -> None:
                                                                                                 weights))
     out["gather + index_copy_ of the pool rows: us"] = us_per_call(lambda: pool.index_copy_(0, slots, pool[slots]))
     print(json.dumps(out, indent=1))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
+    write_result("micro_decode_gpu", out, out=args.json)
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ import time
 
 import torch
 from bench_engine_gpu import build, timed
+from record import write_result
 
 from miles_k3.rollout.engine import EngineConfig, RolloutEngine
 from miles_k3.rollout.sampling import SamplingParams, sample
@@ -172,6 +173,8 @@ def main() -> None:
         pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(30)
         (out / f"host_b{b}_p{args.prompt}.txt").write_text(s.getvalue())
     (out / f"profile_{args.model}_p{args.prompt}.json").write_text(json.dumps(report, indent=2))
+    write_result("profile_decode_gpu", {k: v for k, v in report.items() if k != "rows"}
+                 | {"rows": [{k: v for k, v in r.items() if "top_kernels" not in k} for r in report["rows"]]})
 
 
 if __name__ == "__main__":

@@ -102,7 +102,7 @@ class TrainConfig:
     """Checkpoints kept in run_dir/checkpoints (older ones are deleted after a new one is published)."""
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     """Scale-out over torchrun's processes: dp replicas x tp ranks each, ep expert ranks over them (all 1: one
-    process). torchrun --nproc-per-node dp*tp -m miles_k3.train parallel.dp=... (README "Scale-out")."""
+    process). torchrun --nproc-per-node dp*tp -m miles_k3.train parallel.dp=... (docs/concepts/scale-out.md)."""
 
     def validate(self) -> None:
         check_parallel(self.parallel, self.device, self.engine.backend)

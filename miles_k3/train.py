@@ -2,7 +2,7 @@
 
 It composes `recipes/train.yaml`, validates every field, builds the run (`miles_k3.launch.build_run`: model +
 adapter, engine sharing the base, sync channel, optimizer, reward, prompts, eval, tracker; resumed from a
-checkpoint with `resume=auto|PATH`) and runs the loop (the README's "The loop"):
+checkpoint with `resume=auto|PATH`) and runs the loop (docs/concepts/loop.md):
 
     rollout -> rewards -> advantages -> release engine memory -> train step -> weight sync (version + 1) ->
     resume engine memory -> log -> eval every N -> checkpoint every N (and on SIGINT / SIGTERM)

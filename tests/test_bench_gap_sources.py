@@ -1,6 +1,6 @@
 """benchmarks/bench_gap_sources.py on the CPU: its comparisons line up the engine's and the trainer's log-probs token
 by token (a shift by one position would read ~nats, not fp32 rounding), and it sees bf16 rounding where there is
-some. The GPU numbers are the README's ("Routing replay")."""
+some. The GPU figures: docs/measurements/train-rollout-gap.md."""
 import json
 import subprocess
 import sys

@@ -126,7 +126,8 @@ def test_a_stopped_bench_stops_its_run_and_what_the_run_started(tmp_path):
     run = ("import signal, subprocess, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
            "c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
            f"open({str(pids)!r}, 'w').write(f'{{c.pid}}'); time.sleep(60)")
-    script = (f"import importlib.util, sys; s = importlib.util.spec_from_file_location('b', {bench.__file__!r}); "
+    script = (f"import importlib.util, sys; sys.path.insert(0, {str(Path(bench.__file__).parent)!r}); "
+              f"s = importlib.util.spec_from_file_location('b', {bench.__file__!r}); "
               "b = importlib.util.module_from_spec(s); s.loader.exec_module(b); b.stop_on_sigterm(); "
               f"b.run_logged([sys.executable, '-c', {run!r}], b.Path({str(tmp_path / 'run.log')!r}), grace_s=1.0)")
     bench_proc = subprocess.Popen([sys.executable, "-c", script])

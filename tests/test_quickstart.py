@@ -70,11 +70,11 @@ def test_default_recipe_runs_the_loop_and_prints_the_summary(tmp_path, capsys):
 QUICK_STEPS = 300
 MIN_GAIN = 0.03
 """The first 300 steps of the default run (its schedule: cosine over 1,000 steps, stopped early) must raise held-out
-avg@4 by >= 3 points. Measured on 2 cores (README, "Quick start"): training seeds 0-4 of the default gained +3.8,
+avg@4 by >= 3 points. Measured on 2 cores (docs/measurements/quickstart.md): training seeds 0-4 of the default gained +3.8,
 +8.4, +7.7, +6.8, +9.2 points by step 300 (seed 0, this test's, is the lowest: it clears the bar by 0.8; at step 200
 it stood at +2.9, so 200 steps would not do); the eval alone (the base under 12 eval seeds) spreads 15.2-18.4% (sd 0.9
 points: the bar is above 3 sd); the same run rewarded by a coin that ignores the answer (`reward=coin`) fell by 15.9
-points (no signal does not look like a gain). Figures vary per CPU (README): the margin is the seeds' spread."""
+points (no signal does not look like a gain). Figures vary per CPU (docs/getting-started.md): the margin is the seeds' spread."""
 
 
 def test_shortened_default_run_raises_held_out_accuracy(tmp_path):

@@ -68,7 +68,7 @@ class TrainerConfig:
     """off: the trainer computes in the model's dtype (`model.dtype`), as the native engine decodes; on: its forwards
     run under bf16 autocast (bf16 matmuls over the model's weights) whatever the model's dtype. With an fp32 model
     autocast makes the trainer bf16 against an fp32 engine: on one H200, an SFT'd k3_m2 with routing replay, the
-    on-policy gap was 0.0059 nats/token under autocast and 3.1e-7 without (README "Routing replay"). Once `auto`,
+    on-policy gap was 0.0059 nats/token under autocast and 3.1e-7 without (docs/concepts/train-rollout-gap.md). Once `auto`,
     which turned autocast on for any fp32 model on CUDA: refused now, with that reason."""
     activation_checkpointing: bool = False
     """Keep only each decoder layer's inputs in the forward pass and recompute the rest in backward: activation

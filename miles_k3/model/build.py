@@ -51,7 +51,7 @@ class ModelConfig:
     """Precision of the fp32 products inside Triton kernels that keep Triton's default (fla's KDA chunk kernels, the
     trainer's forward and backward and the engine's prefill): auto (Triton's: TF32 on NVIDIA), tf32, tf32x3 (three
     TF32 products, ~fp32 accuracy) or ieee (fp32 FMA; on an H200 host fla's training kernels took over 8 min to
-    compile under it, README "Routing replay"). Process-wide (TRITON_F32_DEFAULT), set when the model is built; a
+    compile under it, docs/concepts/train-rollout-gap.md). Process-wide (TRITON_F32_DEFAULT), set when the model is built; a
     process that already compiled with another value refuses. On the CPU it changes nothing."""
     experts: str = "auto"
     """Routed-expert storage: auto (as stored in the checkpoint; mxfp4 for a random init), mxfp4 (frozen
@@ -61,14 +61,14 @@ class ModelConfig:
     """Logits in fp32: the lm_head's product of the bf16 hidden state and weight is computed in fp32 and kept there,
     in the engine's decode and in the trainer's forward alike (with engine.backend=sglang: SGLang's
     enable_fp32_lm_head). In bf16 a logit near 10 is rounded to a step of 0.06 nats, independently on each side, a
-    large part of the train/rollout log-prob gap (README "Routing replay"). Costs one fp32 copy of the lm_head weight
+    large part of the train/rollout log-prob gap (docs/concepts/train-rollout-gap.md). Costs one fp32 copy of the lm_head weight
     per forward and fp32 logits (twice bf16's memory). No effect on an fp32 model. K3 only: refused with hf_path."""
     fp32_residual: bool = False
     """Carry the residual stream in fp32 (Megatron's fp32_residual_connection, for K3's Block-AttnRes sources): the
     block sums and the partial sum stay fp32, the depth mixer reads them in fp32, and only each sublayer's RMSNorm'd
     input is rounded to bf16, once; the final hidden state reaches the lm_head unrounded. In the engine's decode and
     the trainer's forward alike: bf16 rounding of the sums, made on each side at slightly different values, is a
-    part of the train/rollout log-prob gap (README "Routing replay"). Costs fp32 copies of the residual sources
+    part of the train/rollout log-prob gap (docs/concepts/train-rollout-gap.md). Costs fp32 copies of the residual sources
     (twice bf16's activation memory for them). No effect on an fp32 model. Native engine and K3 only: refused with
     hf_path and with engine.backend=sglang (SGLang's K3 keeps its own bf16 residual)."""
     fp32_gemm_reduction: bool = False
@@ -76,7 +76,7 @@ class ModelConfig:
     (torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction=False; torch allows it by default). Where it
     would, the result of a GEMM depends on the kernel cuBLAS picks for the shape, which differs between the engine's
     decode (a few rows) and the trainer's forward (many), by up to a bf16 rounding: a part of the train/rollout
-    log-prob gap (README "Routing replay"). Process-wide, set when the model is built; where it is already off (a
+    log-prob gap (docs/concepts/train-rollout-gap.md). Process-wide, set when the model is built; where it is already off (a
     model set it, or the caller), a model without the flag is refused. CPU GEMMs do not read it. Native engine only: refused with
     engine.backend=sglang (SGLang's scheduler process keeps torch's default)."""
     trust_remote_code: bool = False

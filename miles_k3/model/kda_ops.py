@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange
 
-# tests/bench/bench_kda_cpu.py measures 16 and 32 at the same speed on CPU; 16 keeps every factored decay
+# benchmarks/bench_kda_cpu.py measures 16 and 32 at the same speed on CPU; 16 keeps every factored decay
 # exponent within e^+-37.5 for g >= -5, where 32 needs e^+-77.5 and leaves gradient intermediates ~e^11 of
 # room below fp32's overflow.
 DEFAULT_CHUNK_SIZE = 16

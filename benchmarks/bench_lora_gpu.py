@@ -1,6 +1,6 @@
 """k3_m + LoRA training step on one GPU: frozen MXFP4 routed experts vs the same model with a bf16 base.
 
-    python tests/bench/bench_lora_gpu.py [--shapes 8x4096,1x2048] [--iters 5] [--experts-lora] [--json out.json]
+    python benchmarks/bench_lora_gpu.py [--shapes 8x4096,1x2048] [--iters 5] [--experts-lora] [--json out.json]
 
 For each batch x seq shape and each base (mxfp4, bf16; everything but the experts is bf16 in both, the base is
 frozen in both), one step = forward + token cross-entropy + backward into the LoRA tensors (no optimizer).
@@ -13,6 +13,7 @@ import statistics
 import time
 
 import torch
+from record import write_result
 
 from miles_k3.model import K3Config, K3ForCausalLM
 from miles_k3.model.lora import LoRAConfig, apply_lora
@@ -82,9 +83,7 @@ def main() -> None:
                         "base_bytes_ratio": q["base_bytes"] / b["base_bytes"]})
         print(json.dumps({k: v for k, v in results[-1].items() if "ratio" in k or k in ("batch", "seq")}),
               flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"experts_lora": args.experts_lora, "results": results}, f, indent=2)
+    write_result("bench_lora_gpu", {"experts_lora": args.experts_lora, "results": results}, out=args.json)
 
 
 if __name__ == "__main__":

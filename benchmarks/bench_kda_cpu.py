@@ -1,6 +1,6 @@
 """CPU timings of the KDA implementations that `resolve_kda_backend` can pick, at a K3-tiny RL batch shape.
 
-Run: `python tests/bench/bench_kda_cpu.py [--batch 128 --seq 128 --heads 4 --dim 32 --repeats 5 --threads 2]`.
+Run: `python benchmarks/bench_kda_cpu.py [--batch 128 --seq 128 --heads 4 --dim 32 --repeats 5 --threads 2]`.
 Prints forward (no grad) and forward+backward seconds for torch_chunk_kda (chunk 16 and 32), fla's
 naive_recurrent_kda and naive_chunk_kda, plus one decode step, each the median of a few repeats after a
 warmup, with the speed-up over naive_recurrent_kda measured in the same run. Not collected by pytest.
@@ -18,6 +18,7 @@ import torch
 warnings.filterwarnings("ignore")  # fla warns that Triton has no GPU here
 
 from fla.ops.kda.naive import naive_chunk_kda, naive_recurrent_kda
+from record import write_result
 
 from miles_k3.model.kda_ops import l2norm, resolve_kda_backend, torch_chunk_kda, torch_decode_step
 
@@ -100,6 +101,8 @@ def main() -> None:
     print(f"\n{'decode step, B=' + str(args.batch):24s} {'ms':>9s} {'x':>7s}")
     for name, secs in decode.items():
         print(f"{name:24s} {secs * 1e3:9.3f} {ref / secs:7.2f}")
+    write_result("bench_kda_cpu", {"threads": args.threads, "batch": args.batch, "seq": args.seq, "heads": args.heads,
+                                   "dim": args.dim, "prefill_fwd_fwdbwd_s": prefill, "decode_step_s": decode})
 
 
 if __name__ == "__main__":

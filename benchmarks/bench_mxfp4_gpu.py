@@ -1,6 +1,6 @@
 """MXFP4 -> bf16 dequant throughput on one GPU: eager torch reference vs the Triton kernel vs a plain bf16 copy.
 
-    python tests/bench/bench_mxfp4_gpu.py [--iters 50] [--warmup 10] [--dtype bf16|fp32] [--json out.json]
+    python benchmarks/bench_mxfp4_gpu.py [--iters 50] [--warmup 10] [--dtype bf16|fp32] [--json out.json]
 
 Shapes: [3072, 3584] (a K3 routed expert's w1/w3) and [5760, 2880] (gpt-oss gate_up). Each method is timed with
 CUDA events around one call, after warmup; the median of --iters calls is reported. GB/s counts bytes read +
@@ -11,10 +11,10 @@ bitwise equal to the reference's.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 
 import torch
+from record import write_result
 
 from miles_k3.kernels.mxfp4 import dequantize_mxfp4_reference, dequantize_mxfp4_triton
 
@@ -86,9 +86,7 @@ def main() -> None:
         print(f"  triton/reference time {r['triton_time_over_reference']:.4f} "
               f"(speedup {r['speedup_triton_over_reference']:.1f}x); triton/copy bandwidth "
               f"{r['triton_bw_over_copy_bw']:.2f}", flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
+    write_result("bench_mxfp4_gpu", results, out=args.json)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Forward+backward throughput of k3_m on one GPU (bf16, fla KDA kernels) and the share of GPU time in KDA.
 
-    python tests/bench/bench_k3m_gpu.py [--batch 8] [--seq 4096] [--iters 5] [--json out.json]
+    python benchmarks/bench_k3m_gpu.py [--batch 8] [--seq 4096] [--iters 5] [--json out.json]
 
 Tokens/s = batch * seq / median wall time of one training forward+backward (loss = token cross-entropy over the
 full vocabulary; no optimizer step). The KDA share is measured with torch.profiler over one step: GPU kernel time
@@ -13,6 +13,7 @@ import statistics
 import time
 
 import torch
+from record import write_result
 from torch.profiler import ProfilerActivity, profile
 
 from miles_k3.model import K3Config, K3ForCausalLM
@@ -99,9 +100,7 @@ def main() -> None:
         "top_kernels_ms": {n[:80]: round(t / 1e3, 2) for n, t in top},
     }
     print(json.dumps(result, indent=2))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+    write_result("bench_k3m_gpu", result, out=args.json)
 
 
 if __name__ == "__main__":
