@@ -3,6 +3,7 @@ reference is the generator's current output, every metric a training run logs is
 every key listed there is still written by the code), and every relative link in README.md and docs/ resolves."""
 import json
 import re
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -64,20 +65,41 @@ def test_config_reference_is_current():
         f"docs/reference/config.md is stale: regenerate it with `{config_reference.REGENERATE}`")
 
 
-def test_config_reference_reads_attribute_docstrings():
-    """A hand-made dataclass: the string under a field is its doc, a field without one gets none, sections are
-    linked and their changed defaults shown."""
-    from miles_k3.config import TrainConfig
+@dataclass
+class _Inner:
+    """A section."""
 
-    docs = config_reference.attribute_docs(TrainConfig)
-    assert docs["steps"].startswith("Optimizer steps to train; 0 builds the model")
-    assert "keep_checkpoints" in docs and "validate" not in docs
+    samples: int = 1
+    """How many."""
+
+
+@dataclass
+class _Outer:
+    """A command."""
+
+    steps: int = 3
+    """Steps to run; 0 runs none."""
+    name: str | None = None
+    inner: _Inner = field(default_factory=lambda: _Inner(samples=4))
+    """The section."""
+
+    def validate(self) -> None:
+        """Not a field."""
+
+
+def test_config_reference_reads_attribute_docstrings():
+    """A hand-made dataclass: the string under a field is its doc, a field without one gets none, methods are not
+    fields, sections are linked and their changed defaults shown."""
+    docs = config_reference.attribute_docs(_Outer)
+    assert docs == {"steps": "Steps to run; 0 runs none.", "inner": "The section."}
     sections: dict = {}
-    rows = config_reference.table(TrainConfig, "", sections)
-    eval_row = next(r for r in rows if r.startswith("| `eval` |"))
-    assert "[EvalConfig](#evalconfig)" in eval_row and "`EvalConfig(samples=4)`" in eval_row
-    assert sections[type(TrainConfig().eval)] == "eval"
-    assert any(r.startswith("| `run_dir` | `str \\| None` | `None` |") for r in rows)
+    rows = config_reference.table(_Outer, "", sections)
+    assert rows[:2] == ["| field | type | default | description |", "| --- | --- | --- | --- |"]
+    assert rows[2] == "| `steps` | `int` | `3` | Steps to run; 0 runs none. |"
+    assert any(r.startswith("| `name` | `str \\| None` | `None` |") for r in rows)
+    inner_row = next(r for r in rows if r.startswith("| `inner` |"))
+    assert "[_Inner](#_inner)" in inner_row and "`_Inner(samples=4)`" in inner_row
+    assert sections[_Inner] == "inner"
 
 
 def _documented_keys() -> list[str]:
