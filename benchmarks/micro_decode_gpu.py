@@ -4,7 +4,7 @@
 
 * launch floor: a CUDA graph of N dependent `add_` kernels (N = 100, 846) on a [1] and a [256, 768] bf16 tensor,
   replayed 50 times; microseconds per kernel. (846 = kernels in one k3_m decode step at batch 256.)
-* short conv step (`k3_kernels/kda_decode.py`) at B = 256, C = 3072, W = 4, 2016 pool slots, for each channel tile
+* short conv step (`kernels/kda_decode.py`) at B = 256, C = 3072, W = 4, 2016 pool slots, for each channel tile
   (`block_c`), against its torch reference and a plain gather + `index_copy_` of the same pool rows; microseconds
   per call, 10 calls per graph replay, 200 replays.
 """

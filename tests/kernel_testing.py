@@ -1,4 +1,4 @@
-"""Shared helpers of the kernel tests (`k3_kernels/`, `miles_k3.kernels`): running Triton kernels on CPU under the Triton interpreter,
+"""Shared helpers of the kernel tests (`kernels/`, `miles_k3.kernels`): running Triton kernels on CPU under the Triton interpreter,
 the `gpu` marker, and ulp distances of 16-bit floats.
 
 TRITON_INTERPRET=1 must be set before a kernel module is imported, so a test file runs its cases in a subprocess

@@ -1,7 +1,7 @@
 """The layering rule of the `miles_k3` packages, checked on the source (nothing is imported).
 
 Units: the packages of `miles_k3` (`miles_k3.model`, `miles_k3.kernels`, ...: pyproject's `[tool.setuptools]
-package-dir` maps the top-level folders into them, e.g. `k3_kernels/` is `miles_k3.kernels`) and the root
+package-dir` maps the top-level folders into them, e.g. `kernels/` is `miles_k3.kernels`) and the root
 modules directly in `miles_k3/` (`miles_k3.train`, `miles_k3.mxfp4`, ...; `miles_k3` itself is its
 `__init__.py`). `LAYERS` orders them, highest first. The rule:
 
@@ -257,10 +257,10 @@ def test_checker_reports_cycles_upward_imports_and_unknown_units():
 
 
 def test_graph_applies_the_mapping_and_skips_type_checking_imports():
-    dirs = {"miles_k3": "miles_k3", "miles_k3.kernels": "k3_kernels", "miles_k3.rollout": "rollout"}
+    dirs = {"miles_k3": "miles_k3", "miles_k3.kernels": "kernels", "miles_k3.rollout": "rollout"}
     sources = {
-        "k3_kernels/noise.py": "import torch\n",
-        "k3_kernels/__init__.py": "from . import noise\n",
+        "kernels/noise.py": "import torch\n",
+        "kernels/__init__.py": "from . import noise\n",
         "miles_k3/codec.py": "from miles_k3.kernels.noise import x\n",
         "rollout/sample.py": ("from typing import TYPE_CHECKING\n"
                               "if TYPE_CHECKING:\n    from miles_k3 import train\n"

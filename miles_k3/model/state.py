@@ -30,7 +30,7 @@ class MLALayerState:
 
     Paged form (the rollout engine's decode): with `table_BT` set, latent_BSL is the layer's whole page pool
     [G, Z, L] and position j of request b is row j % Z of page table_BT[b, j // Z]; a decode step writes the
-    new latent into its page in place and attends over the pages (`k3_kernels/paged_mla.py`).
+    new latent into its page in place and attends over the pages (`kernels/paged_mla.py`).
     """
 
     latent_BSL: torch.Tensor
