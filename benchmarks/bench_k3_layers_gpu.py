@@ -44,9 +44,9 @@ import time
 import torch
 from record import write_result
 
+from miles_k3.kernels.mxfp4 import mxfp4_nbytes
 from miles_k3.model import K3Config, K3ForCausalLM
 from miles_k3.model.experts import RoutedExperts, mxfp4_experts_backend, sync_free_experts
-from miles_k3.mxfp4 import mxfp4_nbytes
 
 TOP_K, NUM_EXPERTS, LATENT, INTER = 16, 896, 3584, 3072
 

@@ -4,7 +4,7 @@ a bf16 K3 checkpoint directory into a native MXFP4 one, as published. Only the r
 E8M0 [out, in/32] (group 32); every other tensor (vision ones included) is copied byte for byte, `config.json`
 gains the compressed-tensors `quantization_config` under `text_config` (a flat source config is rewritten in
 the published nested form; `miles_k3.model.checkpoint_writer.config_with_quantization`), and every other file
-(tokenizer, code, ...) is copied. Scale rules (`miles_k3.mxfp4`): `floor` (the default)
+(tokenizer, code, ...) is copied. Scale rules (`miles_k3.kernels.mxfp4`): `floor` (the default)
 is the OCP rule that compressed-tensors uses, X = 2^(floor(log2 amax) - 2), so a block's largest values may
 clip to 6 X; `ceil`, X = 2^ceil(log2(amax / 6)), never clips but may give up one binade of resolution. The
 source is validated first (names, shapes, dtypes); it streams one source shard at a time (output shards never
@@ -18,6 +18,7 @@ import logging
 import sys
 from pathlib import Path
 
+from miles_k3.kernels.mxfp4 import SCALE_RULES, quantize_mxfp4
 from miles_k3.model.checkpoint import (
     CONFIG_FILE,
     EXPERT_NAME,
@@ -27,7 +28,6 @@ from miles_k3.model.checkpoint import (
     open_safetensors,
 )
 from miles_k3.model.checkpoint_writer import CheckpointWriter, config_with_quantization
-from miles_k3.mxfp4 import SCALE_RULES, quantize_mxfp4
 
 log = logging.getLogger("miles_k3.quantize")
 

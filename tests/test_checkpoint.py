@@ -15,6 +15,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from miles_k3.kernels.mxfp4 import dequantize_mxfp4, quantize_mxfp4
 from miles_k3.model import K3Config, K3ForCausalLM
 from miles_k3.model.build import ModelConfig, build_model, checkpoint_dir
 from miles_k3.model.checkpoint import (
@@ -26,7 +27,6 @@ from miles_k3.model.checkpoint import (
 from miles_k3.model.checkpoint_writer import config_with_quantization, save_checkpoint
 from miles_k3.model.config import ConfigError
 from miles_k3.model.weights import load_checkpoint
-from miles_k3.mxfp4 import dequantize_mxfp4, quantize_mxfp4
 from miles_k3.quantize import main as quantize_main
 from miles_k3.quantize import quantize_checkpoint
 

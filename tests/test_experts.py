@@ -4,9 +4,9 @@ import pytest
 import torch
 
 import miles_k3.model.experts as experts_mod
+from miles_k3.kernels.mxfp4 import dequantize_mxfp4
 from miles_k3.model import K3Config, K3ForCausalLM
 from miles_k3.model.experts import PROJS, RoutedExperts, grouped_linear
-from miles_k3.mxfp4 import dequantize_mxfp4
 
 
 def _pair(num_experts=6, latent=64, inter=32, dtype=torch.float32, seed=0):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from miles_k3.mxfp4 import dequantize_mxfp4, quantize_mxfp4
+from miles_k3.kernels.mxfp4 import dequantize_mxfp4, quantize_mxfp4
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (Triton MXFP4 kernel)")]

@@ -16,8 +16,8 @@ import pytest
 import torch
 from kernel_testing import capture
 
+from miles_k3.kernels.mxfp4 import dequantize_mxfp4, quantize_mxfp4
 from miles_k3.model.experts import PROJS, RoutedExperts, mxfp4_experts_backend, sync_free_experts
-from miles_k3.mxfp4 import dequantize_mxfp4, quantize_mxfp4
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

@@ -2,7 +2,7 @@
 
 Units: the packages of `miles_k3` (`miles_k3.model`, `miles_k3.kernels`, ...: pyproject's `[tool.setuptools]
 package-dir` maps the top-level folders into them, e.g. `kernels/` is `miles_k3.kernels`) and the root
-modules directly in `miles_k3/` (`miles_k3.train`, `miles_k3.mxfp4`, ...; `miles_k3` itself is its
+modules directly in `miles_k3/` (`miles_k3.train`, `miles_k3.atomic`, ...; `miles_k3` itself is its
 `__init__.py`). `LAYERS` orders them, highest first. The rule:
 
 * a unit imports only units of its own layer or of lower layers (never upward);
@@ -47,7 +47,6 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("miles_k3.adapter",),  # PEFT files of the model's LoRA: used by the trainer, weight sync and commands
     ("miles_k3.model",),
     ("miles_k3.parallel",),
-    ("miles_k3.mxfp4",),  # the MXFP4 codec of the model's experts, over the kernels' decode
     # Pure utilities, which every layer but the kernels may use; the package root (`__version__`) and the
     # Hydra recipes (data) import nothing either.
     ("miles_k3", "miles_k3.atomic", "miles_k3.runtime", "miles_k3.tracking", "miles_k3.recipes"),
@@ -104,7 +103,7 @@ def _import_nodes(tree: ast.AST) -> Iterator[ast.Import | ast.ImportFrom]:
 def imported_modules(source: str, module: str, is_package: bool, modules: set[str]
                      ) -> Iterator[tuple[str, int]]:
     """(imported module, line) for each import in `source` (the code of `module`). `from X import y` names the
-    module X.y when that is one of `modules` (so `from miles_k3 import mxfp4` is the root module), else X.
+    module X.y when that is one of `modules` (so `from miles_k3 import atomic` is the root module), else X.
     Relative imports are resolved against `module`."""
     for node in _import_nodes(ast.parse(source)):
         if isinstance(node, ast.Import):

@@ -1,4 +1,4 @@
-"""CPU tests of the MXFP4 codec (miles_k3.mxfp4) and the pure-torch decode (miles_k3.kernels.mxfp4).
+"""CPU tests of the MXFP4 format (`miles_k3.kernels.mxfp4`): the codec and the pure-torch decode.
 
 Decoded values are compared as bit patterns (fp32 -> int32, bf16 -> int16) wherever -0.0 or NaN matter, so a sign
 or NaN mistake fails. Expectations are written independently of the code under test: E2M1 values from the
@@ -11,13 +11,14 @@ import math
 import pytest
 import torch
 
-from miles_k3 import mxfp4 as cmx
 from miles_k3.kernels import mxfp4 as kmx
-from miles_k3.kernels.mxfp4 import E2M1_VALUES, dequantize_mxfp4_reference, dequantize_mxfp4_triton
-from miles_k3.mxfp4 import (
+from miles_k3.kernels.mxfp4 import (
+    E2M1_VALUES,
     GROUP_SIZE,
     SCALE_RULES,
     dequantize_mxfp4,
+    dequantize_mxfp4_reference,
+    dequantize_mxfp4_triton,
     mxfp4_nbytes,
     quantize_mxfp4,
     relative_rms_error,
@@ -140,7 +141,7 @@ def test_leading_dims_and_chunking(monkeypatch):
     assert_same_bits(dequantize_mxfp4(packed, scale, torch.float32), out)
     w = torch.randn(3, 5, 128, generator=g)
     p_full, s_full = quantize_mxfp4(w)
-    monkeypatch.setattr(cmx, "_CHUNK_ELEMS", 64)
+    monkeypatch.setattr(kmx, "_CHUNK_ELEMS", 64)
     p_chunk, s_chunk = quantize_mxfp4(w)
     assert torch.equal(p_full, p_chunk) and torch.equal(s_full, s_chunk)
     assert p_full.shape == (3, 5, 64) and s_full.shape == (3, 5, 4)
@@ -373,3 +374,21 @@ def test_triton_entry_point_rejects_cpu_tensors(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ValueError, match="CUDA"):
         dequantize_mxfp4_triton(torch.zeros(2, 16, dtype=torch.uint8), torch.zeros(2, 1, dtype=torch.uint8))
+
+
+def test_module_import_leaves_triton_out_and_the_interpreted_kernel_decodes_hand_worked_bytes():
+    """Importing the format module imports no triton (the model imports it on CPU-only machines); the Triton
+    kernel is defined on first use and, under the interpreter, decodes bytes worked out by hand: byte 0x92 =
+    codes (low 2 -> 1.0, high 9 -> -0.5) at scale 128 (x2) -> 2.0, -1.0; a 0xFF block is NaN; scale 0 keeps
+    code 7 (6.0) as 6 * 2^-127."""
+    from kernel_testing import interpreted
+
+    out = interpreted(
+        "import sys, torch\n"
+        "import miles_k3.kernels.mxfp4 as m\n"
+        "assert 'triton' not in sys.modules\n"
+        "p = torch.zeros(3, 16, dtype=torch.uint8); p[0, 0] = 0x92; p[2, 0] = 0x07\n"
+        "s = torch.tensor([[128], [255], [0]], dtype=torch.uint8)\n"
+        "o = m.dequantize_mxfp4_triton(p, s, torch.float32)\n"
+        "print(o[0, :3].tolist(), o[1].isnan().all().item(), o[2, 0].item() == 6 * 2.0 ** -127)\n", timeout=300)
+    assert out.strip().splitlines()[-1] == "[2.0, -1.0, 0.0] True True"

@@ -13,8 +13,8 @@ def check_matches_reference(device, transpose, swap, scale_2d=False, prefetch=Tr
                             big_scales=False):
     """big_scales: some scale bytes above 128 (and one 255, a NaN block, in an expert without rows): the fast
     decode must recompute exactly the tiles that read them."""
+    from miles_k3.kernels.mxfp4 import quantize_mxfp4
     from miles_k3.kernels.mxfp4_moe import TileConfig, mxfp4_moe_matmul, mxfp4_moe_matmul_reference
-    from miles_k3.mxfp4 import quantize_mxfp4
 
     torch.manual_seed(0)
     out_f, in_f, counts = 40, 96, [5, 0, 19, 3]

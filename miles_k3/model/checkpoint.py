@@ -32,10 +32,10 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from miles_k3.kernels.mxfp4 import GROUP_SIZE
 from miles_k3.model.config import K3Config
 from miles_k3.model.experts import RoutedExperts
 from miles_k3.model.k3 import CHECKPOINT_PREFIX, FP32_PARAM_SUFFIXES, K3ForCausalLM
-from miles_k3.mxfp4 import GROUP_SIZE
 
 log = logging.getLogger(__name__)
 

@@ -26,8 +26,8 @@ import os
 import torch
 from torch import nn
 
+from miles_k3.kernels.mxfp4 import GROUP_SIZE, dequantize_mxfp4, quantize_mxfp4
 from miles_k3.model.layers import situ_glu
-from miles_k3.mxfp4 import GROUP_SIZE, dequantize_mxfp4, quantize_mxfp4
 
 EXPERT_FORMATS = ("bf16", "mxfp4")
 MXFP4_BACKENDS = ("torch", "triton")

@@ -13,6 +13,7 @@ from typing import Protocol
 import torch
 from safetensors import SafetensorError
 
+from miles_k3.kernels.mxfp4 import quantize_mxfp4
 from miles_k3.model.checkpoint import (
     TORCH_DTYPES,
     CheckpointError,
@@ -24,7 +25,6 @@ from miles_k3.model.checkpoint import (
 )
 from miles_k3.model.config import K3Config
 from miles_k3.model.k3 import fill_init_, init_rule
-from miles_k3.mxfp4 import quantize_mxfp4
 
 INIT_BLOCK_ELEMS = 1 << 22
 """Random init draws a stored tensor in blocks of rows of at most this many elements (one row when a row is

@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from miles_k3.kernels.mxfp4 import dequantize_mxfp4, quantize_mxfp4
 from miles_k3.model.checkpoint import (
     CHECKPOINT_PREFIX,
     CheckpointError,
@@ -43,7 +44,6 @@ from miles_k3.model.k3 import K3ForCausalLM
 from miles_k3.model.lora import ExpertLoRA, LoRAConfig, LoRALinear, apply_lora
 from miles_k3.model.parallelize import ShardPlan, Slice, parallelize
 from miles_k3.model.weight_sources import CheckpointReader, WeightSource, seeded_generator
-from miles_k3.mxfp4 import dequantize_mxfp4, quantize_mxfp4
 from miles_k3.parallel.config import ParallelConfigError
 from miles_k3.parallel.mesh import SINGLE, ParallelContext
 from miles_k3.parallel.reduce import gather, world_of
