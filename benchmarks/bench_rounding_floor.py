@@ -22,7 +22,7 @@ from logprob_compare import logprob_gap, our_argmax, pin_routes, random_prompts,
 from record import write_result
 
 from miles_k3.model.build import ModelConfig, build_model, build_tokenizer
-from miles_k3.model.checkpoint import inspect_checkpoint
+from miles_k3.model.weight_files import inspect_weights
 from miles_k3.runtime import resolve_device
 from miles_k3.trainer.step import sequence_logprobs
 
@@ -38,7 +38,7 @@ def run(argv: list[str]) -> dict:
     a = ap.parse_args(argv)
     model_dir, pinned = a.model_dir, None
     if a.pin_routes:
-        top_k = inspect_checkpoint(model_dir).config.num_experts_per_token
+        top_k = inspect_weights(model_dir).config.num_experts_per_token
         pinned = len(pin_routes(model_dir, a.pin_routes, top_k, a.seed))
         model_dir = a.pin_routes
     device, mcfg = resolve_device(a.device), ModelConfig(path=model_dir)

@@ -122,8 +122,8 @@ class Bench:
         self.dtype = resolve_dtype("auto", self.device)
         pinned = None
         if args.pin_routes:  # both sides load the pinned copy
-            from miles_k3.model.checkpoint import inspect_checkpoint
-            top_k = inspect_checkpoint(args.model_dir).config.num_experts_per_token
+            from miles_k3.model.weight_files import inspect_weights
+            top_k = inspect_weights(args.model_dir).config.num_experts_per_token
             pinned = pin_routes(args.model_dir, args.pin_routes, top_k, args.seed)
             args.model_dir = str(args.pin_routes)
         self.mcfg = mcfg = ModelConfig(path=args.model_dir, trust_remote_code=args.trust_remote_code)

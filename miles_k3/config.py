@@ -33,10 +33,10 @@ from miles_k3.evals.problems import DatasetError
 from miles_k3.evals.rewards import RewardConfig
 from miles_k3.evals.templates import template_names
 from miles_k3.model.build import ModelConfig
-from miles_k3.model.checkpoint import CheckpointError
 from miles_k3.model.config import ConfigError
 from miles_k3.model.kernel_config import KernelsConfig
 from miles_k3.model.lora import LoRAConfig
+from miles_k3.model.weight_files import WeightsError
 from miles_k3.parallel.config import ParallelConfig, ParallelConfigError
 from miles_k3.rollout.engine_config import EngineConfig
 from miles_k3.rollout.sglang_config import SGLangConfig
@@ -386,7 +386,7 @@ def default_null_run_dir(raw: DictConfig, app: str) -> None:
         raw.run_dir = f"runs/{app}-${{now:%Y%m%d-%H%M%S}}"
 
 
-USER_ERRORS = (ConfigFieldError, ConfigError, DatasetError, CheckpointError, ResumeError,
+USER_ERRORS = (ConfigFieldError, ConfigError, DatasetError, WeightsError, ResumeError,
                PromptLengthError, ParallelConfigError)
 """Errors that are about the user's config, data or checkpoints: their messages say what to fix."""
 

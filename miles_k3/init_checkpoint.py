@@ -25,13 +25,13 @@ from hydra.core.config_store import ConfigStore
 
 from miles_k3.config import compose_cli
 from miles_k3.model.build import ModelConfig, load_k3_config
-from miles_k3.model.checkpoint import CONFIG_FILE, checkpoint_config, layer_of
-from miles_k3.model.checkpoint_writer import CheckpointWriter, write_groups
 from miles_k3.model.config import K3Config
 from miles_k3.model.experts import EXPERT_FORMATS
 from miles_k3.model.hollow import write_hollow_checkpoint
 from miles_k3.model.tokenizer import BOS, END_OF_MSG, PAD, save_small_tokenizer, special_token_ids
+from miles_k3.model.weight_files import CONFIG_FILE, config_json, layer_of
 from miles_k3.model.weight_sources import RandomInit
+from miles_k3.model.weight_writer import WeightWriter, write_groups
 
 log = logging.getLogger("miles_k3.init_checkpoint")
 
@@ -102,13 +102,13 @@ def init_checkpoint(cfg: K3Config, out: str | Path, seed: int = 0, expert_format
     `out`. Its tensors are `weights.RandomInit`'s, so `build_model` without a path (same seed and format) holds
     exactly these weights."""
     source = RandomInit(cfg, expert_format, seed)
-    with CheckpointWriter(out, overwrite=overwrite, max_shard_bytes=max_shard_bytes) as writer:
+    with WeightWriter(out, overwrite=overwrite, max_shard_bytes=max_shard_bytes) as writer:
         token_ids = None
         if cfg.vocab_size <= SMALL_VOCAB:
             save_small_tokenizer(writer.staging, cfg.vocab_size)
             ids = special_token_ids()  # like K3's config.json: bos [BOS], eos <|end_of_msg|>, pad [PAD]
             token_ids = {"bos_token_id": ids[BOS], "eos_token_id": ids[END_OF_MSG], "pad_token_id": ids[PAD]}
-        writer.write_json(CONFIG_FILE, checkpoint_config(cfg, expert_format, token_ids))
+        writer.write_json(CONFIG_FILE, config_json(cfg, expert_format, token_ids))
         # one shard per decoder layer, then one for the model-level tensors (layer None)
         for layer, groups in itertools.groupby(write_groups(source.specs), key=lambda g: layer_of(g[0])):
             for group in groups:
@@ -130,7 +130,7 @@ def main(argv: list[str]) -> Path:
             return write_hollow_checkpoint(load_k3_config(cfg.model), cfg.out, overwrite=cfg.overwrite)
         return init_checkpoint(load_k3_config(cfg.model), cfg.out, cfg.seed, cfg.format, cfg.overwrite,
                                cfg.max_shard_bytes)
-    except ValueError as e:  # CheckpointError, ConfigError: the message names the problem and the fix
+    except ValueError as e:  # WeightsError, ConfigError: the message names the problem and the fix
         raise SystemExit(f"miles_k3.init_checkpoint: {e}") from None
 
 

@@ -29,17 +29,6 @@ import torch
 
 from miles_k3.config import compose_cli
 from miles_k3.model.build import load_k3_config, num_params
-from miles_k3.model.checkpoint import (
-    INDEX_FILE,
-    SINGLE_FILE,
-    STORED_BYTES,
-    expected_tensors,
-    meta_model,
-    open_checkpoint,
-    skip_meta_init,
-    spec_bytes,
-    stored_dtype,
-)
 from miles_k3.model.expert_parallel import alltoall_bytes_per_token
 from miles_k3.model.experts import RoutedExperts
 from miles_k3.model.k3 import K3ForCausalLM
@@ -48,6 +37,17 @@ from miles_k3.model.lora import adapter_num_params, apply_lora
 from miles_k3.model.mla import MLAAttention
 from miles_k3.model.parallelize import check_mesh, shard_plan
 from miles_k3.model.routing import route_bytes_per_token
+from miles_k3.model.weight_files import (
+    INDEX_FILE,
+    SINGLE_FILE,
+    STORED_BYTES,
+    expected_tensors,
+    meta_model,
+    open_weights,
+    skip_meta_init,
+    spec_bytes,
+    stored_dtype,
+)
 from miles_k3.model.weight_sources import RandomInit
 from miles_k3.model.weights import ModelLayout, build_k3, device_bytes, plan_reads, read_bytes
 from miles_k3.parallel.mesh import ParallelContext
@@ -219,7 +219,7 @@ def stored_layout(cfg, k3) -> tuple[dict, dict, str]:
     experts), where no file is known."""
     path = Path(cfg.model.path).expanduser() if cfg.model.path is not None else None
     if path is not None and ((path / INDEX_FILE).is_file() or (path / SINGLE_FILE).is_file()):
-        index = open_checkpoint(path)
+        index = open_weights(path)
         return index.expected, {n: f.name for n, f in index.locations.items()}, index.expert_format
     return expected_tensors(k3, "mxfp4"), {}, "mxfp4"
 

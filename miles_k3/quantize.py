@@ -3,7 +3,7 @@ a bf16 K3 checkpoint directory into a native MXFP4 one, as published. Only the r
 `…experts.{e}.w{1,2,3}.weight` [out, in] becomes `.weight_packed` uint8 [out, in/2] + `.weight_scale` uint8
 E8M0 [out, in/32] (group 32); every other tensor (vision ones included) is copied byte for byte, `config.json`
 gains the compressed-tensors `quantization_config` under `text_config` (a flat source config is rewritten in
-the published nested form; `miles_k3.model.checkpoint_writer.config_with_quantization`), and every other file
+the published nested form; `miles_k3.model.weight_writer.config_with_quantization`), and every other file
 (tokenizer, code, ...) is copied. Scale rules (`miles_k3.kernels.mxfp4`): `floor` (the default)
 is the OCP rule that compressed-tensors uses, X = 2^(floor(log2 amax) - 2), so a block's largest values may
 clip to 6 X; `ceil`, X = 2^ceil(log2(amax / 6)), never clips but may give up one binade of resolution. The
@@ -19,15 +19,15 @@ import sys
 from pathlib import Path
 
 from miles_k3.kernels.mxfp4 import SCALE_RULES, quantize_mxfp4
-from miles_k3.model.checkpoint import (
+from miles_k3.model.weight_files import (
     CONFIG_FILE,
     EXPERT_NAME,
     INDEX_FILE,
-    CheckpointError,
-    inspect_checkpoint,
+    WeightsError,
+    inspect_weights,
     open_safetensors,
 )
-from miles_k3.model.checkpoint_writer import CheckpointWriter, config_with_quantization
+from miles_k3.model.weight_writer import WeightWriter, config_with_quantization
 
 log = logging.getLogger("miles_k3.quantize")
 
@@ -40,13 +40,13 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, scale_rule: str = "flo
     """Write the MXFP4 version of bf16 checkpoint `src` to `dst`; returns `dst`. See the module docstring."""
     src, dst = Path(src), Path(dst)
     if scale_rule not in SCALE_RULES:
-        raise CheckpointError(f"scale_rule: '{scale_rule}' is not one of {', '.join(SCALE_RULES)}")
+        raise WeightsError(f"scale_rule: '{scale_rule}' is not one of {', '.join(SCALE_RULES)}")
     if dst.resolve() == src.resolve():
-        raise CheckpointError(f"DST {dst} is SRC; write the MXFP4 copy to another directory")
-    info = inspect_checkpoint(src)
+        raise WeightsError(f"DST {dst} is SRC; write the MXFP4 copy to another directory")
+    info = inspect_weights(src)
     if info.expert_format != "bf16":
         example = next(n for n in info.tensors if n.endswith(".weight_packed"))
-        raise CheckpointError(f"{src}: the routed experts are already MXFP4 (e.g. '{example}'); nothing to "
+        raise WeightsError(f"{src}: the routed experts are already MXFP4 (e.g. '{example}'); nothing to "
                               "do")
     names_by_file: dict[Path, list[str]] = {}
     for name, (file, _) in info.tensors.items():
@@ -54,7 +54,7 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, scale_rule: str = "flo
     for name, file in info.other_tensors.items():
         names_by_file.setdefault(file, []).append(name)
     n_experts = 0
-    with CheckpointWriter(dst, overwrite=overwrite, max_shard_bytes=max_shard_bytes) as writer:
+    with WeightWriter(dst, overwrite=overwrite, max_shard_bytes=max_shard_bytes) as writer:
         writer.write_json(CONFIG_FILE, config_with_quantization(info.raw_config))
         for entry in sorted(src.iterdir()):
             if entry.name not in _SKIPPED_FILES and not entry.name.endswith(".safetensors"):
@@ -89,7 +89,7 @@ def main(argv: list[str]) -> Path:
     args = parser.parse_args(argv)
     try:
         return quantize_checkpoint(args.src, args.dst, args.scale_rule, args.max_shard_bytes, args.overwrite)
-    except ValueError as e:  # CheckpointError, ConfigError
+    except ValueError as e:  # WeightsError, ConfigError
         raise SystemExit(f"miles_k3.quantize: {e}") from None
 
 

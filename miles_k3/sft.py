@@ -46,11 +46,12 @@ from miles_k3.evals.harness import EvalHook, check_prompt_lengths, prompt_ids
 from miles_k3.evals.problems import DatasetError, Problem
 from miles_k3.evals.templates import render_prompt
 from miles_k3.launch import engine_line, seed_everything, silence_fla_cpu_warning
-from miles_k3.model.build import ModelConfig, build_model, build_tokenizer, checkpoint_dir, num_params
-from miles_k3.model.checkpoint_writer import save_checkpoint
+from miles_k3.model.build import ModelConfig, build_model, build_tokenizer, num_params
+from miles_k3.model.build import weights_dir as checkpoint_dir
 from miles_k3.model.config import ConfigError
 from miles_k3.model.kernel_config import apply_kernels
 from miles_k3.model.lora import lora_parameters
+from miles_k3.model.weight_writer import save_weights as save_checkpoint
 from miles_k3.rollout.engine import RolloutEngine
 from miles_k3.runtime import resolve_device, resolve_dtype
 from miles_k3.tracking import Tracker

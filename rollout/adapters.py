@@ -12,10 +12,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from miles_k3.model.checkpoint import meta_model
 from miles_k3.model.k3 import K3ForCausalLM
 from miles_k3.model.lora import LoRAConfig, applied_lora_config, apply_lora, lora_parameters
 from miles_k3.model.parallelize import parallelize
+from miles_k3.model.weight_files import meta_model
 from miles_k3.parallel.mesh import SINGLE, ParallelContext
 from miles_k3.rollout.push_copy import PushCopier, copy_checked
 

@@ -11,9 +11,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from miles_k3.model.checkpoint import CheckpointError
 from miles_k3.model.config import ConfigError, K3Config
 from miles_k3.model.lora import EXPERT_TARGETS
+from miles_k3.model.weight_files import WeightsError as CheckpointError
 
 if TYPE_CHECKING:
     from miles_k3.rollout.sglang_config import SGLangConfig
@@ -50,7 +50,7 @@ K3_GRAPH_UNSAFE = {
 _SHARED_FRONT = ("the shared experts' gate_up_proj is re-merged into a new _front_w (models/kimi_k3.py:600-626, "
                  "_merge_weights_as_views :176-196)")
 FLAT_CONFIG_FIX = (
-    "python -c \"import json,sys; from miles_k3.model.checkpoint import nested_config; "
+    "python -c \"import json,sys; from miles_k3.model.weight_files import nested_config; "
     "f=sys.argv[1]+'/config.json'; r=json.load(open(f)); t=r.get('text_config',r); "
     "json.dump(nested_config(t,t.get('quantization_config',r.get('quantization_config'))),open(f,'w'),indent=2)\" "
     "DIR")

@@ -23,9 +23,9 @@ def servable_raw(**edits):
 
 def k3_model(k3_dir, lora=None, std=0.0, seed=3):
     """The checkpoint in fp32 on the CPU, with `lora` applied and its B drawn from N(0, std) (0: zeros)."""
-    from miles_k3.model.weights import load_checkpoint
+    from miles_k3.model.weights import load_k3
 
-    model = load_checkpoint(k3_dir, "cpu", torch.float32).eval()
+    model = load_k3(k3_dir, "cpu", torch.float32).eval()
     if lora is not None:
         apply_lora(model, lora)
         set_lora_b(model, std, seed)

@@ -52,9 +52,9 @@ def _run(k3_dir, double_model, prompts=2, greedy=2):
 def test_logprobs_part_against_the_double(k3_dir):
     """The double serves the same weights: the gap is ~0 and greedy continuations agree; one weight of its copy
     changed, the gap is clearly non-zero."""
-    from miles_k3.model.weights import load_checkpoint
+    from miles_k3.model.weights import load_k3
 
-    rows = _run(k3_dir, load_checkpoint(k3_dir, "cpu", torch.float32))
+    rows = _run(k3_dir, load_k3(k3_dir, "cpu", torch.float32))
     assert "error" not in rows["sglang"] and rows["sglang"]["server_args"]["enable_multimodal"] is False
     lp = rows["prompt_logprobs"]
     assert "error" not in lp and lp["tokens"] == 2 * 15 and lp["prompts"] == 2
@@ -65,7 +65,7 @@ def test_logprobs_part_against_the_double(k3_dir):
     greedy = rows["greedy"]
     assert "error" not in greedy and greedy["sequences"] == 2 and greedy["overall_frac"] == 1.0
 
-    changed = load_checkpoint(k3_dir, "cpu", torch.float32)
+    changed = load_k3(k3_dir, "cpu", torch.float32)
     with torch.no_grad():
         changed.lm_head.weight.mul_(3.0)  # sharper logits: every log-prob moves
     rows = _run(k3_dir, changed, prompts=1, greedy=0)
@@ -89,11 +89,11 @@ def test_pinned_routes_send_every_token_of_every_layer_to_the_same_experts(k3_di
     bias was raised, while the unpinned model routes tokens to different experts; nothing else changed."""
     from safetensors.torch import load_file
 
-    from miles_k3.model.checkpoint import inspect_checkpoint
     from miles_k3.model.routing import recording
-    from miles_k3.model.weights import load_checkpoint
+    from miles_k3.model.weight_files import inspect_weights
+    from miles_k3.model.weights import load_k3
 
-    top_k = inspect_checkpoint(k3_dir).config.num_experts_per_token
+    top_k = inspect_weights(k3_dir).config.num_experts_per_token
     pinned = bench.pin_routes(k3_dir, tmp_path / "pinned", top_k=top_k, seed=0)
     before = {k: v for f in sorted(k3_dir.glob("*.safetensors")) for k, v in load_file(f).items()}
     after = {k: v for f in sorted((tmp_path / "pinned").glob("*.safetensors")) for k, v in load_file(f).items()}
@@ -107,7 +107,7 @@ def test_pinned_routes_send_every_token_of_every_layer_to_the_same_experts(k3_di
     ids = torch.tensor([[(7 * i + 3) % 200 + 1 for i in range(24)]])
     routes = {}
     for which, path in (("base", k3_dir), ("pinned", tmp_path / "pinned")):
-        model = load_checkpoint(path, "cpu", torch.float32)
+        model = load_k3(path, "cpu", torch.float32)
         with torch.no_grad(), recording(model) as rec:
             model(ids)
         routes[which] = rec.routes().long().sort(-1).values  # [24 tokens, MoE layers, top_k]
@@ -120,7 +120,7 @@ def test_pinned_routes_send_every_token_of_every_layer_to_the_same_experts(k3_di
     # bench writes the same bytes again, same seed)
     argv = ["--model-dir", str(k3_dir), "--device", "cpu", "--parts", "logprobs", "--prompts", "1", "--tokens", "12",
             "--greedy-tokens", "0", "--budget-gib", "0.05", "--pin-routes", str(tmp_path / "pinned")]
-    double = load_checkpoint(tmp_path / "pinned", "cpu", torch.float32)
+    double = load_k3(tmp_path / "pinned", "cpu", torch.float32)
     rows = bench.run(argv, engine_cls=functools.partial(FakeSGLangEngine, model=double))
     assert rows[0]["pinned_moe_layers"] == len(pinned) and rows[0]["model_dir"] == str(tmp_path / "pinned")
     lp = next(r for r in rows if r.get("check") == "prompt_logprobs")
@@ -156,12 +156,12 @@ def test_data_prompts_are_a_second_set_after_the_random_ids(k3_dir, tmp_path):
     """--data adds its problems as their own rows after the random ids; --no-random leaves the data alone."""
     import json
 
-    from miles_k3.model.weights import load_checkpoint
+    from miles_k3.model.weights import load_k3
 
     data = tmp_path / "lp.jsonl"
     data.write_text("".join(json.dumps({"id": str(i), "problem": p, "answer": "0"}) + "\n"
                             for i, p in enumerate(["15-43-75=-103", "1+5=6", "7-2=5"])))
-    double = functools.partial(FakeSGLangEngine, model=load_checkpoint(k3_dir, "cpu", torch.float32))
+    double = functools.partial(FakeSGLangEngine, model=load_k3(k3_dir, "cpu", torch.float32))
     argv = ["--model-dir", str(k3_dir), "--device", "cpu", "--parts", "logprobs", "--prompts", "2", "--tokens", "16",
             "--greedy-tokens", "0", "--budget-gib", "0.05", "--data", str(data), "--template", "plain"]
     lps = [r for r in bench.run(argv, engine_cls=double) if r.get("check") == "prompt_logprobs"]

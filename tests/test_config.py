@@ -3,8 +3,8 @@ import json
 
 import pytest
 
-from miles_k3.model.checkpoint import checkpoint_config, nested_config
 from miles_k3.model.config import SHIPPED_CONFIGS, ConfigError, K3Config
+from miles_k3.model.weight_files import config_json, nested_config
 
 
 @pytest.mark.parametrize("name", SHIPPED_CONFIGS)
@@ -44,13 +44,13 @@ def test_published_nested_text_config_and_extra_keys_are_kept(tmp_path):
 
 @pytest.mark.parametrize("name", SHIPPED_CONFIGS)
 def test_flat_to_nested_round_trip_keeps_every_text_key(tmp_path, name):
-    """The published nested form we write (`checkpoint_config`) holds every flat text key, extra ones
+    """The published nested form we write (`config_json`) holds every flat text key, extra ones
     included, under text_config; it reads back to the same config and is written again byte for byte."""
     flat = K3Config.from_name(name).to_dict()
     flat.update(rope_theta=10000.0, rope_parameters={"rope_theta": 10000.0, "rope_type": "default"},
                 num_nextn_predict_layers=0)
     cfg = K3Config.from_dict(flat)
-    nested = checkpoint_config(cfg, "bf16")
+    nested = config_json(cfg, "bf16")
     assert nested == nested_config(flat)
     text = nested.pop("text_config")
     assert text == {**flat, "dtype": "bfloat16", "torch_dtype": "bfloat16"}
@@ -58,11 +58,11 @@ def test_flat_to_nested_round_trip_keeps_every_text_key(tmp_path, name):
     ids = {k: flat[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in flat}
     assert nested == {"architectures": ["KimiK3ForConditionalGeneration"], "model_type": "kimi_k3",
                       "dtype": "bfloat16", "torch_dtype": "bfloat16", "tie_word_embeddings": False, **ids}
-    written = json.dumps(checkpoint_config(cfg, "bf16"), indent=2)
+    written = json.dumps(config_json(cfg, "bf16"), indent=2)
     (tmp_path / "config.json").write_text(written)
     again = K3Config.from_json_file(tmp_path / "config.json")
     assert again == cfg and again.extra["rope_parameters"] == flat["rope_parameters"]
-    assert json.dumps(checkpoint_config(again, "bf16"), indent=2) == written
+    assert json.dumps(config_json(again, "bf16"), indent=2) == written
 
 
 def _write(tmp_path, d):

@@ -1,5 +1,5 @@
 """Hollow checkpoints (`miles_k3.model.hollow`, CPU): the published layout by hand on k3_tiny, headers equal
-to safetensors' own, round trips through safe_open / inspect_checkpoint / payload_ranges, and, on the full K3
+to safetensors' own, round trips through safe_open / inspect_weights / payload_ranges, and, on the full K3
 (slow), the public facts of moonshotai/Kimi-K3: tensor and dtype counts, index total_size, per-shard payload
 and file sizes, expert contiguity, sparse files. The K3 numbers are published figures, not our own formula."""
 import json
@@ -15,13 +15,6 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from miles_k3.model.checkpoint import (
-    INDEX_FILE,
-    CheckpointError,
-    checkpoint_config,
-    inspect_checkpoint,
-    open_checkpoint,
-)
 from miles_k3.model.config import K3Config
 from miles_k3.model.hollow import (
     PayloadRange,
@@ -33,6 +26,13 @@ from miles_k3.model.hollow import (
     storage_order,
     vision_tower_tensors,
     write_hollow_checkpoint,
+)
+from miles_k3.model.weight_files import (
+    INDEX_FILE,
+    WeightsError,
+    config_json,
+    inspect_weights,
+    open_weights,
 )
 
 P = "language_model.model."
@@ -116,7 +116,7 @@ def test_round_trip(name, tmp_path):
     out = write_hollow_checkpoint(cfg, tmp_path / name)
     specs = checkpoint_tensors(cfg)
     layout = published_layout(cfg, specs)
-    assert json.loads((out / "config.json").read_text()) == checkpoint_config(cfg, "mxfp4")
+    assert json.loads((out / "config.json").read_text()) == config_json(cfg, "mxfp4")
     index = json.loads((out / INDEX_FILE).read_text())
     assert index["weight_map"] == {n: file for file, names in layout.items() for n in names}
     assert sorted(os.listdir(out)) == sorted(["config.json", INDEX_FILE, *layout])
@@ -130,12 +130,12 @@ def test_round_trip(name, tmp_path):
     ranges = payload_ranges(out)
     assert index["metadata"]["total_size"] == sum(r.end - r.begin for r in ranges.values())
     assert [list(ranges)[i] for i in range(3)] == layout[next(iter(layout))][:3]  # file, then offset order
-    assert len(inspect_checkpoint(out).tensors) == len(specs)
+    assert len(inspect_weights(out).tensors) == len(specs)
 
 
 def test_overwrite(tiny_cfg, tmp_path):
     out = write_hollow_checkpoint(tiny_cfg, tmp_path / "c")
-    with pytest.raises(CheckpointError, match="already exists"):
+    with pytest.raises(WeightsError, match="already exists"):
         write_hollow_checkpoint(tiny_cfg, out)
     (out / "stale").write_text("x")
     write_hollow_checkpoint(tiny_cfg, out, overwrite=True)
@@ -168,7 +168,7 @@ def test_payload_ranges_sharded_and_missing(tiny_dir, tmp_path):
     assert payload_ranges(tmp_path)["y"] == PayloadRange(tmp_path / "s2.safetensors", 8 + header_len,
                                                          8 + header_len + 4, "BF16", (2,))
     (tmp_path / "s2.safetensors").unlink()
-    with pytest.raises(CheckpointError, match="missing"):
+    with pytest.raises(WeightsError, match="missing"):
         payload_ranges(tmp_path)
     assert list(payload_ranges(tmp_path, missing_ok=True)) == ["x"]
 
@@ -176,7 +176,7 @@ def test_payload_ranges_sharded_and_missing(tiny_dir, tmp_path):
 def test_payload_ranges_truncated_file(tmp_path):
     save_file({"x": torch.ones(8)}, tmp_path / "model.safetensors")
     os.truncate(tmp_path / "model.safetensors", os.path.getsize(tmp_path / "model.safetensors") - 1)
-    with pytest.raises(CheckpointError, match="truncated"):
+    with pytest.raises(WeightsError, match="truncated"):
         payload_ranges(tmp_path)
 
 
@@ -280,7 +280,7 @@ def test_k3_experts_contiguous(k3):
 @pytest.mark.slow
 def test_k3_inspect_and_sparse(k3, tmp_path):
     out, _, seconds = k3
-    index = open_checkpoint(out)  # by its names (test_read_plan validates a rank's headers of the 94 text files)
+    index = open_weights(out)  # by its names (test_read_plan validates a rank's headers of the 94 text files)
     assert (index.expert_format, len(index.locations), len(index.skipped)) == ("mxfp4", 497_220 - 168, 168)
     if not sparse_files_supported(tmp_path):
         pytest.skip(f"the filesystem of {tmp_path} does not keep sparse files (a truncated 1 GiB file takes "

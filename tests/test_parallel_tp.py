@@ -216,8 +216,8 @@ def _ranks_without_groups(tp: int) -> ParallelContext:
     (4, {"intermediate_size": 390}, r"parallel.tp: 4 does not divide the model's dense MLP width"),
 ])
 def test_a_tp_that_does_not_divide_a_split_dimension_is_refused(tp, change, message):
-    from miles_k3.model.checkpoint import meta_model
     from miles_k3.model.parallelize import parallelize
+    from miles_k3.model.weight_files import meta_model
     cfg = dataclasses.replace(K3Config.from_name("k3_tiny"), **change)
     model = meta_model(cfg)
     with pytest.raises(ParallelConfigError, match=message):
@@ -226,8 +226,8 @@ def test_a_tp_that_does_not_divide_a_split_dimension_is_refused(tp, change, mess
 
 
 def test_sharding_a_model_twice_is_refused():
-    from miles_k3.model.checkpoint import meta_model
     from miles_k3.model.parallelize import parallelize
+    from miles_k3.model.weight_files import meta_model
     model = meta_model(K3Config.from_name("k3_tiny"))
     parallelize(model, _ranks_without_groups(2))
     assert model.lm_head.weight.shape[0] == 256 and model.model.layers[1].self_attn.num_heads == 2

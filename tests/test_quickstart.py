@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from miles_k3.config import compose_config
-from miles_k3.model.build import ModelConfig, build_model, build_tokenizer, checkpoint_dir, num_params
+from miles_k3.model.build import ModelConfig, build_model, build_tokenizer, num_params, weights_dir
 from miles_k3.model.config import K3Config
 
 pytest.importorskip("reasoning_gym")
@@ -15,7 +15,7 @@ BASE = "builtin:k3_nano_chain_sum"
 
 
 def test_shipped_base_is_k3_nano_with_mxfp4_experts():
-    directory = checkpoint_dir(ModelConfig(path=BASE))
+    directory = weights_dir(ModelConfig(path=BASE))
     config = json.loads((directory / "config.json").read_text())
     assert config["quantization_config"]["config_groups"]["group_0"]["format"] == "mxfp4-pack-quantized"
     shipped = K3Config.from_json_file(directory / "config.json")

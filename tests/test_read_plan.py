@@ -20,10 +20,10 @@ import pytest
 import torch
 
 from miles_k3.model.build import ModelConfig
-from miles_k3.model.checkpoint import meta_model, open_checkpoint, skip_meta_init, spec_bytes
 from miles_k3.model.config import K3Config
 from miles_k3.model.lora import LoRAConfig, apply_lora
-from miles_k3.model.weight_sources import CheckpointReader
+from miles_k3.model.weight_files import meta_model, open_weights, skip_meta_init, spec_bytes
+from miles_k3.model.weight_sources import WeightFileReader
 from miles_k3.model.weights import build_k3, check_reads, load_weights
 from miles_k3.model_info import rank_loads
 from miles_k3.parallel.config import ParallelConfig
@@ -49,7 +49,7 @@ def loads(hollow):
 
 
 def test_every_stored_text_byte_is_read_once_per_replica_that_shares_it(hollow, loads):
-    index = open_checkpoint(hollow)
+    index = open_weights(hollow)
     whole = Counter()  # stored name -> ranks reading it whole
     pieces = defaultdict(list)  # stored name -> [(rank, slice)]
     for load in loads:
@@ -85,7 +85,7 @@ def _tiles(name: str, got: list, full: int) -> None:
         assert all(a[1] == b[0] for a, b in itertools.pairwise(spans)), name
 
 
-class _CountingReader(CheckpointReader):
+class _CountingReader(WeightFileReader):
     """The hollow checkpoint's reader, asked for slices but reading nothing: it counts the stored bytes of each
     request and returns a meta tensor of the requested shape."""
 
@@ -100,7 +100,7 @@ class _CountingReader(CheckpointReader):
 
 def test_the_loader_asks_one_rank_for_exactly_its_load_bytes(hollow, loads):
     rank = 19  # dp 2, tp 3, ep 19
-    reader = _CountingReader(open_checkpoint(hollow))
+    reader = _CountingReader(open_weights(hollow))
     model = build_k3(reader, "mxfp4", torch.device("meta"), torch.bfloat16,
                      ParallelContext.layout(DP, TP, EP, rank), LoRAConfig(rank=16))
     reads = check_reads(model, model.shard_plan, reader)  # the headers of this rank's files, validated

@@ -18,8 +18,8 @@ import torch
 
 from miles_k3.config import ConfigFieldError, compose_config
 from miles_k3.model.build import ModelConfig, build_model, build_tokenizer
-from miles_k3.model.checkpoint import stored_dtype
 from miles_k3.model.lora import lora_state_dict
+from miles_k3.model.weight_files import stored_dtype
 from miles_k3.sft import train_sft
 
 TABLE = {"2+3=": "5", "4+4=": "8", "1+6=": "7", "3+0=": "3"}  # prompt (plain template) -> answer

@@ -52,14 +52,14 @@ def test_k3_server_args(k3_dir, tmp_path):
 
 def test_k3_shapes_sglang_cannot_serve_are_refused_naming_each_key(tmp_path):
     from miles_k3.config import ConfigFieldError, compose_config
-    from miles_k3.model.checkpoint import CheckpointError, mxfp4_quantization_config, nested_config
+    from miles_k3.model.weight_files import WeightsError, mxfp4_quantization_config, nested_config
     from miles_k3.rollout.sglang_k3 import k3_checkpoint
 
     raw = servable_raw(hidden_size=768, num_hidden_layers=16, attn_res_block_size=1, intermediate_size=260,
                         moe_intermediate_size=36, kv_lora_rank=32, qk_rope_head_dim=72)
     raw["linear_attn_config"].update(head_dim=32, kda_layers=list(range(1, 16)), full_attn_layers=[16])
     bad = _write_config(tmp_path / "bad", nested_config(raw, mxfp4_quantization_config()))
-    with pytest.raises(CheckpointError) as err:
+    with pytest.raises(WeightsError) as err:
         k3_checkpoint(str(bad), SGLangConfig(attention_backend="fa3"))
     message = str(err.value)
     assert message.startswith(f"model.path: SGLang 0.5.17 cannot serve the K3 checkpoint {bad} (9 problems)")
@@ -74,7 +74,7 @@ def test_k3_shapes_sglang_cannot_serve_are_refused_naming_each_key(tmp_path):
         assert named in message, named
     # the Marlin and FA3 rules apply only there: bf16 experts on triton attention leave the first five
     bf16 = _write_config(tmp_path / "bf16", nested_config(raw))
-    with pytest.raises(CheckpointError, match=r"\(5 problems\)"):
+    with pytest.raises(WeightsError, match=r"\(5 problems\)"):
         k3_checkpoint(str(bf16), SGLangConfig())
     with pytest.raises(ConfigFieldError, match=r"^model.path: SGLang 0.5.17 cannot serve the K3 checkpoint"):
         compose_config("train", ["engine.backend=sglang", f"model.path={bf16}"])
@@ -85,19 +85,19 @@ def test_k3_shapes_sglang_cannot_serve_are_refused_naming_each_key(tmp_path):
     n = raw["num_hidden_layers"]
     raw["linear_attn_config"].update(kda_layers=list(range(1, n + 1)), full_attn_layers=[])
     no_mla = _write_config(tmp_path / "no_mla", nested_config(raw))
-    with pytest.raises(CheckpointError, match=r"\(1 problem\):[\s\S]*linear_attn_config.full_attn_layers = \(\): "
+    with pytest.raises(WeightsError, match=r"\(1 problem\):[\s\S]*linear_attn_config.full_attn_layers = \(\): "
                                               r"must name at least one MLA layer"):
         k3_checkpoint(str(no_mla), SGLangConfig())
 
 
 def test_a_flat_k3_config_is_refused_with_the_command_that_rewrites_it(tmp_path, monkeypatch):
-    from miles_k3.model.checkpoint import CheckpointError, mxfp4_quantization_config
+    from miles_k3.model.weight_files import WeightsError, mxfp4_quantization_config
     from miles_k3.rollout.sglang_k3 import FLAT_CONFIG_FIX, k3_checkpoint
 
     quant = mxfp4_quantization_config()
     raw = servable_raw(routed_expert_hidden_size=256, moe_intermediate_size=128, quantization_config=quant)
     flat = _write_config(tmp_path / "flat", raw)
-    with pytest.raises(CheckpointError, match=r"\(1 problem\):\n  - config.json is not the published nested form") \
+    with pytest.raises(WeightsError, match=r"\(1 problem\):\n  - config.json is not the published nested form") \
             as err:
         k3_checkpoint(str(flat), SGLangConfig())
     assert "it would build Kimi Linear" in str(err.value) and FLAT_CONFIG_FIX in str(err.value)
@@ -329,11 +329,11 @@ def test_merged_from_checkpoint_equals_the_trainers_merge_and_names_bad_adapters
     merged_weights gives on the trainer's model in the checkpoint's bf16; expert, foreign and mis-shaped adapters
     are refused by name."""
     from miles_k3.adapter import read_adapter, save_adapter
-    from miles_k3.model.weights import load_checkpoint
+    from miles_k3.model.weights import load_k3
     from miles_k3.weight_sync.sglang import merged_from_checkpoint, merged_weights
 
     lora = LoRAConfig(rank=4, alpha=8.0, use_rslora=True, targets=["q_proj", "q_b_proj", "o_proj"])
-    trainer = load_checkpoint(k3_dir, "cpu", torch.bfloat16).eval()
+    trainer = load_k3(k3_dir, "cpu", torch.bfloat16).eval()
     apply_lora(trainer, lora)
     set_lora_b(trainer, 0.2, 7)
     save_adapter(trainer, lora, tmp_path / "a", base_model_name_or_path=str(k3_dir))

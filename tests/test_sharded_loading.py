@@ -29,10 +29,10 @@ from safetensors.torch import load_file, save_file
 from miles_k3.init_checkpoint import init_checkpoint
 from miles_k3.model import weight_sources, weights
 from miles_k3.model.build import ModelConfig, build_model
-from miles_k3.model.checkpoint import INDEX_FILE, CheckpointError, open_checkpoint
 from miles_k3.model.config import K3Config
 from miles_k3.model.lora import LoRAConfig
 from miles_k3.model.parallelize import parallelize
+from miles_k3.model.weight_files import INDEX_FILE, WeightsError, open_weights
 from miles_k3.parallel.config import ParallelConfig, ParallelConfigError
 from miles_k3.parallel.mesh import SINGLE, ParallelContext
 
@@ -98,14 +98,14 @@ class _Recording:
 
     def __init__(self, monkeypatch):
         self.calls: list[tuple[str, tuple, int]] = []
-        read = weight_sources.CheckpointReader.read
+        read = weight_sources.WeightFileReader.read
 
         def recorded(reader, name, index, device=None):
             t = read(reader, name, index, device)
             self.calls.append((name, index, t.numel() * t.element_size()))
             return t
 
-        monkeypatch.setattr(weight_sources.CheckpointReader, "read", recorded)
+        monkeypatch.setattr(weight_sources.WeightFileReader, "read", recorded)
 
 
 def _with_vision_shard(checkpoint: Path, tmp_path: Path) -> Path:
@@ -152,7 +152,7 @@ def test_model_info_per_rank_bytes_are_what_the_loader_allocates(checkpoint):
                 for t in [*model.parameters(), *model.buffers()]}
     assert figures["device_bytes"] == sum(storages.values())
     ranks = {r["rank"]: r for r in figures["ranks"]}
-    stored = open_checkpoint(checkpoint)
+    stored = open_weights(checkpoint)
     files = len({f for f in stored.locations.values()})
     assert len(ranks) == 4 and all(r["files"] == files for r in ranks.values())
     assert ranks[0]["load_bytes"] == figures["load_bytes"] < figures["checkpoint_bytes"] == stored.total_bytes
@@ -162,8 +162,8 @@ def test_a_tensor_missing_from_the_file_its_index_names_is_refused_before_any_re
                                                                                  monkeypatch):
     directory = _drop_tensor(checkpoint, tmp_path, "model.layers.3.block_sparse_moe.experts.12.w3.weight_scale")
     reads = []
-    monkeypatch.setattr(weight_sources.CheckpointReader, "read", lambda *a: reads.append(a) or None)
-    with pytest.raises(CheckpointError, match=r"maps tensor 'language_model\.model\.layers\.3\.block_sparse_moe\."
+    monkeypatch.setattr(weight_sources.WeightFileReader, "read", lambda *a: reads.append(a) or None)
+    with pytest.raises(WeightsError, match=r"maps tensor 'language_model\.model\.layers\.3\.block_sparse_moe\."
                                               r"experts\.12\.w3\.weight_scale' to model-00004-of-00010\.safetensors, "
                                               r"but that file has no such tensor"):
         _build(ModelConfig(path=str(directory)), ParallelContext.layout(2, 1, 2, 1))
@@ -187,7 +187,7 @@ def _drop_tensor(checkpoint: Path, tmp_path: Path, key: str) -> Path:
 def test_a_slice_outside_its_stored_tensor_is_refused_naming_it(checkpoint):
     meta = build_model(ModelConfig(path=str(checkpoint)), torch.device("meta"), torch.float32,
                        ParallelContext.layout(1, 2, 1, 1))
-    stored = open_checkpoint(checkpoint)
+    stored = open_weights(checkpoint)
     name = "language_model.model.layers.1.self_attn.q_proj.weight"
 
     class Shorter:  # the checkpoint as if its q_proj had 100 rows
@@ -198,7 +198,7 @@ def test_a_slice_outside_its_stored_tensor_is_refused_naming_it(checkpoint):
 
         file = staticmethod(stored.locations.get)
 
-    with pytest.raises(CheckpointError, match=r"q_proj\.weight' in .*: this rank reads \[64, 128\) along dim 0, "
+    with pytest.raises(WeightsError, match=r"q_proj\.weight' in .*: this rank reads \[64, 128\) along dim 0, "
                                               r"outside its stored shape \[100, 128\]"):
         weights._check_slices(weights.plan_reads(meta, meta.shard_plan, stored.expert_format), Shorter())
 
@@ -212,7 +212,7 @@ def test_a_shard_that_does_not_fit_the_device_is_refused_before_anything_is_allo
 
 
 def test_a_mesh_that_does_not_divide_a_tensor_is_refused_naming_it():
-    from miles_k3.model.checkpoint import meta_model
+    from miles_k3.model.weight_files import meta_model
     model = meta_model(K3Config.from_name("k3_tiny"))
     with pytest.raises(ParallelConfigError, match=r"parallel.tp: 8 does not divide the model's KDA heads"):
         parallelize(model, ParallelContext.layout(1, 8, 1, 0))
@@ -260,7 +260,7 @@ def _load_rank(rank: int, good: str, broken: str) -> dict:
     try:
         build_model(ModelConfig(path=broken), device, torch.float32, ctx, LORA, 7)
         out["error"] = None
-    except CheckpointError as err:
+    except WeightsError as err:
         out["error"] = str(err)
     return out
 
@@ -274,7 +274,7 @@ def test_two_ranks_refuse_a_tensor_only_one_needs_together_and_log_a_line_per_ra
         assert r["new_groups"][2] - r["new_groups"][1] == 3, r["new_groups"]
     assert "experts.12.w3.weight_scale" in r1["error"] and "but that file has no such tensor" in r1["error"]
     assert r0["error"].startswith("rank 1: ") and "experts.12.w3.weight_scale" in r0["error"]
-    total = open_checkpoint(checkpoint).total_bytes
+    total = open_weights(checkpoint).total_bytes
     assert len(r0["lines"]) == 2 and not r1["lines"]  # rank 0 logs for every rank; the others stay quiet
     for r, line in enumerate(r0["lines"]):
         assert line.startswith(f"rank {r} read ") and f" of {total:,} checkpoint bytes from 10 files" in line

@@ -308,8 +308,8 @@ def merged_from_checkpoint(path, lora, tensors: Mapping[str, torch.Tensor]) -> d
     Raises ValueError naming the module for an expert adapter, a module the checkpoint lacks, or a shape that does
     not fit W0."""
     from miles_k3.adapter import PEFT_PREFIX, lora_pairs
-    from miles_k3.model.checkpoint import inspect_checkpoint, open_safetensors
     from miles_k3.model.lora import lora_scale
+    from miles_k3.model.weight_files import inspect_weights, open_safetensors
 
     pairs: dict[str, dict[str, torch.Tensor]] = {}
     for module, ab in lora_pairs(tensors).items():
@@ -318,7 +318,7 @@ def merged_from_checkpoint(path, lora, tensors: Mapping[str, torch.Tensor]) -> d
         if ".experts." in module:
             raise ValueError(f"adapter module {module}: expert adapters cannot be merged into SGLang's MXFP4 experts")
         pairs[CHECKPOINT_PREFIX + module.removeprefix(PEFT_PREFIX) + ".weight"] = ab
-    info = inspect_checkpoint(path)
+    info = inspect_weights(path)
     missing = [name for name in pairs if name not in info.tensors]
     if missing:
         raise ValueError(f"adapter modules {missing[:3]}: checkpoint {path} has no such weight; the adapter belongs "

@@ -15,13 +15,13 @@ from typing import Optional
 
 import torch
 
-from miles_k3.model.checkpoint import open_checkpoint
 from miles_k3.model.config import SHIPPED_CONFIGS, ConfigError, K3Config
 from miles_k3.model.experts import EXPERT_FORMATS, RoutedExperts
 from miles_k3.model.k3 import CHECKPOINT_PREFIX, K3ForCausalLM
 from miles_k3.model.kda_ops import BACKEND_NAMES
 from miles_k3.model.lora import LoRAConfig
-from miles_k3.model.weight_sources import CheckpointReader, RandomInit
+from miles_k3.model.weight_files import open_weights
+from miles_k3.model.weight_sources import RandomInit, WeightFileReader
 from miles_k3.model.weights import build_k3
 from miles_k3.parallel.mesh import SINGLE, ParallelContext
 from miles_k3.runtime import FP32_DOTS, set_fp32_dots, set_fp32_gemm_reduction
@@ -172,8 +172,8 @@ def load_k3_config(cfg: ModelConfig) -> K3Config:
         raise _hub_unavailable(cfg, e) from None
 
 
-def checkpoint_dir(cfg: ModelConfig) -> Path:
-    """The local checkpoint directory of `cfg.path`: the directory itself, or a hub id's snapshot in the
+def weights_dir(cfg: ModelConfig) -> Path:
+    """The local weights directory of `cfg.path`: the directory itself, or a hub id's snapshot in the
     huggingface_hub cache with config, tokenizer files and the shards that hold text weights (vision shards
     are not fetched)."""
     path = _local_dir(cfg)
@@ -207,12 +207,12 @@ def num_params(model: K3ForCausalLM) -> int:
 
 
 def weight_source(cfg: ModelConfig, seed: int = 0):
-    """Where `cfg`'s weights come from: the checkpoint of `path` (validated by its names: `open_checkpoint`) or
+    """Where `cfg`'s weights come from: the checkpoint of `path` (validated by its names: `open_weights`) or
     the random init of `seed` (`RandomInit`: experts MXFP4 unless `cfg.experts` is bf16); and the experts' format
     in the model (`cfg.experts`, auto: as stored)."""
     if cfg.path is not None:
-        index = open_checkpoint(checkpoint_dir(cfg))
-        return CheckpointReader(index), index.expert_format if cfg.experts == "auto" else cfg.experts
+        index = open_weights(weights_dir(cfg))
+        return WeightFileReader(index), index.expert_format if cfg.experts == "auto" else cfg.experts
     fmt = "mxfp4" if cfg.experts == "auto" else cfg.experts
     return RandomInit(K3Config.from_name(cfg.name), fmt, seed), fmt
 
@@ -249,6 +249,6 @@ def build_tokenizer(cfg: ModelConfig, vocab_size: int | None = None):
     if cfg.path is None:
         tok = small_tokenizer(K3Config.from_name(cfg.name).vocab_size if vocab_size is None else vocab_size)
         return tok, stop_token_ids(tok)
-    directory = checkpoint_dir(cfg)
+    directory = weights_dir(cfg)
     tok = load_tokenizer(directory, trust_remote_code=cfg.trust_remote_code)
     return tok, stop_token_ids(tok, directory)

@@ -1,6 +1,6 @@
 """Hollow checkpoints: the published Kimi K3 directory with real safetensors headers and index, no payload.
 
-`write_hollow_checkpoint(cfg, out)` writes `config.json` (`checkpoint_config(cfg, "mxfp4")`),
+`write_hollow_checkpoint(cfg, out)` writes `config.json` (`config_json(cfg, "mxfp4")`),
 `model.safetensors.index.json` (`metadata.total_size` = payload bytes of every tensor written, `weight_map`)
 and the shards of the published layout (`published_layout`). Each shard is an 8-byte little-endian header
 length, the JSON header, and then the payload as a *hole*: the file is `truncate`d to its full length, so the
@@ -41,19 +41,19 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from miles_k3.atomic import atomic_directory
-from miles_k3.model.checkpoint import (
+from miles_k3.model.config import K3Config
+from miles_k3.model.k3 import CHECKPOINT_PREFIX
+from miles_k3.model.weight_files import (
     CONFIG_FILE,
     INDEX_FILE,
-    CheckpointError,
     TensorSpec,
-    checkpoint_config,
+    WeightsError,
+    config_json,
     expected_tensors,
     layer_of,
     spec_bytes,
     tensor_locations,
 )
-from miles_k3.model.config import K3Config
-from miles_k3.model.k3 import CHECKPOINT_PREFIX
 
 EXPERT_FORMAT = "mxfp4"
 HEADER_LEN_BYTES = 8  # little-endian u64 before the JSON header
@@ -209,7 +209,7 @@ def write_hollow_checkpoint(cfg: K3Config, out: str | Path, *, vision: bool | No
         with gc_paused(), atomic_directory(out, overwrite) as staging:
             tensors = checkpoint_tensors(cfg, vision=with_vision)
             layout = published_layout(cfg, tensors, vision=with_vision)
-            _write_json(staging / CONFIG_FILE, checkpoint_config(cfg, EXPERT_FORMAT))
+            _write_json(staging / CONFIG_FILE, config_json(cfg, EXPERT_FORMAT))
             total, weight_map = 0, {}
             for file, names in layout.items():
                 total += write_hollow_file(staging / file, {name: tensors[name] for name in names})
@@ -217,7 +217,7 @@ def write_hollow_checkpoint(cfg: K3Config, out: str | Path, *, vision: bool | No
             _write_json(staging / INDEX_FILE, {"metadata": {"total_size": total},
                                                "weight_map": dict(sorted(weight_map.items()))})
     except FileExistsError as e:
-        raise CheckpointError(str(e)) from None
+        raise WeightsError(str(e)) from None
     return Path(out)
 
 
@@ -241,16 +241,16 @@ def _write_json(file: Path, obj: dict[str, Any]) -> None:
 # ---- reading byte ranges back --------------------------------------------------------------------------
 def read_header(file: str | Path) -> tuple[int, dict[str, Any]]:
     """(JSON header length, parsed header) of a safetensors file, without reading any payload.
-    Raises CheckpointError when the file is too short or the header is not a JSON object."""
+    Raises WeightsError when the file is too short or the header is not a JSON object."""
     file = Path(file)
     with open(file, "rb") as f:
         prefix = f.read(HEADER_LEN_BYTES)
         if len(prefix) < HEADER_LEN_BYTES:
-            raise CheckpointError(f"{file}: {len(prefix)} bytes, shorter than the 8-byte safetensors header "
+            raise WeightsError(f"{file}: {len(prefix)} bytes, shorter than the 8-byte safetensors header "
                                   "length; re-download or re-write it")
         (length,) = struct.unpack("<Q", prefix)
         if length > MAX_HEADER_BYTES:
-            raise CheckpointError(f"{file}: header length {length} is implausible (> {MAX_HEADER_BYTES}); "
+            raise WeightsError(f"{file}: header length {length} is implausible (> {MAX_HEADER_BYTES}); "
                                   "not a safetensors file, or corrupt")
         raw = f.read(length)
     try:
@@ -258,7 +258,7 @@ def read_header(file: str | Path) -> tuple[int, dict[str, Any]]:
     except (json.JSONDecodeError, UnicodeDecodeError):
         header = None
     if not isinstance(header, dict):
-        raise CheckpointError(f"{file}: the {length}-byte safetensors header is truncated or not a JSON "
+        raise WeightsError(f"{file}: the {length}-byte safetensors header is truncated or not a JSON "
                               "object; re-download or re-write it")
     return length, header
 
@@ -266,7 +266,7 @@ def read_header(file: str | Path) -> tuple[int, dict[str, Any]]:
 def payload_ranges(path: str | Path, *, missing_ok: bool = False) -> dict[str, PayloadRange]:
     """Tensor name -> `PayloadRange` for every tensor of a safetensors checkpoint directory (the
     `model.safetensors.index.json` weight_map, or the single `model.safetensors`), from headers only, ordered
-    by file then offset. Raises CheckpointError when a mapped tensor is not in its file's header or lies
+    by file then offset. Raises WeightsError when a mapped tensor is not in its file's header or lies
     beyond the file's end; a file the index names but that is absent is an error unless `missing_ok` (then
     its tensors are left out, as in a text-only copy)."""
     path = Path(path)
@@ -291,7 +291,7 @@ def _payload_ranges(path: Path, weight_map: dict[str, str], missing_ok: bool) ->
 def _file_ranges(file: Path, names: list[str]) -> dict[str, PayloadRange]:
     """The ranges of `names` in one safetensors file, checked against its header and size."""
     if not file.is_file():
-        raise CheckpointError(f"{file}: missing, but the index maps {len(names)} tensor(s) to it (e.g. "
+        raise WeightsError(f"{file}: missing, but the index maps {len(names)} tensor(s) to it (e.g. "
                               f"'{names[0]}'); download it, or pass missing_ok=True for a partial copy")
     length, header = read_header(file)
     start, size = HEADER_LEN_BYTES + length, os.path.getsize(file)
@@ -299,11 +299,11 @@ def _file_ranges(file: Path, names: list[str]) -> dict[str, PayloadRange]:
     for name in names:
         entry = header.get(name)
         if not isinstance(entry, dict):
-            raise CheckpointError(f"{file}: the index maps '{name}' here, but its header has no such tensor; "
+            raise WeightsError(f"{file}: the index maps '{name}' here, but its header has no such tensor; "
                                   "fix the index or re-download the file")
         begin, end = entry["data_offsets"]
         if start + end > size:
-            raise CheckpointError(f"{file}: tensor '{name}' ends at byte {start + end}, beyond the file's "
+            raise WeightsError(f"{file}: tensor '{name}' ends at byte {start + end}, beyond the file's "
                                   f"{size} bytes (truncated); re-download it")
         ranges[name] = PayloadRange(file, start + begin, start + end, entry["dtype"], tuple(entry["shape"]))
     return ranges

@@ -1,5 +1,5 @@
 """Where a model's weights come from (`WeightSource`), read as stored tensors by checkpoint name, a slice at a time:
-a checkpoint directory (`CheckpointReader`: safetensors' `get_slice`, only the files a rank reads) or the random
+a checkpoint directory (`WeightFileReader`: safetensors' `get_slice`, only the files a rank reads) or the random
 init a seed defines (`RandomInit`: what `python -m miles_k3.init_checkpoint` writes for that seed, drawn only
 where a read asks). `weights.py` plans and executes the reads.
 """
@@ -14,17 +14,17 @@ import torch
 from safetensors import SafetensorError
 
 from miles_k3.kernels.mxfp4 import quantize_mxfp4
-from miles_k3.model.checkpoint import (
+from miles_k3.model.config import K3Config
+from miles_k3.model.k3 import fill_init_, init_rule
+from miles_k3.model.weight_files import (
     TORCH_DTYPES,
-    CheckpointError,
-    CheckpointIndex,
     TensorSpec,
+    WeightIndex,
+    WeightsError,
     expected_tensors,
     open_safetensors,
     spec_bytes,
 )
-from miles_k3.model.config import K3Config
-from miles_k3.model.k3 import fill_init_, init_rule
 
 INIT_BLOCK_ELEMS = 1 << 22
 """Random init draws a stored tensor in blocks of rows of at most this many elements (one row when a row is
@@ -49,12 +49,12 @@ class WeightSource(Protocol):
 
 
 # ---- checkpoint directories --------------------------------------------------------------------------------------------------
-class CheckpointReader:
-    """A checkpoint directory as a WeightSource: specs from its index and the headers of the files a rank reads
+class WeightFileReader:
+    """A weights directory (`weight_files.open_weights`) as a WeightSource: specs from its index and the headers of the files a rank reads
     (`check` opens only those), slices through safetensors' `get_slice`, one file open at a time (reads arrive
     sorted by file)."""
 
-    def __init__(self, index: CheckpointIndex):
+    def __init__(self, index: WeightIndex):
         self.index, self.config, self.expert_format = index, index.config, index.expert_format
         self.total_bytes = index.total_bytes
         self._headers: dict[str, tuple[Path, TensorSpec]] = {}
@@ -71,7 +71,7 @@ class CheckpointReader:
         are opened)."""
         missing = [n for n in names if n not in self.index.locations]
         if missing:
-            raise CheckpointError(f"{self.index.path}: no file in the checkpoint holds tensor '{missing[0]}' "
+            raise WeightsError(f"{self.index.path}: no file in the checkpoint holds tensor '{missing[0]}' "
                                   f"({len(missing)} missing); re-download or re-write the checkpoint")
         self._headers = self.index.headers(names)
 
@@ -84,7 +84,7 @@ class CheckpointReader:
         try:
             return self._open[2].get_slice(name)[index]
         except (SafetensorError, OSError) as e:
-            raise CheckpointError(f"tensor '{name}' in {file}: cannot be read ({e}); re-download or re-write the "
+            raise WeightsError(f"tensor '{name}' in {file}: cannot be read ({e}); re-download or re-write the "
                                   "file") from None
 
     def close(self) -> None:

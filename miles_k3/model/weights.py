@@ -2,7 +2,7 @@
 
 A model is built on the meta device and cut to this rank's shard (`parallelize.parallelize`) before any weight
 exists; `materialize` then allocates the shard shapes on the rank's device, once, and `load_weights` fills them
-from a `WeightSource` (`weight_sources.py`): a checkpoint directory (`CheckpointReader`: safetensors' slice API reads each tensor's rank
+from a `WeightSource` (`weight_sources.py`): a checkpoint directory (`WeightFileReader`: safetensors' slice API reads each tensor's rank
 slice straight from the files that hold it, one file open at a time; TP tensors only their rows or columns, routed
 experts only this rank's ids, replicated tensors whole) or the random init a seed defines (`RandomInit`: the
 checkpoint `python -m miles_k3.init_checkpoint` writes for that seed, drawn slice by slice). The reads are planned
@@ -30,20 +30,20 @@ import torch
 from torch import nn
 
 from miles_k3.kernels.mxfp4 import dequantize_mxfp4, quantize_mxfp4
-from miles_k3.model.checkpoint import (
-    CHECKPOINT_PREFIX,
-    CheckpointError,
-    TensorSpec,
-    meta_model,
-    open_checkpoint,
-    skip_meta_init,
-    spec_bytes,
-)
 from miles_k3.model.experts import EXPERT_FORMATS, PROJS, RoutedExperts
 from miles_k3.model.k3 import K3ForCausalLM
 from miles_k3.model.lora import ExpertLoRA, LoRAConfig, LoRALinear, apply_lora
 from miles_k3.model.parallelize import ShardPlan, Slice, parallelize
-from miles_k3.model.weight_sources import CheckpointReader, WeightSource, seeded_generator
+from miles_k3.model.weight_files import (
+    CHECKPOINT_PREFIX,
+    TensorSpec,
+    WeightsError,
+    meta_model,
+    open_weights,
+    skip_meta_init,
+    spec_bytes,
+)
+from miles_k3.model.weight_sources import WeightFileReader, WeightSource, seeded_generator
 from miles_k3.parallel.config import ParallelConfigError
 from miles_k3.parallel.mesh import SINGLE, ParallelContext
 from miles_k3.parallel.reduce import gather, world_of
@@ -172,7 +172,7 @@ def check_reads(model: K3ForCausalLM, plan: ShardPlan, source: WeightSource) -> 
     """This rank's reads (`plan_reads` of `model`, whole or cut by `plan`, on any device: meta before anything is
     allocated), checked against the source before any weight is read: every name present, its stored shape and
     dtype the config's (only the files this rank reads are opened), every slice inside its stored tensor. Sorted
-    by file. Raises CheckpointError naming tensor and file."""
+    by file. Raises WeightsError naming tensor and file."""
     reads = sorted(plan_reads(model, plan, source.expert_format),
                    key=lambda r: (str(source.file(r.names[0]) or ""), r.names[0]))
     source.check([n for r in reads for n in r.names])
@@ -203,7 +203,7 @@ def _check_slices(reads: list[Read], source: WeightSource) -> None:
             continue
         shape = source.spec(read.names[0]).shape
         if s.dim >= len(shape) or s.start + s.length > shape[s.dim]:
-            raise CheckpointError(f"tensor '{read.names[0]}' in {source.file(read.names[0])}: this rank reads "
+            raise WeightsError(f"tensor '{read.names[0]}' in {source.file(read.names[0])}: this rank reads "
                                   f"[{s.start}, {s.start + s.length}) along dim {s.dim}, outside its stored shape "
                                   f"{list(shape)}; the mesh or config.json does not match the checkpoint")
 
@@ -287,7 +287,7 @@ def build_k3(source: WeightSource, expert_format: str, device: torch.device, dty
     model.cast(dtype)
     if device.type == "meta":
         return model
-    reads = _agreed(ctx, CheckpointError, lambda: check_reads(model, plan, source))
+    reads = _agreed(ctx, WeightsError, lambda: check_reads(model, plan, source))
     _agreed(ctx, ParallelConfigError, lambda: check_fits(model, device, ctx))
     materialize(model, device)
     if model.config.tie_word_embeddings:
@@ -296,25 +296,25 @@ def build_k3(source: WeightSource, expert_format: str, device: torch.device, dty
     if lora is not None:
         init_adapters(model, plan, seed)
     model.kda_backend(device)
-    if isinstance(source, CheckpointReader):
+    if isinstance(source, WeightFileReader):
         lines = gather(stats.line(ctx.rank), world_of(ctx))
         for line in lines if ctx.is_main else ():
             log.info("%s", line)
     return model
 
 
-def load_checkpoint(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.bfloat16,
-                    expert_format: str = "auto", kda_backend: str = "auto") -> K3ForCausalLM:
-    """The whole K3 of a checkpoint directory (one process), frozen, on `device` in `dtype` (fp32 families kept).
+def load_k3(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.bfloat16,
+            expert_format: str = "auto", kda_backend: str = "auto") -> K3ForCausalLM:
+    """The whole K3 of a weights directory (one process), frozen, on `device` in `dtype` (fp32 families kept).
     `expert_format`: "auto" keeps the stored format; "bf16" on an MXFP4 checkpoint dequantizes while loading
     (references, benchmarks); "mxfp4" on a bf16 checkpoint quantizes while loading (floor rule)."""
     if expert_format not in ("auto", *EXPERT_FORMATS):
-        raise CheckpointError(f"expert_format: '{expert_format}' is not one of auto, {', '.join(EXPERT_FORMATS)}")
+        raise WeightsError(f"expert_format: '{expert_format}' is not one of auto, {', '.join(EXPERT_FORMATS)}")
     if not dtype.is_floating_point:
-        raise CheckpointError(f"dtype: {dtype} is not a floating-point dtype; use torch.bfloat16 or torch.float32")
-    index = open_checkpoint(path)
+        raise WeightsError(f"dtype: {dtype} is not a floating-point dtype; use torch.bfloat16 or torch.float32")
+    index = open_weights(path)
     fmt = index.expert_format if expert_format == "auto" else expert_format
-    model = build_k3(CheckpointReader(index), fmt, torch.device(device), dtype, kda_backend=kda_backend)
+    model = build_k3(WeightFileReader(index), fmt, torch.device(device), dtype, kda_backend=kda_backend)
     log.info("loaded %s: %d tensors, experts %s%s", index.path, len(index.locations), fmt,
              "" if fmt == index.expert_format else f" (stored {index.expert_format})")
     return model

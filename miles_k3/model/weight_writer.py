@@ -1,8 +1,8 @@
-"""Writing K3 checkpoint directories atomically: `CheckpointWriter` (used by `save_checkpoint`,
+"""Writing K3 model-weights directories (Hugging Face layout) atomically: `WeightWriter` (used by `save_weights`,
 `miles_k3.quantize` and `miles_k3.init_checkpoint`) writes shards, the index and config into a temporary
 sibling directory, fsyncs it and renames it into place only when complete, so a crash never leaves a
 half-written directory under the destination name and an existing checkpoint is replaced only by a complete
-one (`miles_k3.atomic`). Layout and validation rules are in `checkpoint.py`.
+one (`miles_k3.atomic`). Layout and validation rules are in `weight_files.py`.
 """
 from __future__ import annotations
 
@@ -16,28 +16,28 @@ import safetensors.torch
 import torch
 
 from miles_k3.atomic import publish_directory, stage_directory
-from miles_k3.model.checkpoint import (
+from miles_k3.model.k3 import CHECKPOINT_PREFIX, K3ForCausalLM
+from miles_k3.model.weight_files import (
     CONFIG_FILE,
     DEFAULT_MAX_SHARD_BYTES,
     EXPERT_NAME,
     INDEX_FILE,
     SINGLE_FILE,
     TORCH_DTYPES,
-    CheckpointError,
     TensorSpec,
-    checkpoint_config,
+    WeightsError,
+    config_json,
     expected_tensors,
     layer_of,
     mxfp4_quantization_config,
     nested_config,
 )
-from miles_k3.model.k3 import CHECKPOINT_PREFIX, K3ForCausalLM
 
 if TYPE_CHECKING:
     from typing_extensions import Self
 
 
-class CheckpointWriter:
+class WeightWriter:
     """Write a checkpoint directory atomically (a context manager; `commit` on success, `abort` on error).
 
     Everything goes into a temporary sibling directory `.NAME.tmp-*`; `commit` names the shards
@@ -51,11 +51,11 @@ class CheckpointWriter:
     def __init__(self, path: str | Path, overwrite: bool = False, max_shard_bytes: int | None = None):
         self.path = Path(path)
         if max_shard_bytes is not None and max_shard_bytes <= 0:
-            raise CheckpointError(f"max_shard_bytes: must be > 0 or None, got {max_shard_bytes}")
+            raise WeightsError(f"max_shard_bytes: must be > 0 or None, got {max_shard_bytes}")
         try:
             self.staging = stage_directory(self.path, overwrite)
         except FileExistsError as e:
-            raise CheckpointError(str(e)) from None
+            raise WeightsError(str(e)) from None
         self.max_shard_bytes = max_shard_bytes
         self._pending: dict[str, torch.Tensor] = {}
         self._pending_bytes = 0
@@ -153,17 +153,17 @@ def write_groups(specs: dict[str, TensorSpec]) -> list[list[str]]:
 TOKENIZER_FILE_PATTERNS = ("tokenizer*", "generation_config.json", "special_tokens_map.json",
                            "added_tokens.json", "chat_template*", "*.jinja", "*.model", "tokenization_*.py",
                            "vocab.*", "merges.txt")
-"""Files of a model directory that belong to its tokenizer (`save_checkpoint(tokenizer_from=...)` copies
+"""Files of a model directory that belong to its tokenizer (`save_weights(tokenizer_from=...)` copies
 them)."""
 
 
-def save_checkpoint(model: K3ForCausalLM, path: str | Path,
-                    max_shard_bytes: int | None = DEFAULT_MAX_SHARD_BYTES, overwrite: bool = False, *,
-                    small_tokenizer: bool = False, tokenizer_from: str | Path | None = None) -> Path:
-    """Write `model`'s base weights as a checkpoint directory (the inverse of `load_checkpoint`).
+def save_weights(model: K3ForCausalLM, path: str | Path,
+                 max_shard_bytes: int | None = DEFAULT_MAX_SHARD_BYTES, overwrite: bool = False, *,
+                 small_tokenizer: bool = False, tokenizer_from: str | Path | None = None) -> Path:
+    """Write `model`'s base weights as a checkpoint directory (the inverse of `load_k3`).
 
     Stored dtypes are the checkpoint's (bf16, fp32 families, uint8 MXFP4 experts) whatever the model's compute
-    dtype; LoRA or other non-base tensors are not written. Atomic; see `CheckpointWriter`.
+    dtype; LoRA or other non-base tensors are not written. Atomic; see `WeightWriter`.
     The tokenizer can go into the same directory (and so appear with it, atomically): `small_tokenizer` writes
     the project's byte-level tokenizer (`miles_k3.model.tokenizer.save_small_tokenizer`) and its bos/eos/pad ids
     into config.json, as `miles_k3.init_checkpoint` does for random-init checkpoints; `tokenizer_from` copies
@@ -171,11 +171,11 @@ def save_checkpoint(model: K3ForCausalLM, path: str | Path,
     written.
     """
     if small_tokenizer and tokenizer_from is not None:
-        raise ValueError("save_checkpoint: pass small_tokenizer or tokenizer_from, not both")
+        raise ValueError("save_weights: pass small_tokenizer or tokenizer_from, not both")
     fmt = getattr(model, "expert_format", "bf16")
     specs = expected_tensors(model.config, fmt)
     views = {CHECKPOINT_PREFIX + k: v for k, v in model.state_dict().items()}
-    with CheckpointWriter(path, overwrite=overwrite, max_shard_bytes=max_shard_bytes) as writer:
+    with WeightWriter(path, overwrite=overwrite, max_shard_bytes=max_shard_bytes) as writer:
         token_ids = None
         if small_tokenizer:
             from miles_k3.model.tokenizer import BOS, END_OF_MSG, PAD, save_small_tokenizer, special_token_ids
@@ -185,15 +185,15 @@ def save_checkpoint(model: K3ForCausalLM, path: str | Path,
             token_ids = {"bos_token_id": ids[BOS], "eos_token_id": ids[END_OF_MSG], "pad_token_id": ids[PAD]}
         elif tokenizer_from is not None:
             _copy_tokenizer_files(writer, Path(tokenizer_from))
-        writer.write_json(CONFIG_FILE, checkpoint_config(model.config, fmt, token_ids))
+        writer.write_json(CONFIG_FILE, config_json(model.config, fmt, token_ids))
         for group in write_groups(specs):
             writer.add({name: to_stored(name, views[name], specs[name]) for name in group})
     return Path(path)
 
 
-def _copy_tokenizer_files(writer: CheckpointWriter, src: Path) -> None:
+def _copy_tokenizer_files(writer: WeightWriter, src: Path) -> None:
     if not src.is_dir():
-        raise CheckpointError(f"tokenizer_from={src}: not a directory; pass the model directory that holds "
+        raise WeightsError(f"tokenizer_from={src}: not a directory; pass the model directory that holds "
                               "the tokenizer files")
     names = sorted({f.name for pattern in TOKENIZER_FILE_PATTERNS for f in src.glob(pattern) if f.is_file()})
     for name in names:

@@ -1,5 +1,5 @@
-"""K3 checkpoint directories on k3_tiny (CPU): save/load round trips in both expert formats, the sharded
-layout, the published naming quirks, every validation error, atomic writes, the quantize / init_checkpoint
+"""K3 model-weights directories (`miles_k3.model.weight_files`, `weight_writer`) on k3_tiny (CPU): save/load
+round trips in both expert formats, the sharded layout, the published naming quirks, every validation error, atomic writes, the quantize / init_checkpoint
 CLIs, and build_model with a model.path."""
 import json
 import os
@@ -17,16 +17,16 @@ from safetensors.torch import load_file, save_file
 
 from miles_k3.kernels.mxfp4 import dequantize_mxfp4, quantize_mxfp4
 from miles_k3.model import K3Config, K3ForCausalLM
-from miles_k3.model.build import ModelConfig, build_model, checkpoint_dir
-from miles_k3.model.checkpoint import (
+from miles_k3.model.build import ModelConfig, build_model, weights_dir
+from miles_k3.model.config import ConfigError
+from miles_k3.model.weight_files import (
     EXPERT_NAME,
     INDEX_FILE,
-    CheckpointError,
+    WeightsError,
     mxfp4_quantization_config,
 )
-from miles_k3.model.checkpoint_writer import config_with_quantization, save_checkpoint
-from miles_k3.model.config import ConfigError
-from miles_k3.model.weights import load_checkpoint
+from miles_k3.model.weight_writer import config_with_quantization, save_weights
+from miles_k3.model.weights import load_k3
 from miles_k3.quantize import main as quantize_main
 from miles_k3.quantize import quantize_checkpoint
 
@@ -82,7 +82,7 @@ def models():
 def saved(models, tmp_path_factory):
     """Sharded checkpoints of both formats (module scope; tests copy before modifying)."""
     root = tmp_path_factory.mktemp("ckpt")
-    return {fmt: save_checkpoint(m, root / fmt, max_shard_bytes=SMALL_SHARD) for fmt, m in models.items()}
+    return {fmt: save_weights(m, root / fmt, max_shard_bytes=SMALL_SHARD) for fmt, m in models.items()}
 
 
 def _all_tensors(ckpt: Path) -> dict[str, torch.Tensor]:
@@ -106,14 +106,14 @@ def _single_file_copy(src: Path, dst: Path, edit) -> Path:
 # ---- round trips and layout ----------------------------------------------------------------------------
 @pytest.mark.parametrize("fmt", ["bf16", "mxfp4"])
 def test_save_load_round_trip(models, saved, fmt):
-    loaded = load_checkpoint(saved[fmt], "cpu", torch.float32)
+    loaded = load_k3(saved[fmt], "cpu", torch.float32)
     assert loaded.expert_format == fmt
     _assert_same_state(models[fmt], loaded)
     assert torch.equal(_logits(models[fmt]), _logits(loaded))
     assert not any(p.requires_grad for p in loaded.parameters())
     # the compute dtype does not change what is stored: a bf16 model writes the same bytes
-    again = save_checkpoint(load_checkpoint(saved[fmt], "cpu", torch.bfloat16),
-                            saved[fmt].parent / f"{fmt}_bf16", max_shard_bytes=SMALL_SHARD)
+    again = save_weights(load_k3(saved[fmt], "cpu", torch.bfloat16),
+                         saved[fmt].parent / f"{fmt}_bf16", max_shard_bytes=SMALL_SHARD)
     for file in sorted(p.name for p in saved[fmt].iterdir()):
         assert (saved[fmt] / file).read_bytes() == (again / file).read_bytes(), file
 
@@ -153,20 +153,20 @@ def test_sharded_layout_index_and_names(saved):
 
 
 def test_single_file_when_it_fits(models, tmp_path):
-    ckpt = save_checkpoint(models["bf16"], tmp_path / "one", max_shard_bytes=None)
+    ckpt = save_weights(models["bf16"], tmp_path / "one", max_shard_bytes=None)
     assert sorted(p.name for p in ckpt.iterdir()) == ["config.json", "model.safetensors"]
-    _assert_same_state(models["bf16"], load_checkpoint(ckpt, "cpu", torch.float32))
+    _assert_same_state(models["bf16"], load_k3(ckpt, "cpu", torch.float32))
 
 
 def test_format_conversion_on_load(models, saved):
     mx = models["mxfp4"]
-    deq = load_checkpoint(saved["mxfp4"], "cpu", torch.float32, expert_format="bf16")
+    deq = load_k3(saved["mxfp4"], "cpu", torch.float32, expert_format="bf16")
     assert deq.expert_format == "bf16"
     experts = deq.model.layers[1].block_sparse_moe.experts
     decoded = mx.model.layers[1].block_sparse_moe.experts.dequantized("w2", torch.float32)
     assert torch.equal(experts.w2.data, decoded)
     assert torch.equal(_logits(deq), _logits(mx))
-    quant = load_checkpoint(saved["bf16"], "cpu", torch.float32, expert_format="mxfp4")
+    quant = load_k3(saved["bf16"], "cpu", torch.float32, expert_format="mxfp4")
     w1 = models["bf16"].model.layers[2].block_sparse_moe.experts.w1.data[5]
     packed, scale = quantize_mxfp4(w1.bfloat16(), "floor")
     state = quant.state_dict()
@@ -199,15 +199,15 @@ def test_real_k3_naming_quirks(models, tmp_path):
     weight_map = {n: f for f, ts in shards.items() for n in ts}
     weight_map["vision_tower.patch_embed.proj.weight"] = "model-00004-of-000004.safetensors"  # not downloaded
     (tmp_path / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": 0}, "weight_map": weight_map}))
-    loaded = load_checkpoint(tmp_path, "cpu", torch.float32)
+    loaded = load_k3(tmp_path, "cpu", torch.float32)
     assert loaded.expert_format == "mxfp4"
     _assert_same_state(model, loaded)
     # a non-zero padding entry means A_log does not match num_heads
     layers[P + "model.layers.0.self_attn.A_log"][100] = 0.5
     save_file(layers, tmp_path / "model-00001-of-000004.safetensors")
-    with pytest.raises(CheckpointError, match=r"model\.layers\.0\.self_attn\.A_log.*model-00001-of-000004.*"
+    with pytest.raises(WeightsError, match=r"model\.layers\.0\.self_attn\.A_log.*model-00001-of-000004.*"
                                               r"must be zero"):
-        load_checkpoint(tmp_path)
+        load_k3(tmp_path)
 
 
 # ---- config.json: written in the published nested form (what SGLang builds K3 from), read flat or nested ---
@@ -238,7 +238,7 @@ def test_init_checkpoint_writes_the_published_nested_config(tmp_path, fmt):
         expected["quantization_config"] = mxfp4_quantization_config()
     assert text == expected  # every shipped text key, unchanged
     assert list(text) == sorted(text)  # sorted, as published: a reload writes the same bytes
-    assert load_checkpoint(out, "cpu", torch.float32).expert_format == fmt
+    assert load_k3(out, "cpu", torch.float32).expert_format == fmt
 
 
 def test_old_flat_checkpoints_load_and_quantize_to_the_nested_form(models, saved, tmp_path):
@@ -252,7 +252,7 @@ def test_old_flat_checkpoints_load_and_quantize_to_the_nested_form(models, saved
         if fmt == "mxfp4":
             old["quantization_config"] = mxfp4_quantization_config()
         (flat[fmt] / "config.json").write_text(json.dumps(old, indent=2))
-        loaded = load_checkpoint(flat[fmt], "cpu", torch.float32)
+        loaded = load_k3(flat[fmt], "cpu", torch.float32)
         assert loaded.expert_format == fmt
         _assert_same_state(models[fmt], loaded)
     dst = quantize_checkpoint(flat["bf16"], tmp_path / "q")
@@ -261,18 +261,18 @@ def test_old_flat_checkpoints_load_and_quantize_to_the_nested_form(models, saved
     assert config == NESTED_TOP
     assert text == {**_shipped_flat("k3_tiny"), "dtype": "bfloat16", "torch_dtype": "bfloat16",
                     "quantization_config": mxfp4_quantization_config()}
-    native = load_checkpoint(dst, "cpu", torch.float32)
+    native = load_k3(dst, "cpu", torch.float32)
     assert native.expert_format == "mxfp4"
-    _assert_same_state(native, load_checkpoint(flat["bf16"], "cpu", torch.float32, expert_format="mxfp4"))
-    with pytest.raises(CheckpointError, match="already MXFP4"):
+    _assert_same_state(native, load_k3(flat["bf16"], "cpu", torch.float32, expert_format="mxfp4"))
+    with pytest.raises(WeightsError, match="already MXFP4"):
         quantize_checkpoint(flat["mxfp4"], tmp_path / "again")
 
 
 def test_shipped_flat_base_still_loads():
-    directory = checkpoint_dir(ModelConfig(path="builtin:k3_nano_chain_sum"))
+    directory = weights_dir(ModelConfig(path="builtin:k3_nano_chain_sum"))
     raw = json.loads((directory / "config.json").read_text())
     assert "text_config" not in raw and raw["model_type"] == "kimi_linear"  # the old flat form
-    assert load_checkpoint(directory, "cpu", torch.float32).expert_format == "mxfp4"
+    assert load_k3(directory, "cpu", torch.float32).expert_format == "mxfp4"
 
 
 def test_config_with_quantization_keeps_a_nested_config():
@@ -289,8 +289,8 @@ def test_config_with_quantization_keeps_a_nested_config():
 
 # ---- validation errors ----------------------------------------------------------------------------------
 def _error(path: Path) -> str:
-    with pytest.raises(CheckpointError) as info:
-        load_checkpoint(path)
+    with pytest.raises(WeightsError) as info:
+        load_k3(path)
     return str(info.value)
 
 
@@ -362,8 +362,8 @@ def test_failed_write_leaves_existing_destination_intact(models, tmp_path, monke
     dest = tmp_path / "dest"
     dest.mkdir()
     (dest / "marker.txt").write_text("old")
-    with pytest.raises(CheckpointError, match="already exists.*overwrite"):
-        save_checkpoint(models["bf16"], dest)
+    with pytest.raises(WeightsError, match="already exists.*overwrite"):
+        save_weights(models["bf16"], dest)
     real_save, calls = safetensors.torch.save_file, []
 
     def failing_save(tensors, filename, metadata=None):
@@ -374,11 +374,11 @@ def test_failed_write_leaves_existing_destination_intact(models, tmp_path, monke
 
     monkeypatch.setattr(safetensors.torch, "save_file", failing_save)
     with pytest.raises(OSError, match="simulated"):
-        save_checkpoint(models["bf16"], dest, max_shard_bytes=SMALL_SHARD, overwrite=True)
+        save_weights(models["bf16"], dest, max_shard_bytes=SMALL_SHARD, overwrite=True)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dest"]  # no partial directory left anywhere
     assert sorted(p.name for p in dest.iterdir()) == ["marker.txt"]
     monkeypatch.setattr(safetensors.torch, "save_file", real_save)
-    save_checkpoint(models["bf16"], dest, overwrite=True, max_shard_bytes=None)
+    save_weights(models["bf16"], dest, overwrite=True, max_shard_bytes=None)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dest"]
     assert sorted(p.name for p in dest.iterdir()) == ["config.json", "model.safetensors"]
 
@@ -407,17 +407,17 @@ def test_quantize_cli(models, saved, tmp_path):
             assert torch.equal(dst_t[name].view(torch.uint8), t.view(torch.uint8)), name
         else:
             assert name not in dst_t and dst_t[m["base"] + ".weight_packed"].dtype == torch.uint8
-    native = load_checkpoint(dst, "cpu", torch.float32)
+    native = load_k3(dst, "cpu", torch.float32)
     assert native.expert_format == "mxfp4"
     # = the bf16 source with every expert replaced by dequantize(quantize(.)), and = a dequantized load of DST
-    reference = load_checkpoint(src, "cpu", torch.float32)
+    reference = load_k3(src, "cpu", torch.float32)
     for layer in reference.model.layers[1:]:
         experts = layer.block_sparse_moe.experts
         for proj in ("w1", "w2", "w3"):
             w = getattr(experts, proj).data
             w.copy_(dequantize_mxfp4(*quantize_mxfp4(w.bfloat16(), "floor"), dtype=torch.float32))
     assert torch.equal(_logits(native), _logits(reference))
-    decoded = load_checkpoint(dst, "cpu", torch.float32, expert_format="bf16")
+    decoded = load_k3(dst, "cpu", torch.float32, expert_format="bf16")
     assert torch.equal(_logits(native), _logits(decoded))
     # the ceil rule picks different scales for some blocks
     quantize_main([str(src), str(tmp_path / "ceil"), "--scale-rule", "ceil"])
@@ -443,7 +443,7 @@ def test_init_checkpoint_cli_is_reproducible(tmp_path):
     assert {"config.json", "tokenizer.json", "tokenizer_config.json", INDEX_FILE} <= set(names)
     shards = [n for n in names if n.endswith(".safetensors")]
     assert len(shards) == 9 + 1  # one per layer, then embedding/head/norms
-    model = load_checkpoint(out, "cpu", torch.float32)
+    model = load_k3(out, "cpu", torch.float32)
     assert model.expert_format == "mxfp4" and torch.isfinite(_logits(model)).all()
     cfg = K3Config.from_name("k3_tiny")
     same = init_checkpoint(cfg, tmp_path / "same", seed=3, expert_format="mxfp4")
@@ -461,7 +461,7 @@ def test_init_checkpoint_cli_is_reproducible(tmp_path):
 def test_build_model_loads_model_path(saved):
     built = build_model(ModelConfig(path=str(saved["mxfp4"])), torch.device("cpu"), torch.float32)
     assert built.expert_format == "mxfp4"
-    assert torch.equal(_logits(built), _logits(load_checkpoint(saved["mxfp4"], "cpu", torch.float32)))
+    assert torch.equal(_logits(built), _logits(load_k3(saved["mxfp4"], "cpu", torch.float32)))
     as_bf16 = build_model(ModelConfig(path=str(saved["mxfp4"]), experts="bf16"), torch.device("cpu"),
                           torch.float32)
     assert as_bf16.expert_format == "bf16"

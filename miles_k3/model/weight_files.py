@@ -1,4 +1,5 @@
-"""The K3 checkpoint directory (Hugging Face layout): read, validate, load and write it. A checkpoint is
+"""The K3 model-weights directory (Hugging Face layout; the trainer's run checkpoints are
+`miles_k3.trainer.checkpoint`): read and validate it. A weights directory is
 `config.json` (written in the published nested form: `kimi_k3` / `KimiK3ForConditionalGeneration` with
 the text keys under `text_config`, and there a compressed-tensors `quantization_config` when the routed
 experts are MXFP4; read flat or nested) plus `model.safetensors` or shards listed by
@@ -7,11 +8,11 @@ experts are MXFP4; read flat or nested) plus `model.safetensors` or shards liste
 tensors are skipped (text-only model). Stored dtypes: bf16, except the fp32 families (`FP32_PARAM_SUFFIXES`)
 and the uint8 MXFP4 experts (`…experts.{e}.w{1,2,3}.weight_packed` [out, in/2] + `.weight_scale`
 [out, in/32]). `A_log` is stored padded with zeros to a multiple of 128 entries (the published [128] for 96
-heads); the model holds one per head. `open_checkpoint` validates a directory by its names (no shard opened),
-`CheckpointIndex.headers` the specs of the tensors a rank reads (opening only their files); loading them, as slices
+heads); the model holds one per head. `open_weights` validates a directory by its names (no shard opened),
+`WeightIndex.headers` the specs of the tensors a rank reads (opening only their files); loading them, as slices
 into a model planned on the meta device, is `weights.py`.
 Writing (atomic: a temporary sibling directory renamed into place when complete) is in
-`checkpoint_writer.py`.
+`weight_writer.py`.
 """
 from __future__ import annotations
 
@@ -51,7 +52,7 @@ EXPERT_NAME = re.compile(r"^(?P<base>.*\.experts\.\d+\.w[123])\.(?P<kind>weight|
 _MAX_LISTED = 8
 
 
-class CheckpointError(ValueError):
+class WeightsError(ValueError):
     """A checkpoint directory is unusable; the message names the tensor and file and says how to fix it."""
 
 
@@ -112,8 +113,8 @@ def nested_config(text: dict[str, Any], quantization_config: dict[str, Any] | No
     return dict(sorted(out.items()))
 
 
-def checkpoint_config(cfg: K3Config, expert_format: str, token_ids: dict[str, int] | None = None
-                      ) -> dict[str, Any]:
+def config_json(cfg: K3Config, expert_format: str, token_ids: dict[str, int] | None = None
+                ) -> dict[str, Any]:
     """`config.json` contents: the published nested form (`nested_config`) of `cfg`'s keys, with the
     quantization_config iff experts are MXFP4; `token_ids` (bos/eos/pad_token_id) override the config's."""
     text = cfg.to_dict()
@@ -218,7 +219,7 @@ def state_dict_shapes(model: nn.Module) -> Iterator[tuple[str, tuple[int, ...], 
 
 # ---- reading ----------------------------------------------------------------------------------------------
 @dataclass
-class CheckpointInfo:
+class WeightsInfo:
     """What a checkpoint directory holds, validated against its config (headers only, no tensor data).
 
     `tensors`: text tensor name -> (file, stored spec); `other_tensors`: skipped (vision) name -> file, for
@@ -234,7 +235,7 @@ class CheckpointInfo:
 
 
 @dataclass
-class CheckpointIndex:
+class WeightIndex:
     """A checkpoint directory validated by its tensor names (config.json, and the index or the single file's
     header): which file holds each text tensor, every expected name present and nothing else, every file present,
     the stored expert format. No shard file is opened; `headers(names)` opens only the files holding `names`."""
@@ -257,7 +258,7 @@ class CheckpointIndex:
 
     def headers(self, names) -> dict[str, tuple[Path, TensorSpec]]:
         """Name -> (file, stored spec) of `names`, read from the headers of the files that hold them and validated
-        against the config (shape, dtype; A_log's zero padding). All problems in one CheckpointError."""
+        against the config (shape, dtype; A_log's zero padding). All problems in one WeightsError."""
         by_file: dict[Path, list[str]] = {}
         for name in names:
             by_file.setdefault(self.locations[name], []).append(name)
@@ -277,13 +278,13 @@ TORCH_DTYPES = {"U8": torch.uint8, "BF16": torch.bfloat16, "F32": torch.float32}
 """The torch dtype of each stored dtype (safetensors name)."""
 
 
-def open_checkpoint(path: str | Path) -> CheckpointIndex:
+def open_weights(path: str | Path) -> WeightIndex:
     """Read config.json and the index (or the single file's header) of a checkpoint directory and validate what
     the names alone tell: every text tensor the config implies is listed and nothing else, every listed file
-    exists, one expert format (and its quantization_config). Raises CheckpointError naming tensor and file."""
+    exists, one expert format (and its quantization_config). Raises WeightsError naming tensor and file."""
     path = Path(path)
     if not path.is_dir():
-        raise CheckpointError(f"{path}: not a directory; pass a checkpoint directory (config.json + "
+        raise WeightsError(f"{path}: not a directory; pass a checkpoint directory (config.json + "
                               f"{SINGLE_FILE} or {INDEX_FILE} and shards)")
     raw = _read_json(path / CONFIG_FILE, "the model config")
     cfg = K3Config.from_dict(raw, source=str(path / CONFIG_FILE))
@@ -292,7 +293,7 @@ def open_checkpoint(path: str | Path) -> CheckpointIndex:
     skipped = {n: f for n, f in locations.items() if n.startswith(SKIPPED_PREFIXES)}
     for name, file in locations.items():
         if name not in text and name not in skipped:
-            raise CheckpointError(f"unexpected tensor '{name}' in {file}: neither a text tensor "
+            raise WeightsError(f"unexpected tensor '{name}' in {file}: neither a text tensor "
                                   f"('{CHECKPOINT_PREFIX}…') nor a skipped vision tensor "
                                   f"({', '.join(SKIPPED_PREFIXES)}…); remove it or fix its name")
     _check_files_exist(path, text)
@@ -305,14 +306,14 @@ def open_checkpoint(path: str | Path) -> CheckpointIndex:
     if len(present) < len(skipped):
         log.info("%s: %d vision/projector tensors are in files not present here (text-only copy); skipped",
                  path, len(skipped) - len(present))
-    return CheckpointIndex(path, raw, cfg, fmt, {n: text[n] for n in expected if n in text}, expected, present)
+    return WeightIndex(path, raw, cfg, fmt, {n: text[n] for n in expected if n in text}, expected, present)
 
 
-def inspect_checkpoint(path: str | Path) -> CheckpointInfo:
+def inspect_weights(path: str | Path) -> WeightsInfo:
     """Read config, index and every safetensors header of a checkpoint directory and validate every text tensor's
-    name, shape and dtype (and the zero padding of `A_log`). Raises CheckpointError naming tensor and file."""
-    index = open_checkpoint(path)
-    return CheckpointInfo(index.path, index.raw_config, index.config, index.expert_format,
+    name, shape and dtype (and the zero padding of `A_log`). Raises WeightsError naming tensor and file."""
+    index = open_weights(path)
+    return WeightsInfo(index.path, index.raw_config, index.config, index.expert_format,
                           index.headers(list(index.locations)), index.skipped)
 
 
@@ -320,11 +321,11 @@ def _read_json(file: Path, what: str) -> dict[str, Any]:
     try:
         raw = json.loads(file.read_text())
     except FileNotFoundError:
-        raise CheckpointError(f"{file}: missing ({what}); a checkpoint directory must contain it") from None
+        raise WeightsError(f"{file}: missing ({what}); a checkpoint directory must contain it") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{file}: not valid JSON ({e}); re-download or re-write it") from None
+        raise WeightsError(f"{file}: not valid JSON ({e}); re-download or re-write it") from None
     if not isinstance(raw, dict):
-        raise CheckpointError(f"{file}: expected a JSON object, got {type(raw).__name__}; re-write it")
+        raise WeightsError(f"{file}: expected a JSON object, got {type(raw).__name__}; re-write it")
     return raw
 
 
@@ -334,18 +335,18 @@ def tensor_locations(path: Path) -> dict[str, Path]:
     if index_file.is_file():
         weight_map = _read_json(index_file, "the shard index").get("weight_map")
         if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
-            raise CheckpointError(f"{index_file}: 'weight_map' must map tensor names to shard file names; "
+            raise WeightsError(f"{index_file}: 'weight_map' must map tensor names to shard file names; "
                                   "re-download or re-write the index")
         files = {file: path / file for file in set(weight_map.values())}  # one Path per file (K3: 497k names)
         for file in files:
             if Path(file).name != file:
                 name = next(n for n, f in weight_map.items() if f == file)
-                raise CheckpointError(f"{index_file}: tensor '{name}' maps to '{file}', which is not a file "
+                raise WeightsError(f"{index_file}: tensor '{name}' maps to '{file}', which is not a file "
                                       "name in the checkpoint directory; fix the index")
         return {name: files[file] for name, file in weight_map.items()}
     single = path / SINGLE_FILE
     if not single.is_file():
-        raise CheckpointError(f"{path}: no weights: expected {SINGLE_FILE} or {INDEX_FILE} (with its "
+        raise WeightsError(f"{path}: no weights: expected {SINGLE_FILE} or {INDEX_FILE} (with its "
                               "shards); pass a complete checkpoint directory")
     with open_safetensors(single, []) as f:
         return dict.fromkeys(f.keys(), single)
@@ -358,19 +359,19 @@ def _check_files_exist(path: Path, text: dict[str, Path]) -> None:
     missing = {file: name for file, name in first.items() if not file.is_file()}  # one stat per file
     if missing:
         file, name = next(iter(missing.items()))
-        raise CheckpointError(f"{path / INDEX_FILE} maps tensor '{name}' to {file.name}, which does not "
+        raise WeightsError(f"{path / INDEX_FILE} maps tensor '{name}' to {file.name}, which does not "
                               f"exist ({len(missing)} shard file(s) missing in {path}); download the missing "
                               "shards or re-write the checkpoint")
 
 
 @contextlib.contextmanager
 def open_safetensors(file: Path, names: list[str]) -> Iterator[Any]:
-    """safe_open(file), turning a truncated/corrupt file into a CheckpointError that names its tensors."""
+    """safe_open(file), turning a truncated/corrupt file into a WeightsError that names its tensors."""
     try:
         handle = safe_open(str(file), framework="pt")
     except (SafetensorError, OSError) as e:
         held = f" (holds {_listed(names)})" if names else ""
-        raise CheckpointError(f"{file}{held}: cannot read the safetensors file, truncated or corrupt ({e}); "
+        raise WeightsError(f"{file}{held}: cannot read the safetensors file, truncated or corrupt ({e}); "
                               "re-download or re-write it") from None
     with handle as f:
         yield f
@@ -384,7 +385,7 @@ def _read_headers(by_file: dict[Path, list[str]]) -> dict[str, tuple[Path, Tenso
             present = set(f.keys())
             for name in names:
                 if name not in present:
-                    raise CheckpointError(f"{file.parent / INDEX_FILE} maps tensor '{name}' to {file.name}, "
+                    raise WeightsError(f"{file.parent / INDEX_FILE} maps tensor '{name}' to {file.name}, "
                                           "but that file has no such tensor; re-download the shard or fix "
                                           "the index")
                 piece = f.get_slice(name)
@@ -402,14 +403,14 @@ def _stored_expert_format(text: dict[str, Path]) -> str:
     plain, packed, scale = kinds["weight"], kinds["weight_packed"], kinds["weight_scale"]
     if plain and (packed or scale):
         a, b = next(iter(plain.values())), next(iter((packed or scale).values()))
-        raise CheckpointError(f"mixed routed-expert formats: '{a}' ({text[a]}) is bf16 but '{b}' "
+        raise WeightsError(f"mixed routed-expert formats: '{a}' ({text[a]}) is bf16 but '{b}' "
                               f"({text[b]}) is MXFP4; a checkpoint must store all experts one way: "
                               "re-export it (python -m miles_k3.quantize turns a bf16 checkpoint into MXFP4)")
     for have, other, want in ((packed, scale, "weight_scale"), (scale, packed, "weight_packed")):
         lonely = sorted(set(have) - set(other))
         if lonely:
             name = have[lonely[0]]
-            raise CheckpointError(f"'{name}' ({text[name]}) has no matching '{lonely[0]}.{want}' "
+            raise WeightsError(f"'{name}' ({text[name]}) has no matching '{lonely[0]}.{want}' "
                                   f"({len(lonely)} such expert projections); an MXFP4 weight needs both "
                                   "weight_packed and weight_scale: re-download or re-export the checkpoint")
     return "mxfp4" if packed else "bf16"
@@ -419,30 +420,30 @@ def _check_quantization_config(raw: dict[str, Any], source: Path, example: str) 
     """MXFP4 tensors need a compressed-tensors quantization_config: 4-bit float, group 32 (flat or nested)."""
     text = raw["text_config"] if isinstance(raw.get("text_config"), dict) else raw
     qc = text.get("quantization_config", raw.get("quantization_config"))
-    how = ("use the published block (miles_k3.model.checkpoint.mxfp4_quantization_config(); "
+    how = ("use the published block (miles_k3.model.weight_files.mxfp4_quantization_config(); "
            "python -m miles_k3.quantize writes it)")
     if not isinstance(qc, dict):
-        raise CheckpointError(f"{source}: MXFP4 tensors are present (e.g. '{example}') but there is no "
+        raise WeightsError(f"{source}: MXFP4 tensors are present (e.g. '{example}') but there is no "
                               f"quantization_config (top level or under text_config); {how}")
     groups = qc.get("config_groups")
     if not isinstance(groups, dict) or not groups:
-        raise CheckpointError(f"{source}: quantization_config.config_groups is missing or empty; {how}")
+        raise WeightsError(f"{source}: quantization_config.config_groups is missing or empty; {how}")
     want = {"num_bits": 4, "type": "float", "group_size": GROUP_SIZE}
     for gname, group in groups.items():
         weights = group.get("weights") if isinstance(group, dict) else None
         if not isinstance(weights, dict):
-            raise CheckpointError(f"{source}: quantization_config.config_groups.{gname}.weights is missing; "
+            raise WeightsError(f"{source}: quantization_config.config_groups.{gname}.weights is missing; "
                                   f"{how}")
         for key, value in want.items():
             if weights.get(key) != value:
-                raise CheckpointError(f"{source}: quantization_config.config_groups.{gname}.weights.{key} is "
+                raise WeightsError(f"{source}: quantization_config.config_groups.{gname}.weights.{key} is "
                                       f"{weights.get(key)!r}, but the MXFP4 tensors (e.g. '{example}') need "
                                       f"{value!r} (MXFP4: num_bits 4, type float, group_size 32); {how}")
 
 
-def _problems_error(problems: list[str]) -> CheckpointError:
+def _problems_error(problems: list[str]) -> WeightsError:
     more = f"\n  ... and {len(problems) - _MAX_LISTED} more" if len(problems) > _MAX_LISTED else ""
-    return CheckpointError(f"{len(problems)} problem(s) in the checkpoint tensors; check that config.json matches "
+    return WeightsError(f"{len(problems)} problem(s) in the checkpoint tensors; check that config.json matches "
                            "the weights, or re-export the checkpoint:\n  " + "\n  ".join(problems[:_MAX_LISTED]) + more)
 
 
@@ -486,7 +487,7 @@ def _check_a_log_padding(cfg: K3Config, tensors: dict[str, tuple[Path, TensorSpe
         with open_safetensors(file, [name]) as f:
             tail = f.get_slice(name)[n:]
         if bool((tail != 0).any()):
-            raise CheckpointError(f"tensor '{name}' in {file}: entries {n}..{spec.shape[0] - 1} (padding "
+            raise WeightsError(f"tensor '{name}' in {file}: entries {n}..{spec.shape[0] - 1} (padding "
                                   f"beyond linear_attn_config.num_heads={n}) must be zero, found max |x| = "
                                   f"{tail.abs().max().item():.4g}; num_heads does not match this A_log, so "
                                   "check config.json against the weights")
