@@ -1,6 +1,6 @@
 """K3 model-weights directories (`miles_k3.model.weight_files`, `weight_writer`) on k3_tiny (CPU): save/load
-round trips in both expert formats, the sharded layout, the published naming quirks, every validation error, atomic writes, the quantize / init_checkpoint
-CLIs, and build_model with a model.path."""
+round trips in both expert formats, the sharded layout, the published naming quirks, every validation error,
+atomic writes, the quantize / init_checkpoint CLIs, and build_model with a model.path."""
 import json
 import os
 import shutil
