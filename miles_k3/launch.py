@@ -154,7 +154,7 @@ def build_run(cfg) -> Run:
             log.info("resume: dropped %d logged rows of steps after %d from %s", dropped, start, run_dir)
     if not cfg.engine.eos_token_ids:
         cfg.engine.eos_token_ids = stop_ids
-    _warn_filtered_logprobs(cfg.rollout)
+    _warn_filtered_logprobs(cfg.rollout, cfg.engine.backend)
     if cfg.engine.backend == "sglang":
         engine, channel = _sglang_engine(cfg, model, tokenizer, problems, version)
     else:
@@ -222,14 +222,21 @@ def engine_context(cfg) -> tuple[int, str]:
     return limit, "sglang.context_length" + (" (up to the model's)" if served else "")
 
 
-def _warn_filtered_logprobs(cfg) -> None:
-    """top-p / top-k: the engine's log-probs are of the filtered distribution, the trainer's of the full one."""
+def _warn_filtered_logprobs(cfg, backend: str) -> None:
+    """top-p / top-k: the engine samples from the filtered distribution. The native engine also reports its tokens'
+    unfiltered log-probs, which the loss and train/rollout_logprob_abs_diff use (`trainer.batch.pack`); SGLang
+    reports only the filtered ones (config validation refuses them in the loss: `check_filtered_logprobs`)."""
     if cfg.top_p < 1.0 or cfg.top_k > 0:
-        log.warning("rollout.top_p=%s rollout.top_k=%s: the engine reports log-probs of the filtered, renormalised "
-                    "distribution it samples from, the trainer computes them over the full vocabulary, so "
-                    "train/rollout_logprob_abs_diff includes the filtering (rollout/logprob_filter_gap: that part, "
-                    "from the engine's own unfiltered log-probs) and TIS weights lean below 1", cfg.top_p,
-                    cfg.top_k)
+        if backend == "sglang":
+            log.warning("rollout.top_p=%s rollout.top_k=%s: the engine reports log-probs of the filtered, renormalised "
+                        "distribution it samples from (SGLang: not the unfiltered ones), the trainer computes them "
+                        "over the full vocabulary, so train/rollout_logprob_abs_diff includes the filtering",
+                        cfg.top_p, cfg.top_k)
+        else:
+            log.warning("rollout.top_p=%s rollout.top_k=%s: the engine reports log-probs of the filtered, renormalised "
+                        "distribution it samples from, and its unfiltered ones, which the loss (old_logprobs=rollout, "
+                        "TIS) and train/rollout_logprob_abs_diff use; rollout/logprob_filter_gap logs the "
+                        "filtering's part", cfg.top_p, cfg.top_k)
 
 
 def _sglang_engine(cfg, model, tokenizer, problems, version: int):
