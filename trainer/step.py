@@ -79,7 +79,9 @@ class TrainerConfig:
     groups, one update each (fewer when fewer groups are kept). The LR schedule counts updates."""
     old_logprobs: str = "recompute"
     """The ratio's old policy: recompute (the trainer's log-probs before the step's first update; with one
-    minibatch they are the current ones, no extra forward) or rollout (the engine's sampling log-probs)."""
+    minibatch they are the current ones, no extra forward) or rollout (the engine's log-probs of its tokens under
+    the whole vocabulary: the unfiltered ones under rollout.top_p < 1 or top_k; refused with engine.backend=sglang
+    there, which reports only the filtered ones)."""
     routing_replay: bool = False
     """Rollout routing replay (R3): every forward over a sample (the gradient forward, the old log-probs, the KL
     reference) routes each token to the experts the engine chose for it (the engine returns them: implies
