@@ -9,7 +9,7 @@ reads only its shard (`build_model`: the same weights and adapter as one process
 over that shard; rank 0 alone writes the run directory's
 logs, metrics, tables and eval reports (the others get a `NullTracker`; each DP replica generates its share of
 the eval, which rank 0 grades), and every rank checkpoints its own state into one directory
-(`trainer.checkpoint_ranks`).
+(`trainer.checkpoint`, the same code path as one process).
 """
 from __future__ import annotations
 
@@ -44,9 +44,9 @@ from miles_k3.trainer.checkpoint import (
     ResumeError,
     load_checkpoint,
     resolve_resume,
+    rng_file,
     set_rng_state,
 )
-from miles_k3.trainer.checkpoint_ranks import load_checkpoint_ranks, rng_file
 from miles_k3.trainer.optim import BadStepGuard, build_optimizer, build_scheduler
 from miles_k3.trainer.rollouts import PromptStream
 from miles_k3.weight_sync.channel import open_sender
@@ -307,14 +307,11 @@ def _sglang_channel(cfg, engine, model, prompts: list[list[int]], version: int):
 def _resume(ckpt: Path | None, model, opt, sched, stream: PromptStream, ctx: ParallelContext) -> tuple[int, int]:
     """(step, weight version) of the checkpoint restored into the model, optimizer and prompt stream; (0, 0)
     without one. The version is the checkpoint's own (extra_state.weight_version), not recomputed from the step.
-    On many ranks every rank restores its own state (`checkpoint_ranks`); the checkpoint's mesh must be this
-    run's."""
+    Every rank restores its own state (`trainer.checkpoint.load_checkpoint`, one rank or many); the checkpoint's
+    mesh must be this run's."""
     if ckpt is None:
         return 0, 0
-    if ctx.distributed:
-        state = load_checkpoint_ranks(ctx, ckpt, model, opt, sched)
-    else:
-        state = load_checkpoint(ckpt, model, opt, sched)
+    state = load_checkpoint(ckpt, model, opt, sched, ctx=ctx)
     stream.load_state(state["data_state"]["stream"])
     version = state.get("extra_state", {}).get("weight_version")
     if isinstance(version, bool) or not isinstance(version, int) or version < 0:

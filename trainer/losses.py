@@ -30,7 +30,6 @@ from torch.autograd.function import once_differentiable
 
 from miles_k3.parallel.comm import VocabShard, all_reduce_
 
-
 RATIO_LEVELS = ("token", "sequence")
 AGGREGATIONS = ("token_mean", "seq_mean", "seq_sum_norm")
 KL_ESTIMATORS = ("k1", "k2", "k3")
