@@ -34,7 +34,7 @@ RATIO_LEVELS = ("token", "sequence")
 AGGREGATIONS = ("token_mean", "seq_mean", "seq_sum_norm")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 TIS_MODES = ("none", "token_truncate", "seq_mask")
-CHUNK = 256  # token positions per chunk in token_logprobs / token_entropy
+CHUNK = 256  # token positions per chunk in token_logprobs_and_entropy
 
 
 @dataclass
