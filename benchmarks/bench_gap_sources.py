@@ -105,7 +105,7 @@ def trainer_logprobs(model, samples: list[Sample], pad_id: int, micro_batch_toke
     out: list[list[float]] = [[] for _ in samples]
     differ = tokens = 0.0
     for idx in micro_batches(samples, micro_batch_tokens):
-        mb = pack([samples[i] for i in idx], pad_id).to(device)
+        mb = pack([samples[i] for i in idx], pad_id, model.config.vocab_size).to(device)
         with torch.set_grad_enabled(grad), replaying(model, mb.routes_NLK) as own, _eval_mode(model):
             logits = model(mb.input_ids_BT, seq_lens=mb.seq_lens_B).logits
             logp_BT = token_logprobs(logits, mb.targets_BT).detach().float().cpu()

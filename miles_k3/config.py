@@ -20,6 +20,7 @@ from miles_k3.config_checks import (
     check_backend,
     check_context,
     check_device,
+    check_filtered_logprobs,
     check_kernels,
     check_parallel,
     check_release_tags,
@@ -114,6 +115,8 @@ class TrainConfig:
         check_release_tags(self.rollout.release_tags, self.engine.backend, self.sglang)
         check_sync(self.sync, self.engine.backend)
         check_routes(self.rollout.return_routed_experts, self.trainer.routing_replay, self.engine.backend)
+        check_filtered_logprobs(self.rollout.top_p, self.rollout.top_k, self.trainer.old_logprobs, self.trainer.loss.tis,
+                                self.engine.backend)
         check_context("rollout.max_new_tokens", self.rollout.max_new_tokens, self.engine, self.sglang)
         if self.eval.every_n_steps > 0:
             check_context("eval.max_new_tokens", self.eval.max_new_tokens, self.engine, self.sglang)

@@ -168,3 +168,20 @@ def check_weights_given(model: ModelConfig) -> None:
     if model.path is None and model.name in RANDOM_INIT_REFUSED:
         raise ValueError(f"model.path: required for model '{model.name}' (its weights are not random-initialised "
                          "for a run); set model.path=/path/to/checkpoint or model.path=moonshotai/Kimi-K3")
+
+
+def check_filtered_logprobs(top_p: float, top_k: int, old_logprobs: str, tis: str, backend: str) -> None:
+    """The engine's log-probs enter the loss (trainer.old_logprobs=rollout, trainer.loss.tis) only as log-probs of
+    the whole vocabulary's distribution, which the trainer's are: under top-p / top-k the native engine reports
+    those beside the filtered ones it sampled from (`trainer.batch.pack` takes them); SGLang reports only the
+    filtered ones, against which the PPO ratio / TIS weight would start below 1 on every token."""
+    if backend != "sglang" or (top_p >= 1.0 and top_k <= 0):
+        return
+    uses = [f for f, on in (("trainer.old_logprobs=rollout", old_logprobs == "rollout"),
+                            (f"trainer.loss.tis={tis}", tis != "none")) if on]
+    if uses:
+        raise ValueError(f"{uses[0]}: with engine.backend=sglang and rollout.top_p={top_p} rollout.top_k={top_k} the "
+                         "engine's log-probs are of the filtered distribution it sampled from (SGLang does not report "
+                         "the unfiltered ones), so the ratio against them starts below 1 on every token; set "
+                         "rollout.top_p=1.0 rollout.top_k=-1, or engine.backend=native (it reports both), or "
+                         "trainer.old_logprobs=recompute trainer.loss.tis=none")

@@ -9,7 +9,7 @@ reads only its shard (`build_model`: the same weights and adapter as one process
 over that shard; rank 0 alone writes the run directory's
 logs, metrics, tables and eval reports (the others get a `NullTracker`; each DP replica generates its share of
 the eval, which rank 0 grades), and every rank checkpoints its own state into one directory
-(`trainer.checkpoint_ranks`).
+(`trainer.checkpoint`, the same code path as one process).
 """
 from __future__ import annotations
 
@@ -44,9 +44,9 @@ from miles_k3.trainer.checkpoint import (
     ResumeError,
     load_checkpoint,
     resolve_resume,
+    rng_file,
     set_rng_state,
 )
-from miles_k3.trainer.checkpoint_ranks import load_checkpoint_ranks, rng_file
 from miles_k3.trainer.optim import BadStepGuard, build_optimizer, build_scheduler
 from miles_k3.trainer.rollouts import PromptStream
 from miles_k3.weight_sync.channel import open_sender
@@ -154,7 +154,7 @@ def build_run(cfg) -> Run:
             log.info("resume: dropped %d logged rows of steps after %d from %s", dropped, start, run_dir)
     if not cfg.engine.eos_token_ids:
         cfg.engine.eos_token_ids = stop_ids
-    _warn_filtered_logprobs(cfg.rollout)
+    _warn_filtered_logprobs(cfg.rollout, cfg.engine.backend)
     if cfg.engine.backend == "sglang":
         engine, channel = _sglang_engine(cfg, model, tokenizer, problems, version)
     else:
@@ -222,14 +222,21 @@ def engine_context(cfg) -> tuple[int, str]:
     return limit, "sglang.context_length" + (" (up to the model's)" if served else "")
 
 
-def _warn_filtered_logprobs(cfg) -> None:
-    """top-p / top-k: the engine's log-probs are of the filtered distribution, the trainer's of the full one."""
+def _warn_filtered_logprobs(cfg, backend: str) -> None:
+    """top-p / top-k: the engine samples from the filtered distribution. The native engine also reports its tokens'
+    unfiltered log-probs, which the loss and train/rollout_logprob_abs_diff use (`trainer.batch.pack`); SGLang
+    reports only the filtered ones (config validation refuses them in the loss: `check_filtered_logprobs`)."""
     if cfg.top_p < 1.0 or cfg.top_k > 0:
-        log.warning("rollout.top_p=%s rollout.top_k=%s: the engine reports log-probs of the filtered, renormalised "
-                    "distribution it samples from, the trainer computes them over the full vocabulary, so "
-                    "train/rollout_logprob_abs_diff includes the filtering (rollout/logprob_filter_gap: that part, "
-                    "from the engine's own unfiltered log-probs) and TIS weights lean below 1", cfg.top_p,
-                    cfg.top_k)
+        if backend == "sglang":
+            log.warning("rollout.top_p=%s rollout.top_k=%s: the engine reports log-probs of the filtered, renormalised "
+                        "distribution it samples from (SGLang: not the unfiltered ones), the trainer computes them "
+                        "over the full vocabulary, so train/rollout_logprob_abs_diff includes the filtering",
+                        cfg.top_p, cfg.top_k)
+        else:
+            log.warning("rollout.top_p=%s rollout.top_k=%s: the engine reports log-probs of the filtered, renormalised "
+                        "distribution it samples from, and its unfiltered ones, which the loss (old_logprobs=rollout, "
+                        "TIS) and train/rollout_logprob_abs_diff use; rollout/logprob_filter_gap logs the "
+                        "filtering's part", cfg.top_p, cfg.top_k)
 
 
 def _sglang_engine(cfg, model, tokenizer, problems, version: int):
@@ -300,14 +307,11 @@ def _sglang_channel(cfg, engine, model, prompts: list[list[int]], version: int):
 def _resume(ckpt: Path | None, model, opt, sched, stream: PromptStream, ctx: ParallelContext) -> tuple[int, int]:
     """(step, weight version) of the checkpoint restored into the model, optimizer and prompt stream; (0, 0)
     without one. The version is the checkpoint's own (extra_state.weight_version), not recomputed from the step.
-    On many ranks every rank restores its own state (`checkpoint_ranks`); the checkpoint's mesh must be this
-    run's."""
+    Every rank restores its own state (`trainer.checkpoint.load_checkpoint`, one rank or many); the checkpoint's
+    mesh must be this run's."""
     if ckpt is None:
         return 0, 0
-    if ctx.distributed:
-        state = load_checkpoint_ranks(ctx, ckpt, model, opt, sched)
-    else:
-        state = load_checkpoint(ckpt, model, opt, sched)
+    state = load_checkpoint(ckpt, model, opt, sched, ctx=ctx)
     stream.load_state(state["data_state"]["stream"])
     version = state.get("extra_state", {}).get("weight_version")
     if isinstance(version, bool) or not isinstance(version, int) or version < 0:

@@ -210,7 +210,8 @@ def _loop(cfg, model, params, opt, sched, stream, examples, pad_id, device, trac
     window = _Window()
     for step in range(1, cfg.steps + 1):
         t = time.perf_counter()
-        batch = pack([examples[id(p)] for _, p in stream.take(cfg.batch_size)], pad_id).to(device)
+        batch = pack([examples[id(p)] for _, p in stream.take(cfg.batch_size)], pad_id,
+                     model.config.vocab_size).to(device)
         loss = sft_loss(model, batch)
         value = float(loss.detach())
         if math.isfinite(value):

@@ -21,7 +21,6 @@ On many ranks (`torchrun --nproc-per-node N -m miles_k3.train parallel.dp=N ...`
 part of each step's prompts; the metrics, the step line, the bar and the summary are rank 0's (global values),
 and an error is raised naming the rank that saw it.
 """
-import functools
 import logging
 import signal
 import time
@@ -42,7 +41,6 @@ from miles_k3.parallel.mesh import naming_rank, shutdown
 from miles_k3.parallel.reduce import max_over, world_of
 from miles_k3.runtime import resolve_device, resolve_dtype
 from miles_k3.trainer.checkpoint import ADAPTER_DIR, save_checkpoint
-from miles_k3.trainer.checkpoint_ranks import save_checkpoint_ranks
 from miles_k3.trainer.rollouts import check_on_policy, collect_rollouts
 from miles_k3.trainer.step import train_step
 from miles_k3.weight_sync.push import SyncError
@@ -230,11 +228,12 @@ def log_samples(run: Run, samples: list, step: int) -> None:
 def checkpoint(run: Run, step: int, raw_yaml: str, version: int | None = None) -> Path:
     """One checkpoint of the run at `step` (on many ranks every rank's state in one directory, together); the
     adapter's weight version is `version` (None: run.version, the one the engine serves)."""
-    save = save_checkpoint if not run.ctx.distributed else functools.partial(save_checkpoint_ranks, run.ctx)
-    path = save(run.run_dir, step, run.model, run.cfg.lora, run.opt, run.sched,
-                {"stream": run.stream.state()}, {"weight_version": run.version if version is None else version},
-                raw_yaml, keep=run.cfg.keep_checkpoints,
-                base_model_name_or_path=run.cfg.model.hf_path or run.cfg.model.path or run.cfg.model.name)
+    path = save_checkpoint(run.run_dir, step, run.model, run.cfg.lora, run.opt, run.sched,
+                           {"stream": run.stream.state()},
+                           {"weight_version": run.version if version is None else version}, raw_yaml,
+                           keep=run.cfg.keep_checkpoints,
+                           base_model_name_or_path=run.cfg.model.hf_path or run.cfg.model.path or run.cfg.model.name,
+                           ctx=run.ctx)
     run.guard.last_good = path
     run.last_checkpoint = path
     log.info("checkpoint: %s", path)

@@ -3,7 +3,8 @@ single-process model built with the same seed and the same (non-zero) LoRA, the 
 here from the ranks' vocabulary shards), every LoRA gradient after `reduce_gradients` (the rank's slice of the
 single-process gradient), the global gradient norm, a decode step from a prefilled state, the rollout engine's
 greedy tokens and log-probs (eager and static decode), a drawn-seed sample that both ranks agree on, and the
-vocab-parallel token_logprobs / token_entropy (values and gradients). Plus CPU unit tests of the refusals.
+vocab-parallel token_logprobs_and_entropy (values and gradients; the one-process side is the same function with no
+vocab_shard). Plus CPU unit tests of the refusals.
 
 Tolerance: fp32 in another reduction order (row-parallel partial sums, vocab-parallel log-softmax), 1e-5
 (gradients: 5e-5 of each tensor's largest entry, after backward through 9 layers). Observed, max |tp - single|:
@@ -71,13 +72,12 @@ def _tokens_and_logprobs(results: list[dict]) -> list[tuple[list[int], list[floa
 
 def _run(model: K3ForCausalLM, vocab_shard=None) -> dict:
     """Everything both sides compute: logits, log-probs/entropy, the LoRA gradients, a decode step."""
-    from miles_k3.trainer.losses import token_entropy, token_logprobs
+    from miles_k3.trainer.losses import token_logprobs_and_entropy
     device = model.lm_head.weight.device
     ids, lens = torch.tensor(IDS, device=device), torch.tensor(SEQ_LENS, device=device)
     logits = model(ids, seq_lens=lens).logits
     targets = torch.roll(ids, -1, dims=1)
-    logp = token_logprobs(logits, targets, CHUNK, vocab_shard=vocab_shard)
-    ent = token_entropy(logits, CHUNK, vocab_shard=vocab_shard)
+    logp, ent = token_logprobs_and_entropy(logits, targets, CHUNK, vocab_shard=vocab_shard)
     w_logp, w_ent = (w.to(device) for w in _loss_weights(*ids.shape))
     ((logp * w_logp).sum() + (ent * w_ent).sum()).backward()
     with torch.no_grad():
@@ -97,10 +97,9 @@ def _leaf_logits() -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _losses_alone(z: torch.Tensor, tokens: torch.Tensor, vocab_shard=None) -> dict:
-    from miles_k3.trainer.losses import token_entropy, token_logprobs
+    from miles_k3.trainer.losses import token_logprobs_and_entropy
     z = z.clone().requires_grad_()  # on the device of the caller's logits
-    logp = token_logprobs(z, tokens, CHUNK, vocab_shard=vocab_shard)
-    ent = token_entropy(z, CHUNK, vocab_shard=vocab_shard)
+    logp, ent = token_logprobs_and_entropy(z, tokens, CHUNK, vocab_shard=vocab_shard)
     w_logp, w_ent = (w.to(z.device).double() for w in _loss_weights(*tokens.shape))
     ((logp * w_logp).sum() + (ent * w_ent).sum()).backward()
     return {"logp": logp.detach().cpu(), "ent": ent.detach().cpu(), "grad": z.grad.cpu()}

@@ -250,10 +250,15 @@ def test_filtered_sampling_is_announced_at_start(caplog):
     from miles_k3.trainer.rollouts import RolloutConfig
 
     with caplog.at_level("WARNING", logger="miles_k3.train"):
-        _warn_filtered_logprobs(RolloutConfig())
+        _warn_filtered_logprobs(RolloutConfig(), "native")
     assert caplog.text == ""
     with caplog.at_level("WARNING", logger="miles_k3.train"):
-        _warn_filtered_logprobs(RolloutConfig(top_p=0.9))
-        _warn_filtered_logprobs(RolloutConfig(top_k=20))
+        _warn_filtered_logprobs(RolloutConfig(top_p=0.9), "native")
+        _warn_filtered_logprobs(RolloutConfig(top_k=20), "native")
     assert caplog.text.count("the engine reports log-probs of the filtered") == 2
+    assert caplog.text.count("and its unfiltered ones, which the loss") == 2
     assert "rollout/logprob_filter_gap" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="miles_k3.train"):
+        _warn_filtered_logprobs(RolloutConfig(top_k=20), "sglang")
+    assert "SGLang: not the unfiltered ones" in caplog.text

@@ -8,7 +8,7 @@ from miles_k3.trainer.batch import Sample, micro_batches, pack
 def test_pack_aligns_targets_mask_and_rollout_logprobs():
     a = Sample([1, 2, 3], [4, 5], rollout_logprobs=[-0.5, -0.25], advantage=1.5)
     b = Sample([7], [8, 9, 10], rollout_logprobs=[-1.0, -2.0, -3.0], advantage=-0.5)
-    batch = pack([a, b], pad_id=0)
+    batch = pack([a, b], pad_id=0, vocab_size=16)
     # a: sequence 1 2 3 4 5 -> inputs 1 2 3 4, targets 2 3 4 5; response targets 4, 5 at positions 2, 3
     # b: sequence 7 8 9 10 -> inputs 7 8 9, targets 8 9 10, all response; T = 5 - 1 = 4
     assert batch.input_ids_BT.tolist() == [[1, 2, 3, 4], [7, 8, 9, 0]]
@@ -21,11 +21,29 @@ def test_pack_aligns_targets_mask_and_rollout_logprobs():
 
 def test_pack_rejects_malformed_samples():
     with pytest.raises(ValueError, match="sample 1: needs a non-empty prompt and response"):
-        pack([Sample([1], [2]), Sample([1], [])], 0)
+        pack([Sample([1], [2]), Sample([1], [])], 0, 16)
     with pytest.raises(ValueError, match="sample 0: 1 rollout logprobs for 2 response tokens"):
-        pack([Sample([1], [2, 3], rollout_logprobs=[-1.0])], 0)
+        pack([Sample([1], [2, 3], rollout_logprobs=[-1.0])], 0, 16)
     with pytest.raises(ValueError, match="no samples"):
-        pack([], 0)
+        pack([], 0, 16)
+    with pytest.raises(ValueError, match=r"sample 1: token id 16 at response position 1 is outside the model's "
+                                         r"vocabulary \[0, 16\)"):
+        pack([Sample([1], [2]), Sample([1, 2], [3, 16])], 0, 16)
+    with pytest.raises(ValueError, match=r"sample 0: token id -1 at prompt position 0"):
+        pack([Sample([-1], [2])], 0, 16)
+    with pytest.raises(ValueError, match=r"pad_id 16 is outside the vocabulary \[0, 16\)"):
+        pack([Sample([1], [2])], 16, 16)
+    with pytest.raises(ValueError, match="sample 0: 1 unfiltered logprobs for 2 response tokens"):
+        pack([Sample([1], [2, 3], unfiltered_logprobs=[-1.0])], 0, 16)
+
+
+def test_pack_takes_the_unfiltered_engine_logprobs_when_the_engine_filtered():
+    # top-k sampling: rollout_logprobs are the filtered distribution's, unfiltered_logprobs the whole vocabulary's,
+    # which the trainer's log-probs are comparable with (old_logprobs=rollout, TIS, the gap metric)
+    filtered = Sample([1], [2, 3], rollout_logprobs=[-0.1, -0.2], unfiltered_logprobs=[-0.5, -0.75])
+    plain = Sample([1], [4], rollout_logprobs=[-0.25])
+    batch = pack([filtered, plain], 0, 16)
+    assert batch.rollout_logp_BT.tolist() == [[-0.5, -0.75], [-0.25, 0.0]]
 
 
 def test_micro_batches_respect_the_padded_budget_in_order():
@@ -48,7 +66,7 @@ def test_packed_logits_score_each_response_token_like_the_unpadded_sequence():
     torch.manual_seed(0)
     model = K3ForCausalLM(K3Config.from_name("k3_tiny"), expert_format="mxfp4").eval()
     a, b = Sample([5, 6, 7], [8, 9]), Sample([11], [12, 13, 14, 15])
-    batch = pack([a, b], pad_id=0)
+    batch = pack([a, b], pad_id=0, vocab_size=model.config.vocab_size)
     with torch.no_grad():
         logp = torch.log_softmax(model(batch.input_ids_BT, seq_lens=batch.seq_lens_B).logits.float(), -1)
         for row, s in enumerate([a, b]):

@@ -17,6 +17,7 @@ import miles_k3.atomic
 from miles_k3.model.lora import LoRAConfig, apply_lora, lora_parameters
 from miles_k3.trainer import checkpoint as ckpt
 from miles_k3.trainer.checkpoint import (
+    CheckpointWriteError,
     ResumeError,
     find_latest,
     load_checkpoint,
@@ -134,8 +135,11 @@ def test_resume_is_bit_identical(base, tmp_path):
 def test_layout_and_weights_only_files(base, tmp_path):
     path = Run(base).save(tmp_path, 5)
     assert path == tmp_path / "checkpoints" / "step_00000005"
-    assert sorted(p.name for p in path.iterdir()) == ["adapter", "config.yaml", "optimizer.pt", "rng.pt",
-                                                      "state.json"]
+    assert sorted(p.name for p in path.iterdir()) == ["adapter", "config.yaml", "mesh.json", "rank-00000",
+                                                      "state.json"]  # one layout for one rank and many
+    assert json.loads((path / "mesh.json").read_text()) == {"dp": 1, "tp": 1, "ep": 1, "world": 1}
+    own = path / "rank-00000"
+    assert sorted(p.name for p in own.iterdir()) == ["adapter_shard.pt", "optimizer.pt", "rng.pt"]
     assert sorted(p.name for p in (path / "adapter").iterdir()) == ["adapter_config.json",
                                                                     "adapter_model.safetensors"]
     assert json.loads((path / "adapter" / "adapter_config.json").read_text())["base_model_name_or_path"] \
@@ -143,12 +147,14 @@ def test_layout_and_weights_only_files(base, tmp_path):
     assert (path / "config.yaml").read_text() == CONFIG_TEXT
     assert json.loads((path / "state.json").read_text())["step"] == 5
     assert _latest_text(tmp_path) == "step_00000005"
-    rng = torch.load(path / "rng.pt", weights_only=True)
+    rng = torch.load(own / "rng.pt", weights_only=True)
     assert torch.equal(rng["torch"], torch.get_rng_state())
     assert rng["numpy"]["keys"].shape == (624,) and len(rng["python"]["internal"]) == 625
-    blob = torch.load(path / "optimizer.pt", weights_only=True)
+    blob = torch.load(own / "optimizer.pt", weights_only=True)
     assert blob["scheduler"]["last_epoch"] == 0
     assert blob["optimizer"]["param_groups"][0]["param_names"][0].endswith("lora_A.weight")
+    shard = torch.load(own / "adapter_shard.pt", weights_only=True)
+    assert sorted(shard) == sorted(Run(base).params) and all(t.device.type == "cpu" for t in shard.values())
 
 
 def test_refuses_state_that_is_not_json(base, tmp_path):
@@ -170,7 +176,7 @@ def test_keep_prunes_older_checkpoints(base, tmp_path):
         ["latest", "step_00000004", "step_00000005"]
     assert find_latest(tmp_path) == tmp_path / "checkpoints" / "step_00000005"
     # an incomplete directory does not count as one of the kept checkpoints, and is deleted
-    (tmp_path / "checkpoints" / "step_00000005" / "rng.pt").unlink()
+    (tmp_path / "checkpoints" / "step_00000005" / "rank-00000" / "rng.pt").unlink()
     run.save(tmp_path, 6, keep=2)
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == \
         ["latest", "step_00000004", "step_00000006"]
@@ -201,7 +207,7 @@ def test_find_latest_ignores_staging_leftovers_and_incomplete_dirs(base, tmp_pat
     no_optimizer = root / "step_00000007"
     ckpt.shutil.copytree(root / "step_00000002", no_optimizer)
     (no_optimizer / "state.json").write_text(json.dumps({"step": 7}))
-    (no_optimizer / "optimizer.pt").unlink()
+    (no_optimizer / "rank-00000" / "optimizer.pt").unlink()
     bad_state = root / "step_00000008"
     ckpt.shutil.copytree(root / "step_00000002", bad_state)
     (bad_state / "state.json").write_text('{"step": 8, "data_st')
@@ -247,7 +253,8 @@ def test_crash_during_save_keeps_previous_checkpoint_and_latest(base, tmp_path, 
     first = run.save(tmp_path, 1)
     before = _tree_digest(first)
     fail(monkeypatch)
-    with pytest.raises(OSError, match="simulated crash"):
+    with pytest.raises(CheckpointWriteError, match=r"checkpoint of step 2: .*rank 0.*simulated crash.*the previous "
+                                                   r"checkpoint is kept"):
         run.save(tmp_path, 2)
     monkeypatch.undo()
     root = tmp_path / "checkpoints"
@@ -264,7 +271,7 @@ def test_crash_before_the_pointer_moves_resumes_from_the_previous_checkpoint(bas
     def crash(dest, text):
         raise OSError("simulated crash before latest was updated")
     monkeypatch.setattr(ckpt, "atomic_write_text", crash)
-    with pytest.raises(OSError, match="simulated"):
+    with pytest.raises(CheckpointWriteError, match="simulated"):
         run.save(tmp_path, 2)
     monkeypatch.undo()
     assert ckpt.is_complete(tmp_path / "checkpoints" / "step_00000002")
@@ -274,7 +281,8 @@ def test_crash_before_the_pointer_moves_resumes_from_the_previous_checkpoint(bas
 
 
 # ---- corrupt files -------------------------------------------------------------------------------------
-@pytest.mark.parametrize("member", ["optimizer.pt", "rng.pt", "adapter/adapter_model.safetensors"])
+@pytest.mark.parametrize("member", ["rank-00000/optimizer.pt", "rank-00000/rng.pt", "rank-00000/adapter_shard.pt",
+                                    "adapter/adapter_model.safetensors"])
 def test_truncated_file_gives_a_clear_error_and_changes_nothing(base, tmp_path, member):
     run = Run(base)
     run.save(tmp_path, 1)
@@ -297,7 +305,7 @@ def test_truncated_file_gives_a_clear_error_and_changes_nothing(base, tmp_path, 
 def test_truncated_first_checkpoint_suggests_starting_over(base, tmp_path):
     run = Run(base)
     only = run.save(tmp_path, 1)
-    (only / "optimizer.pt").write_bytes(b"PK\x03\x04")
+    (only / "rank-00000" / "optimizer.pt").write_bytes(b"PK\x03\x04")
     with pytest.raises(ValueError, match=r"optimizer\.pt: unreadable, the file is truncated or corrupt.*resume=none"):
         run.load(only)
 
@@ -352,3 +360,30 @@ def test_resolve_resume(base, tmp_path):
         resolve_resume(str(missing), tmp_path)
     with pytest.raises(ValueError, match="is not a checkpoint directory"):
         resolve_resume(str(tmp_path), tmp_path)
+
+
+# ---- the old one-process layout ---------------------------------------------------------------------------
+OLD_LAYOUT_MESSAGE = (r"a checkpoint in the one-process layout of before \(optimizer.pt and rng.pt beside adapter/, no "
+                      r"mesh.json\); .* cannot resume it: start a new run")
+
+
+def _old_layout(path):
+    """`path` (a checkpoint of this layout) rewritten in the one-process layout of before."""
+    own = path / "rank-00000"
+    for name in ("optimizer.pt", "rng.pt"):
+        (own / name).rename(path / name)
+    ckpt.shutil.rmtree(own)
+    (path / "mesh.json").unlink()
+    return path
+
+
+def test_a_checkpoint_in_the_old_one_process_layout_is_refused_saying_what_it_is(base, tmp_path):
+    run = Run(base)
+    old = _old_layout(run.save(tmp_path, 1))
+    before = run.snapshot()
+    with pytest.raises(ResumeError, match=rf"^{old}: {OLD_LAYOUT_MESSAGE}"):
+        run.load(old)
+    _assert_identical(before, run.snapshot())
+    with pytest.raises(ResumeError, match=rf"^{old}: {OLD_LAYOUT_MESSAGE}"):  # auto does not start over silently
+        resolve_resume("auto", tmp_path)
+    assert resolve_resume("none", tmp_path) is None

@@ -463,3 +463,38 @@ def test_the_trainer_computes_in_the_models_dtype_unless_autocast_is_on():
     assert max(abs(a - b) for a, b in zip(bf16, plain)) > 1e-4
     with pytest.raises(ValueError, match=r"^autocast_bf16: 'auto' is gone: .*bf16 autocast.*fp32.*use off"):
         TrainerConfig(autocast_bf16="auto").validate()
+
+
+class _FourTokenPolicy(torch.nn.Module):
+    """A policy over a 4-token vocabulary that ignores its input: p = [0.4, 0.3, 0.2, 0.1] at every position (plus a
+    trainable logit bias named like an adapter, zero at the start)."""
+
+    def __init__(self):
+        super().__init__()
+        from types import SimpleNamespace
+
+        self.config = SimpleNamespace(vocab_size=4)
+        self.activation_checkpointing = False
+        self.lora_bias = torch.nn.Parameter(torch.zeros(4))
+
+    def forward(self, ids_BT, seq_lens=None):
+        from types import SimpleNamespace
+
+        base = torch.tensor([0.4, 0.3, 0.2, 0.1]).log()
+        return SimpleNamespace(logits=(base + self.lora_bias).expand(*ids_BT.shape, 4))
+
+
+@pytest.mark.parametrize("unfiltered, ratio", [(True, 1.0), (False, 0.7)])
+def test_old_logprobs_rollout_under_top_k_starts_at_ratio_1_with_the_unfiltered_logprobs(unfiltered, ratio):
+    # top_k=2 keeps tokens 0 and 1: the engine samples token 1 from [0.4, 0.3] / 0.7, filtered log-prob ln(3/7);
+    # under the whole vocabulary it is ln 0.3. The trainer's log-prob is ln 0.3, so the step-0 ratio against the
+    # unfiltered old log-prob is exactly 1; against the filtered one it would be exp(ln 0.3 - ln 3/7) = 0.7 < 1.
+    model = _FourTokenPolicy()
+    params = {"head.lora_bias": model.lora_bias}
+    opt = build_optimizer(params, OptimConfig(lr=1e-2))
+    sample = Sample([0], [1], rollout_logprobs=[math.log(3 / 7)], advantage=1.0,
+                    unfiltered_logprobs=[math.log(0.3)] if unfiltered else [])
+    m = train_step(model, [sample], TrainerConfig(old_logprobs="rollout"), opt, build_scheduler(opt, OptimConfig()),
+                   params, 0, CPU)
+    assert m["train/ratio_mean"] == pytest.approx(ratio, rel=1e-6)
+    assert m["train/skipped"] == 0.0

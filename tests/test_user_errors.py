@@ -245,3 +245,27 @@ def test_grade_prints_the_summary_even_when_out_cannot_be_written(gold, tmp_path
     out, err = capsys.readouterr()
     assert json.loads(out)["num_problems"] == 2
     assert err.startswith(f"miles_k3.grade: --out {tmp_path / 'file/o'}: the reports could not be written (")
+
+
+# ---- the engine's filtered log-probs in the loss -------------------------------------------------------------------
+SGLANG_QWEN = ["engine.backend=sglang", "model.hf_path=/ckpt/qwen3"]
+
+
+@pytest.mark.parametrize("overrides, field", [
+    (["rollout.top_p=0.9", "trainer.old_logprobs=rollout"], "trainer.old_logprobs=rollout"),
+    (["rollout.top_k=20", "trainer.loss.tis=token_truncate"], "trainer.loss.tis=token_truncate"),
+])
+def test_sglang_filtered_sampling_is_refused_where_its_logprobs_enter_the_loss(overrides, field):
+    with pytest.raises(ConfigFieldError, match=rf"^{field}: with engine.backend=sglang and rollout.top_p=.* the "
+                                               r"engine's log-probs are of the filtered distribution .* set "
+                                               r"rollout.top_p=1.0 rollout.top_k=-1, or engine.backend=native"):
+        compose_config("train", SGLANG_QWEN + overrides)
+
+
+@pytest.mark.parametrize("overrides", [
+    SGLANG_QWEN + ["rollout.top_p=0.9"],  # recompute, no TIS: the engine's log-probs only feed metrics
+    SGLANG_QWEN + ["trainer.old_logprobs=rollout"], SGLANG_QWEN + ["trainer.loss.tis=token_truncate"],  # unfiltered
+    ["rollout.top_k=20", "trainer.old_logprobs=rollout"], ["rollout.top_p=0.9", "trainer.loss.tis=seq_mask"],  # native
+])
+def test_engine_logprobs_of_the_whole_vocabulary_are_accepted(overrides):
+    compose_config("train", overrides)

@@ -2,10 +2,14 @@
 budget.
 
 A `Sample` is one completion of one prompt (its prompt and response token ids, the engine's per-token logprobs,
-its reward and advantage). `pack(samples, pad_id)` lays them out left-aligned in [B, T] with T the longest
+its reward and advantage). `pack(samples, pad_id, vocab_size)` lays them out left-aligned in [B, T] with T the longest
 prompt + response - 1: row b holds tokens x_0 .. x_{L_b - 2} of its sequence (prompt then response), and
 `targets_BT[b, t] = x_{t+1}`, so the logits at position t score the target at t. `mask_BT` is 1 exactly where
-the target is a response token (of a sample that is `in_loss`). `micro_batches(samples, max_tokens)` splits a step's samples into groups whose
+the target is a response token (of a sample that is `in_loss`). `rollout_logp_BT` holds the engine's log-probs
+of the policy it sampled from: the unfiltered ones when top-p / top-k filtered the sampling (the trainer's
+log-probs are over the whole vocabulary, so the PPO old policy, TIS and the gap metric compare like with like),
+else the sampling ones. `pack` is where a step's token ids and log-prob counts are checked (on the host, before
+the batch moves to the device): the loss path checks nothing per micro-batch that would sync with the device. `micro_batches(samples, max_tokens)` splits a step's samples into groups whose
 padded size (rows x longest row) stays within the budget, in their original order.
 
 A sample may carry the engine's routes (`routed_experts`: the top-k expert ids of every MoE layer at each of its
@@ -51,7 +55,8 @@ class TrainBatch:
     seq_lens_B: torch.Tensor  # int64: real positions per row (length - 1)
     targets_BT: torch.Tensor  # int64: the next token at each position (pad where none)
     mask_BT: torch.Tensor  # float32: 1 where the target is a response token
-    rollout_logp_BT: torch.Tensor  # float32: the engine's logprob of each response target (0 elsewhere)
+    rollout_logp_BT: torch.Tensor  # float32: the engine's (unfiltered, when it filtered) logprob of each response
+    # target (0 elsewhere)
     adv_B: torch.Tensor  # float32
     old_logp_BT: torch.Tensor  # float32: Sample.old_logprobs of each response target (0 elsewhere or when none)
     routes_BTLK: torch.Tensor | None = None  # int16: the engine's routes of each position (None: not every sample
@@ -72,12 +77,16 @@ class TrainBatch:
                             for f in self.__dataclass_fields__))
 
 
-def pack(samples: list[Sample], pad_id: int) -> TrainBatch:
-    """The samples as one left-aligned, right-padded batch (see the module docstring)."""
+def pack(samples: list[Sample], pad_id: int, vocab_size: int) -> TrainBatch:
+    """The samples as one left-aligned, right-padded batch (see the module docstring). Raises ValueError naming
+    the sample (and the position of a token id) for a sample the trainer cannot score: an empty prompt or
+    response, a token id or pad_id outside [0, vocab_size), log-prob or route counts that do not match."""
     if not samples:
         raise ValueError("pack: no samples")
+    if not 0 <= pad_id < vocab_size:
+        raise ValueError(f"pack: pad_id {pad_id} is outside the vocabulary [0, {vocab_size})")
     for i, s in enumerate(samples):
-        _check_sample(i, s)
+        _check_sample(i, s, vocab_size)
     t = max(s.length for s in samples) - 1
     b = len(samples)
     ids = torch.full((b, t), pad_id, dtype=torch.int64)
@@ -90,8 +99,9 @@ def pack(samples: list[Sample], pad_id: int) -> TrainBatch:
         n, p = len(seq) - 1, len(s.prompt_ids)
         ids[row, :n], targets[row, :n] = seq[:-1], seq[1:]
         mask[row, p - 1:n] = 1.0 if s.in_loss else 0.0  # position p - 1 scores the first response token
-        if s.rollout_logprobs:
-            rollout[row, p - 1:n] = torch.tensor(s.rollout_logprobs, dtype=torch.float32)
+        engine_logprobs = s.unfiltered_logprobs or s.rollout_logprobs
+        if engine_logprobs:
+            rollout[row, p - 1:n] = torch.tensor(engine_logprobs, dtype=torch.float32)
         if s.old_logprobs:
             old[row, p - 1:n] = torch.tensor(s.old_logprobs, dtype=torch.float32)
     lens = torch.tensor([s.length - 1 for s in samples], dtype=torch.int64)
@@ -112,16 +122,25 @@ def _pack_routes(samples: list[Sample], t: int) -> torch.Tensor | None:
     return out
 
 
-def _check_sample(i: int, s: Sample) -> None:
+def _check_sample(i: int, s: Sample, vocab_size: int) -> None:
     if not s.prompt_ids or not s.response_ids:
         raise ValueError(f"sample {i}: needs a non-empty prompt and response, got {len(s.prompt_ids)} prompt and "
                          f"{len(s.response_ids)} response tokens")
+    for pos, t in enumerate(s.prompt_ids + s.response_ids):
+        if not 0 <= t < vocab_size:
+            part = f"prompt position {pos}" if pos < len(s.prompt_ids) else \
+                f"response position {pos - len(s.prompt_ids)}"
+            raise ValueError(f"sample {i}: token id {t} at {part} is outside the model's vocabulary [0, {vocab_size}) "
+                             "(a tokenizer that does not match the model?)")
     r = s.routed_experts
     if r is not None and (r.ndim != 3 or r.shape[0] != s.length - 1):
         raise ValueError(f"sample {i}: routed_experts of shape {tuple(r.shape)}; its prompt + response - 1 = "
                          f"{s.length - 1} positions need [{s.length - 1}, MoE layers, top_k]")
     if s.rollout_logprobs and len(s.rollout_logprobs) != len(s.response_ids):
         raise ValueError(f"sample {i}: {len(s.rollout_logprobs)} rollout logprobs for {len(s.response_ids)} "
+                         "response tokens (the engine returns one per generated token)")
+    if s.unfiltered_logprobs and len(s.unfiltered_logprobs) != len(s.response_ids):
+        raise ValueError(f"sample {i}: {len(s.unfiltered_logprobs)} unfiltered logprobs for {len(s.response_ids)} "
                          "response tokens (the engine returns one per generated token)")
     if s.old_logprobs and len(s.old_logprobs) != len(s.response_ids):
         raise ValueError(f"sample {i}: {len(s.old_logprobs)} old logprobs for {len(s.response_ids)} response tokens")

@@ -1,432 +1,266 @@
-"""Trainer checkpoints: everything a run needs to continue bit-for-bit, written whole or not at all.
+"""Trainer checkpoints: everything a run needs to continue bit-for-bit, written whole or not at all, one code path
+for one rank and many (`ctx`; SINGLE: one process, a mesh of one). The layout, finding and resolving a checkpoint,
+and the checks of its files: `checkpoint_files.py`.
 
-Layout under `<run_dir>/checkpoints/`:
-  step_<NNNNNNNN>/          one per saved step (8-digit, zero-padded)
-    adapter/                the PEFT LoRA directory (`miles_k3.adapter.save_adapter`), servable as is
-    optimizer.pt            {"optimizer": AdamW state dict (with param_names), "scheduler": LambdaLR state dict}
-    rng.pt                  torch CPU and CUDA RNG states, python `random` and numpy global states
-    state.json              {"step", "data_state" (the data cursor), "extra_state" (weight version, metrics...)}
-    config.yaml             the run's resolved config, as given
-  latest                    text: the name of the newest published step directory
+Saving is a transaction over the world: rank 0 stages the step directory (`atomic.stage_directory`, a hidden
+`.step_*.tmp-*` sibling) and sends its path; every rank writes its rank-<RRRRR>/ files (optimizer and scheduler,
+RNG states, its adapter parameters); their verdicts are reduced (that is the barrier: no rank goes on before
+every rank has written); then rank 0 writes the shared members (the whole adapter as a PEFT directory,
+state.json, config.yaml, mesh.json), publishes the directory (renamed into place), points `latest` at it
+(`atomic_write_text`) and prunes; its verdict is sent to every rank. A failure anywhere leaves the previous
+checkpoint and `latest` as they were and raises CheckpointWriteError on every rank, naming the rank.
 
-A run on many ranks (`checkpoint_ranks.py`) writes the same step directories with the per-rank state apart:
-adapter/ (the whole adapter, written by rank 0), state.json and config.yaml as above, mesh.json (the mesh that
-wrote it: {"dp", "tp", "ep", "world"}) and rank-<RRRRR>/ per rank with that rank's optimizer.pt, rng.pt and
-adapter_shard.pt (its LoRA parameters by name: its shards under TP/EP). A checkpoint resumes only on the mesh
-that wrote it (a directory without mesh.json: one process).
-
-A step directory is built under a hidden `.step_*.tmp-*` sibling and renamed into place
-(`atomic_directory`), and only then is `latest` rewritten (`atomic_write_text`), so a crash leaves the
-previous checkpoint and pointer untouched. The .pt files hold only tensors, numbers, strings, lists, tuples
-and dicts, and are read with `torch.load(weights_only=True)`. Older step directories beyond `keep` are
-deleted after the new one is published.
+Loading checks everything on every rank first (mesh, LoRA config, state, the whole adapter's file, this rank's
+files against its parameters and optimizer), reduces the verdicts, and only then does every rank restore its
+state (or none does). The directory must be on a file system every rank sees (one node, or a shared one).
 """
 from __future__ import annotations
 
 import json
-import logging
-import os
-import random
-import re
 import shutil
 from pathlib import Path
-from typing import Any
 
-import numpy as np
 import torch
+from safetensors import safe_open
 from torch import nn
 
-from miles_k3.adapter import CONFIG_FILE, WEIGHTS_FILE, load_adapter, read_adapter_config, save_adapter
-from miles_k3.atomic import atomic_directory, atomic_write_text
-from miles_k3.model.lora import LoRAConfig, applied_lora_config
-
-log = logging.getLogger(__name__)
-
-CHECKPOINTS = "checkpoints"
-LATEST = "latest"
-ADAPTER_DIR = "adapter"
-OPTIMIZER_FILE = "optimizer.pt"
-RNG_FILE = "rng.pt"
-STATE_FILE = "state.json"
-CONFIG_YAML = "config.yaml"
-MEMBER_FILES = (f"{ADAPTER_DIR}/{CONFIG_FILE}", f"{ADAPTER_DIR}/{WEIGHTS_FILE}", OPTIMIZER_FILE, RNG_FILE,
-                STATE_FILE, CONFIG_YAML)
-MESH_FILE = "mesh.json"
-SHARD_FILE = "adapter_shard.pt"
-RANK_FILES = (OPTIMIZER_FILE, RNG_FILE, SHARD_FILE)
-"""Each rank's files in its rank-<RRRRR>/ directory of a checkpoint written on many ranks."""
-RANKS_TOP_FILES = (f"{ADAPTER_DIR}/{CONFIG_FILE}", f"{ADAPTER_DIR}/{WEIGHTS_FILE}", STATE_FILE, CONFIG_YAML,
-                   MESH_FILE)
-MESH_KEYS = ("dp", "tp", "ep", "world")
-ONE_PROCESS = {"dp": 1, "tp": 1, "ep": 1, "world": 1}
-STEP_DIR = re.compile(r"step_(\d{8,})")  # published directories only: staging ones start with "."
-LEFTOVER = re.compile(r"\.(step_\d{8,}|latest)\.(tmp|old)-.*")
-
-
-class ResumeError(ValueError):
-    """A run cannot resume from the checkpoint asked for: the message names the file and what to do."""
-
-
-def step_dir_name(step: int) -> str:
-    return f"step_{step:08d}"
-
-
-def checkpoints_dir(run_dir: str | os.PathLike) -> Path:
-    return Path(run_dir) / CHECKPOINTS
-
-
-def rank_dir_name(rank: int) -> str:
-    return f"rank-{rank:05d}"
+from miles_k3.adapter import WEIGHTS_FILE, save_adapter
+from miles_k3.atomic import atomic_write_text, publish_directory, stage_directory
+from miles_k3.model.lora import LoRAConfig, applied_lora_config, lora_parameters
+from miles_k3.parallel.grads import whole
+from miles_k3.parallel.mesh import SINGLE, ParallelContext
+from miles_k3.parallel.reduce import broadcast, gather, ranks_where, world_of
+from miles_k3.trainer.checkpoint_files import (  # noqa: F401 - re-exported: the trainer's checkpoint API
+    ADAPTER_DIR,
+    CONFIG_YAML,
+    LATEST,
+    MESH_FILE,
+    OPTIMIZER_FILE,
+    OPTIMIZER_KEYS,
+    RNG_FILE,
+    RNG_KEYS,
+    SHARD_FILE,
+    STATE_FILE,
+    ResumeError,
+    check_lora_matches,
+    check_mesh,
+    check_optimizer_matches,
+    check_rng,
+    checkpoints_dir,
+    corrupt,
+    find_latest,
+    is_complete,
+    member_files,
+    mesh_of,
+    prune,
+    rank_dir_name,
+    read_pt,
+    read_state,
+    resolve_resume,
+    rng_state,
+    set_rng_state,
+    state_json,
+    step_dir_name,
+)
 
 
-# ---- the mesh that wrote a checkpoint --------------------------------------------------------------------
-def mesh_of(ctx) -> dict[str, int]:
-    """The mesh of a ParallelContext as a checkpoint records it."""
-    return {"dp": ctx.dp_size, "tp": ctx.tp_size, "ep": ctx.ep_size, "world": ctx.world_size}
+class CheckpointWriteError(RuntimeError):
+    """A rank could not write its part of a checkpoint; nothing was published (the message names the ranks)."""
 
 
-def checkpoint_mesh(path: Path) -> dict[str, int] | None:
-    """The mesh that wrote step directory `path` (ONE_PROCESS without a mesh.json); None for a mesh.json that is
-    unreadable or not a mesh."""
-    file = path / MESH_FILE
-    if not file.exists():
-        return dict(ONE_PROCESS)
-    try:
-        mesh = json.loads(file.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        return None
-    ok = isinstance(mesh, dict) and all(isinstance(mesh.get(k), int) and mesh[k] >= 1 for k in MESH_KEYS)
-    return {k: mesh[k] for k in MESH_KEYS} if ok else None
-
-
-def member_files(mesh: dict[str, int]) -> tuple[str, ...]:
-    """The files a complete step directory written by `mesh` holds."""
-    if mesh == ONE_PROCESS:
-        return MEMBER_FILES
-    return RANKS_TOP_FILES + tuple(f"{rank_dir_name(r)}/{f}" for r in range(mesh["world"]) for f in RANK_FILES)
-
-
-def mesh_text(mesh: dict[str, int]) -> str:
-    n = mesh["world"]
-    return f"dp={mesh['dp']} x tp={mesh['tp']}, ep={mesh['ep']} ({n} rank{'s' * (n != 1)})"
-
-
-def check_mesh(path: Path, have: dict[str, int]) -> None:
-    """The checkpoint at `path` was written by the mesh `have` (this run's): its optimizer, adapter and RNG
-    states are per rank of its mesh. ResumeError naming both meshes and how to resume otherwise."""
-    saved = checkpoint_mesh(path)
-    if saved is None:
-        raise corrupt(path, path / MESH_FILE, "unreadable or not a mesh (dp, tp, ep, world)")
-    if saved == have:
-        return
-    how = ("in one process (no torchrun)" if saved["world"] == 1 else
-           f"under torchrun with {saved['world']} processes in all")
-    raise ResumeError(f"{path}: the checkpoint was written by the mesh {mesh_text(saved)} and this run's mesh is "
-                      f"{mesh_text(have)}; its optimizer, adapter and RNG states are per rank of its mesh: resume "
-                      f"with parallel.dp={saved['dp']} parallel.tp={saved['tp']} parallel.ep={saved['ep']} {how}, "
-                      "or start a new run in another run_dir (its adapter/ directory holds the whole adapter, "
-                      "servable as is)")
-
-
-# ---- save ------------------------------------------------------------------------------------------------
-def save_checkpoint(run_dir: str | os.PathLike, step: int, model: nn.Module, lora_cfg: LoRAConfig,
-                    optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler,
-                    data_state: dict, extra_state: dict, config_text: str, keep: int = 3,
-                    base_model_name_or_path: str | None = None) -> Path:
-    """Write `<run_dir>/checkpoints/step_<step>/` atomically, then point `latest` at it, then delete all but
-    the newest `keep` step directories (never the new one). An existing directory for the same step is
-    replaced. `data_state` and `extra_state` must be JSON-serialisable (checked before anything is written).
-    `base_model_name_or_path` goes into the adapter's adapter_config.json. Returns the step directory."""
+def save_checkpoint(run_dir, step: int, model: nn.Module, lora_cfg: LoRAConfig, optimizer: torch.optim.Optimizer,
+                    scheduler, data_state: dict, extra_state: dict, config_text: str, keep: int = 3,
+                    base_model_name_or_path: str | None = None, ctx: ParallelContext = SINGLE) -> Path:
+    """Write `<run_dir>/checkpoints/step_<step>/` on every rank of `ctx` together (each passes its own model,
+    optimizer and scheduler; data_state, extra_state and config_text are rank 0's), then point `latest` at it,
+    then delete all but the newest `keep` step directories (never the new one). An existing directory for the
+    same step is replaced. `data_state` and `extra_state` must be JSON-serialisable (checked before anything is
+    written). `base_model_name_or_path` goes into the adapter's adapter_config.json. Returns the step directory
+    on every rank once it is published; CheckpointWriteError on every rank when any rank failed (nothing
+    published, the previous checkpoint and `latest` kept)."""
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ValueError(f"step: must be an int >= 0, got {step!r}")
     if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
         raise ValueError(f"keep: must be an int >= 1 (checkpoints to keep), got {keep!r}")
-    state_text = state_json(step, data_state, extra_state)
-    root = checkpoints_dir(run_dir)
-    dest = root / step_dir_name(step)
-    with atomic_directory(dest, overwrite=True) as tmp:
-        save_adapter(model, lora_cfg, tmp / ADAPTER_DIR, base_model_name_or_path=base_model_name_or_path)
-        torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()},
-                   tmp / OPTIMIZER_FILE)
-        torch.save(rng_state(), tmp / RNG_FILE)
-        (tmp / STATE_FILE).write_text(state_text, encoding="utf-8")
-        (tmp / CONFIG_YAML).write_text(config_text, encoding="utf-8")
-    atomic_write_text(root / LATEST, dest.name + "\n")
-    prune(root, step, keep)
+    state_text = state_json(step, data_state, extra_state)  # a bad value fails on every rank, before any write
+    world = world_of(ctx)
+    dest = checkpoints_dir(run_dir) / step_dir_name(step)
+    staging = broadcast(_attempt(lambda: stage_directory(dest, overwrite=True)) if ctx.is_main else None, world)
+    if isinstance(staging, str):
+        raise CheckpointWriteError(f"checkpoint of step {step}: rank 0 could not stage {dest} ({staging}); nothing "
+                                   "was written")
+    error = _attempt(lambda: _write_rank_files(staging / rank_dir_name(ctx.rank), model, optimizer, scheduler))
+    _raise_if_any(error, world, ctx, f"checkpoint of step {step}: could not write rank files under {staging}",
+                  staging)
+    whole_lora = whole_adapter(model, ctx)  # every rank: the shards of a tp / ep run gathered (a collective)
+    published = None
+    if ctx.is_main:
+        published = _attempt(lambda: _publish(staging, dest, step, model, lora_cfg, state_text, config_text, ctx,
+                                              keep, base_model_name_or_path, whole_lora))
+    published = broadcast(published, world)
+    if isinstance(published, str):
+        raise CheckpointWriteError(f"checkpoint of step {step}: rank 0 could not publish {dest}: {published}; the "
+                                   "previous checkpoint is kept")
     return dest
 
 
-def state_json(step: int, data_state: dict, extra_state: dict) -> str:
-    for name, value in (("data_state", data_state), ("extra_state", extra_state)):
-        if not isinstance(value, dict):
-            raise TypeError(f"{name}: must be a dict, got {type(value).__name__}")
-        try:
-            json.dumps(value)
-        except (TypeError, ValueError) as e:
-            raise ValueError(f"{name}: not JSON-serialisable ({e}); pass plain dicts, lists, strings and "
-                             "numbers (convert tensors with .item() / .tolist())") from None
-    return json.dumps({"step": step, "data_state": data_state, "extra_state": extra_state}, indent=2) + "\n"
-
-
-def prune(root: Path, step: int, keep: int) -> None:
-    """Keep the newest `keep` complete checkpoints at or below `step` (the new one among them) and delete the
-    other step directories at or below it (incomplete ones too), and staging leftovers. Directories of later
-    steps (left by a run that was resumed from an earlier checkpoint) are left alone."""
-    steps = sorted(_published_steps(root), reverse=True)
-    later = [s for s, _ in steps if s > step]
-    if later:
-        log.warning("%s: keeping step directories %s newer than the step just saved (%d): the run was resumed "
-                    "from an earlier checkpoint; delete them by hand if they are no longer wanted",
-                    root, later, step)
-    current = [p for s, p in steps if s <= step]
-    kept = {root / step_dir_name(step)} | set([p for p in current if is_complete(p)][:keep])
-    for path in current:
-        if path not in kept:
-            shutil.rmtree(path, ignore_errors=True)
-    for leftover in root.iterdir():
-        if LEFTOVER.fullmatch(leftover.name):
-            if leftover.is_dir():
-                shutil.rmtree(leftover, ignore_errors=True)
-            else:
-                leftover.unlink(missing_ok=True)
-
-
-def _published_steps(root: Path) -> list[tuple[int, Path]]:
-    if not root.is_dir():
-        return []
-    out = []
-    for p in root.iterdir():
-        m = STEP_DIR.fullmatch(p.name)
-        if m and p.is_dir():
-            out.append((int(m.group(1)), p))
-    return out
-
-
-# ---- RNG states ------------------------------------------------------------------------------------------
-def rng_state() -> dict[str, Any]:
-    """Every global RNG state, as weights_only-loadable values (tensors, ints, floats, strings, lists)."""
-    np_name, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
-    py_version, py_internal, py_gauss = random.getstate()
-    return {
-        "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-        "python": {"version": py_version, "internal": list(py_internal), "gauss_next": py_gauss},
-        "numpy": {"name": np_name, "keys": torch.from_numpy(np_keys.astype(np.int64)), "pos": int(np_pos),
-                  "has_gauss": int(np_has_gauss), "cached_gaussian": float(np_gauss)},
-    }
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    """Restore what `rng_state` returned. CUDA states are restored for the devices both runs have."""
-    torch.set_rng_state(state["torch"])
-    cuda = state["cuda"]
-    if cuda:
-        have = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if have != len(cuda):
-            log.warning("checkpoint has CUDA RNG states for %d device(s), this process sees %d; restoring %d",
-                        len(cuda), have, min(have, len(cuda)))
-        for i in range(min(have, len(cuda))):
-            torch.cuda.set_rng_state(cuda[i], i)
-    py = state["python"]
-    random.setstate((py["version"], tuple(py["internal"]), py["gauss_next"]))
-    npst = state["numpy"]
-    np.random.set_state((npst["name"], npst["keys"].numpy().astype(np.uint32), npst["pos"], npst["has_gauss"],
-                         npst["cached_gaussian"]))
-
-
-# ---- find, resolve ---------------------------------------------------------------------------------------
-def is_complete(path: str | os.PathLike) -> bool:
-    """Whether `path` is a step directory with every member file and a state.json that parses (its step
-    matching the directory name)."""
-    path = Path(path)
-    mesh = checkpoint_mesh(path)
-    if mesh is None or not all((path / f).is_file() for f in member_files(mesh)):
-        return False
+def _attempt(fn):
+    """fn()'s result, or its error as a one-line string: a rank that fails must still take part in the
+    collective that tells the others."""
     try:
-        state = json.loads((path / STATE_FILE).read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        return False
-    m = STEP_DIR.fullmatch(path.name)
-    return isinstance(state, dict) and m is not None and state.get("step") == int(m.group(1))
+        return fn()
+    except Exception as e:  # noqa: BLE001 - any failure to write is reported to every rank, then raised there
+        return f"{type(e).__name__}: {e}"
 
 
-def find_latest(run_dir: str | os.PathLike) -> Path | None:
-    """The checkpoint to resume from: the one `latest` names when it is complete, else the highest-step
-    complete step directory; hidden staging leftovers are ignored. None when there is none."""
-    root = checkpoints_dir(run_dir)
-    pointer = root / LATEST
-    if pointer.is_file():
-        name = pointer.read_text(encoding="utf-8").strip()
-        if STEP_DIR.fullmatch(name) and is_complete(root / name):
-            return root / name
-        log.warning("%s names %r, which is not a complete checkpoint; using the newest complete one", pointer,
-                    name)
-    for _, path in sorted(_published_steps(root), reverse=True):
-        if is_complete(path):
-            return path
-    return None
+def _raise_if_any(error, world, ctx: ParallelContext, what: str, staging: Path) -> None:
+    failed = ranks_where(isinstance(error, str), world)
+    if not failed:
+        return
+    reasons = gather(error if isinstance(error, str) else None, world)
+    if ctx.is_main:
+        shutil.rmtree(staging, ignore_errors=True)
+    raise CheckpointWriteError(f"{what}: " + "; ".join(f"rank {r}: {reasons[r]}" for r in failed) +
+                               "; nothing was published, the previous checkpoint is kept")
 
 
-def resolve_resume(resume: str, run_dir: str | os.PathLike) -> Path | None:
-    """The `resume` setting as a checkpoint directory: "auto" -> find_latest(run_dir) (None when there is
-    none), "none" or "" -> None, else a checkpoint directory, which must exist (ResumeError naming it)."""
-    value = (resume or "").strip()
-    if value.lower() == "auto":
-        return find_latest(run_dir)
-    if value.lower() in ("", "none"):
+def _write_rank_files(own: Path, model: nn.Module, optimizer, scheduler) -> Path:
+    own.mkdir()
+    shard = {n: p.detach().to("cpu", copy=True) for n, p in lora_parameters(model).items()}
+    torch.save(shard, own / SHARD_FILE)
+    torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}, own / OPTIMIZER_FILE)
+    torch.save(rng_state(), own / RNG_FILE)
+    return own
+
+
+def _publish(staging: Path, dest: Path, step: int, model, lora_cfg, state_text: str, config_text: str,
+             ctx: ParallelContext, keep: int, base: str | None, whole_lora: dict | None) -> Path:
+    """Rank 0: the shared members, then the directory published and `latest` moved to it (a failure before the
+    rename deletes the staging directory: the previous checkpoint stays the latest)."""
+    try:
+        save_whole_adapter(model, lora_cfg, staging / ADAPTER_DIR, base, whole_lora)
+        (staging / STATE_FILE).write_text(state_text, encoding="utf-8")
+        (staging / CONFIG_YAML).write_text(config_text, encoding="utf-8")
+        (staging / MESH_FILE).write_text(json.dumps(mesh_of(ctx)) + "\n", encoding="utf-8")
+        publish_directory(staging, dest)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    atomic_write_text(dest.parent / LATEST, dest.name + "\n")
+    prune(dest.parent, step, keep)
+    return dest
+
+
+def whole_adapter(model: nn.Module, ctx: ParallelContext) -> dict[str, torch.Tensor] | None:
+    """Every LoRA parameter's unsharded tensor (`grads.whole`: tensor-parallel halves over tp, expert LoRA over
+    ep), gathered on every rank; None when nothing is sharded (dp only: every rank holds the whole adapter)."""
+    if ctx.tp_size == 1 and ctx.ep_size == 1:
         return None
-    path = Path(value).expanduser()
-    if not path.exists():
-        raise ResumeError(f"resume={resume}: {path} does not exist; pass a checkpoint directory "
-                          f"({checkpoints_dir(run_dir)}/step_NNNNNNNN), auto (the newest in run_dir) "
-                          "or none (start fresh)")
-    if not path.is_dir() or not (path / STATE_FILE).is_file():
-        raise ResumeError(f"resume={resume}: {path} is not a checkpoint directory (no {STATE_FILE}); pass a "
-                         f"step directory such as {checkpoints_dir(run_dir)}/step_NNNNNNNN")
-    return path
+    return {n: whole(p, ctx) for n, p in lora_parameters(model).items()}
 
 
-# ---- load ------------------------------------------------------------------------------------------------
-def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer,
-                    scheduler: torch.optim.lr_scheduler.LRScheduler) -> dict:
-    """Restore a step directory: adapter tensors into `model`'s LoRA Parameters in place, the optimizer and
-    scheduler states, and every RNG state. `model` must already have LoRA (same rank, alpha, targets) and
-    `optimizer` must be built over its adapters (`build_optimizer(lora_parameters(model), ...)`). Every file
-    is read and checked before anything is changed. Returns the state.json dict.
+def save_whole_adapter(model: nn.Module, lora_cfg: LoRAConfig, path: Path, base: str | None,
+                       whole_lora: dict[str, torch.Tensor] | None) -> Path:
+    """Rank 0: the whole adapter as a PEFT directory (servable as is, expert keys with global ids). `whole_lora`
+    (`whole_adapter`): the gathered tensors of a tp / ep run, written in place of rank 0's shards (its
+    parameters hold them only while the file is written); None: rank 0's adapter is the whole one."""
+    if whole_lora is None:
+        return save_adapter(model, lora_cfg, path, base_model_name_or_path=base)
+    params = lora_parameters(model)
+    shards = {n: p.data for n, p in params.items()}
+    try:
+        for n, p in params.items():
+            p.data = whole_lora[n]
+        return save_adapter(model, lora_cfg, path, base_model_name_or_path=base)
+    finally:
+        for n, p in params.items():
+            p.data = shards[n]
 
-    Raises ResumeError naming the file for a missing directory or a missing, truncated or corrupt member (with
-    the earlier checkpoint to resume from instead), for a run configured with another LoRA rank, alpha, targets
-    or use_rslora than the checkpoint was written with (both named, and how to resume or start over), for an
-    optimizer that does not match the checkpoint, or for a checkpoint written on many ranks (`check_mesh`)."""
-    path = Path(path)
-    if not path.is_dir():
-        raise ResumeError(f"{path}: checkpoint directory does not exist")
+
+def rng_file(ckpt: Path, ctx: ParallelContext = SINGLE) -> Path:
+    """This rank's RNG states in checkpoint `ckpt`."""
+    return Path(ckpt) / rank_dir_name(ctx.rank) / RNG_FILE
+
+
+def load_checkpoint(path, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler,
+                    ctx: ParallelContext = SINGLE) -> dict:
+    """Restore a step directory on every rank of `ctx` together: this rank's adapter tensors into `model`'s LoRA
+    Parameters in place, its optimizer and scheduler states and every RNG state, from its rank-<RRRRR>/ files,
+    once every rank has checked everything. `model` must already have LoRA (same rank, alpha, targets) and
+    `optimizer` must be built over its adapters (`build_optimizer(lora_parameters(model), ...)`). Returns the
+    state.json dict.
+
+    Raises ResumeError (on every rank, nothing restored anywhere) naming the file for a missing directory or a
+    missing, truncated or corrupt member (with the earlier checkpoint to resume from instead), for a run
+    configured with another LoRA rank, alpha, targets or use_rslora than the checkpoint was written with (both
+    named, and how to resume or start over), for an optimizer that does not match, for a checkpoint of another
+    mesh (both meshes named: `check_mesh`) or one in the old one-process layout."""
+    path, world = Path(path), world_of(ctx)
     if applied_lora_config(model) is None:
         raise ValueError("model: has no LoRA adapters; apply_lora(model, lora_cfg) and build the optimizer "
                          "over lora_parameters(model) before load_checkpoint")
-    check_mesh(path, ONE_PROCESS)
-    for member in MEMBER_FILES:
-        if not (path / member).is_file():
-            raise corrupt(path, path / member, "missing: the checkpoint is incomplete")
-    check_lora_matches(path, applied_lora_config(model))
-    state = read_state(path)
-    blobs = read_pt(path, path / OPTIMIZER_FILE, OPTIMIZER_KEYS)
-    rng = read_pt(path, path / RNG_FILE, RNG_KEYS)
-    check_optimizer_matches(path / OPTIMIZER_FILE, blobs["optimizer"], optimizer)
-    check_rng(path, path / RNG_FILE, rng)
     try:
-        load_adapter(model, path / ADAPTER_DIR)  # validates everything before it writes
-    except (ValueError, FileNotFoundError) as e:  # its message starts with the adapter file's path
-        raise ResumeError(f"{e}. This checkpoint cannot be resumed; {_earlier_hint(path)}") from None
+        loaded, error = _read_rank_state(ctx, path, model, optimizer), None
+    except ResumeError as e:
+        loaded, error = None, str(e)
+    failed = ranks_where(error is not None, world)
+    if failed:
+        reasons = gather(error, world)
+        if len(failed) == ctx.world_size and len(set(reasons)) == 1:  # the same on every rank (another mesh...)
+            raise ResumeError(error)
+        raise ResumeError("; ".join(f"rank {r}: {reasons[r]}" for r in failed))
+    state, blobs, rng, shard = loaded
+    params = lora_parameters(model)
+    with torch.no_grad():
+        for name, p in params.items():
+            p.copy_(shard[name])
     optimizer.load_state_dict(blobs["optimizer"])
     scheduler.load_state_dict(blobs["scheduler"])
     set_rng_state(rng)
     return state
 
 
-OPTIMIZER_KEYS = ("optimizer", "scheduler")
-RNG_KEYS = ("torch", "cuda", "python", "numpy")
-LORA_FIELDS = ("rank", "alpha", "targets", "use_rslora")
-"""The LoRA settings a checkpoint's tensors and optimizer state depend on (dropout does not matter)."""
+def _read_rank_state(ctx: ParallelContext, path: Path, model: nn.Module, optimizer) -> tuple:
+    """Everything this rank restores from `path`, checked; ResumeError naming the file."""
+    if not path.is_dir():
+        raise ResumeError(f"{path}: checkpoint directory does not exist")
+    mesh = mesh_of(ctx)
+    check_mesh(path, mesh)
+    for member in member_files(mesh):
+        if not (path / member).is_file():
+            raise corrupt(path, path / member, "missing: the checkpoint is incomplete")
+    check_lora_matches(path, applied_lora_config(model))
+    _check_adapter_file(path)
+    state = read_state(path)
+    own = path / rank_dir_name(ctx.rank)
+    blobs = read_pt(path, own / OPTIMIZER_FILE, OPTIMIZER_KEYS)
+    rng = read_pt(path, own / RNG_FILE, RNG_KEYS)
+    shard = read_pt(path, own / SHARD_FILE, ())
+    check_optimizer_matches(own / OPTIMIZER_FILE, blobs["optimizer"], optimizer)
+    check_rng(path, own / RNG_FILE, rng)
+    _check_shard(path, own / SHARD_FILE, shard, lora_parameters(model))
+    return state, blobs, rng, shard
 
 
-def check_lora_matches(path: Path, have: LoRAConfig) -> None:
-    """The run's LoRA is the one the checkpoint was written with; a difference is a config change, not damage."""
+def _check_shard(path: Path, file: Path, shard: dict, params: dict) -> None:
+    if sorted(shard) != sorted(params):
+        missing, unknown = sorted(set(params) - set(shard)), sorted(set(shard) - set(params))
+        raise corrupt(path, file, f"holds other adapter parameters than this rank's (missing {missing[:3]}, "
+                                  f"unknown {unknown[:3]})")
+    for name, p in params.items():
+        t = shard[name]
+        if not isinstance(t, torch.Tensor) or t.shape != p.shape or not t.is_floating_point():
+            raise corrupt(path, file, f"{name} is not a floating tensor of this rank's shape {tuple(p.shape)}")
+
+
+def _check_adapter_file(path: Path) -> None:
+    """The whole adapter's weights (servable as is, not read back: each rank restores its own shard) are a
+    readable safetensors file."""
+    file = path / ADAPTER_DIR / WEIGHTS_FILE
     try:
-        saved = read_adapter_config(path / ADAPTER_DIR)
-    except (ValueError, FileNotFoundError) as e:  # its message starts with the adapter file's path
-        raise ResumeError(f"{e}. This checkpoint cannot be resumed; {_earlier_hint(path)}") from None
-    differ = [f for f in LORA_FIELDS if _lora_value(saved, f) != _lora_value(have, f)]
-    if differ:
-        was = ", ".join(f"lora.{f}={_lora_value(saved, f)}" for f in differ)
-        now = ", ".join(f"lora.{f}={_lora_value(have, f)}" for f in differ)
-        raise ResumeError(f"{path}: the checkpoint was written with {was} and this run is configured with {now}; "
-                          f"set {was} to resume from it, or start a new run in another run_dir (its adapter "
-                          "and optimizer state hold the LoRA it was written with)")
-
-
-def _lora_value(cfg: LoRAConfig, name: str) -> str:
-    """A LoRA setting as a Hydra override value (targets sorted: their order does not matter)."""
-    value = getattr(cfg, name)
-    if name == "targets":
-        return "[" + ",".join(sorted(value)) + "]"
-    if name == "use_rslora":
-        return str(bool(value)).lower()
-    return str(float(value)) if name == "alpha" else str(value)
-
-
-def check_rng(path: Path, file: Path, rng: dict) -> None:
-    """Try the RNG states of `file` in checkpoint `path` (then put the current ones back), so a bad rng.pt fails
-    before anything changes."""
-    current = rng_state()
-    try:
-        set_rng_state(rng)
-    except (KeyError, TypeError, ValueError, RuntimeError, AttributeError) as e:
-        raise corrupt(path, file, f"not a valid RNG state ({type(e).__name__}: {e})") from None
-    finally:
-        set_rng_state(current)
-
-
-def read_state(path: Path) -> dict:
-    file = path / STATE_FILE
-    try:
-        state = json.loads(file.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise corrupt(path, file, f"unreadable ({e})") from None
-    if not isinstance(state, dict) or not isinstance(state.get("step"), int):
-        raise corrupt(path, file, "not a checkpoint state (a JSON object with an int 'step')")
-    return state
-
-
-def read_pt(path: Path, file: Path, keys: tuple[str, ...]) -> dict:
-    """The dict `file` (a .pt member of checkpoint `path`) holds, with `keys`; ResumeError naming the file."""
-    try:
-        blob = torch.load(file, map_location="cpu", weights_only=True)
-    except Exception as e:  # noqa: BLE001 - truncated zip, bad pickle, a refused type: the file is unusable
+        with safe_open(file, framework="pt") as f:
+            for key in f.keys():  # noqa: SIM118 - a safe_open handle is not iterable
+                f.get_slice(key)
+    except Exception as e:  # noqa: BLE001 - a truncated header, a bad offset: the file is unusable
         raise corrupt(path, file, f"unreadable, the file is truncated or corrupt ({type(e).__name__}: {e})"
-                       ) from None
-    if not isinstance(blob, dict) or any(k not in blob for k in keys):
-        raise corrupt(path, file, f"does not hold the expected entries {list(keys)}")
-    return blob
-
-
-def check_optimizer_matches(file: Path, saved: dict, optimizer: torch.optim.Optimizer) -> None:
-    """The saved optimizer state must be for the same parameters, by name, in the same order."""
-    try:
-        saved_names = [g.get("param_names") for g in saved["param_groups"]]
-        saved_counts = [len(g["params"]) for g in saved["param_groups"]]
-    except (KeyError, TypeError, AttributeError):
-        raise ResumeError(f"{file}: the optimizer state has no valid param_groups; the file is corrupt: resume "
-                          "from an earlier checkpoint") from None
-    names = [g.get("param_names") for g in optimizer.param_groups]
-    counts = [len(g["params"]) for g in optimizer.param_groups]
-    if saved_counts != counts or saved_names != names:
-        diff = _first_difference(saved_names, names)
-        raise ResumeError(f"{file}: the optimizer state is for other parameters (groups of {saved_counts} "
-                          f"parameters vs {counts}{diff}); build the optimizer with "
-                          "build_optimizer(lora_parameters(model), cfg) on a model with the checkpoint's LoRA "
-                          "config")
-
-
-def _first_difference(saved: list, have: list) -> str:
-    flat_saved = [n for g in saved for n in (g or [])]
-    flat_have = [n for g in have for n in (g or [])]
-    for i, (a, b) in enumerate(zip(flat_saved, flat_have)):
-        if a != b:
-            return f"; parameter {i} is {a} in the checkpoint, {b} here"
-    return ""
-
-
-def corrupt(ckpt: Path, file: Path, why: str) -> ResumeError:
-    """The error for an unusable checkpoint member: names the file and an earlier checkpoint to use."""
-    return ResumeError(f"{file}: {why}. This checkpoint cannot be resumed; {_earlier_hint(ckpt)}")
-
-
-def _earlier_hint(ckpt: Path) -> str:
-    m = STEP_DIR.fullmatch(ckpt.name)
-    if m:
-        earlier = [p for s, p in sorted(_published_steps(ckpt.parent), reverse=True)
-                   if s < int(m.group(1)) and is_complete(p)]
-        if earlier:
-            return f"resume from the previous one instead: resume={earlier[0]}"
-    return "resume from an earlier checkpoint (resume=<its step directory>), or start over with resume=none"
+                      ) from None

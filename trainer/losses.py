@@ -1,14 +1,16 @@
 """GRPO-family policy losses: the PPO clipped surrogate with asymmetric (DAPO clip-higher) bounds, token- or
 sequence-level (GSPO) ratios, optional dual clip, truncated importance sampling (TIS) against the rollout engine's
 log-probs, a KL penalty to a reference policy (k1 / k2 / k3), an entropy bonus, three aggregations over tokens,
-and the chunked per-token log-prob and entropy of logits that feed them (vocab-parallel under tensor
-parallelism: logits split by vocabulary rows over the ranks, `vocab_shard`).
+and the chunked per-token log-prob and entropy of logits that feed them, both in one pass over the logits
+(`token_logprobs_and_entropy`: vocab-parallel, one code path for one rank and many: logits split by vocabulary
+rows over the ranks, `vocab_shard`; None is the one-rank shard).
 
 `policy_loss` works on one micro-batch of right-padded rows; `mask_BT` marks the response tokens that count and
 every value outside it is ignored (it may be anything, even non-finite). The loss is micro-batch additive: when
 each call gets the step's totals (`num_tokens` for token_mean, `num_seqs` for seq_mean and seq_sum_norm), the
 losses (and gradients) of the micro-batches sum to the loss of the whole step computed in one call. Under data
-parallelism with gradient averaging, pass each rank's share of the global totals (global / world size).
+parallelism the trainer SUMS the ranks' gradients (`parallel.grads.reduce_gradients`), so every rank passes the
+global totals (over all replicas) and the sum is the gradient of the one global loss.
 Computation is float32 (float64 when logp_BT is float64); old, rollout and reference log-probs and advantages
 are constants (detached).
 
@@ -20,23 +22,19 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from miles_k3.parallel.comm import all_reduce_
-
-if TYPE_CHECKING:
-    from miles_k3.parallel.comm import VocabShard
+from miles_k3.parallel.comm import VocabShard, all_reduce_
 
 RATIO_LEVELS = ("token", "sequence")
 AGGREGATIONS = ("token_mean", "seq_mean", "seq_sum_norm")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 TIS_MODES = ("none", "token_truncate", "seq_mask")
-CHUNK = 256  # token positions per chunk in token_logprobs / token_entropy
+CHUNK = 256  # token positions per chunk in token_logprobs_and_entropy
 
 
 @dataclass
@@ -174,9 +172,9 @@ def policy_loss(
     if rollout_logp_BT is not None:
         diff_BT = old_BT - rollout_logp_BT.detach().to(dt)
         stats["train/rollout_logprob_abs_diff"] = token_mean(diff_BT.abs())
-        gap_M = diff_BT.detach().abs()[m_BT.bool()]
-        stats["train/rollout_logprob_abs_diff_p99"] = (torch.quantile(gap_M.float(), 0.99) if gap_M.numel()
-                                                       else gap_M.new_zeros(()))
+        gap_BT = torch.where(m_BT, diff_BT.detach().abs().float(), math.nan)  # NaN: not a loss token
+        p99 = torch.nanquantile(gap_BT.reshape(-1), 0.99) if gap_BT.numel() else gap_BT.new_zeros(())
+        stats["train/rollout_logprob_abs_diff_p99"] = torch.nan_to_num(p99, nan=0.0).to(dt)  # no boolean index
         weight_BT = _tis_weights(_masked(diff_BT, m_BT), m_BT, cfg, stats, token_mean)
         if weight_BT is not None:
             pg_BT = pg_BT * weight_BT
@@ -313,6 +311,7 @@ def _check_mask(mask_BT: Tensor, shape: tuple[int, ...]) -> None:
     if not isinstance(mask_BT, Tensor) or tuple(mask_BT.shape) != shape:
         got = tuple(mask_BT.shape) if isinstance(mask_BT, Tensor) else type(mask_BT).__name__
         raise ValueError(f"mask_BT: must have shape {shape}, got {got}")
+    # a bool mask needs no check; a 0/1 one costs a device sync (the trainer passes bool masks)
     if mask_BT.dtype != torch.bool and not bool(((mask_BT == 0) | (mask_BT == 1)).all()):
         raise ValueError("mask_BT: values must be 0 or 1 (or a bool tensor)")
 
@@ -320,38 +319,39 @@ def _check_mask(mask_BT: Tensor, shape: tuple[int, ...]) -> None:
 # ---------------------------------------------------------------------------------------------- logits
 
 
+def token_logprobs_and_entropy(logits_BTV: Tensor, tokens_BT: Tensor, chunk_size: int = CHUNK,
+                               vocab_shard: VocabShard | None = None, with_entropy: bool = True
+                               ) -> tuple[Tensor, Tensor | None]:
+    """(log softmax(logits)[token], entropy of softmax(logits)) per position, both from one pass over the logits:
+    float32 [B, T] each (float64 for float64 logits), differentiable wrt logits_BTV; the entropy is None when not
+    `with_entropy` (then no entropy term is computed at all).
+
+    Works `chunk_size` positions at a time in forward and backward, so the float32 copy of the logits exists one
+    chunk ([B, chunk_size, V]) at a time; autograd saves only the logits themselves and [B, T] statistics.
+    tokens_BT: integer ids in [0, V), NOT checked here (that would cost a device sync per micro-batch): `pack`
+    checks them when it lays out the batch; an id outside the vocabulary gives garbage or a device-side error.
+    Entropy -sum_v p_v log p_v is stable (-inf logits allowed: they add 0).
+
+    One code path for one and many ranks: `vocab_shard` (the model's `vocab_shard` under tensor parallelism) says
+    which vocabulary rows [start, end) of V logits_BTV holds; None is the one-rank shard, every row here and no
+    group. The softmax is over all V (per chunk the max and the sums are all-reduced over the shard's group, the
+    target's logit comes from the rank holding it), every rank of the group returns the same [B, T], and the
+    gradient is this rank's slice of the whole vocabulary's (backward needs no communication). Every rank of the
+    group must call it with the same tokens, chunk_size and with_entropy."""
+    _check_logits(logits_BTV, chunk_size)
+    _check_tokens(tokens_BT, logits_BTV.shape[:2])
+    if vocab_shard is None:
+        v = logits_BTV.shape[2]
+        vocab_shard = VocabShard(0, v, v, None)
+    _check_vocab_shard(logits_BTV, vocab_shard)
+    out = _LogprobsEntropy.apply(logits_BTV, tokens_BT.long(), chunk_size, vocab_shard, bool(with_entropy))
+    return (out[0], out[1]) if with_entropy else (out, None)
+
+
 def token_logprobs(logits_BTV: Tensor, tokens_BT: Tensor, chunk_size: int = CHUNK,
                    vocab_shard: VocabShard | None = None) -> Tensor:
-    """log softmax(logits)[token] per position: float32 [B, T] (float64 for float64 logits), differentiable
-    wrt logits_BTV.
-
-    Works `chunk_size` positions at a time in forward and backward, so the float32 copy of the logits exists
-    one chunk ([B, chunk_size, V]) at a time; autograd saves only the logits themselves and a [B, T] logsumexp.
-    tokens_BT: integer ids in [0, V).
-
-    Vocab-parallel with `vocab_shard` (the model's `vocab_shard` under tensor parallelism): logits_BTV is this
-    rank's vocabulary rows [start, end) of V, the softmax is over all V (per chunk the max and the sum of exps
-    are all-reduced over the shard's group; the target's logit comes from the rank holding it), every rank of
-    the group returns the same [B, T], and the gradient is this rank's slice of the whole vocabulary's (backward
-    needs no communication). Every rank of the group must call it with the same tokens and chunk_size."""
-    _check_logits(logits_BTV, chunk_size)
-    if vocab_shard is None:
-        _check_tokens(tokens_BT, logits_BTV.shape)
-        return _TokenLogprobs.apply(logits_BTV, tokens_BT.long(), chunk_size)
-    _check_vocab_shard(logits_BTV, vocab_shard)
-    _check_tokens(tokens_BT, (*logits_BTV.shape[:2], vocab_shard.size))
-    return _ShardedTokenLogprobs.apply(logits_BTV, tokens_BT.long(), chunk_size, vocab_shard)
-
-
-def token_entropy(logits_BTV: Tensor, chunk_size: int = CHUNK, vocab_shard: VocabShard | None = None) -> Tensor:
-    """Entropy of softmax(logits) per position, -sum_v p_v log p_v from log_softmax (stable; -inf logits allowed):
-    float32 [B, T] (float64 for float64 logits), differentiable wrt logits_BTV, chunked like token_logprobs.
-    With `vocab_shard`: the entropy over the whole vocabulary from this rank's rows, as in token_logprobs."""
-    _check_logits(logits_BTV, chunk_size)
-    if vocab_shard is None:
-        return _TokenEntropy.apply(logits_BTV, chunk_size)
-    _check_vocab_shard(logits_BTV, vocab_shard)
-    return _ShardedTokenEntropy.apply(logits_BTV, chunk_size, vocab_shard)
+    """The log-probs alone: `token_logprobs_and_entropy(..., with_entropy=False)[0]` (float32 [B, T])."""
+    return token_logprobs_and_entropy(logits_BTV, tokens_BT, chunk_size, vocab_shard, with_entropy=False)[0]
 
 
 def _compute_dtype(logits_BTV: Tensor) -> torch.dtype:
@@ -362,63 +362,6 @@ def _chunks(t: int, chunk_size: int) -> list[slice]:
     return [slice(s, min(s + chunk_size, t)) for s in range(0, t, chunk_size)]
 
 
-class _TokenLogprobs(torch.autograd.Function):
-    """logp_t = z_t[y_t] - logsumexp(z_t); d logp_t / d z_t = onehot(y_t) - softmax(z_t)."""
-
-    @staticmethod
-    def forward(ctx, logits_BTV: Tensor, tokens_BT: Tensor, chunk_size: int) -> Tensor:
-        dt = _compute_dtype(logits_BTV)
-        b, t, _ = logits_BTV.shape
-        logp_BT = torch.empty(b, t, dtype=dt, device=logits_BTV.device)
-        lse_BT = torch.empty_like(logp_BT)
-        for c in _chunks(t, chunk_size):
-            z_BCV = logits_BTV[:, c].to(dt)
-            lse_BT[:, c] = torch.logsumexp(z_BCV, dim=-1)
-            logp_BT[:, c] = z_BCV.gather(-1, tokens_BT[:, c, None])[..., 0] - lse_BT[:, c]
-        ctx.save_for_backward(logits_BTV, tokens_BT, lse_BT)
-        ctx.chunk_size = chunk_size
-        return logp_BT
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad_BT: Tensor) -> tuple[Tensor, None, None]:
-        logits_BTV, tokens_BT, lse_BT = ctx.saved_tensors
-        grad_BTV = torch.empty_like(logits_BTV)
-        for c in _chunks(logits_BTV.shape[1], ctx.chunk_size):
-            g_BC1 = grad_BT[:, c, None].to(lse_BT.dtype)
-            g_BCV = torch.exp(logits_BTV[:, c].to(lse_BT.dtype) - lse_BT[:, c, None]) * -g_BC1
-            g_BCV.scatter_add_(-1, tokens_BT[:, c, None], g_BC1)
-            grad_BTV[:, c] = g_BCV
-        return grad_BTV, None, None
-
-
-class _TokenEntropy(torch.autograd.Function):
-    """H_t = -sum_v p_v log p_v; dH_t / dz_v = -p_v (log p_v + H_t) (0 where p_v = 0)."""
-
-    @staticmethod
-    def forward(ctx, logits_BTV: Tensor, chunk_size: int) -> Tensor:
-        dt = _compute_dtype(logits_BTV)
-        b, t, _ = logits_BTV.shape
-        ent_BT = torch.empty(b, t, dtype=dt, device=logits_BTV.device)
-        for c in _chunks(t, chunk_size):
-            logp_BCV = torch.log_softmax(logits_BTV[:, c].to(dt), dim=-1)
-            ent_BT[:, c] = -_p_times(logp_BCV, logp_BCV).sum(dim=-1)
-        ctx.save_for_backward(logits_BTV, ent_BT)
-        ctx.chunk_size = chunk_size
-        return ent_BT
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad_BT: Tensor) -> tuple[Tensor, None]:
-        logits_BTV, ent_BT = ctx.saved_tensors
-        grad_BTV = torch.empty_like(logits_BTV)
-        for c in _chunks(logits_BTV.shape[1], ctx.chunk_size):
-            logp_BCV = torch.log_softmax(logits_BTV[:, c].to(ent_BT.dtype), dim=-1)
-            g_BCV = -_p_times(logp_BCV, logp_BCV + ent_BT[:, c, None]) * grad_BT[:, c, None].to(ent_BT.dtype)
-            grad_BTV[:, c] = g_BCV
-        return grad_BTV, None
-
-
 def _global_max(z_BCV: Tensor, group) -> Tensor:
     """max_v z over the whole vocabulary [B, C] (all-reduced); 0 where it is not finite (an all -inf row), as
     torch.logsumexp shifts."""
@@ -427,13 +370,16 @@ def _global_max(z_BCV: Tensor, group) -> Tensor:
     return torch.where(torch.isfinite(m_BC), m_BC, torch.zeros((), dtype=m_BC.dtype, device=m_BC.device))
 
 
-class _ShardedTokenLogprobs(torch.autograd.Function):
-    """`_TokenLogprobs` over vocabulary rows split across a group: lse = m + log sum_ranks sum_v exp(z_v - m) with
-    m the global max; z_t[y_t] from the rank holding y_t (0 elsewhere, summed). Backward: this rank's slice of
-    onehot(y_t) - softmax(z_t)."""
+class _LogprobsEntropy(torch.autograd.Function):
+    """Log-prob of the target and entropy over vocabulary rows split across a group (a group of one: the whole
+    vocabulary). With m the global max, e_v = exp(z_v - m), s = sum_v e_v and w = sum_v e_v (z_v - m), both summed
+    over the group with the target's logit z_y (0 on ranks not holding y) in one collective:
+      lse = m + log s,  logp = z_y - lse,  H = log s - w / s.
+    Backward (local, log p_v = z_v - lse): d logp / dz_v = onehot(y)_v - p_v, dH / dz_v = -p_v (log p_v + H)."""
 
     @staticmethod
-    def forward(ctx, logits_BTV: Tensor, tokens_BT: Tensor, chunk_size: int, shard: VocabShard) -> Tensor:
+    def forward(ctx, logits_BTV: Tensor, tokens_BT: Tensor, chunk_size: int, shard: VocabShard,
+                with_entropy: bool):
         dt = _compute_dtype(logits_BTV)
         b, t, n = logits_BTV.shape
         local_BT = tokens_BT - shard.start
@@ -441,66 +387,49 @@ class _ShardedTokenLogprobs(torch.autograd.Function):
         local_BT = local_BT.clamp(0, n - 1)
         logp_BT = torch.empty(b, t, dtype=dt, device=logits_BTV.device)
         lse_BT = torch.empty_like(logp_BT)
-        for c in _chunks(t, chunk_size):
-            z_BCV = logits_BTV[:, c].to(dt)
-            m_BC = _global_max(z_BCV, shard.group)
-            target_BC = z_BCV.gather(-1, local_BT[:, c, None])[..., 0].masked_fill(~inside_BT[:, c], 0)
-            sums_2BC = torch.stack([torch.exp(z_BCV - m_BC[..., None]).sum(dim=-1), target_BC])
-            all_reduce_(sums_2BC, shard.group)  # one collective for the sum of exps and the target logit
-            lse_BT[:, c] = m_BC + sums_2BC[0].log()
-            logp_BT[:, c] = sums_2BC[1] - lse_BT[:, c]
-        ctx.save_for_backward(logits_BTV, local_BT, inside_BT, lse_BT)
-        ctx.chunk_size = chunk_size
-        return logp_BT
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad_BT: Tensor) -> tuple[Tensor, None, None, None]:
-        logits_BTV, local_BT, inside_BT, lse_BT = ctx.saved_tensors
-        grad_BTV = torch.empty_like(logits_BTV)
-        for c in _chunks(logits_BTV.shape[1], ctx.chunk_size):
-            g_BC1 = grad_BT[:, c, None].to(lse_BT.dtype)
-            g_BCV = torch.exp(logits_BTV[:, c].to(lse_BT.dtype) - lse_BT[:, c, None]) * -g_BC1
-            g_BCV.scatter_add_(-1, local_BT[:, c, None], g_BC1 * inside_BT[:, c, None])
-            grad_BTV[:, c] = g_BCV
-        return grad_BTV, None, None, None
-
-
-class _ShardedTokenEntropy(torch.autograd.Function):
-    """`_TokenEntropy` over vocabulary rows split across a group: with e_v = exp(z_v - m) (m the global max),
-    s = sum e_v and w = sum e_v (z_v - m), both summed over the group, H = log s - w / s and lse = m + log s.
-    Backward (local): dH/dz_v = -p_v (log p_v + H), log p_v = z_v - lse."""
-
-    @staticmethod
-    def forward(ctx, logits_BTV: Tensor, chunk_size: int, shard: VocabShard) -> Tensor:
-        dt = _compute_dtype(logits_BTV)
-        b, t, _ = logits_BTV.shape
-        ent_BT = torch.empty(b, t, dtype=dt, device=logits_BTV.device)
-        lse_BT = torch.empty_like(ent_BT)
+        ent_BT = torch.empty_like(logp_BT) if with_entropy else None
+        zero = torch.zeros((), dtype=dt, device=logits_BTV.device)
         for c in _chunks(t, chunk_size):
             z_BCV = logits_BTV[:, c].to(dt)
             m_BC = _global_max(z_BCV, shard.group)
             shifted_BCV = z_BCV - m_BC[..., None]
             e_BCV = torch.exp(shifted_BCV)
-            ez_BCV = torch.where(e_BCV > 0, e_BCV * shifted_BCV, torch.zeros((), dtype=dt, device=e_BCV.device))
-            sums_2BC = torch.stack([e_BCV.sum(dim=-1), ez_BCV.sum(dim=-1)])
-            all_reduce_(sums_2BC, shard.group)
-            lse_BT[:, c] = m_BC + sums_2BC[0].log()
-            ent_BT[:, c] = sums_2BC[0].log() - sums_2BC[1] / sums_2BC[0]
-        ctx.save_for_backward(logits_BTV, lse_BT, ent_BT)
+            target_BC = z_BCV.gather(-1, local_BT[:, c, None])[..., 0].masked_fill(~inside_BT[:, c], 0)
+            sums = [e_BCV.sum(dim=-1), target_BC]
+            if with_entropy:
+                sums.append(torch.where(e_BCV > 0, e_BCV * shifted_BCV, zero).sum(dim=-1))
+            sums_KBC = torch.stack(sums)
+            all_reduce_(sums_KBC, shard.group)  # one collective for every sum of the chunk
+            log_s_BC = sums_KBC[0].log()
+            lse_BT[:, c] = m_BC + log_s_BC
+            logp_BT[:, c] = sums_KBC[1] - lse_BT[:, c]
+            if with_entropy:
+                ent_BT[:, c] = log_s_BC - sums_KBC[2] / sums_KBC[0]
+        ctx.save_for_backward(logits_BTV, local_BT, inside_BT, lse_BT, ent_BT)
         ctx.chunk_size = chunk_size
-        return ent_BT
+        ctx.set_materialize_grads(False)
+        return (logp_BT, ent_BT) if with_entropy else logp_BT
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, grad_BT: Tensor) -> tuple[Tensor, None, None]:
-        logits_BTV, lse_BT, ent_BT = ctx.saved_tensors
+    def backward(ctx, grad_lp_BT: Tensor | None, grad_ent_BT: Tensor | None = None):
+        logits_BTV, local_BT, inside_BT, lse_BT, ent_BT = ctx.saved_tensors
+        if grad_lp_BT is None and grad_ent_BT is None:
+            return None, None, None, None, None
+        dt = lse_BT.dtype
         grad_BTV = torch.empty_like(logits_BTV)
         for c in _chunks(logits_BTV.shape[1], ctx.chunk_size):
-            logp_BCV = logits_BTV[:, c].to(ent_BT.dtype) - lse_BT[:, c, None]
-            g_BCV = -_p_times(logp_BCV, logp_BCV + ent_BT[:, c, None]) * grad_BT[:, c, None].to(ent_BT.dtype)
+            logp_BCV = logits_BTV[:, c].to(dt) - lse_BT[:, c, None]
+            g_BCV = None
+            if grad_ent_BT is not None:
+                g_BCV = -_p_times(logp_BCV, logp_BCV + ent_BT[:, c, None]) * grad_ent_BT[:, c, None].to(dt)
+            if grad_lp_BT is not None:
+                g_BC1 = grad_lp_BT[:, c, None].to(dt)
+                g_lp_BCV = torch.exp(logp_BCV) * -g_BC1
+                g_lp_BCV.scatter_add_(-1, local_BT[:, c, None], g_BC1 * inside_BT[:, c, None])
+                g_BCV = g_lp_BCV if g_BCV is None else g_BCV + g_lp_BCV
             grad_BTV[:, c] = g_BCV
-        return grad_BTV, None, None
+        return grad_BTV, None, None, None, None
 
 
 def _p_times(logp_BCV: Tensor, x_BCV: Tensor) -> Tensor:
@@ -525,12 +454,10 @@ def _check_vocab_shard(logits_BTV: Tensor, shard: VocabShard) -> None:
                          f"[{shard.start}, {shard.end}) of {shard.size}; pass the model's own vocab_shard")
 
 
-def _check_tokens(tokens_BT: Tensor, shape_BTV: tuple[int, int, int]) -> None:
-    if not isinstance(tokens_BT, Tensor) or tuple(tokens_BT.shape) != tuple(shape_BTV[:2]):
+def _check_tokens(tokens_BT: Tensor, shape_BT: tuple[int, int]) -> None:
+    """Shape and dtype only: the ids' range is `pack`'s check (here it would be a device sync)."""
+    if not isinstance(tokens_BT, Tensor) or tuple(tokens_BT.shape) != tuple(shape_BT):
         got = tuple(tokens_BT.shape) if isinstance(tokens_BT, Tensor) else type(tokens_BT).__name__
-        raise ValueError(f"tokens_BT: must have shape {tuple(shape_BTV[:2])}, got {got}")
+        raise ValueError(f"tokens_BT: must have shape {tuple(shape_BT)}, got {got}")
     if tokens_BT.dtype not in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8):
         raise ValueError(f"tokens_BT: must be an integer dtype, got {tokens_BT.dtype}")
-    if tokens_BT.numel() and not (0 <= int(tokens_BT.min()) and int(tokens_BT.max()) < shape_BTV[2]):
-        raise ValueError(f"tokens_BT: ids must be in [0, {shape_BTV[2]}), got [{int(tokens_BT.min())}, "
-                         f"{int(tokens_BT.max())}]")

@@ -155,15 +155,13 @@ def optimizer_step(opt: torch.optim.Optimizer, sched: LambdaLR, params: dict[str
     were) nor the scheduler steps. Returns train/grad_norm (before clipping; NaN when skipped), train/lr (the
     lr of this update, or of the next one when skipped) and train/skipped (1.0 or 0.0).
 
-    Distributed (`ctx`): the gradients are first summed over their groups (`grads.reduce_gradients`; a parameter
-    without a gradient here but with one on another rank takes part with zeros) and the norm is the global one
-    (`grads.global_grad_norm`), the same on every rank, so every rank steps or skips together."""
+    One code path for one rank and many (`ctx`; SINGLE: one process): the gradients are summed over their groups
+    (`grads.reduce_gradients`; a parameter without a gradient here but with one on another rank takes part with
+    zeros; nothing to sum in one process) and clipped by the global norm (`grads.global_grad_norm`, in one
+    process the norm `torch.nn.utils.clip_grad_norm_` computes), the same on every rank, so every rank steps or
+    skips together."""
     max_norm = cfg.grad_clip if cfg.grad_clip > 0 else math.inf  # inf: scales by exactly 1.0
-    if ctx.distributed:
-        norm = _reduced_clipped_norm(list(params.values()), max_norm, ctx)
-    else:
-        grads = [p for p in params.values() if p.grad is not None]
-        norm = float(torch.nn.utils.clip_grad_norm_(grads, max_norm, error_if_nonfinite=False)) if grads else 0.0
+    norm = _reduced_clipped_norm(list(params.values()), max_norm, ctx)
     lr = float(opt.param_groups[0]["lr"])
     loss_ok = loss is None or math.isfinite(float(loss.detach() if torch.is_tensor(loss) else loss))
     if not (math.isfinite(norm) and loss_ok):

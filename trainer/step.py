@@ -13,7 +13,8 @@ is 1 and the engine's log-probs enter only through TIS (`loss.tis`) and `train/r
 PPO minibatches and Miles' several steps per rollout do): every update after the first is off-policy, so the
 ratio is taken against the policy before the step's first update, which `old_logprobs` names: `recompute` (one
 no-grad forward over the step's samples before the first update) or `rollout` (the engine's sampling
-log-probs, no extra forward; the ratio then also carries any trainer/engine mismatch). A non-finite loss or
+log-probs, no extra forward; the ratio then also carries any trainer/engine mismatch). Under top-p / top-k those
+are the engine's unfiltered log-probs (`pack`), so the ratio starts at 1 up to that mismatch, not below it. A non-finite loss or
 gradient skips that update (the adapter keeps its last good values) and is reported (train/skipped); a step with
 no sample in the loss (no samples at all, e.g. dynamic sampling kept no group, or every one masked) makes no
 update and is reported apart from it (train/empty_step).
@@ -48,7 +49,7 @@ from miles_k3.parallel.lockstep import Lockstep
 from miles_k3.parallel.mesh import SINGLE, ParallelContext
 from miles_k3.parallel.reduce import all_ranks, gather, max_over, sum_over, world_of
 from miles_k3.trainer.batch import Sample, micro_batches, pack
-from miles_k3.trainer.losses import LossConfig, policy_loss, token_entropy, token_logprobs
+from miles_k3.trainer.losses import LossConfig, policy_loss, token_logprobs, token_logprobs_and_entropy
 from miles_k3.trainer.optim import OptimConfig, optimizer_step
 
 OLD_LOGPROBS = ("recompute", "rollout")
@@ -78,7 +79,9 @@ class TrainerConfig:
     groups, one update each (fewer when fewer groups are kept). The LR schedule counts updates."""
     old_logprobs: str = "recompute"
     """The ratio's old policy: recompute (the trainer's log-probs before the step's first update; with one
-    minibatch they are the current ones, no extra forward) or rollout (the engine's sampling log-probs)."""
+    minibatch they are the current ones, no extra forward) or rollout (the engine's log-probs of its tokens under
+    the whole vocabulary: the unfiltered ones under rollout.top_p < 1 or top_k; refused with engine.backend=sglang
+    there, which reports only the filtered ones)."""
     routing_replay: bool = False
     """Rollout routing replay (R3): every forward over a sample (the gradient forward, the old log-probs, the KL
     reference) routes each token to the experts the engine chose for it (the engine returns them: implies
@@ -191,7 +194,7 @@ def fill_old_logprobs(model, samples: list[Sample], cfg: TrainerConfig, pad_id: 
     batches = micro_batches(samples, cfg.micro_batch_tokens)
     total = Lockstep(ctx).steps(len(batches))  # agreed before any forward (each forward is a collective)
     for idx in batches:
-        mb = pack([samples[i] for i in idx], pad_id).to(device)
+        mb = pack([samples[i] for i in idx], pad_id, model.config.vocab_size).to(device)
         logp = _batch_logprobs(model, mb, cfg, temperature).float().cpu()
         for row, i in enumerate(idx):
             s = samples[i]
@@ -224,7 +227,7 @@ def _update(model, samples: list[Sample], cfg: TrainerConfig, opt, sched, params
             _idle_micro_step(model, _idle_batch(pad_id, device), cfg, totals["temperature"])
             continue
         idx = batches[k]
-        mb = pack([samples[i] for i in idx], pad_id).to(device)
+        mb = pack([samples[i] for i in idx], pad_id, model.config.vocab_size).to(device)
         loss, m = _micro_step(model, mb, cfg, totals, has_rollout, old, backward_always=lockstep.active)
         if not math.isfinite(loss):
             finite = False
@@ -232,7 +235,7 @@ def _update(model, samples: list[Sample], cfg: TrainerConfig, opt, sched, params
                 continue
             break
         loss_total += loss
-        parts.append((m, float(mb.num_tokens), float(len(idx))))  # every row has tokens in the loss
+        parts.append((m, float(sum(len(samples[i].response_ids) for i in idx)), float(len(idx))))  # no device sync
     if not all_ranks(finite, world_of(ctx)):
         opt.zero_grad(set_to_none=True)  # nothing of this update may reach the adapter
         return {"train/skipped": 1.0, "train/loss": float("nan"), **counts}
@@ -301,18 +304,18 @@ def _micro_step(model, mb, cfg: TrainerConfig, totals: dict, has_rollout: bool,
         logits = model(mb.input_ids_BT, seq_lens=mb.seq_lens_B).logits
     if totals["temperature"] != 1.0:
         logits = logits / totals["temperature"]
-    logp = token_logprobs(logits, mb.targets_BT, vocab_shard=vocab_shard(model))
-    entropy = token_entropy(logits, vocab_shard=vocab_shard(model)) if cfg.loss.entropy_coef > 0 else None
+    logp, entropy = token_logprobs_and_entropy(logits, mb.targets_BT, vocab_shard=vocab_shard(model),
+                                               with_entropy=cfg.loss.entropy_coef > 0)
     ref = _reference_logprobs(model, mb, cfg, totals["temperature"]) if cfg.loss.kl_coef > 0 else None
     old_logp = {"current": logp.detach(), "old": mb.old_logp_BT, "rollout": mb.rollout_logp_BT}[old]
-    loss, metrics = policy_loss(logp, old_logp, mb.adv_B, mb.mask_BT, cfg.loss,
+    mask_BT = mb.mask_BT.bool()  # pack makes it 0/1: as bool, policy_loss has no values to check (no device sync)
+    loss, metrics = policy_loss(logp, old_logp, mb.adv_B, mask_BT, cfg.loss,
                                 rollout_logp_BT=mb.rollout_logp_BT if has_rollout else None,
                                 ref_logp_BT=ref, entropy_BT=entropy, num_tokens=totals["num_tokens"],
                                 num_seqs=totals["num_seqs"])
     if old == "rollout" and has_rollout:  # the old log-probs ARE the engine's: the gap is the current policy's
-        m_BT = mb.mask_BT.bool()
-        gap = (logp.detach().float() - mb.rollout_logp_BT.float())[m_BT].abs()
-        metrics["train/rollout_logprob_abs_diff"] = float(gap.mean()) if gap.numel() else 0.0
+        gap_BT = torch.where(mask_BT, logp.detach().float() - mb.rollout_logp_BT.float(), 0.0).abs()
+        metrics["train/rollout_logprob_abs_diff"] = float(gap_BT.sum() / mask_BT.sum().clamp(min=1))
     if recorder is not None:
         metrics["train/route_mismatch_frac"] = _mismatch_frac(recorder, mb)
     value = float(loss.detach())
@@ -348,7 +351,7 @@ def _mismatch_frac(recorder, mb) -> float:
 
 def _idle_batch(pad_id: int, device: torch.device):
     """The micro-batch of an idle micro-step: one row of one pad token."""
-    return pack([Sample([pad_id], [pad_id], [], 0.0)], pad_id).to(device)
+    return pack([Sample([pad_id], [pad_id], [], 0.0)], pad_id, pad_id + 1).to(device)
 
 
 def _idle_micro_step(model, mb, cfg: TrainerConfig, temperature: float) -> None:

@@ -86,18 +86,24 @@ def whole(param: torch.Tensor, ctx: ParallelContext) -> torch.Tensor:
 
 @torch.no_grad()
 def global_grad_norm(params, ctx: ParallelContext) -> torch.Tensor:
-    """The L2 norm of the whole (unsharded) gradient, the same on every rank: each shard's squares summed over the
-    groups it is split across, replicated tensors counted once. Call after `reduce_gradients`. fp32 scalar."""
+    """The L2 norm of the whole (unsharded) gradient, the same on every rank: `torch.nn.utils.get_total_norm` of
+    each set of tensors sharded over the same groups, those norms' squares summed over the groups (one all-reduce
+    each), then the norm of the sets' norms; replicated tensors count once. Call after `reduce_gradients`. A scalar
+    in the gradients' dtype. One rank (or nothing sharded over a group of more than one): the sets' norm is
+    get_total_norm's of all the gradients, as `torch.nn.utils.clip_grad_norm_` computes it."""
     params = [p for p in params if p.grad is not None]
     if not params:
         return torch.zeros(())
-    device = params[0].grad.device
-    buckets: dict[tuple[str, ...], torch.Tensor] = defaultdict(lambda: torch.zeros((), device=device))
+    sets: dict[tuple[str, ...], list[torch.Tensor]] = defaultdict(list)
     for p in params:
-        buckets[sharded_over(p)] += p.grad.detach().float().pow(2).sum()
-    total = torch.zeros((), device=device)
-    for groups, sq in sorted(buckets.items()):
-        for name in groups:
-            all_reduce_(sq, ctx.group(name))
-        total += sq
-    return total.sqrt()
+        sets[tuple(name for name in sharded_over(p) if ctx.size(name) > 1)].append(p.grad)
+    norms = []
+    for groups, grads in sorted(sets.items()):
+        norm = torch.nn.utils.get_total_norm(grads)
+        if groups:
+            sq = norm.float().square()
+            for name in groups:
+                all_reduce_(sq, ctx.group(name))
+            norm = sq.sqrt()
+        norms.append(norm)
+    return norms[0] if len(norms) == 1 else torch.nn.utils.get_total_norm([n.float() for n in norms])
