@@ -109,7 +109,7 @@ def test_release_and_resume_leave_outputs_unchanged(base, decode):
     # exactly, logprobs to LOGPROB_ATOL (on CPU the expert matmuls' shapes follow the padding rows' routing).
     engine.release_memory_occupation(["cuda_graph"])
     if decode == "static":
-        assert not engine._graph._graphs
+        assert not engine.runner.graph._graphs
     with pytest.raises(RuntimeError, match=r"\['cuda_graph'\] is released"):
         engine.generate(input_ids=PROMPTS, sampling_params=params)
     engine.resume_memory_occupation(["cuda_graph"])
@@ -269,12 +269,12 @@ def test_num_slots_requests_run_at_once_whatever_the_decode_mode(base, decode):
     padding rows use a slot of their own beside the three."""
     engine = _engine(base, num_slots=3, decode=decode)
     steps = []
-    real = engine._step
+    real = engine.runner.step
 
     def spy(rids, *args, **kw):
         steps.append(len(rids))
         return real(rids, *args, **kw)
-    engine._step = spy
+    engine.runner.step = spy
     engine.generate(input_ids=PROMPTS, sampling_params={"temperature": 0, "max_new_tokens": 4})
     assert steps == [3, 3, 3, 3]
     assert engine.num_slots == 3 and engine.kda.num_slots == 3 + (decode == "static")
@@ -295,10 +295,10 @@ def test_static_decode_runs_a_pool_smaller_than_a_power_of_two_and_splits_batche
         engine = _engine(base, num_slots=5, decode=decode)
         calls = []
         if buckets is not None:
-            engine._graph.buckets = buckets
-        if engine._graph is not None:
-            real = engine._graph.decode
-            engine._graph.decode = lambda ids, *a: calls.append(len(ids)) or real(ids, *a)
+            engine.runner.graph.buckets = buckets
+        if engine.runner.graph is not None:
+            real = engine.runner.graph.decode
+            engine.runner.graph.decode = lambda ids, *a: calls.append(len(ids)) or real(ids, *a)
         return engine.generate(input_ids=prompts, sampling_params=sp, return_routed_experts=True), calls
 
     want, _ = run("eager")
