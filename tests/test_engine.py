@@ -312,3 +312,32 @@ def test_static_decode_runs_a_pool_smaller_than_a_power_of_two_and_splits_batche
             assert torch.equal(g["meta_info"]["routed_experts"], w["meta_info"]["routed_experts"])
             for (a, _), (b, _) in zip(g["meta_info"]["output_token_logprobs"], w["meta_info"]["output_token_logprobs"]):
                 assert a == pytest.approx(b, abs=LOGPROB_ATOL)
+
+
+def test_a_push_between_prefill_and_first_decode_leaves_the_prefills_version_as_the_oldest(base):
+    """The prefill runs under version 0; a push (version 1) lands before the first decode step. Both samples of the
+    forked group report versions [0, 1] (the fork copied its head's prefill version), so the rollout's on-policy
+    check (`weight_version=min(versions)`) sees 0, not 1."""
+    from miles_k3.trainer.rollouts import RolloutConfig, _sample
+
+    cfg = LoRAConfig(rank=2, alpha=4.0, targets=["q_proj"])
+    trainer = K3ForCausalLM(base.config, expert_format="mxfp4").eval()
+    trainer.load_state_dict(base.state_dict())
+    apply_lora(trainer, cfg)
+    engine = _engine(trainer, lora=cfg)
+    engine.load_lora_adapter_from_tensors("policy", lora_state_dict(trainer), cfg)
+    real, pushed = engine.runner.decode, []
+
+    def push_then_decode(running):
+        if not pushed:
+            engine.update_weights_from_tensor(lora_state_dict(trainer), lora_name="policy")
+            pushed.append(engine.weight_version)
+        return real(running)
+
+    engine.runner.decode = push_then_decode
+    outs = engine.generate(input_ids=[PROMPTS[0]], sampling_params={"temperature": 0, "max_new_tokens": 3}, n=2,
+                           lora="policy")
+    assert pushed == [1]
+    assert [(o["meta_info"]["weight_version"], o["meta_info"]["weight_versions"]) for o in outs] == [(1, [0, 1])] * 2
+    sample = _sample(PROMPTS[0], outs[1], 0.0, RolloutConfig())
+    assert (sample.weight_version, sample.weight_version_max) == (0, 1)
