@@ -2,11 +2,12 @@
 
 The engine is built in the training process (SGLang runs its scheduler and model in its own subprocesses) from
 the typed `sglang:` config (`SGLangConfig`), token in / token out (`skip_tokenizer_init`). What the loop sees is
-the same as with the native engine:
+the same as with the native engine (`rollout.api.Engine`):
 
-* `generate(input_ids, sampling_params, n, return_logprob, lora)` -> one record per sample, prompt i's sample j at
-  i * n + j: `output_ids`, `meta_info` {finish_reason, prompt_tokens, completion_tokens, cached_tokens,
-  weight_version, output_token_logprobs [(logprob, token_id)]}, or `error` for a rejected request. Sample j of a
+* `generate(input_ids, sampling_params, n, return_logprob, lora)` -> one record per sample (`rollout.api`), prompt
+  i's sample j at i * n + j: `output_ids`, `meta_info` {finish_reason, prompt_tokens, completion_tokens,
+  cached_tokens, weight_version, output_token_logprobs [(logprob, token_id)]}, or `error` for a rejected request;
+  return_routed_experts=True is refused (SGLang records no routes for this backend). Sample j of a
   prompt with `sampling_seed` s is sent with seed s + j (the native engine's rule), so groups are reproducible.
 * The trained adapter is pushed from tensors under versioned names: `load_lora_adapter_from_tensors(name=policy)`
   serves `policy@v<N>` (SGLang cannot update an adapter in place: a reused name is refused), requests for `policy`
