@@ -128,7 +128,7 @@ class RolloutEngine(VersionedEngine):
         """Samples for every prompt: `n` per prompt, in order (prompt i's sample j at i * n + j).
 
         Each entry: `output_ids`, `meta_info` {finish_reason, prompt_tokens, completion_tokens,
-        cached_tokens, weight_version (the newest the sample saw), weight_versions (all, sorted),
+        cached_tokens, weight_version (the newest the sample saw), weight_versions (all, sorted, the prefill's too),
         output_token_logprobs [(logprob, token_id)] if return_logprob (of the distribution sampled from: filtered
         when top-p / top-k / min-p filter), and then output_token_logprobs_unfiltered [logprob] (the same tokens under
         the unfiltered distribution) for a request that filters, routed_experts if return_routed_experts: the
@@ -166,10 +166,14 @@ class RolloutEngine(VersionedEngine):
             self.adapters.load(name, tensors, config)
 
     def update_weights_from_tensor(self, named_tensors: dict[str, torch.Tensor] | list[tuple[str, torch.Tensor]],
-                                   lora_name: str, weight_version: int | None = None) -> None:
+                                   lora_name: str | None = None, weight_version: int | None = None) -> None:
         """Copy LoRA tensors in place into adapter `lora_name`'s buffers (addresses never change). Every
         name, shape, dtype and value is checked before anything is copied: a bad push changes nothing. The
-        engine's `weight_version` becomes `weight_version` (default: one more); versions only move forward."""
+        engine's `weight_version` becomes `weight_version` (default: one more); versions only move forward.
+        `lora_name` is required: the base weights are the trainer's, shared, and never pushed."""
+        if lora_name is None:
+            raise ValueError("update_weights_from_tensor: lora_name is required; the native engine shares the "
+                             "trainer's base weights, so only adapters are pushed")
         with self._lock:
             version = self.next_version(weight_version)
             self.adapters.update(lora_name, dict(named_tensors))

@@ -68,6 +68,8 @@ def test_both_engines_satisfy_the_protocol(native):
     with pytest.raises(ValueError, match="the sglang engine does not record routed experts"):
         sglang.generate(input_ids=[[1]], return_routed_experts=True)
     assert sglang.engine.calls_of("generate") == []  # refused before anything was sent
+    with pytest.raises(ValueError, match="lora_name is required; the native engine shares the trainer's base"):
+        native.update_weights_from_tensor({})
     native.close()  # nothing to end; the engine still serves
     assert native.generate(input_ids=[[1, 2]], sampling_params={"max_new_tokens": 1})[0]["meta_info"][
         "completion_tokens"] == 1
