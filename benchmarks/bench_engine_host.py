@@ -15,7 +15,7 @@ import torch
 from record import write_result
 
 from miles_k3.model import K3Config, K3ForCausalLM
-from miles_k3.rollout import engine as engine_module
+from miles_k3.rollout import runner as runner_module
 from miles_k3.rollout.engine import EngineConfig, RolloutEngine
 
 
@@ -30,11 +30,11 @@ def main() -> None:
     model = K3ForCausalLM(cfg).eval().requires_grad_(False)
     engine = RolloutEngine(model, EngineConfig(memory_budget_bytes=2**30, page_size=16,
                                                max_context=args.prompt + args.new, decode="static"))
-    logits = torch.zeros(engine._graph.buckets[-1], cfg.vocab_size)
+    logits = torch.zeros(engine.runner.graph.buckets[-1], cfg.vocab_size)
     ids, logprobs = torch.zeros(args.batch, dtype=torch.long), torch.zeros(args.batch)
-    engine._graph._step = lambda packed: (logits[: packed.shape[0]], None)
-    engine._prefill_rows = lambda rows, start, chunk: None
-    engine_module.sample = lambda lg, params, keys, pos: (ids[: lg.shape[0]], logprobs[: lg.shape[0]])
+    engine.runner.graph._step = lambda packed: (logits[: packed.shape[0]], None)
+    engine.runner.prefill_rows = lambda rows, start, chunk: None
+    runner_module.sample = lambda lg, params, keys, pos: (ids[: lg.shape[0]], logprobs[: lg.shape[0]])
     prompts = torch.randint(0, cfg.vocab_size, (args.batch, args.prompt)).tolist()
     params = {"max_new_tokens": args.new, "ignore_eos": True}
     times = []

@@ -18,7 +18,7 @@ import time
 import torch
 from record import write_result
 
-from miles_k3.rollout.engine import _Request
+from miles_k3.rollout.requests import Request as _Request
 from miles_k3.rollout.route_log import RouteLog
 
 

@@ -129,12 +129,12 @@ def main() -> None:
                         "engine_s_per_step": wall / args.new, "prefill_and_first_token_s": first,
                         "engine_decode_s_per_step": (wall - first) / (args.new - 1)})
             print(json.dumps(row), flush=True)
-            if engine._graph is not None:
-                for width in sorted({k[1] for k in engine._graph._graphs}):
-                    bucket = next(x for x in engine._graph.buckets if x >= b)
-                    if (bucket, width) not in engine._graph._graphs:
+            if engine.runner.graph is not None:
+                for width in sorted({k[1] for k in engine.runner.graph._graphs}):
+                    bucket = next(x for x in engine.runner.graph.buckets if x >= b)
+                    if (bucket, width) not in engine.runner.graph._graphs:
                         continue
-                    entry = engine._graph._graph(bucket, width)  # (graph, packed, logits, ...)
+                    entry = engine.runner.graph._graph(bucket, width)  # (graph, packed, logits, ...)
                     graph, logits = entry[0], entry[2]
                     row[f"graph_replay_s_p{width}"] = cuda_time(graph.replay, 20)
                     evs = profile_gpu(graph.replay)

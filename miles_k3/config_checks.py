@@ -12,7 +12,8 @@ from miles_k3.model.build import ModelConfig
 from miles_k3.model.kernel_config import KernelsConfig
 from miles_k3.model.lora import LoRAConfig
 from miles_k3.parallel.config import ParallelConfig, ParallelConfigError
-from miles_k3.rollout.engine_config import MEMORY_TAGS, EngineConfig
+from miles_k3.rollout.api import NATIVE_MEMORY_TAGS, SGLANG_MEMORY_TAGS
+from miles_k3.rollout.engine_config import EngineConfig
 from miles_k3.rollout.sglang_config import SGLangConfig
 from miles_k3.weight_sync.config import WeightSyncConfig
 
@@ -86,7 +87,7 @@ def check_routes(return_routed_experts: bool, routing_replay: bool, backend: str
 def check_release_tags(tags: list[str], backend: str, sglang: SGLangConfig) -> None:
     """rollout.release_tags are memory tags of the engine engine.backend names (SGLang can also release its
     weights, given a CPU backup to restore them from)."""
-    allowed = (*MEMORY_TAGS, "weights") if backend == "sglang" else MEMORY_TAGS
+    allowed = SGLANG_MEMORY_TAGS if backend == "sglang" else NATIVE_MEMORY_TAGS
     bad = [t for t in tags if t not in allowed]
     if bad:
         raise ValueError(f"rollout.release_tags: {bad} are not {backend} engine memory tags ({', '.join(allowed)}; "

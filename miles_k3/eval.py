@@ -20,17 +20,16 @@ from miles_k3.adapter import load_adapter
 from miles_k3.config import exit_on_user_error, register_schemas, typed_or_exit
 from miles_k3.evals.datasets import load_problems
 from miles_k3.evals.harness import evaluate, log_eval, write_reports
-from miles_k3.launch import engine_line, silence_fla_cpu_warning
+from miles_k3.launch import silence_fla_cpu_warning
 from miles_k3.model.build import build_model, build_tokenizer
 from miles_k3.model.kernel_config import apply_kernels
 from miles_k3.model.lora import lora_state_dict
-from miles_k3.rollout.engine import RolloutEngine
+from miles_k3.rollout.factory import POLICY, build_engine
 from miles_k3.runtime import resolve_device, resolve_dtype
 from miles_k3.tracking import Tracker
 
 log = logging.getLogger("miles_k3.eval")
 register_schemas()
-ADAPTER_NAME = "policy"
 
 
 def warn_random_weights(model) -> None:
@@ -41,50 +40,29 @@ def warn_random_weights(model) -> None:
                     "id, or builtin:k3_nano_chain_sum, the shipped quickstart base)", model.name)
 
 
-def build_engine(cfg):
-    """(engine, tokenizer, adapter name or None) for an EvalRunConfig."""
+def eval_engine(cfg):
+    """(engine, tokenizer, adapter name or None) for an EvalRunConfig. Native: the model is built here and the
+    adapter directory applied to it; sglang: SGLang serves the checkpoint directory, and the adapter directory
+    (checked by `read_adapter`; no model is built in this process) is pushed as sglang.push resolves for its targets:
+    as a LoRA adapter, its PEFT tensors as they are, or merged (a K3 adapter SGLang's K3 LoRA cannot serve):
+    W0 + s * B @ A from the checkpoint's own W0, written once before the first request."""
     if cfg.engine.backend == "sglang":
-        return _sglang_engine(cfg)
+        from miles_k3.adapter import read_adapter
+        from miles_k3.weight_sync.sglang import merged_from_checkpoint
+
+        lora_cfg, tensors = read_adapter(cfg.adapter) if cfg.adapter else (None, None)
+        tokenizer, stop_ids = build_tokenizer(cfg.model)  # a checkpoint directory's own tokenizer
+        engine = build_engine(cfg, None, tokenizer, stop_ids, lora=lora_cfg, adapter=tensors,
+                              merge=lambda t: merged_from_checkpoint(cfg.model.path, lora_cfg, t))
+        return engine, tokenizer, None if lora_cfg is None else POLICY
     device = resolve_device(cfg.device)
     apply_kernels(cfg.kernels, device)
     model = build_model(cfg.model, device, resolve_dtype(cfg.model.dtype, device))
     tokenizer, stop_ids = build_tokenizer(cfg.model, model.config.vocab_size)
-    if not cfg.engine.eos_token_ids:
-        cfg.engine.eos_token_ids = stop_ids
     lora_cfg = load_adapter(model, cfg.adapter) if cfg.adapter else None
-    engine = RolloutEngine(model, cfg.engine, lora=lora_cfg, tokenizer=tokenizer)
-    log.info(engine_line(engine))
-    if lora_cfg is None:
-        return engine, tokenizer, None
-    engine.load_lora_adapter_from_tensors(ADAPTER_NAME, lora_state_dict(model), lora_cfg)
-    return engine, tokenizer, ADAPTER_NAME
-
-
-def _sglang_engine(cfg):
-    """engine.backend=sglang: SGLang serves the checkpoint directory, and the adapter directory (checked by
-    `read_adapter`; no model is built in this process) is pushed as sglang.push resolves for its targets: as a LoRA
-    adapter, its PEFT tensors as they are, or merged (a K3 adapter SGLang's K3 LoRA cannot serve): W0 + s * B @ A
-    from the checkpoint's own W0, written once before the first request."""
-    from miles_k3.adapter import read_adapter
-    from miles_k3.rollout.sglang_backend import serve_checkpoint
-    from miles_k3.weight_sync.sglang import merged_from_checkpoint
-
-    lora_cfg, tensors = read_adapter(cfg.adapter) if cfg.adapter else (None, None)
-    tokenizer, stop_ids = build_tokenizer(cfg.model)  # a checkpoint directory's own tokenizer
-    engine = serve_checkpoint(cfg.sglang, cfg.model, tokenizer, cfg.engine.eos_token_ids or stop_ids,
-                              lora=lora_cfg, seed=cfg.seed, fallback_context=cfg.engine.max_context)
-    if lora_cfg is None:
-        return engine, tokenizer, None
-    try:
-        if engine.push == "merged":
-            engine.serve_merged(ADAPTER_NAME)
-            engine.write_base_weights(merged_from_checkpoint(cfg.model.path, lora_cfg, tensors))
-        else:
-            engine.load_lora_adapter_from_tensors(ADAPTER_NAME, tensors, lora_cfg)
-    except BaseException:
-        engine.close()
-        raise
-    return engine, tokenizer, ADAPTER_NAME
+    engine = build_engine(cfg, model, tokenizer, stop_ids, lora=lora_cfg,
+                          adapter=None if lora_cfg is None else lora_state_dict(model))
+    return engine, tokenizer, None if lora_cfg is None else POLICY
 
 
 def run(cfg) -> dict:
@@ -92,14 +70,12 @@ def run(cfg) -> dict:
     torch.manual_seed(cfg.seed)
     warn_random_weights(cfg.model)
     problems = load_problems(cfg.eval.data)  # a bad dataset fails before the model is built
-    engine, tokenizer, lora = build_engine(cfg)
+    engine, tokenizer, lora = eval_engine(cfg)
     run_dir = Path(cfg.run_dir or f"runs/eval-{time.strftime('%Y%m%d-%H%M%S')}")
     try:
         result = evaluate(engine, tokenizer, problems, cfg.eval, lora=lora)
     finally:
-        close = getattr(engine, "close", None)
-        if close is not None:
-            close()  # SGLang's scheduler subprocesses end with the run
+        engine.close()  # SGLang's scheduler subprocesses end with the run
     extra = {"model": cfg.model.hf_path or cfg.model.path or cfg.model.name, "adapter": cfg.adapter,
              "data": cfg.eval.data.source, "backend": cfg.engine.backend, "results": str(run_dir / "results.jsonl")}
     write_reports(result, run_dir, extra)

@@ -35,7 +35,8 @@ from miles_k3.model.lora import apply_lora, lora_parameters
 from miles_k3.model.parallelize import check_mesh
 from miles_k3.parallel.mesh import SINGLE, ParallelContext, init_parallel
 from miles_k3.parallel.reduce import broadcast, world_of
-from miles_k3.rollout.engine import RolloutEngine
+from miles_k3.rollout.api import Engine
+from miles_k3.rollout.factory import POLICY, build_engine
 from miles_k3.rollout.sglang_backend import checkpoint_context
 from miles_k3.runtime import resolve_device, resolve_dtype
 from miles_k3.tracking import NullTracker, Tracker, truncate_after
@@ -52,7 +53,6 @@ from miles_k3.trainer.rollouts import PromptStream
 from miles_k3.weight_sync.channel import open_sender
 
 log = logging.getLogger("miles_k3.train")
-POLICY = "policy"  # the engine's name for the trained adapter
 FLA_CPU_WARNING = "Triton is not supported on current platform"
 """fla-core's UserWarning at import on a machine without a Triton GPU (its Triton kernels are not used on CPU)."""
 
@@ -63,12 +63,6 @@ def silence_fla_cpu_warning() -> None:
     warnings.filterwarnings("ignore", message=FLA_CPU_WARNING, category=UserWarning)
 
 
-def engine_line(engine: RolloutEngine) -> str:
-    """The native engine's sizes in one line (its full memory plan is logged at DEBUG)."""
-    return (f"rollout engine: {engine.num_slots} slots, {engine.cache.num_pages} pages of "
-            f"{engine.cache.page_size} tokens, decode={engine.decode_mode}")
-
-
 @dataclass
 class Run:
     cfg: Any
@@ -76,7 +70,7 @@ class Run:
     device: torch.device
     model: Any
     tokenizer: Any
-    engine: RolloutEngine
+    engine: Engine
     params: dict
     opt: torch.optim.Optimizer
     sched: Any
@@ -103,10 +97,11 @@ class Run:
         return {n: p.detach() for n, p in self.params.items()}
 
     def close(self) -> None:
-        for part in (self.reward, self.channel, self.engine):
+        for part in (self.reward, self.channel):
             close = getattr(part, "close", None)
             if close is not None:
                 close()
+        self.engine.close()
         self.tracker.finish()
 
 
@@ -152,16 +147,12 @@ def build_run(cfg) -> Run:
         dropped = truncate_after(run_dir, start)
         if dropped:
             log.info("resume: dropped %d logged rows of steps after %d from %s", dropped, start, run_dir)
-    if not cfg.engine.eos_token_ids:
-        cfg.engine.eos_token_ids = stop_ids
     _warn_filtered_logprobs(cfg.rollout, cfg.engine.backend)
     if cfg.engine.backend == "sglang":
-        engine, channel = _sglang_engine(cfg, model, tokenizer, problems, version)
-    else:
-        engine = RolloutEngine(model, cfg.engine, lora=cfg.lora, tokenizer=tokenizer, ctx=ctx)
-        log.info(engine_line(engine))
-        engine.load_lora_adapter_from_tensors(POLICY, {n: p.detach() for n, p in params.items()}, cfg.lora)
-        engine.weight_version = version  # the checkpoint's adapter is what it serves
+        engine, channel = _sglang_engine(cfg, model, tokenizer, stop_ids, problems, version)
+    else:  # the checkpoint's adapter (version `version`) is what it serves
+        engine = build_engine(cfg, model, tokenizer, stop_ids, lora=cfg.lora, version=version, ctx=ctx,
+                              adapter={n: p.detach() for n, p in params.items()})
         channel = open_sender(cfg.sync, engine=engine, adapter=POLICY, ctx=ctx)
     tracker = (Tracker(cfg.tracking, run_dir, config=OmegaConf.to_container(OmegaConf.structured(cfg)))
                if ctx.is_main else NullTracker())
@@ -239,14 +230,13 @@ def _warn_filtered_logprobs(cfg, backend: str) -> None:
                         "filtering's part", cfg.top_p, cfg.top_k)
 
 
-def _sglang_engine(cfg, model, tokenizer, problems, version: int):
+def _sglang_engine(cfg, model, tokenizer, stop_ids: list[int], problems, version: int):
     """The SGLang engine serving the run's checkpoint with the trainer's adapter as weight version `version`, and its
     verified channel: a LoRA adapter (sglang.push=lora), or merged into SGLang's base weights (merged: a K3 adapter
     SGLang's K3 LoRA cannot serve; the engine's base log-probs on the probe are taken first, while it serves W0).
     The parity probe (`parity_probe`, sglang.probe) is checked before SGLang starts and built before it serves any
     adapter (its completions are the base policy's); SGLang is shut down when what follows its start fails."""
     from miles_k3.evals.templates import render_prompt
-    from miles_k3.rollout.sglang_backend import serve_checkpoint
     from miles_k3.weight_sync.sglang import check_probe
 
     verified = cfg.sglang.verify_push != "never"
@@ -258,8 +248,7 @@ def _sglang_engine(cfg, model, tokenizer, problems, version: int):
             raise ValueError(f"sglang.probe_tokens={cfg.sglang.probe_tokens}: longer than the context of {limit} "
                              f"tokens ({field}); lower it")
         check_probe(cfg.sglang.probe, cfg.sglang.probe_tokens, prompts)
-    engine = serve_checkpoint(cfg.sglang, cfg.model, tokenizer, cfg.engine.eos_token_ids, lora=cfg.lora,
-                              seed=cfg.seed, fallback_context=cfg.engine.max_context)
+    engine = build_engine(cfg, None, tokenizer, stop_ids, lora=cfg.lora)  # the channel loads the adapter
     try:
         return engine, _sglang_channel(cfg, engine, model, prompts, version)
     except BaseException:

@@ -45,7 +45,7 @@ from miles_k3.evals.datasets import load_problems
 from miles_k3.evals.harness import EvalHook, check_prompt_lengths, prompt_ids
 from miles_k3.evals.problems import DatasetError, Problem
 from miles_k3.evals.templates import render_prompt
-from miles_k3.launch import engine_line, seed_everything, silence_fla_cpu_warning
+from miles_k3.launch import seed_everything, silence_fla_cpu_warning
 from miles_k3.model.build import ModelConfig, build_model, build_tokenizer, num_params
 from miles_k3.model.build import weights_dir as checkpoint_dir
 from miles_k3.model.config import ConfigError
@@ -53,6 +53,7 @@ from miles_k3.model.kernel_config import apply_kernels
 from miles_k3.model.lora import lora_parameters
 from miles_k3.model.weight_writer import save_weights as save_checkpoint
 from miles_k3.rollout.engine import RolloutEngine
+from miles_k3.rollout.factory import POLICY, build_engine
 from miles_k3.runtime import resolve_device, resolve_dtype
 from miles_k3.tracking import Tracker
 from miles_k3.trainer.batch import Sample, TrainBatch, pack
@@ -62,7 +63,6 @@ from miles_k3.trainer.rollouts import PromptStream
 
 log = logging.getLogger("miles_k3.sft")
 register_schemas()
-POLICY = "policy"  # the engine's name for the trained adapter (lora mode)
 
 
 @dataclass
@@ -264,16 +264,10 @@ def _build_eval(cfg, model, tokenizer, stop_ids, params, problems, run_dir, trac
     """The rollout engine over the model's own base tensors (no copy) and the eval hook (the prompts' lengths are
     checked by `train_sft` before the model is built)."""
     device = next(model.parameters()).device
-    if not cfg.engine.eos_token_ids:
-        cfg.engine.eos_token_ids = list(stop_ids)
+    lora = cfg.mode == "lora"  # full mode: the engine serves the model's own (trained) weights
     with _rng_isolated(device), torch.no_grad():
-        if cfg.mode == "lora":
-            engine = RolloutEngine(model, cfg.engine, lora=cfg.lora, tokenizer=tokenizer)
-            adapter = {n: p.detach() for n, p in params.items()}
-            engine.load_lora_adapter_from_tensors(POLICY, adapter, cfg.lora)
-        else:
-            engine = RolloutEngine(model, cfg.engine, tokenizer=tokenizer)
-    log.info(engine_line(engine))
+        engine = build_engine(cfg, model, tokenizer, stop_ids, lora=cfg.lora if lora else None,
+                              adapter={n: p.detach() for n, p in params.items()} if lora else None)
     return engine, EvalHook(cfg.eval, engine, tokenizer, problems, run_dir, tracker)
 
 

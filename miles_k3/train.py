@@ -176,7 +176,7 @@ def one_step(run: Run, step: int) -> tuple[dict[str, float], list]:
                           run.device, temperature=cfg.rollout.temperature, ctx=run.ctx)  # none: an empty step
     run.guard.record(metrics)
     timer.lap("train")
-    resume_first = getattr(run.engine, "push_needs_memory", False)  # SGLang: a push's parity probe generates
+    resume_first = run.engine.push_needs_memory  # SGLang: a push's parity probe generates
     if tags and resume_first:
         run.engine.resume_memory_occupation(tags)
         timer.lap("resume")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-MEMORY_TAGS = ("kv_cache", "cuda_graph")
 BACKENDS = ("native", "sglang")
 """The rollout engines `EngineConfig.backend` names."""
 

@@ -50,6 +50,14 @@ class Request:
         log.wait()  # the prefill's and the decode steps' copies to the host have landed
         return torch.cat(self.routes + ([log.gather(self.log_rows)] if self.log_rows else []))
 
+    def fork_from(self, head: Request, slot: int) -> None:
+        """This request is a fork of `head` (the same prompt) on state slot `slot`: it shares the head's prefill,
+        so its cached tokens, the prefill's routes and the weight version the prefill ran under."""
+        self.slot, self.cached = slot, len(head.tokens) - 1
+        self.routes, self.num_routed = list(head.routes), head.num_routed
+        self.log_rows = list(head.log_rows)
+        self.weight_versions = set(head.weight_versions)
+
     @property
     def tokens(self) -> list[int]:
         return self.prompt + self.output

@@ -225,6 +225,18 @@ class FinishReason:
         return {"type": self.type, "matched": self.matched}
 
 
+STOP_WINDOW_SLACK = 8
+"""Tokens decoded before the longest stop string could start, so that a detokenizer's context at the window's
+edge (a leading-space marker, a byte-level piece) lies outside the string."""
+
+
+def stop_window(stops: Sequence[str]) -> int:
+    """Output tokens `check_stop` decodes for stop strings `stops`: a token decodes to at least one UTF-8 byte
+    (special tokens a decoder skips aside), so a stop string of C characters (at most 4 bytes each) that the last
+    token completed began within the last 4 C tokens; `STOP_WINDOW_SLACK` more keep the window's edge clear."""
+    return 4 * max(len(s) for s in stops) + STOP_WINDOW_SLACK
+
+
 def check_stop(
     output_ids: Sequence[int],
     params: SamplingParams,
@@ -236,12 +248,14 @@ def check_stop(
     Checked in order, so a stop beats length when the last allowed token is also a stop:
     1. last token in `params.stop_token_ids` -> stop (honoured even with ignore_eos);
     2. last token in the model's `eos_ids` and not `params.ignore_eos` -> stop;
-    3. `params.stop` string found in `text_fn(output_ids)` -> stop (first listed string that matches);
+    3. `params.stop` string found in the decoded tail of `output_ids` -> stop (first listed string that matches);
     4. len(output_ids) >= max_new_tokens -> length.
     Stop strings: the token that completed the stop string is kept in the output ids and generation ends;
     ids are never truncated (the decoded text may extend past the stop string if that token spans it,
     callers that want SGLang's text cut it at the string). Call once per generated token, since only
-    the last token is checked for ids. Raises ValueError if stop strings are set and `text_fn` is None.
+    the last token is checked for ids, and only text the last token completed can newly hold a stop string:
+    `text_fn` decodes the last `stop_window(params.stop)` tokens, not the whole output (the work per token
+    does not grow with the output). Raises ValueError if stop strings are set and `text_fn` is None.
     """
     if not output_ids:
         return None
@@ -253,7 +267,7 @@ def check_stop(
     if params.stop:
         if text_fn is None:
             raise ValueError("check_stop: sampling_params.stop is set but no detokenizer (text_fn) was given")
-        text = text_fn(output_ids)
+        text = text_fn(output_ids[-stop_window(params.stop):])
         for s in params.stop:
             if s in text:
                 return FinishReason("stop", s)

@@ -2,11 +2,12 @@
 
 The engine is built in the training process (SGLang runs its scheduler and model in its own subprocesses) from
 the typed `sglang:` config (`SGLangConfig`), token in / token out (`skip_tokenizer_init`). What the loop sees is
-the same as with the native engine:
+the same as with the native engine (`rollout.api.Engine`):
 
-* `generate(input_ids, sampling_params, n, return_logprob, lora)` -> one record per sample, prompt i's sample j at
-  i * n + j: `output_ids`, `meta_info` {finish_reason, prompt_tokens, completion_tokens, cached_tokens,
-  weight_version, output_token_logprobs [(logprob, token_id)]}, or `error` for a rejected request. Sample j of a
+* `generate(input_ids, sampling_params, n, return_logprob, lora)` -> one record per sample (`rollout.api`), prompt
+  i's sample j at i * n + j: `output_ids`, `meta_info` {finish_reason, prompt_tokens, completion_tokens,
+  cached_tokens, weight_version, output_token_logprobs [(logprob, token_id)]}, or `error` for a rejected request;
+  return_routed_experts=True is refused (SGLang records no routes for this backend). Sample j of a
   prompt with `sampling_seed` s is sent with seed s + j (the native engine's rule), so groups are reproducible.
 * The trained adapter is pushed from tensors under versioned names: `load_lora_adapter_from_tensors(name=policy)`
   serves `policy@v<N>` (SGLang cannot update an adapter in place: a reused name is refused), requests for `policy`
@@ -38,13 +39,13 @@ from typing import Any
 import torch
 
 from miles_k3.model.lora import lora_scale
+from miles_k3.rollout.api import SGLANG_MEMORY_TAGS, Record, VersionedEngine, check_tags, sample_meta
 from miles_k3.rollout.requests import generate_requests
 from miles_k3.rollout.sglang_config import SGLangConfig
 from miles_k3.rollout.sglang_k3 import K3Checkpoint, k3_checkpoint, moe_runner, resolve_push
 
 log = logging.getLogger("miles_k3.rollout")
 
-MEMORY_TAGS = ("kv_cache", "weights", "cuda_graph")
 INSTALL_HINT = ("engine.backend=sglang needs SGLang: pip install 'miles-k3[sglang]' (SGLang serves on CUDA GPUs; "
                 "releases pinning torch 2.11 end at sglang 0.5.17), or set engine.backend=native")
 
@@ -154,7 +155,7 @@ def checkpoint_context(path: str) -> int | None:
     return int(value) if isinstance(value, int) and value > 0 else None
 
 
-class SGLangEngine:
+class SGLangEngine(VersionedEngine):
     """The `RolloutEngine` interface over `sglang.Engine` (see the module docstring). Adapter tensors are pushed
     under their PEFT names (`miles_k3.adapter.peft_tensors`), which SGLang loads, or merged into the base weights
     (`push`: the resolved mode, `resolve_push`). A K3 checkpoint directory is checked (`k3_checkpoint`) before
@@ -180,7 +181,6 @@ class SGLangEngine:
             log.info("sglang push=%s (%s)", self.push, why)
         log.info("sglang engine: %s", ", ".join(f"{k}={v}" for k, v in args.items() if k != "model_path"))
         self.engine = engine_cls(**args)
-        self.weight_version = 0
         self._serving: dict[str, str] = {}  # adapter name -> the versioned SGLang name requests go to
         self._configs: dict[str, Any] = {}
         self._in_flight: Counter[str] = Counter()  # versioned name -> requests of ours running on it
@@ -193,8 +193,12 @@ class SGLangEngine:
     # ---- generation ------------------------------------------------------------------------------------
     def generate(self, input_ids: list[list[int]] | None = None, prompts: list[str] | None = None,
                  sampling_params: dict | list[dict] | None = None, n: int = 1, return_logprob: bool = True,
-                 lora: str | list[str | None] | None = None) -> list[dict]:
-        """Samples for every prompt, `n` each, prompt i's sample j at i * n + j (see the module docstring)."""
+                 lora: str | list[str | None] | None = None, return_routed_experts: bool = False) -> list[Record]:
+        """Samples for every prompt, `n` each, prompt i's sample j at i * n + j (see the module docstring).
+        `return_routed_experts` is refused: this backend does not record routes (`config_checks` says why)."""
+        if return_routed_experts:
+            raise ValueError("return_routed_experts: the sglang engine does not record routed experts; use "
+                             "engine.backend=native to record or replay routes")
         ids, params, loras = generate_requests(input_ids, prompts, sampling_params, n, lora, self.tokenizer,
                                                self._released)
         with self._lock:
@@ -255,7 +259,7 @@ class SGLangEngine:
         """With `lora_name`: serve a new version of that adapter from `named_tensors` (the trainer's names). Without:
         update base weights in place (HF names; SGLang's update_weights_from_tensor). The engine's weight_version
         becomes `weight_version` (default: one more); versions only move forward."""
-        version = self._next_version(weight_version)
+        version = self.next_version(weight_version)
         if lora_name is None:
             self.write_base_weights(dict(named_tensors))
             self.weight_version = version
@@ -358,15 +362,7 @@ class SGLangEngine:
                 self._retired.discard(old)
                 del self._in_flight[old]
 
-    def _next_version(self, weight_version: int | None) -> int:
-        if weight_version is None:
-            return self.weight_version + 1
-        if weight_version <= self.weight_version:
-            raise ValueError(f"weight_version: versions only move forward; the engine serves version "
-                             f"{self.weight_version}, the push has {weight_version}")
-        return weight_version
-
-    def _record(self, out: dict, name: str | None, return_logprob: bool) -> dict:
+    def _record(self, out: dict, name: str | None, return_logprob: bool) -> Record:
         """One SGLang result as the native engine's record."""
         meta = out.get("meta_info", {})
         finish = meta.get("finish_reason") or {"type": "abort", "message": "no finish reason"}
@@ -374,10 +370,8 @@ class SGLangEngine:
             return {"error": finish.get("message", "aborted by sglang"), "meta_info": {"finish_reason": finish}}
         ids = list(out.get("output_ids", []))
         version = version_of(name) if name is not None else self.weight_version
-        record_meta = {"finish_reason": finish, "prompt_tokens": meta.get("prompt_tokens", 0),
-                       "completion_tokens": meta.get("completion_tokens", len(ids)),
-                       "cached_tokens": meta.get("cached_tokens", 0), "weight_version": version,
-                       "weight_versions": [version]}
+        record_meta = sample_meta(finish, meta.get("prompt_tokens", 0), meta.get("completion_tokens", len(ids)),
+                                  meta.get("cached_tokens", 0), [version])
         if return_logprob:
             rows = meta.get("output_token_logprobs") or []
             pairs = [(float(row[0]), int(row[1])) for row in rows]
@@ -388,10 +382,7 @@ class SGLangEngine:
         return {"output_ids": ids, "meta_info": record_meta}
 
     def _check_tags(self, tags: list[str] | None) -> list[str]:
-        tags = list(MEMORY_TAGS) if tags is None else list(tags)
-        bad = [t for t in tags if t not in MEMORY_TAGS]
-        if bad:
-            raise ValueError(f"memory tags {bad} are not SGLang's ({', '.join(MEMORY_TAGS)})")
+        tags = check_tags(tags, SGLANG_MEMORY_TAGS, "sglang")
         if not self.cfg.enable_memory_saver:
             raise ValueError("release/resume_memory_occupation: needs sglang.enable_memory_saver=true")
         if "weights" in tags and not self.cfg.enable_weights_cpu_backup:

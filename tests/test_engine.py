@@ -109,7 +109,7 @@ def test_release_and_resume_leave_outputs_unchanged(base, decode):
     # exactly, logprobs to LOGPROB_ATOL (on CPU the expert matmuls' shapes follow the padding rows' routing).
     engine.release_memory_occupation(["cuda_graph"])
     if decode == "static":
-        assert not engine._graph._graphs
+        assert not engine.runner.graph._graphs
     with pytest.raises(RuntimeError, match=r"\['cuda_graph'\] is released"):
         engine.generate(input_ids=PROMPTS, sampling_params=params)
     engine.resume_memory_occupation(["cuda_graph"])
@@ -269,12 +269,12 @@ def test_num_slots_requests_run_at_once_whatever_the_decode_mode(base, decode):
     padding rows use a slot of their own beside the three."""
     engine = _engine(base, num_slots=3, decode=decode)
     steps = []
-    real = engine._step
+    real = engine.runner.step
 
     def spy(rids, *args, **kw):
         steps.append(len(rids))
         return real(rids, *args, **kw)
-    engine._step = spy
+    engine.runner.step = spy
     engine.generate(input_ids=PROMPTS, sampling_params={"temperature": 0, "max_new_tokens": 4})
     assert steps == [3, 3, 3, 3]
     assert engine.num_slots == 3 and engine.kda.num_slots == 3 + (decode == "static")
@@ -295,10 +295,10 @@ def test_static_decode_runs_a_pool_smaller_than_a_power_of_two_and_splits_batche
         engine = _engine(base, num_slots=5, decode=decode)
         calls = []
         if buckets is not None:
-            engine._graph.buckets = buckets
-        if engine._graph is not None:
-            real = engine._graph.decode
-            engine._graph.decode = lambda ids, *a: calls.append(len(ids)) or real(ids, *a)
+            engine.runner.graph.buckets = buckets
+        if engine.runner.graph is not None:
+            real = engine.runner.graph.decode
+            engine.runner.graph.decode = lambda ids, *a: calls.append(len(ids)) or real(ids, *a)
         return engine.generate(input_ids=prompts, sampling_params=sp, return_routed_experts=True), calls
 
     want, _ = run("eager")
@@ -312,3 +312,32 @@ def test_static_decode_runs_a_pool_smaller_than_a_power_of_two_and_splits_batche
             assert torch.equal(g["meta_info"]["routed_experts"], w["meta_info"]["routed_experts"])
             for (a, _), (b, _) in zip(g["meta_info"]["output_token_logprobs"], w["meta_info"]["output_token_logprobs"]):
                 assert a == pytest.approx(b, abs=LOGPROB_ATOL)
+
+
+def test_a_push_between_prefill_and_first_decode_leaves_the_prefills_version_as_the_oldest(base):
+    """The prefill runs under version 0; a push (version 1) lands before the first decode step. Both samples of the
+    forked group report versions [0, 1] (the fork copied its head's prefill version), so the rollout's on-policy
+    check (`weight_version=min(versions)`) sees 0, not 1."""
+    from miles_k3.trainer.rollouts import RolloutConfig, _sample
+
+    cfg = LoRAConfig(rank=2, alpha=4.0, targets=["q_proj"])
+    trainer = K3ForCausalLM(base.config, expert_format="mxfp4").eval()
+    trainer.load_state_dict(base.state_dict())
+    apply_lora(trainer, cfg)
+    engine = _engine(trainer, lora=cfg)
+    engine.load_lora_adapter_from_tensors("policy", lora_state_dict(trainer), cfg)
+    real, pushed = engine.runner.decode, []
+
+    def push_then_decode(running):
+        if not pushed:
+            engine.update_weights_from_tensor(lora_state_dict(trainer), lora_name="policy")
+            pushed.append(engine.weight_version)
+        return real(running)
+
+    engine.runner.decode = push_then_decode
+    outs = engine.generate(input_ids=[PROMPTS[0]], sampling_params={"temperature": 0, "max_new_tokens": 3}, n=2,
+                           lora="policy")
+    assert pushed == [1]
+    assert [(o["meta_info"]["weight_version"], o["meta_info"]["weight_versions"]) for o in outs] == [(1, [0, 1])] * 2
+    sample = _sample(PROMPTS[0], outs[1], 0.0, RolloutConfig())
+    assert (sample.weight_version, sample.weight_version_max) == (0, 1)

@@ -129,16 +129,16 @@ def test_cuda_graph_tag_frees_the_graph_pool_and_recaptures(trainer):
     engine = _engine(model, lora, "graph")
     params = {"temperature": 1.0, "max_new_tokens": 8, "sampling_seed": 11}
     before = engine.generate(input_ids=PROMPTS, sampling_params=params, n=3, lora="policy")
-    assert engine._graph._graphs
+    assert engine.runner.graph._graphs
     torch.cuda.synchronize()
     reserved = torch.cuda.memory_reserved()
     engine.release_memory_occupation(["cuda_graph"])
     freed = reserved - torch.cuda.memory_reserved()
     print(f"cuda_graph release returned {freed / 2**20:.1f} MiB to the device")
-    assert not engine._graph._graphs and freed > 0
+    assert not engine.runner.graph._graphs and freed > 0
     engine.resume_memory_occupation(["cuda_graph"])
     after = engine.generate(input_ids=PROMPTS, sampling_params=params, n=3, lora="policy")
-    assert engine._graph._graphs
+    assert engine.runner.graph._graphs
     assert [r["output_ids"] for r in after] == [r["output_ids"] for r in before]
 
 

@@ -121,14 +121,14 @@ def _forward_sees(engine) -> list[bool]:
 
 @pytest.mark.parametrize("reference", [True, False])
 def test_the_eval_entry_point_takes_the_config_into_the_forward(reference):
-    """python -m miles_k3.eval's build_engine applies `kernels:`: kernels.reference=true makes every RMSNorm of
+    """python -m miles_k3.eval's eval_engine applies `kernels:`: kernels.reference=true makes every RMSNorm of
     the model's forward run with the fused kernels forced off (on CUDA: the torch references; GPU test below)."""
-    from miles_k3.eval import build_engine
+    from miles_k3.eval import eval_engine
 
     cfg = compose_config("eval", ["model=k3_tiny", "model.path=null", "model.experts=bf16", "device=cpu",
                                   "engine.max_context=64", "eval.max_new_tokens=8",
                                   f"kernels.reference={str(reference).lower()}"])
-    engine, _, _ = build_engine(cfg)
+    engine, _, _ = eval_engine(cfg)
     seen = _forward_sees(engine)
     assert len(seen) > 4 and set(seen) == {not reference}
 

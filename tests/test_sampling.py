@@ -13,6 +13,7 @@ from miles_k3.rollout.sampling import (
     filtered_logprobs,
     filters,
     sample,
+    stop_window,
     unfiltered_logprobs,
 )
 
@@ -245,6 +246,29 @@ def test_finish_stop_string_with_toy_detokenizer():
     assert check_stop([0, 4, 5], p, text_fn=text_fn) == FinishReason("stop", "###")
     with pytest.raises(ValueError, match="detokenizer"):
         check_stop([0], p)
+
+
+def test_stop_strings_decode_a_tail_window_and_stop_where_the_whole_output_did():
+    """A long output of filler tokens, then "##" + "#": the same stop at the same token as decoding everything,
+    while every call decodes at most 4 * 3 + 8 = 20 tokens (the longest stop string, "###", is 3 characters)."""
+    vocab = {0: "ab", 4: "##", 5: "#", 7: "x"}
+    decoded = []
+
+    def text_fn(ids):
+        decoded.append(len(ids))
+        return "".join(vocab[i] for i in ids)
+
+    p = SamplingParams(stop=["###", "#x"], max_new_tokens=1000)
+    out = [0] * 300 + [4]
+    assert check_stop(out, p, text_fn=text_fn) is None
+    assert check_stop(out + [5], p, text_fn=text_fn) == FinishReason("stop", "###")
+    assert decoded == [20, 20]
+    assert stop_window(["###", "#x"]) == 20
+    # every token from the first to the 500th: the decoded length stops growing at the window
+    decoded.clear()
+    for length in range(1, 501):
+        assert check_stop([0] * length, p, text_fn=text_fn) is None
+    assert decoded[:3] == [1, 2, 3] and max(decoded) == 20 and sum(decoded) == sum(range(1, 21)) + 480 * 20
 
 
 # ---- counter-based (keyed) sampling: the engine's batched hot path ---------------------------------------

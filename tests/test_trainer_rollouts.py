@@ -25,7 +25,7 @@ class Scripted:
     def __init__(self):
         self.seeds = []
 
-    def generate(self, input_ids, sampling_params, n, return_logprob, lora):
+    def generate(self, input_ids, sampling_params, n, return_logprob, lora, return_routed_experts=False):
         out = []
         for ids, sp in zip(input_ids, sampling_params):
             i = int(TOK.decode(ids).split("problem number ")[1].split()[0].rstrip("."))
@@ -103,7 +103,7 @@ class Lengths:
     def __init__(self, lengths, right, max_new_tokens, unfiltered=None):
         self.lengths, self.right, self.max_new, self.unfiltered = lengths, right, max_new_tokens, unfiltered
 
-    def generate(self, input_ids, sampling_params, n, return_logprob, lora):
+    def generate(self, input_ids, sampling_params, n, return_logprob, lora, return_routed_experts=False):
         out = []
         for ids in input_ids:
             gold = TOK.decode(ids).split("problem number ")[1].split()[0].rstrip(".")

@@ -237,10 +237,8 @@ def _sample_groups(engine, tokenizer, drawn, reward_fn, cfg: RolloutConfig, lora
                for _, p in drawn]
     params = [{"max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature, "top_p": cfg.top_p,
                "top_k": cfg.top_k, "sampling_seed": cfg.seed * 1_000_003 + d * cfg.group_size} for d, _ in drawn]
-    # the routes flag only when asked: the SGLang engine's generate has no such argument (routes are refused with
-    # engine.backend=sglang at validation)
     outs = engine.generate(input_ids=prompts, sampling_params=params, n=cfg.group_size, return_logprob=True,
-                           lora=lora, **({"return_routed_experts": True} if routes else {}))
+                           lora=lora, return_routed_experts=routes)
     bad = next((o for o in outs if "error" in o), None)
     if bad is not None:
         raise RuntimeError(f"rollout: the engine rejected a request: {bad['error']}")

@@ -48,6 +48,7 @@ import torch
 
 from miles_k3.model.k3 import CHECKPOINT_PREFIX
 from miles_k3.model.lora import expert_loras, lora_linears
+from miles_k3.rollout.api import check_forward
 from miles_k3.rollout.sglang_config import PROBE_MODES
 from miles_k3.weight_sync.push import PushReport, SyncError, sync_devices
 
@@ -58,6 +59,14 @@ log = logging.getLogger("miles_k3.weight_sync")
 EFFECT_RTOL = 0.25  # refuse when the engine's effect differs from the trainer's by more than this part of it
 NOISE_FACTOR = 10.0  # a check is conclusive when the trainer's effect is this many times the base gap (or more)
 Logprobs = Callable[[list[int]], list[float]]
+
+
+def _check_forward(engine, version: int) -> None:
+    """A push must carry a newer version than the engine serves (`rollout.api.check_forward`): SyncError if not."""
+    try:
+        check_forward(engine.weight_version, version, strict=True)
+    except ValueError as e:
+        raise SyncError(f"push of version {version} refused: {e}") from None
 
 
 @dataclass(frozen=True)
@@ -222,9 +231,7 @@ class SGLangChannel(_VerifiedPushes):
         devices = {t.device for t in tensors.values()} or {torch.device("cpu")}
         sync_devices(devices)
         t0 = time.perf_counter()
-        if version <= self.engine.weight_version:
-            raise SyncError(f"push of version {version} refused: versions only move forward (the engine serves "
-                            f"{self.engine.weight_version})")
+        _check_forward(self.engine, version)
         try:
             staged = self.engine.stage_adapter(self.adapter, tensors, version)
         except ValueError as e:
@@ -377,9 +384,7 @@ class SGLangMergedChannel(_VerifiedPushes):
         t0 = time.perf_counter()
         if self.broken is not None:
             raise SyncError(f"push of version {version} refused: {self.broken}")
-        if version <= self.engine.weight_version:
-            raise SyncError(f"push of version {version} refused: versions only move forward (the engine serves "
-                            f"{self.engine.weight_version})")
+        _check_forward(self.engine, version)
         try:
             merged = merged_weights(self.model, tensors)
         except ValueError as e:

@@ -1,5 +1,5 @@
 """`kernels:` in the train, eval and sft configs: which kernels the K3 model's forward takes, set once when a run
-starts (`apply_kernels`, called with the run's device by `launch.build_run`, `eval.build_engine` and
+starts (`apply_kernels`, called with the run's device by `launch.build_run`, `eval.eval_engine` and
 `sft.train_sft`), which logs each choice with its reason:
 
     mxfp4 experts: triton (auto: CUDA available; bf16 projections of >= 134,217,728 weights, smaller ones torch)

@@ -1,0 +1,137 @@
+"""The native engine's scheduler: which requests run, in which order, on which slots. Bookkeeping only, no torch
+(unit-tested with a fake runner, `tests/test_scheduler.py`); the tensors are the runner's (`runner.py`).
+
+A call's prompts arrive as groups (a prompt's `n` samples, in order) in a waiting queue. Every step: admit waiting
+groups in order while their state slots fit (prefill each group's head once, in batched chunks, then fork it into
+its samples: the forks share the head's prefill, its routes and its weight version); make room for one more
+position per running request, preempting the youngest (last admitted) while pages are short (it goes back to the
+front of the queue alone and is recomputed from its tokens later); decode one token for every running request;
+hand the finished ones to the caller. A group that gets no pages goes back to the front of the queue, in order.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from collections.abc import Callable
+from typing import Any, Protocol
+
+log = logging.getLogger("miles_k3.rollout.engine")
+
+
+class StepRunner(Protocol):
+    """What the scheduler asks of a runner: state slots, latent pages and the two model steps. A request is the
+    runner's `Request` (rid, slot, tokens; `fork_from` copies a head's shared prefill into a fork)."""
+
+    @property
+    def num_free_slots(self) -> int: ...
+
+    def alloc_slots(self, k: int) -> list[int] | None: ...
+
+    def fork_slots(self, slot: int, k: int) -> list[int] | None: ...
+
+    def new_request(self, rid: int) -> None: ...
+
+    def reserve(self, rid: int, num_tokens: int) -> bool: ...
+
+    def fork_pages(self, rid: int, children: list[int]) -> bool: ...
+
+    def free_slot(self, slot: int) -> None: ...
+
+    def free(self, req: Any) -> None: ...
+
+    def prefill(self, heads: list[Any]) -> set[int]:
+        """Prefill every head's tokens but the last (pages reserved per chunk); the rids that got no pages."""
+        ...
+
+    def decode(self, running: list[Any]) -> list[Any]:
+        """One token for every running request (positions reserved); the finished ones."""
+        ...
+
+    def drain(self) -> None:
+        """After the run: this rank's part in other ranks' remaining forwards (lockstep), else nothing."""
+        ...
+
+
+class Scheduler:
+    """Admission, forks, preemption and the run loop over a `StepRunner`. `lock`: held through each step (other
+    threads push weights or release memory between steps); `unpaused`: cleared, the loop waits before its next
+    step."""
+
+    def __init__(self, runner: StepRunner, lock: threading.RLock | None = None,
+                 unpaused: threading.Event | None = None):
+        self.runner = runner
+        self.lock = lock or threading.RLock()
+        self.unpaused = unpaused or threading.Event()
+        if unpaused is None:
+            self.unpaused.set()
+        self.num_preempted = 0  # requests preempted (and later recomputed) for lack of latent pages
+
+    def run(self, waiting: deque, done: Callable[[Any], None]) -> None:
+        """Serve every group of `waiting` to the end, calling `done(req)` for each request as it finishes."""
+        running: list = []
+        while waiting or running:
+            self.unpaused.wait()
+            with self.lock:
+                self.admit(waiting, running)
+                if not running and waiting:  # admitted together, the groups may have starved each other
+                    self.admit(waiting, running, max_groups=1)
+                if not running:
+                    raise RuntimeError("rollout engine: a request cannot be admitted into empty pools "
+                                       "(memory too small for one request); raise memory_budget_bytes")
+                self.make_room(running, waiting)
+                for req in self.runner.decode(running):
+                    running.remove(req)
+                    self.runner.free(req)
+                    done(req)
+        self.runner.drain()
+
+    def admit(self, waiting: deque, running: list, max_groups: int | None = None) -> None:
+        """Admit waiting groups in order while their slots fit: prefill their heads (batched), then fork each group
+        into its requests. A group that gets no pages goes back to the front of the queue, in order."""
+        taken, need, free = [], 0, self.runner.num_free_slots
+        while waiting and need + len(waiting[0]) <= free and len(taken) != max_groups:
+            group = waiting.popleft()
+            need += len(group)
+            self.runner.new_request(group[0].rid)
+            taken.append(group)
+        for group, slot in zip(taken, self.runner.alloc_slots(len(taken)) or ()):
+            group[0].slot = slot
+        failed = self.runner.prefill([g[0] for g in taken]) if taken else set()
+        back = []
+        for group in taken:
+            if group[0].rid in failed or not self.fork(group):
+                self.runner.free(group[0])
+                back.append(group)
+            else:
+                running.extend(group)
+        waiting.extendleft(reversed(back))
+
+    def fork(self, group: list) -> bool:
+        """Give the group's other requests slots copied from the head's and its pages, shared; False (nothing
+        taken) when slots or pages are short."""
+        head = group[0]
+        if len(group) == 1:
+            return True
+        slots = self.runner.fork_slots(head.slot, len(group) - 1)
+        if slots is None or not self.runner.fork_pages(head.rid, [r.rid for r in group[1:]]):
+            for s in slots or ():
+                self.runner.free_slot(s)
+            return False
+        for req, s in zip(group[1:], slots):
+            req.fork_from(head, s)
+        return True
+
+    def make_room(self, running: list, waiting: deque) -> None:
+        """Reserve one more position per running request, preempting the youngest while pages are short."""
+        i = 0
+        while i < len(running):
+            if self.runner.reserve(running[i].rid, 1):
+                i += 1
+                continue
+            victim = running.pop()
+            self.runner.free(victim)
+            waiting.appendleft([victim])  # recomputed from its tokens when pages free up
+            self.num_preempted += 1
+            log.info("preempted request %d (%d tokens) for lack of latent pages", victim.rid, len(victim.tokens))
+            i = min(i, len(running))
