@@ -46,12 +46,11 @@ from miles_k3.evals.harness import EvalHook, check_prompt_lengths, prompt_ids
 from miles_k3.evals.problems import DatasetError, Problem
 from miles_k3.evals.templates import render_prompt
 from miles_k3.launch import seed_everything, silence_fla_cpu_warning
-from miles_k3.model.build import ModelConfig, build_model, build_tokenizer, num_params
-from miles_k3.model.build import weights_dir as checkpoint_dir
+from miles_k3.model.build import ModelConfig, build_model, build_tokenizer, num_params, weights_dir
 from miles_k3.model.config import ConfigError
 from miles_k3.model.kernel_config import apply_kernels
 from miles_k3.model.lora import lora_parameters
-from miles_k3.model.weight_writer import save_weights as save_checkpoint
+from miles_k3.model.weight_writer import save_weights
 from miles_k3.rollout.engine import RolloutEngine
 from miles_k3.rollout.factory import POLICY, build_engine
 from miles_k3.runtime import resolve_device, resolve_dtype
@@ -291,8 +290,8 @@ def _save(cfg, model_cfg: ModelConfig, model, target: Path) -> Path:
 
         return save_adapter(model, cfg.lora, target, base_model_name_or_path=cfg.model.path or cfg.model.name)
     if model_cfg.path is None:
-        return save_checkpoint(model, target, small_tokenizer=True)
-    return save_checkpoint(model, target, tokenizer_from=checkpoint_dir(model_cfg))
+        return save_weights(model, target, small_tokenizer=True)
+    return save_weights(model, target, tokenizer_from=weights_dir(model_cfg))
 
 
 def _autocast(model: nn.Module):

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from miles_k3.model.config import ConfigError, K3Config
 from miles_k3.model.lora import EXPERT_TARGETS
-from miles_k3.model.weight_files import WeightsError as CheckpointError
+from miles_k3.model.weight_files import WeightsError
 
 if TYPE_CHECKING:
     from miles_k3.rollout.sglang_config import SGLangConfig
@@ -68,7 +68,7 @@ class K3Checkpoint:
 
 def k3_checkpoint(path: str, cfg: SGLangConfig) -> K3Checkpoint | None:
     """The K3 checkpoint directory `path`, checked for SGLang 0.5.17 with `cfg`; None when `path` holds no K3
-    config.json (an HF architecture, or not a local directory). Raises CheckpointError listing every problem with its
+    config.json (an HF architecture, or not a local directory). Raises WeightsError listing every problem with its
     fix: a flat config.json (SGLang builds Kimi Linear from it) and each shape SGLang's kernels cannot serve."""
     raw = _read_config(path)
     if raw is None:
@@ -90,7 +90,7 @@ def k3_checkpoint(path: str, cfg: SGLangConfig) -> K3Checkpoint | None:
     problems += k3_shape_problems(k3, bool(quant), moe_runner(cfg, K3Checkpoint(k3, bool(quant))),
                                   cfg.attention_backend)
     if problems:
-        raise CheckpointError(f"model.path: SGLang 0.5.17 cannot serve the K3 checkpoint {path} "
+        raise WeightsError(f"model.path: SGLang 0.5.17 cannot serve the K3 checkpoint {path} "
                               f"({len(problems)} problem{'s' if len(problems) > 1 else ''}):\n  - "
                               + "\n  - ".join(problems) + "\nor train and evaluate it with engine.backend=native")
     return K3Checkpoint(k3, bool(quant))
@@ -102,7 +102,7 @@ def _read_config(path: str) -> dict | None:
     except OSError:
         return None
     except ValueError as e:
-        raise CheckpointError(f"model.path: {path}/config.json is not valid JSON ({e})") from None
+        raise WeightsError(f"model.path: {path}/config.json is not valid JSON ({e})") from None
     return raw if isinstance(raw, dict) else None
 
 
