@@ -76,6 +76,7 @@ class GraphDecoder:
         """Drop every graph and their shared memory pool, returning its blocks to the device (the engine's
         `cuda_graph` memory tag); graphs are captured again, into a new pool, on their next use."""
         self._graphs.clear()
+        self._last = None  # a graph's routes buffer: it lives in the pool, and would keep its segment reserved
         if self.capture:
             self._pool = None
             torch.cuda.synchronize()

@@ -131,11 +131,18 @@ def test_cuda_graph_tag_frees_the_graph_pool_and_recaptures(trainer):
     before = engine.generate(input_ids=PROMPTS, sampling_params=params, n=3, lora="policy")
     assert engine.runner.graph._graphs
     torch.cuda.synchronize()
-    reserved = torch.cuda.memory_reserved()
+    pool = tuple(engine.runner.graph._pool)
+
+    def pool_segments():  # the segments the allocator holds for the graphs' private pool, by their pool id
+        return [s["total_size"] for s in torch.cuda.memory_snapshot() if tuple(s["segment_pool_id"]) == pool]
+
+    held, reserved = pool_segments(), torch.cuda.memory_reserved()
     engine.release_memory_occupation(["cuda_graph"])
     freed = reserved - torch.cuda.memory_reserved()
-    print(f"cuda_graph release returned {freed / 2**20:.1f} MiB to the device")
-    assert not engine.runner.graph._graphs and freed > 0
+    print(f"cuda_graph release returned {freed / 2**20:.1f} MiB to the device; the pool held {len(held)} segments "
+          f"({sum(held) / 2**20:.1f} MiB), {len(pool_segments())} left")
+    assert not engine.runner.graph._graphs and held and not pool_segments()
+    assert freed >= sum(held)
     engine.resume_memory_occupation(["cuda_graph"])
     after = engine.generate(input_ids=PROMPTS, sampling_params=params, n=3, lora="policy")
     assert engine.runner.graph._graphs
