@@ -18,6 +18,9 @@ NATIVE_MEMORY_TAGS = ("kv_cache", "cuda_graph")
 """The native engine's releasable memory (the base weights are the trainer's: it owns their memory)."""
 SGLANG_MEMORY_TAGS = ("kv_cache", "weights", "cuda_graph")
 """SGLang's releasable memory (`weights` needs sglang.enable_weights_cpu_backup)."""
+PAUSED = "paused"
+"""The state of a partial-rollout request retracted at the end of a native engine's `run`: queued, holding no
+memory, continued by the next `run` (recomputed from its tokens)."""
 
 
 class FinishDict(TypedDict):
@@ -46,6 +49,9 @@ class MetaInfo(TypedDict):
     """A request that filters (top-p / top-k / min-p): the same tokens under the unfiltered distribution."""
     routed_experts: NotRequired[Any]
     """return_routed_experts: int16 tensor [prompt + completion - 1, MoE layers, top_k] (native engine only)."""
+    output_token_weight_versions: NotRequired[list[int]]
+    """The weight version that sampled each output token (native engine; a retracted and continued request spans
+    versions)."""
 
 
 class SampleRecord(TypedDict):

@@ -252,6 +252,7 @@ class RolloutEngine(VersionedEngine):
 
     def _result(self, req: Request, return_logprob: bool) -> Record:
         meta = sample_meta(req.finish.to_dict(), len(req.prompt), len(req.output), req.cached, req.weight_versions)
+        meta["output_token_weight_versions"] = list(req.token_versions)
         if return_logprob:
             meta["output_token_logprobs"] = list(zip(req.logprobs, req.output))
             if req.unfiltered:  # the sampling was filtered: the same tokens under the unfiltered distribution

@@ -30,6 +30,8 @@ class Request:
     routes: list[torch.Tensor] = field(default_factory=list)  # host int16 [positions, L, K] chunks, in order
     log_rows: list[int] = field(default_factory=list)  # then these decode positions' rows of the engine's RouteLog
     num_routed: int = 0  # positions 0 .. num_routed - 1 have routes
+    token_versions: list[int] = field(default_factory=list)  # the weight version that sampled each output token
+    group: int | None = None  # the engine's partial-queue group id (`RolloutEngine.submit`); None under generate
 
     def add_routes(self, first: int, routes_TLK: torch.Tensor, log: RouteLog) -> None:
         """Routes of positions first .. first + T - 1 (host); positions already routed keep their first routes
@@ -45,6 +47,12 @@ class Request:
             self.routes.append(routes_TLK[skip:])
             self.num_routed = first + routes_TLK.shape[0]
 
+    def keep_routes(self, log: RouteLog) -> None:
+        """Move this request's rows of the engine's RouteLog into its host routes (they survive the log's clear)."""
+        if self.log_rows:
+            self.routes.append(log.gather(self.log_rows))
+            self.log_rows = []
+
     def routed(self, log: RouteLog) -> torch.Tensor:
         """All routes, [num_routed, L, K]."""
         log.wait()  # the prefill's and the decode steps' copies to the host have landed
@@ -52,7 +60,8 @@ class Request:
 
     def fork_from(self, head: Request, slot: int) -> None:
         """This request is a fork of `head` (the same prompt) on state slot `slot`: it shares the head's prefill,
-        so its cached tokens, the prefill's routes and the weight version the prefill ran under."""
+        so its cached tokens, the prefill's routes and the weight version the prefill ran under (no output yet, so no
+        token versions)."""
         self.slot, self.cached = slot, len(head.tokens) - 1
         self.routes, self.num_routed = list(head.routes), head.num_routed
         self.log_rows = list(head.log_rows)

@@ -94,6 +94,13 @@ class ModelRunner:
         self.cache.free(req.rid)
         req.slot = None
 
+    def retract(self, req: Request) -> None:
+        """End `req`'s run without finishing it (a partial rollout's stop): its slot and pages freed like `free`,
+        its tokens, log-probs and versions kept, and its decode-step routes moved from the RouteLog to its host
+        routes (the log is cleared after the run; the request continues in a later one)."""
+        self.free(req)
+        req.keep_routes(self.route_log)
+
     def drain(self) -> None:
         self.lockstep.drain(self._idle_forward)
 
@@ -233,6 +240,7 @@ class ModelRunner:
             raw = unfiltered_logprobs(logits, params, tokens).tolist() if any(filtering) else None
             for b, (req, t, lp) in enumerate(zip(reqs, tokens.tolist(), logprobs.tolist())):
                 req.output.append(t)
+                req.token_versions.append(version)
                 req.logprobs.append(lp)
                 if filtering[b]:
                     req.unfiltered.append(raw[b])

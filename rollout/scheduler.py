@@ -7,6 +7,10 @@ its samples: the forks share the head's prefill, its routes and its weight versi
 position per running request, preempting the youngest (last admitted) while pages are short (it goes back to the
 front of the queue alone and is recomputed from its tokens later); decode one token for every running request;
 hand the finished ones to the caller. A group that gets no pages goes back to the front of the queue, in order.
+
+A run may stop early (`stop`, a partial rollout's end): the running requests are then retracted (slot and pages
+freed, tokens kept) back to the front of the queue, each alone, in their running order; the next run re-admits them
+first and recomputes their state from their tokens, as after a preemption.
 """
 from __future__ import annotations
 
@@ -40,6 +44,11 @@ class StepRunner(Protocol):
 
     def free(self, req: Any) -> None: ...
 
+    def retract(self, req: Any) -> None:
+        """Free a running request's slot and pages like `free`, keeping its tokens and moving whatever it holds in
+        the runner's per-run state (its route rows) onto the request: it continues in a later run."""
+        ...
+
     def prefill(self, heads: list[Any]) -> set[int]:
         """Prefill every head's tokens but the last (pages reserved per chunk); the rids that got no pages."""
         ...
@@ -67,10 +76,14 @@ class Scheduler:
             self.unpaused.set()
         self.num_preempted = 0  # requests preempted (and later recomputed) for lack of latent pages
 
-    def run(self, waiting: deque, done: Callable[[Any], None]) -> None:
-        """Serve every group of `waiting` to the end, calling `done(req)` for each request as it finishes."""
+    def run(self, waiting: deque, done: Callable[[Any], None], stop: Callable[[], bool] | None = None) -> None:
+        """Serve every group of `waiting` to the end, calling `done(req)` for each request as it finishes. `stop`:
+        checked before the first step and after every decode step (after that step's `done` calls); once it returns
+        True, every running request is retracted to the front of `waiting` as a group of its own, in running order
+        (oldest first), and the run ends."""
         running: list = []
-        while waiting or running:
+        stopped = stop is not None and stop()
+        while (waiting or running) and not stopped:
             self.unpaused.wait()
             with self.lock:
                 self.admit(waiting, running)
@@ -84,7 +97,17 @@ class Scheduler:
                     running.remove(req)
                     self.runner.free(req)
                     done(req)
+                if stop is not None and stop():
+                    self.retract(running, waiting)
+                    stopped = True
         self.runner.drain()
+
+    def retract(self, running: list, waiting: deque) -> None:
+        """Every running request back to the front of `waiting`, alone, in running order (slot and pages freed)."""
+        for req in running:
+            self.runner.retract(req)
+        waiting.extendleft([req] for req in reversed(running))
+        running.clear()
 
     def admit(self, waiting: deque, running: list, max_groups: int | None = None) -> None:
         """Admit waiting groups in order while their slots fit: prefill their heads (batched), then fork each group

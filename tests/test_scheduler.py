@@ -72,6 +72,12 @@ class FakeRunner:
         req.slot = None
         self.events.append(("free", req.name))
 
+    def retract(self, req):
+        self.free_slot(req.slot)
+        self.pages.pop(req.rid)
+        req.slot = None
+        self.events.append(("retract", req.name))
+
     def prefill(self, heads):
         failed = set()
         for h in heads:
@@ -153,6 +159,42 @@ def test_a_group_larger_than_the_empty_pools_is_an_error_naming_the_fix():
     runner = FakeRunner(num_slots=1, num_pages=100)
     with pytest.raises(RuntimeError, match="cannot be admitted into empty pools.*raise memory_budget_bytes"):
         _run(runner, [[Req("A0", 0, [1, 2], 1), Req("A1", 1, [1, 2], 1)]])
+
+
+def test_a_stop_retracts_the_running_requests_to_the_front_of_the_queue_and_a_later_run_continues_them():
+    """4 slots, 100 pages. A (2 samples, 1 token), B (2 samples, 3 tokens), C (1 sample, 2 tokens); the run stops
+    once A has finished. Step 1: A and B admitted (4 slots; C needs a 5th and waits), one decode of all four; A0, A1
+    finish and are freed; the stop holds -> B0, B1 retracted (1 token each, slots and pages freed) and queued alone
+    in front of C. The second run (no stop) admits B0, B1 and C together (3 slots), prefills B's prompt + output
+    but its last token (2 tokens, 2 pages each), then decodes twice: B reaches its 3rd token as C its 2nd, and the
+    step's finished requests are freed in running order."""
+    runner = FakeRunner(num_slots=4, num_pages=100)
+    a = [Req("A0", 0, [1, 2], 1), Req("A1", 1, [1, 2], 1)]
+    b = [Req("B0", 2, [4, 5], 3), Req("B1", 3, [4, 5], 3)]
+    c = [Req("C0", 4, [6, 7, 8], 2)]
+    sched, waiting, done = Scheduler(runner), deque([a, b, c]), []
+    sched.run(waiting, lambda r: done.append(r.name), stop=lambda: {"A0", "A1"} <= set(done))
+    assert runner.events == [
+        ("prefill", "A0"), ("prefill", "B0"), ("decode", "A0", "A1", "B0", "B1"), ("free", "A0"), ("free", "A1"),
+        ("retract", "B0"), ("retract", "B1"), ("drain",)]
+    assert done == ["A0", "A1"]
+    assert [[r.name for r in g] for g in waiting] == [["B0"], ["B1"], ["C0"]]
+    assert [(r.output, r.slot) for r in b] == [([7], None), ([7], None)]
+    assert runner.num_free_slots == 4 and runner.pages == {}
+    runner.events.clear()
+    sched.run(waiting, lambda r: done.append(r.name))
+    assert runner.events == [
+        ("prefill", "B0"), ("prefill", "B1"), ("prefill", "C0"), ("decode", "B0", "B1", "C0"),
+        ("decode", "B0", "B1", "C0"), ("free", "B0"), ("free", "B1"), ("free", "C0"), ("drain",)]
+    assert done == ["A0", "A1", "B0", "B1", "C0"] and not waiting
+    assert [r.output for r in b] == [[7, 7, 7]] * 2 and runner.pages == {} and runner.num_free_slots == 4
+
+
+def test_a_stop_that_holds_before_the_first_step_runs_nothing():
+    runner = FakeRunner(num_slots=2, num_pages=100)
+    waiting = deque([[Req("A0", 0, [1, 2], 1)]])
+    Scheduler(runner).run(waiting, lambda r: None, stop=lambda: True)
+    assert runner.events == [("drain",)] and [[r.name for r in g] for g in waiting] == [["A0"]]
 
 
 def test_the_scheduler_imports_no_torch():
