@@ -23,6 +23,7 @@ from miles_k3.config_checks import (
     check_filtered_logprobs,
     check_kernels,
     check_parallel,
+    check_partial,
     check_release_tags,
     check_routes,
     check_sync,
@@ -118,6 +119,8 @@ class TrainConfig:
         check_filtered_logprobs(self.rollout.top_p, self.rollout.top_k, self.trainer.old_logprobs, self.trainer.loss.tis,
                                 self.engine.backend)
         check_context("rollout.max_new_tokens", self.rollout.max_new_tokens, self.engine, self.sglang)
+        check_partial(self.rollout.mode, self.trainer.old_logprobs, self.trainer.loss.tis, self.engine.backend,
+                      self.parallel)
         if self.eval.every_n_steps > 0:
             check_context("eval.max_new_tokens", self.eval.max_new_tokens, self.engine, self.sglang)
         if self.trainer.old_logprobs == "rollout" and self.trainer.loss.tis != "none":

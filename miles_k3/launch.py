@@ -44,11 +44,13 @@ from miles_k3.trainer.checkpoint import (
     STATE_FILE,
     ResumeError,
     load_checkpoint,
+    read_state,
     resolve_resume,
     rng_file,
     set_rng_state,
 )
 from miles_k3.trainer.optim import BadStepGuard, build_optimizer, build_scheduler
+from miles_k3.trainer.partial import PartialRollouts
 from miles_k3.trainer.rollouts import PromptStream
 from miles_k3.weight_sync.channel import open_sender
 
@@ -86,6 +88,7 @@ class Run:
     last_checkpoint: Path | None = None
     summary: dict | None = None
     ctx: ParallelContext = SINGLE  # this process's place in the run's ranks (SINGLE: one process)
+    partial: PartialRollouts | None = None  # rollout.mode=partial: the groups in flight across weight updates
 
     def lora_tensors(self) -> dict[str, torch.Tensor]:
         """What a push carries: the adapter parameters by name (native engine, and SGLang's merged pushes, which
@@ -142,7 +145,9 @@ def build_run(cfg) -> Run:
     sched = build_scheduler(opt, cfg.trainer.optim)
     stream = PromptStream(problems, cfg.rollout.seed)
     ckpt = resolve_resume(cfg.resume, run_dir)
-    start, version = _resume(ckpt, model, opt, sched, stream, ctx)
+    if ckpt is not None:
+        check_resume_mode(ckpt, cfg.rollout.mode)
+    start, version, rollout_state = _resume(ckpt, model, opt, sched, stream, ctx)
     if ckpt is not None and ctx.is_main:  # before the tracker appends: the rows a killed run logged past it go
         dropped = truncate_after(run_dir, start)
         if dropped:
@@ -164,8 +169,29 @@ def build_run(cfg) -> Run:
     if ckpt is not None:  # building the engine may draw random numbers: the loop starts from the saved state
         set_rng_state(torch.load(rng_file(ckpt, ctx), weights_only=True))
     guard = BadStepGuard(cfg.trainer.optim.max_bad_steps, max_empty_steps=cfg.trainer.optim.max_empty_steps)
-    return Run(cfg, run_dir, device, model, tokenizer, engine, params, opt, sched, channel,
-               build_reward(cfg.reward), stream, hook, tracker, guard, start, pad, version, ctx=ctx)
+    reward = build_reward(cfg.reward)
+    partial = None
+    if cfg.rollout.mode == "partial":
+        partial = PartialRollouts(engine, tokenizer, stream, reward, cfg.rollout, POLICY,
+                                  routes=cfg.rollout.return_routed_experts or cfg.trainer.routing_replay)
+        if rollout_state is not None:
+            partial.load_state(rollout_state)
+    return Run(cfg, run_dir, device, model, tokenizer, engine, params, opt, sched, channel, reward, stream, hook,
+               tracker, guard, start, pad, version, ctx=ctx, partial=partial)
+
+
+def check_resume_mode(ckpt: Path, mode: str) -> None:
+    """A checkpoint continues in the rollout.mode it was written in, with one conversion: a sync run's checkpoint
+    (nothing in flight) resumes as partial, its pool starting empty. A partial run's checkpoint holds groups in
+    flight that a sync run could not continue: ResumeError, before anything else is restored."""
+    saved = read_state(ckpt).get("data_state", {}).get("rollout_mode", "sync")
+    if saved == "partial" and mode != "partial":
+        raise ResumeError(f"{ckpt}: written by a rollout.mode=partial run, with rollouts in flight that "
+                          f"rollout.mode={mode} cannot continue; resume with rollout.mode=partial (and the same "
+                          "rollout.partial.*), or start a new run_dir")
+    if saved != mode:
+        log.info("resume: %s was written by a rollout.mode=%s run; continuing as %s with no rollouts in flight", ckpt,
+                 saved, mode)
 
 
 def check_mesh_fits_model(cfg) -> None:
@@ -293,13 +319,14 @@ def _sglang_channel(cfg, engine, model, prompts: list[list[int]], version: int):
     return SGLangChannel(engine, POLICY, cfg.sglang, **checks)
 
 
-def _resume(ckpt: Path | None, model, opt, sched, stream: PromptStream, ctx: ParallelContext) -> tuple[int, int]:
-    """(step, weight version) of the checkpoint restored into the model, optimizer and prompt stream; (0, 0)
-    without one. The version is the checkpoint's own (extra_state.weight_version), not recomputed from the step.
+def _resume(ckpt: Path | None, model, opt, sched, stream: PromptStream,
+            ctx: ParallelContext) -> tuple[int, int, dict | None]:
+    """(step, weight version, this rank's rollouts in flight or None) of the checkpoint restored into the model,
+    optimizer and prompt stream; (0, 0, None) without one. The version is the checkpoint's own (extra_state.weight_version), not recomputed from the step.
     Every rank restores its own state (`trainer.checkpoint.load_checkpoint`, one rank or many); the checkpoint's
     mesh must be this run's."""
     if ckpt is None:
-        return 0, 0
+        return 0, 0, None
     state = load_checkpoint(ckpt, model, opt, sched, ctx=ctx)
     stream.load_state(state["data_state"]["stream"])
     version = state.get("extra_state", {}).get("weight_version")
@@ -307,4 +334,4 @@ def _resume(ckpt: Path | None, model, opt, sched, stream: PromptStream, ctx: Par
         raise ResumeError(f"{ckpt / STATE_FILE}: extra_state.weight_version must be an int >= 0 (the adapter's "
                           f"weight version), got {version!r}; the checkpoint is not a training run's")
     log.info("resumed from %s at step %d (weight version %d)", ckpt, state["step"], version)
-    return int(state["step"]), version
+    return int(state["step"]), version, state.get("rollout_state")

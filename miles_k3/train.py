@@ -41,6 +41,7 @@ from miles_k3.parallel.mesh import naming_rank, shutdown
 from miles_k3.parallel.reduce import max_over, world_of
 from miles_k3.runtime import resolve_device, resolve_dtype
 from miles_k3.trainer.checkpoint import ADAPTER_DIR, save_checkpoint
+from miles_k3.trainer.partial import check_versions
 from miles_k3.trainer.rollouts import check_on_policy, collect_rollouts
 from miles_k3.trainer.step import train_step
 from miles_k3.weight_sync.push import SyncError
@@ -165,9 +166,14 @@ def format_summary(s: dict) -> str:
 def one_step(run: Run, step: int) -> tuple[dict[str, float], list]:
     cfg, tags = run.cfg, list(run.cfg.rollout.release_tags)
     timer = _Timer()
-    samples, metrics = collect_rollouts(run.engine, run.tokenizer, run.stream, run.reward, cfg.rollout, POLICY,
-                                        run.ctx, routes=cfg.rollout.return_routed_experts or cfg.trainer.routing_replay)
-    check_on_policy(samples, run.version)
+    if run.partial is not None:  # groups in flight across weight updates (trainer/partial.py)
+        samples, metrics = run.partial.collect(run.version)
+        check_versions(samples, run.version, cfg.rollout)
+    else:
+        samples, metrics = collect_rollouts(run.engine, run.tokenizer, run.stream, run.reward, cfg.rollout, POLICY,
+                                            run.ctx,
+                                            routes=cfg.rollout.return_routed_experts or cfg.trainer.routing_replay)
+        check_on_policy(samples, run.version)
     timer.lap("rollout")
     if tags:
         run.engine.release_memory_occupation(tags)
@@ -229,11 +235,11 @@ def checkpoint(run: Run, step: int, raw_yaml: str, version: int | None = None) -
     """One checkpoint of the run at `step` (on many ranks every rank's state in one directory, together); the
     adapter's weight version is `version` (None: run.version, the one the engine serves)."""
     path = save_checkpoint(run.run_dir, step, run.model, run.cfg.lora, run.opt, run.sched,
-                           {"stream": run.stream.state()},
+                           {"stream": run.stream.state(), "rollout_mode": run.cfg.rollout.mode},
                            {"weight_version": run.version if version is None else version}, raw_yaml,
                            keep=run.cfg.keep_checkpoints,
                            base_model_name_or_path=run.cfg.model.hf_path or run.cfg.model.path or run.cfg.model.name,
-                           ctx=run.ctx)
+                           ctx=run.ctx, rollout_state=None if run.partial is None else run.partial.state())
     run.guard.last_good = path
     run.last_checkpoint = path
     log.info("checkpoint: %s", path)

@@ -43,6 +43,8 @@ class Sample:
     unfiltered_logprobs: list[float] = field(default_factory=list)  # engine log-probs under the unfiltered
     # distribution, reported only when top-p / top-k filtered the sampling (rollout_logprobs are the filtered ones)
     routed_experts: torch.Tensor | None = None  # the engine's routes [P + R - 1, L, K] int16 (host), if returned
+    token_versions: list[int] = field(default_factory=list)  # the weight version that sampled each response token
+    # (native engine; rollout.mode=partial samples may span versions)
 
     @property
     def length(self) -> int:

@@ -39,6 +39,8 @@ from miles_k3.trainer.checkpoint_files import (  # noqa: F401 - re-exported: the
     OPTIMIZER_KEYS,
     RNG_FILE,
     RNG_KEYS,
+    ROLLOUT_FILE,
+    ROLLOUT_KEYS,
     SHARD_FILE,
     STATE_FILE,
     ResumeError,
@@ -70,12 +72,15 @@ class CheckpointWriteError(RuntimeError):
 
 def save_checkpoint(run_dir, step: int, model: nn.Module, lora_cfg: LoRAConfig, optimizer: torch.optim.Optimizer,
                     scheduler, data_state: dict, extra_state: dict, config_text: str, keep: int = 3,
-                    base_model_name_or_path: str | None = None, ctx: ParallelContext = SINGLE) -> Path:
+                    base_model_name_or_path: str | None = None, ctx: ParallelContext = SINGLE,
+                    rollout_state: dict | None = None) -> Path:
     """Write `<run_dir>/checkpoints/step_<step>/` on every rank of `ctx` together (each passes its own model,
     optimizer and scheduler; data_state, extra_state and config_text are rank 0's), then point `latest` at it,
     then delete all but the newest `keep` step directories (never the new one). An existing directory for the
     same step is replaced. `data_state` and `extra_state` must be JSON-serialisable (checked before anything is
-    written). `base_model_name_or_path` goes into the adapter's adapter_config.json. Returns the step directory
+    written). `base_model_name_or_path` goes into the adapter's adapter_config.json. `rollout_state`: this rank's
+    rollouts in flight (rollout.mode=partial, `PartialRollouts.state`), written as rank-<RRRRR>/rollout.pt and
+    returned by `load_checkpoint` as "rollout_state". Returns the step directory
     on every rank once it is published; CheckpointWriteError on every rank when any rank failed (nothing
     published, the previous checkpoint and `latest` kept)."""
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
@@ -89,7 +94,8 @@ def save_checkpoint(run_dir, step: int, model: nn.Module, lora_cfg: LoRAConfig, 
     if isinstance(staging, str):
         raise CheckpointWriteError(f"checkpoint of step {step}: rank 0 could not stage {dest} ({staging}); nothing "
                                    "was written")
-    error = _attempt(lambda: _write_rank_files(staging / rank_dir_name(ctx.rank), model, optimizer, scheduler))
+    error = _attempt(lambda: _write_rank_files(staging / rank_dir_name(ctx.rank), model, optimizer, scheduler,
+                                               rollout_state))
     _raise_if_any(error, world, ctx, f"checkpoint of step {step}: could not write rank files under {staging}",
                   staging)
     whole_lora = whole_adapter(model, ctx)  # every rank: the shards of a tp / ep run gathered (a collective)
@@ -124,8 +130,10 @@ def _raise_if_any(error, world, ctx: ParallelContext, what: str, staging: Path) 
                                "; nothing was published, the previous checkpoint is kept")
 
 
-def _write_rank_files(own: Path, model: nn.Module, optimizer, scheduler) -> Path:
+def _write_rank_files(own: Path, model: nn.Module, optimizer, scheduler, rollout_state: dict | None) -> Path:
     own.mkdir()
+    if rollout_state is not None:
+        torch.save(rollout_state, own / ROLLOUT_FILE)
     shard = {n: p.detach().to("cpu", copy=True) for n, p in lora_parameters(model).items()}
     torch.save(shard, own / SHARD_FILE)
     torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}, own / OPTIMIZER_FILE)
@@ -188,7 +196,7 @@ def load_checkpoint(path, model: nn.Module, optimizer: torch.optim.Optimizer, sc
     Parameters in place, its optimizer and scheduler states and every RNG state, from its rank-<RRRRR>/ files,
     once every rank has checked everything. `model` must already have LoRA (same rank, alpha, targets) and
     `optimizer` must be built over its adapters (`build_optimizer(lora_parameters(model), ...)`). Returns the
-    state.json dict.
+    state.json dict (with "rollout_state": this rank's rollout.pt, when the checkpoint has one).
 
     Raises ResumeError (on every rank, nothing restored anywhere) naming the file for a missing directory or a
     missing, truncated or corrupt member (with the earlier checkpoint to resume from instead), for a run
@@ -209,7 +217,9 @@ def load_checkpoint(path, model: nn.Module, optimizer: torch.optim.Optimizer, sc
         if len(failed) == ctx.world_size and len(set(reasons)) == 1:  # the same on every rank (another mesh...)
             raise ResumeError(error)
         raise ResumeError("; ".join(f"rank {r}: {reasons[r]}" for r in failed))
-    state, blobs, rng, shard = loaded
+    state, blobs, rng, shard, rollout = loaded
+    if rollout is not None:
+        state["rollout_state"] = rollout
     params = lora_parameters(model)
     with torch.no_grad():
         for name, p in params.items():
@@ -239,7 +249,8 @@ def _read_rank_state(ctx: ParallelContext, path: Path, model: nn.Module, optimiz
     check_optimizer_matches(own / OPTIMIZER_FILE, blobs["optimizer"], optimizer)
     check_rng(path, own / RNG_FILE, rng)
     _check_shard(path, own / SHARD_FILE, shard, lora_parameters(model))
-    return state, blobs, rng, shard
+    rollout = read_pt(path, own / ROLLOUT_FILE, ROLLOUT_KEYS) if (own / ROLLOUT_FILE).is_file() else None
+    return state, blobs, rng, shard, rollout
 
 
 def _check_shard(path: Path, file: Path, shard: dict, params: dict) -> None:

@@ -46,6 +46,8 @@ STATE_FILE = "state.json"
 CONFIG_YAML = "config.yaml"
 MESH_FILE = "mesh.json"
 SHARD_FILE = "adapter_shard.pt"
+ROLLOUT_FILE = "rollout.pt"  # rollout.mode=partial: the groups in flight (optional: a sync run has none)
+ROLLOUT_KEYS = ("groups", "engine")
 RANK_FILES = (OPTIMIZER_FILE, RNG_FILE, SHARD_FILE)
 """Each rank's files in its rank-<RRRRR>/ directory."""
 TOP_FILES = (f"{ADAPTER_DIR}/{CONFIG_FILE}", f"{ADAPTER_DIR}/{WEIGHTS_FILE}", STATE_FILE, CONFIG_YAML,

@@ -37,8 +37,47 @@ from miles_k3.trainer.advantages import ADVANTAGE_ESTIMATORS, group_advantages, 
 from miles_k3.trainer.batch import Sample
 
 OVERLONG_MODES = ("none", "mask", "penalty")
+ROLLOUT_MODES = ("sync", "partial")
+STALENESS_POLICIES = ("wait", "drop", "keep")
 GRADER_FAILURE_WARN = 0.05  # a step whose grader timeouts + errors exceed this share of its samples warns
 log = logging.getLogger("miles_k3.train")
+
+
+@dataclass
+class PartialConfig:
+    """rollout.mode=partial: how many groups stay in flight across weight updates and how stale a trained sample
+    may be (`trainer.partial`)."""
+
+    inflight_groups: int = 0
+    """GRPO groups kept in the engine (running, queued, or paused across a weight update); at least
+    prompts_per_step. 0: ceil(1.5 x prompts_per_step)."""
+    max_staleness: int = 1
+    """Weight versions a trained sample's oldest token may lag the adapter it trains: 0 is on-policy (every
+    group finishes in the step it started), 1 lets a group span one push."""
+    policy: str = "wait"
+    """What keeps a group within max_staleness. wait: while a group in flight is at the bound, no new group is
+    admitted until it finishes (admission control). drop: a group past the bound is discarded and its prompt
+    queued again (with the same sampling seeds). keep: no bound; every group is trained, with importance weights."""
+
+    def validate(self) -> None:
+        if isinstance(self.max_staleness, bool) or not isinstance(self.max_staleness, int) or self.max_staleness < 0:
+            raise ValueError(f"rollout.partial.max_staleness: must be an integer >= 0 (weight versions), got "
+                             f"{self.max_staleness!r}")
+        if self.policy not in STALENESS_POLICIES:
+            raise ValueError(f"rollout.partial.policy: '{self.policy}' is not one of {', '.join(STALENESS_POLICIES)}")
+        if isinstance(self.inflight_groups, bool) or self.inflight_groups < 0:
+            raise ValueError(f"rollout.partial.inflight_groups: must be >= 0 (0: 1.5 x prompts_per_step), got "
+                             f"{self.inflight_groups!r}")
+
+    def check_inflight(self, prompts_per_step: int) -> None:
+        if self.inflight_groups != 0 and self.inflight_groups < prompts_per_step:
+            raise ValueError(f"rollout.partial.inflight_groups={self.inflight_groups}: fewer than "
+                             f"rollout.prompts_per_step={prompts_per_step}, so a step could never finish its groups; "
+                             "set it >= prompts_per_step, or 0 for 1.5 x prompts_per_step")
+
+    def groups(self, prompts_per_step: int) -> int:
+        """The number of groups kept in flight."""
+        return self.inflight_groups or -(-3 * prompts_per_step // 2)
 
 
 @dataclass
@@ -74,6 +113,14 @@ class RolloutConfig:
     of max_new_tokens tokens, nothing below."""
     seed: int = 0
     """Prompt order and sampling seeds."""
+    mode: str = "sync"
+    """sync: every step samples its groups from scratch with the adapter it trains, and waits for the longest
+    response. partial: the engine keeps rollout.partial.inflight_groups groups in flight; a step trains on the first
+    prompts_per_step groups to finish, and the others are paused, kept across the weight update and continued
+    under the new adapter (each token records the version that sampled it; off-policy tokens are importance
+    weighted). Native engine, one process, trainer.loss.tis on and trainer.old_logprobs=recompute."""
+    partial: PartialConfig = field(default_factory=PartialConfig)
+    """rollout.mode=partial only."""
     log_samples: int = 4
     """Completions per step logged to the rollout/samples table (W&B and tables/rollout_samples.jsonl)."""
     return_routed_experts: bool = False
@@ -106,6 +153,17 @@ class RolloutConfig:
             raise ValueError(f"overlong_buffer: must be in [0, max_new_tokens), got {self.overlong_buffer}")
         if self.template not in template_names():
             raise ValueError(f"template: '{self.template}' is not one of {', '.join(template_names())}")
+        if self.mode not in ROLLOUT_MODES:
+            raise ValueError(f"mode: '{self.mode}' is not one of {', '.join(ROLLOUT_MODES)}")
+        if self.mode == "partial":
+            self.partial.check_inflight(self.prompts_per_step)
+            if self.dynamic_sampling and self.max_sampling_rounds != 1:
+                raise ValueError(f"max_sampling_rounds={self.max_sampling_rounds}: rollout.mode=partial trains on the "
+                                 "groups that finish and leaves flat ones out (dynamic_sampling) without drawing "
+                                 "rounds; set rollout.max_sampling_rounds=1")
+        elif self.partial != PartialConfig():
+            raise ValueError("partial: rollout.partial.* is set but rollout.mode=sync, where it does nothing; set "
+                             "rollout.mode=partial or leave rollout.partial at its defaults")
         if not (self.temperature >= 0 and 0 < self.top_p <= 1):
             raise ValueError(f"temperature/top_p: need temperature >= 0 and 0 < top_p <= 1, got "
                              f"{self.temperature}, {self.top_p}")
@@ -261,7 +319,8 @@ def _sample(prompt: list[int], out: dict, reward: float, cfg: RolloutConfig) -> 
                   weight_version=min(versions), weight_version_max=max(versions), truncated=truncated,
                   in_loss=not (truncated and cfg.overlong == "mask"),
                   unfiltered_logprobs=list(meta.get("output_token_logprobs_unfiltered", [])),
-                  routed_experts=meta.get("routed_experts"))
+                  routed_experts=meta.get("routed_experts"),
+                  token_versions=list(meta.get("output_token_weight_versions", [])))
 
 
 def overlong_penalty(length: int, max_new_tokens: int, buffer: int) -> float:

@@ -1,0 +1,250 @@
+"""rollout.mode=partial on the trainer side (`miles_k3.trainer.partial`) against a scripted engine: each problem's
+text lists its samples' response lengths ("5,4": sample 0 ends after 5 tokens, sample 1 after 4); every `run` tick
+adds one token to every unfinished sample of every queued group, recorded with the engine's weight version. Each
+test states what a hand run of the staleness policy gives, step by step. The loss under mixed versions (decoupled
+PPO: the ratio against the proximal policy, the TIS weight against the engine's) is hand-worked too."""
+import copy
+import math
+import re
+
+import pytest
+import torch
+
+from miles_k3.evals.problems import Problem
+from miles_k3.evals.rewards import RewardResult
+from miles_k3.trainer.batch import Sample
+from miles_k3.trainer.losses import LossConfig, policy_loss
+from miles_k3.trainer.partial import PartialRollouts, check_versions
+from miles_k3.trainer.rollouts import PartialConfig, RolloutConfig
+
+
+class Tok:
+    def encode(self, text, add_special_tokens=False):
+        return [ord(c) for c in text]
+
+    def decode(self, ids, skip_special_tokens=False):
+        return "".join(chr(i) for i in ids)
+
+
+class Stream:
+    def __init__(self, problems):
+        self.problems, self.drawn = problems, 0
+
+    def take(self, k):
+        out = [(self.drawn + i, self.problems[self.drawn + i]) for i in range(k)]
+        self.drawn += k
+        return out
+
+
+class ScriptedEngine:
+    """submit / run / cancel / queue_state / load_queue_state of the native engine, scripted (see the module
+    docstring); `version` is the weight version a push would set."""
+
+    def __init__(self):
+        self.version, self.next_gid, self.queue, self.params = 0, 0, [], {}
+
+    def submit(self, input_ids, sampling_params, n, lora=None, return_routed_experts=False):
+        gids = []
+        for ids, sp in zip(input_ids, sampling_params):
+            lens = [int(x) for x in "".join(map(chr, ids)).split(",")]
+            self.queue.append({"group": self.next_gid, "samples": [{"len": lens[j], "out": [], "versions": []}
+                                                                    for j in range(n)]})
+            self.params[self.next_gid] = sp
+            gids.append(self.next_gid)
+            self.next_gid += 1
+        return gids
+
+    def run(self, finished_groups=None, must_finish=()):
+        done = []
+
+        def satisfied():
+            ids = {g for g, _ in done}
+            return finished_groups is not None and len(done) >= finished_groups and set(must_finish) <= ids
+
+        while self.queue and not satisfied():
+            for g in list(self.queue):
+                for s in g["samples"]:
+                    if len(s["out"]) < s["len"]:
+                        s["out"].append(ord("x"))
+                        s["versions"].append(self.version)
+                if all(len(s["out"]) == s["len"] for s in g["samples"]):
+                    self.queue.remove(g)
+                    done.append((g["group"], [self._record(s) for s in g["samples"]]))
+        return done
+
+    def _record(self, s):
+        return {"output_ids": list(s["out"]),
+                "meta_info": {"finish_reason": {"type": "length"}, "weight_version": max(s["versions"]),
+                              "weight_versions": sorted(set(s["versions"])),
+                              "output_token_logprobs": [(-0.5, t) for t in s["out"]],
+                              "output_token_weight_versions": list(s["versions"])}}
+
+    def cancel(self, gids):
+        self.queue = [g for g in self.queue if g["group"] not in gids]
+
+    def queue_state(self):
+        return {"requests": [{"group": g["group"], "output": list(s["out"])} for g in self.queue
+                             for s in g["samples"]], "scripted": copy.deepcopy((self.queue, self.next_gid))}
+
+    def load_queue_state(self, state):
+        self.queue, self.next_gid = copy.deepcopy(state["scripted"])
+
+
+def odd_length(responses, golds):
+    return [RewardResult(float(len(r) % 2), False, {}) for r in responses]
+
+
+LENGTHS = ["1,1", "2,1", "5,4", "1,2", "3,3", "4,4", "1,1", "1,1"]
+
+
+def _pool(policy, max_staleness, engine=None):
+    cfg = RolloutConfig(prompts_per_step=2, group_size=2, template="plain", mode="partial",
+                        partial=PartialConfig(inflight_groups=3, max_staleness=max_staleness, policy=policy))
+    cfg.validate()
+    problems = [Problem(f"p{i}", text, "0") for i, text in enumerate(LENGTHS)]
+    return PartialRollouts(engine or ScriptedEngine(), Tok(), Stream(problems), odd_length, cfg, "policy")
+
+
+def _lengths(samples):
+    return [len(s.response_ids) for s in samples]
+
+
+def test_wait_finishes_the_group_at_the_bound_before_admitting_new_ones():
+    """max_staleness 1, wait. Step 1 (v0): p0, p1, p2 queued; two ticks finish p0 and p1; p2 has 2 tokens each.
+    Step 2 (v1): p2 is at the bound, so it runs alone to its end (3 more ticks, under v1) before p3, p4, p5 are
+    queued; one more group is needed: p3 ends two ticks later (p4, p5 go on). p2's samples: 2 tokens of v0 then v1."""
+    pool = _pool("wait", 1)
+    s1, m1 = pool.collect(0)
+    assert _lengths(s1) == [1, 1, 2, 1] and m1["rollout/staleness_max"] == 0.0
+    assert list(pool.groups) == [2] and m1["rollout/groups_inflight"] == 1.0
+    pool.engine.version = 1  # the push
+    s2, m2 = pool.collect(1)
+    assert _lengths(s2) == [5, 4, 1, 2]
+    assert [s.token_versions for s in s2[:2]] == [[0, 0, 1, 1, 1], [0, 0, 1, 1]]
+    assert [s.group for s in s2] == [0, 0, 1, 1] and [s.advantage > 0 for s in s2] == [True, False, True, False]
+    assert m2["rollout/staleness_mean"] == 0.5 and m2["rollout/staleness_max"] == 1.0
+    assert (m2["rollout/staleness_frac_0"], m2["rollout/staleness_frac_1"]) == (0.5, 0.5)
+    assert m2["rollout/offpolicy_token_frac"] == pytest.approx(4 / 12)
+    assert m2["rollout/groups_carried"] == 1.0 and m2["rollout/groups_inflight"] == 2.0
+    assert (m2["rollout/trained_len_mean"], m2["rollout/trained_len_p90"]) == (3.0, 5.0)
+    check_versions(s2, 1, pool.cfg)
+
+
+def test_wait_with_no_staleness_is_synchronous():
+    """max_staleness 0, wait: every group queued in a step must finish in it, so nothing is carried."""
+    pool = _pool("wait", 0)
+    samples, m = pool.collect(0)
+    assert _lengths(samples) == [1, 1, 2, 1, 5, 4] and not pool.groups and m["rollout/staleness_max"] == 0.0
+
+
+def test_drop_cancels_a_group_past_the_bound_and_queues_its_prompt_again_with_its_seeds():
+    """max_staleness 0, drop. Step 2 (v1): p2 (2 tokens of v0 each) can no longer be on-policy: cancelled and queued
+    again first (draw 2: the same sampling seed), then p3, p4; p3 ends after 2 ticks, p4 after 3."""
+    pool = _pool("drop", 0)
+    pool.collect(0)
+    pool.engine.version = 1
+    samples, m = pool.collect(1)
+    assert _lengths(samples) == [1, 2, 3, 3] and all(s.token_versions == [1] * len(s.response_ids) for s in samples)
+    assert m["rollout/groups_dropped"] == 1.0 and m["rollout/dropped_long_frac"] == 0.0  # 2 tokens < p90 of 3
+    assert m["rollout/offpolicy_token_frac"] == 0.0
+    engine = pool.engine
+    assert engine.params[3]["sampling_seed"] == engine.params[2]["sampling_seed"] and list(pool.groups) == [3]
+    check_versions(samples, 1, pool.cfg)
+
+
+def test_keep_trains_a_group_past_the_bound_and_reports_it():
+    """max_staleness 0, keep. Step 2 (v1): p3, p4 queued behind p2; p3 ends at tick 4, p2 and p4 at tick 5 (p2 first:
+    queued first). p2 is 1 version stale: trained, reported over the bound; the check lets keep through."""
+    pool = _pool("keep", 0)
+    pool.collect(0)
+    pool.engine.version = 1
+    samples, m = pool.collect(1)
+    assert _lengths(samples) == [1, 2, 5, 4, 3, 3]
+    assert m["rollout/staleness_frac_over"] == pytest.approx(2 / 6) and m["rollout/staleness_max"] == 1.0
+    check_versions(samples, 1, pool.cfg)
+    with pytest.raises(RuntimeError, match=r"sample 2 has a token of weight version 0, 1 versions behind .*max_staleness is 0"):
+        check_versions(samples, 1, _pool("wait", 0).cfg)
+
+
+def test_the_pool_state_continues_in_a_fresh_engine_exactly():
+    a = _pool("wait", 1)
+    a.collect(0)
+    state = a.state()
+    b = _pool("wait", 1, ScriptedEngine())
+    b.stream.drawn = a.stream.drawn  # the prompt cursor is the run's data_state, restored apart
+    b.load_state(state)
+    for pool in (a, b):
+        pool.engine.version = 1
+    sa, ma = a.collect(1)
+    sb, mb = b.collect(1)
+    assert [(s.response_ids, s.token_versions, s.reward) for s in sa] == [(s.response_ids, s.token_versions, s.reward)
+                                                                          for s in sb]
+    assert ma == mb
+
+
+def test_check_versions_names_the_sample_and_the_rule():
+    cfg = _pool("wait", 1).cfg
+    ok = Sample([1], [5, 6], token_versions=[2, 3])
+    check_versions([ok], 3, cfg)
+    with pytest.raises(RuntimeError, match="sample 1 has weight versions for 1 of its 2 tokens"):
+        check_versions([ok, Sample([1], [5, 6], token_versions=[3])], 3, cfg)
+    with pytest.raises(RuntimeError, match="sample 0 has a token of weight version 4, newer than"):
+        check_versions([Sample([1], [5], token_versions=[4])], 3, cfg)
+    with pytest.raises(RuntimeError, match="2 versions behind"):
+        check_versions([Sample([1], [5, 6], token_versions=[1, 3])], 3, cfg)
+
+
+def test_a_stale_token_is_ratioed_against_the_proximal_policy_and_weighted_against_the_engine():
+    """One sample, advantage 1, two tokens: t1 drawn by the engine under v0 (its log-prob -1.0), t2 under v1 (-0.7).
+    The trainer's proximal (step-start) log-probs are -0.5 and -0.7, the current ones equal them (first update).
+    Decoupled PPO: ratio = exp(logp - proximal) = 1 on both (no clip), TIS weight min(exp(proximal - engine), 2)
+    = (e^0.5, 1). Token-mean loss = -(e^0.5 + 1) / 2, and d loss / d logp = -(e^0.5, 1) / 2. Against the engine's
+    log-prob instead, t1's ratio would be e^0.5 = 1.65 > 1.2: clipped, no gradient."""
+    cfg = LossConfig(tis="token_truncate", tis_clip=2.0)
+    logp = torch.tensor([[-0.5, -0.7]], dtype=torch.float64, requires_grad=True)
+    proximal = torch.tensor([[-0.5, -0.7]], dtype=torch.float64)
+    engine = torch.tensor([[-1.0, -0.7]], dtype=torch.float64)
+    mask, adv = torch.ones(1, 2), torch.ones(1, dtype=torch.float64)
+    loss, m = policy_loss(logp, proximal, adv, mask, cfg, rollout_logp_BT=engine)
+    loss.backward()
+    e = math.exp(0.5)
+    assert loss.item() == pytest.approx(-(e + 1) / 2)
+    assert logp.grad[0].tolist() == pytest.approx([-e / 2, -0.5])
+    assert m["train/clip_frac"] == 0.0 and m["train/tis_weight_mean"] == pytest.approx((e + 1) / 2)
+    logp.grad = None
+    on_policy, _ = policy_loss(logp, engine, adv, mask, LossConfig())  # the ratio against the behaviour policy
+    on_policy.backward()
+    assert logp.grad[0].tolist() == pytest.approx([0.0, -0.5])  # t1 clipped at 1 + 0.2: no gradient
+
+
+PARTIAL = ["rollout.mode=partial", "trainer.loss.tis=token_truncate"]
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["rollout.mode=partial"], "trainer.loss.tis: rollout.mode=partial trains tokens sampled under older adapters"),
+    ([*PARTIAL, "trainer.old_logprobs=rollout"], "trainer.old_logprobs: rollout.mode=partial takes the PPO ratio"),
+    ([*PARTIAL, "rollout.partial.max_staleness=-1"], "rollout.partial.max_staleness: must be an integer >= 0"),
+    ([*PARTIAL, "rollout.partial.policy=discard"], "rollout.partial.policy: 'discard' is not one of wait, drop, keep"),
+    ([*PARTIAL, "rollout.partial.inflight_groups=31"], ("rollout.partial.inflight_groups=31: fewer than "
+                                                        "rollout.prompts_per_step=32")),
+    ([*PARTIAL, "rollout.max_sampling_rounds=2"], "rollout.max_sampling_rounds=2: rollout.mode=partial"),
+    (["rollout.partial.max_staleness=2"], "rollout.partial: rollout.partial.* is set but rollout.mode=sync"),
+    ([*PARTIAL, "rollout.group_size=1"], "rollout.group_size: must be >= 2"),
+    ([*PARTIAL, "rollout.max_new_tokens=64"], "rollout.max_new_tokens: 64 leaves no room for the prompt"),
+    ([*PARTIAL, "parallel.dp=2"], "rollout.mode=partial: runs on one process for now"),
+])
+def test_partial_settings_that_cannot_work_are_refused_naming_the_field(overrides, message):
+    from miles_k3.config import ConfigFieldError, compose_config
+
+    with pytest.raises((ConfigFieldError, ValueError), match=re.escape(message)):
+        compose_config("train", overrides)
+
+
+def test_sglang_cannot_run_partial_rollouts():
+    from miles_k3.config_checks import check_partial
+    from miles_k3.parallel.config import ParallelConfig
+
+    with pytest.raises(ValueError, match="needs engine.backend=native .*pause_generation is an HTTP-server endpoint"):
+        check_partial("partial", "recompute", "token_truncate", "sglang", ParallelConfig(dp=1))
+    check_partial("partial", "recompute", "token_truncate", "native", ParallelConfig(dp=1))
+    check_partial("sync", "rollout", "none", "sglang", ParallelConfig(dp=4))

@@ -1,0 +1,203 @@
+"""`rollout.mode=partial`: rollouts that run across weight updates, with bounded staleness.
+
+The engine keeps `rollout.partial.inflight_groups` GRPO groups in flight (`RolloutEngine.submit` / `run`). Each
+step tops the pool up from the prompt stream, runs the engine until `prompts_per_step` groups have finished, and
+trains on the groups that finished; the engine pauses the others (their state slots and latent pages are freed, so
+the engine's memory can be released for the train step) and the next step continues them under the adapter the
+push brought, recomputing their prompt and tokens so far first (SGLang's "retract"). Every token records the
+weight version that sampled it (`Sample.token_versions`).
+
+A sample's staleness when trained is the trainer's version minus its oldest token's. `max_staleness` bounds it, by
+`policy`:
+* wait (admission control): a group in flight at the bound must finish in this step; until it has, no new group is
+  admitted (the step first runs the engine on the groups in flight only);
+* drop: a group that can no longer finish within the bound is cancelled at the start of the step and its prompt
+  queued again, with the same sampling seeds; it never reaches the loss;
+* keep: no bound: every group is trained, its stale tokens importance weighted (trainer.loss.tis).
+The bound is enforced with a group's version when it was queued: its first token is that version or newer.
+
+The loss (decoupled PPO): the ratio is taken against the trainer's log-probs at the start of the step (the
+proximal policy: `trainer.old_logprobs=recompute`), and the TIS weight exp(proximal - engine) corrects each token
+for the adapter that actually sampled it; config validation requires both (`config_checks.check_partial`).
+
+`state()` / `load_state()`: the pool (each group's prompt, draw index and problem, the version it was queued at)
+and the engine's queue (tokens so far, their log-probs, versions and routes, sampling keys), for a checkpoint from
+which `resume=auto` continues the run exactly.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from miles_k3.evals.problems import Problem
+from miles_k3.evals.rewards import grade_outcome
+from miles_k3.evals.templates import render_prompt, response_text
+from miles_k3.trainer.batch import Sample
+from miles_k3.trainer.rollouts import RolloutConfig, _advantages, _is_flat, _metrics, _sample, _totals
+
+
+@dataclass
+class _Group:
+    draw: int  # the prompt's index in the stream since the run began: its sampling seeds
+    problem: Problem
+    prompt: list[int]
+    queued_at: int  # the trainer's weight version when it was queued
+
+
+class PartialRollouts:
+    """The pool of groups in flight in `engine` and one step's rollouts from it (`collect`)."""
+
+    def __init__(self, engine, tokenizer, stream, reward_fn, cfg: RolloutConfig, lora: str | None,
+                 routes: bool = False):
+        self.engine, self.tokenizer, self.stream, self.reward_fn = engine, tokenizer, stream, reward_fn
+        self.cfg, self.lora, self.routes = cfg, lora, routes
+        self.groups: dict[int, _Group] = {}  # engine group id -> the group, in the order they were queued
+
+    def collect(self, version: int) -> tuple[list[Sample], dict[str, float]]:
+        """The step's samples (the finished groups, trained by the adapter of weight `version`) and its rollout/
+        metrics."""
+        cfg, pc = self.cfg, self.cfg.partial
+        dropped = self._drop(version) if pc.policy == "drop" else []
+        finished: list[tuple[_Group, list[dict]]] = []
+        if pc.policy == "wait" and self._due(version):  # the groups at the bound finish before any is admitted
+            finished += self._run(0, self._due(version))
+        self._top_up(version, [(g.draw, g.problem) for g, _ in dropped])
+        need = cfg.prompts_per_step - len(finished)
+        due = self._due(version) if pc.policy == "wait" else []  # max_staleness=0: the new groups too
+        if need > 0 or due:
+            finished += self._run(max(need, 0), due)
+        return self._samples(finished, dropped, version)
+
+    # ---- the pool -------------------------------------------------------------------------------------------
+    def _due(self, version: int) -> list[int]:
+        return [gid for gid, g in self.groups.items() if version - g.queued_at >= self.cfg.partial.max_staleness]
+
+    def _drop(self, version: int) -> list[tuple[_Group, list[int]]]:
+        """Cancel the groups that could only be trained past the bound; (group, its samples' lengths so far)."""
+        late = [gid for gid, g in self.groups.items() if version - g.queued_at > self.cfg.partial.max_staleness]
+        if not late:
+            return []
+        lengths = self._lengths(late)
+        self.engine.cancel(late)
+        return [(self.groups.pop(gid), lengths.get(gid, [])) for gid in late]
+
+    def _lengths(self, gids: list[int]) -> dict[int, list[int]]:
+        """Each queued group's samples' response lengths so far."""
+        wanted, out = set(gids), {}
+        for req in self.engine.queue_state()["requests"]:
+            if req["group"] in wanted:
+                out.setdefault(req["group"], []).append(len(req["output"]))
+        return out
+
+    def _top_up(self, version: int, again: list[tuple[int, Problem]]) -> None:
+        """Queue groups until `inflight_groups` are in flight: the dropped prompts first, then new draws."""
+        want = self.cfg.partial.groups(self.cfg.prompts_per_step) - len(self.groups)
+        drawn = again + (self.stream.take(want - len(again)) if want > len(again) else [])
+        if not drawn:
+            return
+        cfg = self.cfg
+        prompts = [self.tokenizer.encode(render_prompt(cfg.template, p.problem, self.tokenizer),
+                                         add_special_tokens=False) for _, p in drawn]
+        params = [{"max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature, "top_p": cfg.top_p,
+                   "top_k": cfg.top_k, "sampling_seed": cfg.seed * 1_000_003 + d * cfg.group_size} for d, _ in drawn]
+        gids = self.engine.submit(input_ids=prompts, sampling_params=params, n=cfg.group_size, lora=self.lora,
+                                  return_routed_experts=self.routes)
+        for gid, (d, p), ids in zip(gids, drawn, prompts):
+            self.groups[gid] = _Group(d, p, ids, version)
+
+    def _run(self, finished_groups: int, must_finish: list[int]) -> list[tuple[_Group, list[dict]]]:
+        out = []
+        for gid, records in self.engine.run(finished_groups=finished_groups, must_finish=must_finish):
+            bad = next((r for r in records if "error" in r), None)
+            if bad is not None:
+                raise RuntimeError(f"rollout: the engine rejected a request: {bad['error']}")
+            out.append((self.groups.pop(gid), records))
+        return out
+
+    # ---- samples and metrics --------------------------------------------------------------------------------
+    def _samples(self, finished, dropped, version: int) -> tuple[list[Sample], dict[str, float]]:
+        cfg = self.cfg
+        texts = [response_text(self.tokenizer, r) for _, records in finished for r in records]
+        golds = [g.problem.answer for g, records in finished for _ in records]
+        results = self.reward_fn(texts, golds) if texts else []
+        groups, k = [], 0
+        for g, records in finished:
+            groups.append([_sample(g.prompt, r, res.score, cfg) for r, res in zip(records, results[k:k + len(records)])])
+            k += len(records)
+        flat = [_is_flat(group) for group in groups]
+        kept = [group for group, f in zip(groups, flat) if not (cfg.dynamic_sampling and f)]
+        for i, group in enumerate(kept):
+            for s, a in zip(group, _advantages(group, cfg.advantage)):
+                s.advantage, s.group = a, i
+        samples = [s for group in kept for s in group]
+        outcomes = [(grade_outcome(r), bool(r.correct)) for r in results]
+        counts = {"groups_kept": len(kept), "groups_drawn": max(len(groups), 1), "rounds": 1, "flat": sum(flat)}
+        metrics = _metrics(_totals(groups, outcomes), counts) if groups else {}
+        return samples, metrics | self._partial_metrics(samples, groups, finished, dropped, version)
+
+    def _partial_metrics(self, samples, groups, finished, dropped, version: int) -> dict[str, float]:
+        bound = self.cfg.partial.max_staleness
+        trained = [s for s in samples if s.in_loss]
+        stale = [version - min(s.token_versions) for s in trained if s.token_versions]
+        tokens = [v for s in trained for v in s.token_versions]
+        lengths = [len(s.response_ids) for s in trained]
+        every = [len(s.response_ids) for group in groups for s in group]
+        p90 = _p90(lengths)
+        out = {"rollout/staleness_mean": sum(stale) / len(stale) if stale else 0.0,
+               "rollout/staleness_max": float(max(stale, default=0)),
+               "rollout/offpolicy_token_frac": sum(v < version for v in tokens) / len(tokens) if tokens else 0.0,
+               "rollout/groups_dropped": float(len(dropped)),
+               "rollout/dropped_long_frac": (sum(max(lens, default=0) >= p90 for _, lens in dropped) / len(dropped)
+                                             if dropped else 0.0),
+               "rollout/groups_carried": float(sum(g.queued_at < version for g, _ in finished)),
+               "rollout/groups_inflight": float(len(self.groups)),
+               "rollout/trained_len_mean": sum(lengths) / len(lengths) if lengths else 0.0,
+               "rollout/trained_len_p90": float(p90),
+               "rollout/finished_len_mean": sum(every) / len(every) if every else 0.0,
+               "rollout/finished_len_p90": float(_p90(every))}
+        for k in range(bound + 1):
+            out[f"rollout/staleness_frac_{k}"] = sum(x == k for x in stale) / len(stale) if stale else 0.0
+        if self.cfg.partial.policy == "keep":
+            out["rollout/staleness_frac_over"] = sum(x > bound for x in stale) / len(stale) if stale else 0.0
+        return out
+
+    # ---- checkpoint ------------------------------------------------------------------------------------------
+    def state(self) -> dict:
+        """The pool and the engine's queue, as plain data and host tensors (torch.save, weights_only loads)."""
+        groups = [{"group": gid, "draw": g.draw, "id": g.problem.id, "problem": g.problem.problem,
+                   "answer": g.problem.answer, "prompt": list(g.prompt), "queued_at": g.queued_at}
+                  for gid, g in self.groups.items()]
+        return {"groups": groups, "engine": self.engine.queue_state()}
+
+    def load_state(self, state: dict) -> None:
+        self.groups = {int(g["group"]): _Group(int(g["draw"]), Problem(g["id"], g["problem"], g["answer"]),
+                                               [int(t) for t in g["prompt"]], int(g["queued_at"]))
+                       for g in state["groups"]}
+        self.engine.load_queue_state(state["engine"])
+
+
+def _p90(values: list[int]) -> int:
+    """The 90th percentile by nearest rank (0 for none)."""
+    if not values:
+        return 0
+    return sorted(values)[math.ceil(0.9 * len(values)) - 1]
+
+
+def check_versions(samples: list[Sample], version: int, cfg: RolloutConfig) -> None:
+    """rollout.mode=partial's on-policy check: every response token's weight version is recorded, none is newer than
+    the adapter being trained (`version`), and (policy wait or drop) none is more than max_staleness versions older.
+    RuntimeError naming the first sample that breaks it."""
+    bound, keep = cfg.partial.max_staleness, cfg.partial.policy == "keep"
+    for i, s in enumerate(samples):
+        if len(s.token_versions) != len(s.response_ids):
+            raise RuntimeError(f"rollout: sample {i} has weight versions for {len(s.token_versions)} of its "
+                               f"{len(s.response_ids)} tokens; the engine must record the version of every token")
+        if not s.token_versions:
+            continue
+        if max(s.token_versions) > version:
+            raise RuntimeError(f"rollout: sample {i} has a token of weight version {max(s.token_versions)}, newer than "
+                               f"the trainer's adapter (version {version})")
+        if not keep and version - min(s.token_versions) > bound:
+            raise RuntimeError(f"rollout: sample {i} has a token of weight version {min(s.token_versions)}, "
+                               f"{version - min(s.token_versions)} versions behind the trainer's adapter (version "
+                               f"{version}); rollout.partial.max_staleness is {bound}")
