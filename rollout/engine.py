@@ -28,9 +28,11 @@ rank then calls `generate` the same number of times (a rank with no prompts of i
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import threading
 from collections import deque
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -51,7 +53,7 @@ from miles_k3.rollout.engine_config import EngineConfig
 from miles_k3.rollout.push_copy import check_tensors
 from miles_k3.rollout.requests import Request, generate_requests
 from miles_k3.rollout.runner import ModelRunner
-from miles_k3.rollout.sampling import SamplingParams
+from miles_k3.rollout.sampling import FinishReason, SamplingParams
 from miles_k3.rollout.scheduler import Scheduler
 
 
@@ -83,7 +85,14 @@ class RolloutEngine(VersionedEngine):
         self.scheduler = Scheduler(self.runner, self._lock, self._unpaused)
         self._rids = itertools.count()
         self._released: set[str] = set()  # memory tags released and not resumed yet
-        self._active = 0  # generate() calls in flight (other threads may pause, push weights, release)
+        self._active = 0  # generate() / run() calls in flight (other threads may pause, push weights, release)
+        # partial rollouts (submit / run): the queued groups' entries (a group, or a retracted request alone), the
+        # samples already finished of each group not finished yet (by group id: n and {index: request}), the next
+        # group id, and whether a run() is serving the queue
+        self._queue: deque[list[Request]] = deque()
+        self._groups: dict[int, tuple[int, dict[int, Request]]] = {}
+        self._next_group = 0
+        self._serving = False
 
     # ---- what the runner and the scheduler hold, read by callers and tests ------------------------------------
     @property
@@ -158,6 +167,162 @@ class RolloutEngine(VersionedEngine):
             if not self._active:  # every request of every call has its routes in its result
                 self.runner.route_log.clear()
         return results
+
+    # ---- partial rollouts: a persistent queue served across runs ------------------------------------------
+    def submit(self, input_ids: list[list[int]], sampling_params: dict | list[dict] | None = None, n: int = 1,
+               lora: str | list[str | None] | None = None, return_routed_experts: bool = False) -> list[int]:
+        """Queue each prompt's `n` samples as a group (behind the groups queued already) for `run`; returns the new
+        group ids (increasing from 0 over the engine's life). The arguments are checked as `generate` checks them;
+        a bad prompt (empty, a token outside the vocabulary, prompt + max_new_tokens over max_context, bad sampling
+        params, an unknown adapter) is a ValueError naming it ("request i", i its place in this call), and then
+        nothing is queued. A prompt without `sampling_seed` draws its seed here."""
+        ids, params, loras = generate_requests(input_ids, None, sampling_params, n, lora, self.tokenizer,
+                                               self._released)
+        if return_routed_experts and not self.runner.num_moe:
+            raise ValueError("return_routed_experts: this model has no MoE layers, so there are no routes")
+        with self._lock:
+            groups = [self._make_group(i, n, p, sp, name, return_routed_experts)
+                      for i, (p, sp, name) in enumerate(zip(ids, params, loras))]
+            new = []
+            for group in groups:
+                gid = self._next_group
+                self._next_group += 1
+                for j, req in enumerate(group):
+                    req.index, req.group = j, gid
+                self._groups[gid] = (n, {})
+                self._queue.append(group)
+                new.append(gid)
+            return new
+
+    def run(self, finished_groups: int | None = None, must_finish: Iterable[int] = (),
+            return_logprob: bool = True) -> list[tuple[int, list[Record]]]:
+        """Serve the queue (`submit`) until at least `finished_groups` groups have finished all their samples in
+        this run and every group id in `must_finish` has (None: until the queue is empty); then the running requests
+        are retracted (their slots and pages freed, their tokens kept) and stay queued, first, for the next run,
+        which recomputes their state from their tokens under the weights it serves (each output token records the
+        version that sampled it: `output_token_weight_versions`). Returns (group id, the group's n records in sample
+        order) for each group finished in this run, in the order they finished (with their last sample). A condition
+        that holds before the first step runs nothing; a queue that empties first returns what finished."""
+        must = list(must_finish)
+        if finished_groups is not None and finished_groups < 0:
+            raise ValueError(f"run: finished_groups must be >= 0 or None, got {finished_groups}")
+        if self._released:
+            raise RuntimeError(f"run: memory {sorted(self._released)} is released; call "
+                               "resume_memory_occupation() first")
+        finished: list[tuple[int, list[Record]]] = []
+        with self._lock:
+            if self._serving:
+                raise RuntimeError("run: another run() is serving the queue")
+            queued = set(self.queued_groups())
+            unknown = [g for g in must if g not in queued]
+            if unknown:
+                raise ValueError(f"run: must_finish groups {unknown} are not queued; queued: {sorted(queued)}")
+            self._serving = True
+            self._active += 1
+        left = set(must)
+
+        def done(req: Request) -> None:
+            req.keep_routes(self.runner.route_log)  # its records may be built after the log is cleared
+            n, samples = self._groups[req.group]
+            samples[req.index] = req
+            if len(samples) == n:
+                del self._groups[req.group]
+                finished.append((req.group, [self._result(samples[j], return_logprob) for j in range(n)]))
+                left.discard(req.group)
+
+        stop = None
+        if finished_groups is not None:
+            def stop() -> bool:
+                return len(finished) >= finished_groups and not left
+        try:
+            self.scheduler.run(self._queue, done, stop)
+        finally:
+            with self._lock:
+                for entry in self._queue:  # preempted requests still hold rows of the log
+                    for req in entry:
+                        req.keep_routes(self.runner.route_log)
+                self._serving = False
+                self._active -= 1
+                if not self._active:
+                    self.runner.route_log.clear()
+        return finished
+
+    def cancel(self, group_ids: Iterable[int]) -> None:
+        """Drop these groups from the queue (all their requests, and their samples finished already); an id not
+        queued is a ValueError naming it (and nothing is dropped). Only between runs."""
+        ids = list(group_ids)
+        with self._lock:
+            if self._serving:
+                raise RuntimeError("cancel: a run() is serving the queue; cancel between runs")
+            queued = set(self.queued_groups())
+            unknown = [g for g in ids if g not in queued]
+            if unknown:
+                raise ValueError(f"cancel: groups {unknown} are not queued; queued: {sorted(queued)}")
+            drop = set(ids)
+            self._queue = deque(e for e in self._queue if e[0].group not in drop)
+            for g in drop:
+                del self._groups[g]
+
+    def queued_groups(self) -> list[int]:
+        """The ids of the queued groups, in queue order (a group once, at its first entry)."""
+        with self._lock:
+            return list(dict.fromkeys(e[0].group for e in self._queue))
+
+    def queue_state(self) -> dict:
+        """The queue as plain data and host tensors (`torch.save` / `torch.load(weights_only=True)`), for
+        `load_queue_state` in another engine over the same model: {"next_group": int, "groups": [{"group", "n"}]
+        (every group not finished, in id order), "requests": [request dicts] (the queued requests, then the
+        finished samples of unfinished groups), "entries": [[indices into requests]] (the queue's entries in
+        order)}. Only between runs."""
+        with self._lock:
+            if self._serving:
+                raise RuntimeError("queue_state: a run() is serving the queue; save between runs")
+            reqs, entries = [], []
+            for entry in self._queue:
+                entries.append(list(range(len(reqs), len(reqs) + len(entry))))
+                reqs.extend(entry)
+            for _, (_, samples) in sorted(self._groups.items()):
+                reqs.extend(samples[j] for j in sorted(samples))
+            for req in reqs:
+                req.keep_routes(self.runner.route_log)
+            return {"next_group": self._next_group,
+                    "groups": [{"group": g, "n": n} for g, (n, _) in sorted(self._groups.items())],
+                    "requests": [_request_state(r) for r in reqs], "entries": entries}
+
+    def load_queue_state(self, state: dict) -> None:
+        """Rebuild a queue saved by `queue_state` (request ids renumbered). RuntimeError unless this engine's queue
+        is empty (no queued group, no unfinished group) and no run is serving; ValueError for an adapter this
+        engine does not serve."""
+        with self._lock:
+            if self._serving or self._queue or self._groups:
+                raise RuntimeError(f"load_queue_state: the queue is not empty (groups {sorted(self._groups)}); "
+                                   "cancel them or load into a fresh engine")
+            reqs = [self._request_from_state(d, i) for i, d in enumerate(state["requests"])]
+            groups = {g["group"]: (g["n"], {}) for g in state["groups"]}
+            in_queue = {i for e in state["entries"] for i in e}
+            for i, req in enumerate(reqs):
+                if req.group not in groups:
+                    raise ValueError(f"load_queue_state: request {i} belongs to group {req.group}, not listed in "
+                                     "the state's groups")
+                if i not in in_queue:
+                    if req.finish is None:
+                        raise ValueError(f"load_queue_state: request {i} is neither queued nor finished")
+                    groups[req.group][1][req.index] = req
+            self._groups = groups
+            self._queue = deque([reqs[i] for i in e] for e in state["entries"])
+            self._next_group = max(self._next_group, state["next_group"])
+
+    def _request_from_state(self, d: dict, i: int) -> Request:
+        if not self.adapters.serves(d["lora"]):
+            raise ValueError(f"load_queue_state: request {i}: unknown LoRA adapter {d['lora']!r}; loaded: "
+                             f"{self.adapters.names()}")
+        finish = None if d["finish"] is None else FinishReason(**d["finish"])
+        return Request(next(self._rids), d["index"], list(d["prompt"]),
+                       SamplingParams.from_dict(d["params"], f"load_queue_state: request {i}"), d["key"], d["lora"],
+                       cached=d["cached"], output=list(d["output"]), logprobs=list(d["logprobs"]),
+                       unfiltered=list(d["unfiltered"]), finish=finish, weight_versions=set(d["weight_versions"]),
+                       record=d["record"], routes=[] if d["routes"] is None else [d["routes"]],
+                       num_routed=d["num_routed"], token_versions=list(d["token_versions"]), group=d["group"])
 
     def load_lora_adapter_from_tensors(self, name: str, tensors: dict[str, torch.Tensor],
                                        config: LoRAConfig) -> None:
@@ -262,3 +427,14 @@ class RolloutEngine(VersionedEngine):
             assert routes.shape[0] == len(req.tokens) - 1, (routes.shape, len(req.tokens))
             meta["routed_experts"] = routes
         return {"output_ids": list(req.output), "meta_info": meta}
+
+
+def _request_state(req: Request) -> dict:
+    """A queued request as plain data (its routes, moved to the host before, as one int16 tensor or None)."""
+    assert not req.log_rows and req.slot is None, "a queued request holds no slot and no route-log rows"
+    return {"group": req.group, "index": req.index, "prompt": list(req.prompt), "output": list(req.output),
+            "logprobs": list(req.logprobs), "unfiltered": list(req.unfiltered),
+            "token_versions": list(req.token_versions), "weight_versions": sorted(req.weight_versions),
+            "finish": None if req.finish is None else req.finish.to_dict(), "key": req.key, "lora": req.lora,
+            "record": req.record, "routes": torch.cat(req.routes) if req.routes else None,
+            "num_routed": req.num_routed, "cached": req.cached, "params": dataclasses.asdict(req.params)}

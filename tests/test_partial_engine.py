@@ -1,0 +1,208 @@
+"""Partial rollouts in the native engine (`RolloutEngine.submit / run / cancel / queue_state`) on k3_tiny (fp32,
+CPU, eager decode): a run that stops after K groups retracts the rest, which continue in the next run exactly as
+an uninterrupted `generate` (same weights), record the weight version of every token across a push, survive a
+memory release and a save / load into a fresh engine, and never mix with `generate`."""
+import io
+
+import pytest
+import torch
+
+from miles_k3.model import K3Config, K3ForCausalLM
+from miles_k3.model.lora import LoRAConfig, apply_lora, lora_parameters, lora_state_dict
+from miles_k3.rollout.engine import EngineConfig, RolloutEngine
+
+LORA = LoRAConfig(rank=2, alpha=4.0, targets=["q_proj", "w1"])
+PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [5, 6, 7], [300, 301]]
+LONG, SHORT = 12, 3  # max_new_tokens: prompts 0 and 2 run long, prompt 1 finishes after 3 tokens
+
+
+def _params(seed: int, max_new: int, **kw) -> dict:
+    return {"temperature": 1.0, "max_new_tokens": max_new, "sampling_seed": seed, **kw}
+
+
+PARAMS = [_params(11, LONG), _params(22, SHORT), _params(33, LONG)]
+
+
+@pytest.fixture(scope="module")
+def trainer():
+    torch.manual_seed(0)
+    model = K3ForCausalLM(K3Config.from_name("k3_tiny"), expert_format="mxfp4").eval().requires_grad_(False)
+    with torch.no_grad():  # non-zero AttnRes queries so the mixers are exercised
+        for name, p in model.named_parameters():
+            if name.endswith("_res_proj.weight"):
+                p.normal_(0, 0.5)
+    apply_lora(model, LORA)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in lora_parameters(model).items():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    return model
+
+
+def _engine(model, **kw) -> RolloutEngine:
+    cfg = {"memory_budget_bytes": 4 * 2**20, "max_context": 64, "page_size": 4, "prefill_chunk": 4,
+           "decode": "eager", **kw}
+    engine = RolloutEngine(model, EngineConfig(**cfg), lora=LORA)
+    engine.load_lora_adapter_from_tensors("policy", lora_state_dict(model), LORA)
+    return engine
+
+
+def _submit(engine, prompts=PROMPTS, params=PARAMS):
+    return engine.submit(prompts, params, n=2, lora="policy", return_routed_experts=True)
+
+
+def _generate(engine, prompts=PROMPTS, params=PARAMS):
+    return engine.generate(input_ids=prompts, sampling_params=params, n=2, lora="policy",
+                           return_routed_experts=True)
+
+
+def _pools_free(engine) -> bool:
+    return engine.kda.num_free == engine.kda.num_slots and engine.cache.num_free_pages == engine.cache.num_pages
+
+
+def _assert_same(got: dict, want: dict, logprobs_exact: bool = True) -> None:
+    assert got["output_ids"] == want["output_ids"]
+    g, w = got["meta_info"], want["meta_info"]
+    if logprobs_exact:
+        assert g["output_token_logprobs"] == w["output_token_logprobs"]
+    else:  # recomputed state: the same math in another order (test_engine's LOGPROB_ATOL)
+        assert [t for _, t in g["output_token_logprobs"]] == [t for _, t in w["output_token_logprobs"]]
+        assert max(abs(a - b) for (a, _), (b, _) in zip(g["output_token_logprobs"], w["output_token_logprobs"])) < 1e-5
+    assert torch.equal(g["routed_experts"], w["routed_experts"])
+    for key in ("finish_reason", "prompt_tokens", "completion_tokens", "weight_versions",
+                "output_token_weight_versions"):
+        assert g[key] == w[key], key
+
+
+def _by_group(results):
+    return {gid: records for gid, records in results}
+
+
+def test_a_run_stops_after_k_groups_and_the_next_continues_the_rest_as_one_generate(trainer):
+    engine = _engine(trainer)
+    assert _submit(engine) == [0, 1, 2]
+    first = engine.run(finished_groups=1)
+    # the short prompt's group finishes first (3 tokens); the others are retracted: nothing held
+    assert [gid for gid, _ in first] == [1] and len(first[0][1]) == 2
+    assert engine.queued_groups() == [0, 2]
+    assert _pools_free(engine) and engine.runner.route_log.num_rows == 0
+    rest = engine.run()
+    assert [gid for gid, _ in rest] in ([0, 2], [2, 0]) and engine.queued_groups() == []
+    want = _generate(engine)  # the same weights, uninterrupted
+    got = {**_by_group(first), **_by_group(rest)}
+    for gid in range(3):
+        assert len(got[gid]) == 2
+        for j, record in enumerate(got[gid]):
+            _assert_same(record, want[2 * gid + j], logprobs_exact=gid == 1)
+            assert record["meta_info"]["completion_tokens"] == PARAMS[gid]["max_new_tokens"]
+    assert _pools_free(engine)
+
+
+def _push(engine, trainer, scale=0.2):
+    g = torch.Generator().manual_seed(5)
+    tensors = {k: v + torch.randn(v.shape, generator=g) * scale for k, v in lora_state_dict(trainer).items()}
+    engine.update_weights_from_tensor(tensors, lora_name="policy")
+
+
+def test_each_output_token_records_the_version_that_sampled_it_across_a_push(trainer):
+    engine = _engine(trainer)
+    _submit(engine, PROMPTS[:2], PARAMS[:2])
+    assert [gid for gid, _ in engine.run(finished_groups=1)] == [1]
+    _push(engine, trainer)  # version 0 -> 1 between the runs
+    assert engine.weight_version == 1
+    (late,) = _submit(engine, PROMPTS[2:], PARAMS[2:])
+    done = _by_group(engine.run())
+    for record in done[0]:  # 3 tokens sampled under 0 (while group 1 ran), the rest under 1
+        meta = record["meta_info"]
+        assert meta["output_token_weight_versions"] == [0] * SHORT + [1] * (LONG - SHORT)
+        assert meta["weight_versions"] == [0, 1] and meta["weight_version"] == 1
+    for record in done[late]:
+        meta = record["meta_info"]
+        assert meta["output_token_weight_versions"] == [1] * LONG and meta["weight_versions"] == [1]
+
+
+def test_memory_released_between_runs_and_resumed_changes_nothing(trainer):
+    plain, released = _engine(trainer), _engine(trainer)
+    for engine in (plain, released):
+        _submit(engine)
+        engine.run(finished_groups=1)
+    released.release_memory_occupation(["kv_cache"])
+    assert released.cache.storage_MGZL.untyped_storage().nbytes() == 0
+    with pytest.raises(RuntimeError, match="resume_memory_occupation"):
+        released.run()
+    released.resume_memory_occupation(["kv_cache"])
+    want, got = _by_group(plain.run()), _by_group(released.run())
+    assert sorted(got) == sorted(want) == [0, 2]
+    for gid in want:
+        for g, w in zip(got[gid], want[gid], strict=True):
+            _assert_same(g, w)
+
+
+def test_the_queue_saved_and_loaded_into_a_fresh_engine_continues_exactly(trainer):
+    # sample 0 of prompt 0 stops at its first token (a stop token id), sample 1 runs on: the saved state holds a
+    # finished sample of an unfinished group besides the retracted ones
+    probe = _generate(_engine(trainer), PROMPTS[:1], PARAMS[:1])
+    stop_id = probe[0]["output_ids"][0]
+    assert stop_id not in probe[1]["output_ids"]
+    params = [_params(11, LONG, stop_token_ids=[stop_id]), *PARAMS[1:]]
+    first = _engine(trainer)
+    _submit(first, params=params)
+    assert [gid for gid, _ in first.run(finished_groups=1)] == [1]
+    state = first.queue_state()
+    assert [r["output"] for r in state["requests"] if r["finish"] is not None] == [[stop_id]]
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    buf.seek(0)
+    second = _engine(trainer)
+    second.load_queue_state(torch.load(buf, weights_only=True))
+    assert second.queued_groups() == first.queued_groups() == [0, 2]
+    with pytest.raises(RuntimeError, match="queue is not empty"):
+        second.load_queue_state(state)
+    want, got = first.run(), second.run()
+    assert [gid for gid, _ in got] == [gid for gid, _ in want]
+    for (_, gs), (_, ws) in zip(got, want, strict=True):
+        for g, w in zip(gs, ws, strict=True):
+            _assert_same(g, w)
+    assert _by_group(got)[0][0]["output_ids"] == [stop_id]
+    assert _submit(second) == [3, 4, 5]  # group ids go on from the saved counter
+
+
+def test_cancel_must_finish_and_bad_submits(trainer):
+    engine = _engine(trainer)
+    _submit(engine)
+    assert engine.run(finished_groups=0) == []  # the condition holds before any step: nothing runs
+    engine.cancel([1])
+    assert engine.queued_groups() == [0, 2]
+    with pytest.raises(ValueError, match=r"groups \[7\] are not queued"):
+        engine.cancel([0, 7])
+    assert engine.queued_groups() == [0, 2]
+    with pytest.raises(ValueError, match=r"request 1: empty prompt"):
+        engine.submit([[1, 2], []], {"max_new_tokens": 2})
+    with pytest.raises(ValueError, match=r"request 2: token ids \[100000\] outside the vocabulary"):
+        engine.submit([[1, 2], [3], [4, 100000]], {"max_new_tokens": 2})
+    with pytest.raises(ValueError, match=r"request 0: prompt \(3 tokens\) \+ max_new_tokens \(62\) exceeds"):
+        engine.submit([[1, 2, 3]], {"max_new_tokens": 62})
+    assert engine.queued_groups() == [0, 2]
+    with pytest.raises(RuntimeError, match="queue is not empty"):
+        engine.load_queue_state({"next_group": 0, "groups": [], "requests": [], "entries": []})
+    with pytest.raises(ValueError, match=r"must_finish groups \[1\] are not queued"):
+        engine.run(must_finish=[1])
+    # groups 0 and 2 run side by side and finish in the same step, 0's samples first (running order)
+    assert [gid for gid, _ in engine.run(finished_groups=0, must_finish=[2])] == [0, 2]
+    assert engine.queued_groups() == [] and engine.run() == []
+
+
+def test_generate_between_two_runs_leaves_the_queue_alone(trainer):
+    engine = _engine(trainer)
+    _submit(engine)
+    engine.run(finished_groups=1)
+    queued = engine.queued_groups()
+    solo = engine.generate(input_ids=[[9, 8, 7]], sampling_params=_params(5, 4), lora="policy")
+    assert engine.queued_groups() == queued == [0, 2]
+    assert solo == _engine(trainer).generate(input_ids=[[9, 8, 7]], sampling_params=_params(5, 4), lora="policy")
+    rest = _by_group(engine.run())
+    want = _generate(_engine(trainer))
+    for gid in (0, 2):
+        for j, record in enumerate(rest[gid]):
+            _assert_same(record, want[2 * gid + j], logprobs_exact=False)
