@@ -12,6 +12,12 @@ last token (one batched step per adapter) and samples the next (`sampling.sample
 preempted and later recomputed from its tokens (its noise keys do not change, so neither do its samples). A
 bad request gets an error entry; the others are served.
 
+Partial rollouts (off-policy mode): `submit` queues groups (a prompt's `n` samples) in a queue of the engine's own,
+kept across calls; `run` serves it until K groups have finished, then retracts the unfinished requests (their slots
+and pages freed, their tokens, log-probs, versions and routes kept on the host) to the front of the queue, and the
+next `run`, after a push, recomputes them from their tokens under the new weights. Each output token records the
+weight version that sampled it (`output_token_weight_versions`). `generate` never serves or touches the queue.
+
 Decode modes (`EngineConfig.decode`): eager (the reference: `model.step` on pooled copies), static and graph
 (`graph_decode.py`: a fixed-shape step writing the pools directly, captured per batch bucket on CUDA).
 
@@ -60,7 +66,8 @@ from miles_k3.rollout.scheduler import Scheduler
 class RolloutEngine(VersionedEngine):
     """generate / load_lora_adapter_from_tensors / update_weights_from_tensor / weight_version / flush_cache /
     pause_generation / continue_generation / release_memory_occupation / resume_memory_occupation / close
-    (`rollout.api.Engine`)."""
+    (`rollout.api.Engine`), and the partial rollouts' queue (native only): submit / run / cancel / queued_groups /
+    queue_state / load_queue_state."""
 
     backend = "native"
     push_needs_memory = False  # a push copies tensors into the adapter buffers: no request runs

@@ -206,3 +206,19 @@ def test_generate_between_two_runs_leaves_the_queue_alone(trainer):
     for gid in (0, 2):
         for j, record in enumerate(rest[gid]):
             _assert_same(record, want[2 * gid + j], logprobs_exact=False)
+
+
+def test_requests_preempted_before_the_stop_keep_their_routes_and_continue_unchanged(trainer):
+    """6 pages of 4 tokens for 6 requests of up to 19 tokens (test_engine's preemption budget): requests are
+    preempted while the first run goes on, and a preempted one still waiting when the run stops keeps its decode
+    steps' routes through the route log's clear."""
+    params = [_params(11, 8), _params(22, SHORT), _params(33, 8)]
+    want = _generate(_engine(trainer), params=params)
+    tight = _engine(trainer, max_context=20, num_pages=6)
+    _submit(tight, params=params)
+    first = tight.run(finished_groups=1)
+    assert tight.num_preempted > 0 and _pools_free(tight)
+    got = {**_by_group(first), **_by_group(tight.run())}
+    for gid in range(3):
+        for j, record in enumerate(got[gid]):
+            _assert_same(record, want[2 * gid + j], logprobs_exact=False)
