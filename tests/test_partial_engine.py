@@ -222,3 +222,53 @@ def test_requests_preempted_before_the_stop_keep_their_routes_and_continue_uncha
     for gid in range(3):
         for j, record in enumerate(got[gid]):
             _assert_same(record, want[2 * gid + j], logprobs_exact=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_partial_runs_under_cuda_graph_decode_retract_release_and_reload():
+    """bf16 on CUDA, graph decode: the group finished before the stop equals `generate`'s (the same steps); the
+    retracted ones continue identically after a release of every tag and a resume (engine a), and in a fresh engine
+    loaded from the saved queue (engine c): both start from zeroed pools. Engine b continues over its pools' stale
+    rows (read only by the graph's padding rows): the same tokens and routes."""
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = K3ForCausalLM(K3Config.from_name("k3_tiny"), kda_backend="fla", expert_format="mxfp4")
+        model = model.cast(torch.bfloat16).eval().requires_grad_(False)
+    apply_lora(model, LORA)
+    with torch.no_grad():
+        for name, p in lora_parameters(model).items():
+            if "lora_B" in name:
+                p.normal_(0, 0.2)
+
+    def engine():
+        e = RolloutEngine(model, EngineConfig(memory_budget_bytes=64 * 2**20, max_context=128, page_size=16,
+                                              decode="graph"), lora=LORA)
+        e.load_lora_adapter_from_tensors("policy", lora_state_dict(model), LORA)
+        return e
+
+    want = _generate(engine())
+    a, b = engine(), engine()
+    for e in (a, b):
+        _submit(e)
+        (first,) = e.run(finished_groups=1)
+        assert first[0] == 1 and _pools_free(e) and e.queued_groups() == [0, 2]
+        for j, record in enumerate(first[1]):
+            _assert_same(record, want[2 + j])
+    a.release_memory_occupation()
+    a.resume_memory_occupation()
+    buf = io.BytesIO()
+    torch.save(b.queue_state(), buf)
+    buf.seek(0)
+    c = engine()
+    c.load_queue_state(torch.load(buf, weights_only=True))
+    ra, rb, rc = (_by_group(e.run()) for e in (a, b, c))
+    assert sorted(ra) == sorted(rb) == sorted(rc) == [0, 2]
+    for gid in (0, 2):
+        for ga, gb, gc, w in zip(ra[gid], rb[gid], rc[gid], want[2 * gid:2 * gid + 2], strict=True):
+            _assert_same(ga, gc)
+            assert gb["output_ids"] == ga["output_ids"]
+            assert torch.equal(gb["meta_info"]["routed_experts"], ga["meta_info"]["routed_experts"])
+            assert ga["output_ids"][:SHORT] == w["output_ids"][:SHORT]  # sampled before the stop
+            assert ga["meta_info"]["routed_experts"].shape[0] == len(PROMPTS[gid]) + LONG - 1
+            assert ga["meta_info"]["output_token_weight_versions"] == [0] * LONG
