@@ -109,23 +109,24 @@ def _lengths(samples):
     return [len(s.response_ids) for s in samples]
 
 
-def test_wait_finishes_the_group_at_the_bound_before_admitting_new_ones():
+def test_wait_holds_the_step_until_the_group_at_the_bound_finishes():
     """max_staleness 1, wait. Step 1 (v0): p0, p1, p2 queued; two ticks finish p0 and p1; p2 has 2 tokens each.
-    Step 2 (v1): p2 is at the bound, so it runs alone to its end (3 more ticks, under v1) before p3, p4, p5 are
-    queued; one more group is needed: p3 ends two ticks later (p4, p5 go on). p2's samples: 2 tokens of v0 then v1."""
+    Step 2 (v1): p3, p4 queued behind p2, which is at the bound. Tick 3: p3's sample 0 ends; tick 4: p3 ends (2
+    groups needed, but p2 must finish); tick 5: p2 ends, and p4 with it. p2's samples: 2 tokens of v0, then v1."""
     pool = _pool("wait", 1)
     s1, m1 = pool.collect(0)
     assert _lengths(s1) == [1, 1, 2, 1] and m1["rollout/staleness_max"] == 0.0
     assert list(pool.groups) == [2] and m1["rollout/groups_inflight"] == 1.0
     pool.engine.version = 1  # the push
     s2, m2 = pool.collect(1)
-    assert _lengths(s2) == [5, 4, 1, 2]
-    assert [s.token_versions for s in s2[:2]] == [[0, 0, 1, 1, 1], [0, 0, 1, 1]]
-    assert [s.group for s in s2] == [0, 0, 1, 1] and [s.advantage > 0 for s in s2] == [True, False, True, False]
-    assert m2["rollout/staleness_mean"] == 0.5 and m2["rollout/staleness_max"] == 1.0
-    assert (m2["rollout/staleness_frac_0"], m2["rollout/staleness_frac_1"]) == (0.5, 0.5)
-    assert m2["rollout/offpolicy_token_frac"] == pytest.approx(4 / 12)
-    assert m2["rollout/groups_carried"] == 1.0 and m2["rollout/groups_inflight"] == 2.0
+    assert _lengths(s2) == [1, 2, 5, 4, 3, 3]
+    assert [s.token_versions for s in s2[2:4]] == [[0, 0, 1, 1, 1], [0, 0, 1, 1]]
+    assert [s.group for s in s2] == [0, 0, 1, 1, 2, 2]
+    assert [s.advantage > 0 for s in s2] == [True, False, True, False, False, False]  # p4: 3 and 3, flat
+    assert m2["rollout/staleness_mean"] == pytest.approx(1 / 3) and m2["rollout/staleness_max"] == 1.0
+    assert m2["rollout/staleness_frac_0"] == pytest.approx(2 / 3)
+    assert m2["rollout/offpolicy_token_frac"] == pytest.approx(4 / 18)
+    assert m2["rollout/groups_carried"] == 1.0 and m2["rollout/groups_inflight"] == 0.0
     assert (m2["rollout/trained_len_mean"], m2["rollout/trained_len_p90"]) == (3.0, 5.0)
     check_versions(s2, 1, pool.cfg)
 

@@ -9,8 +9,8 @@ weight version that sampled it (`Sample.token_versions`).
 
 A sample's staleness when trained is the trainer's version minus its oldest token's. `max_staleness` bounds it, by
 `policy`:
-* wait (admission control): a group in flight at the bound must finish in this step; until it has, no new group is
-  admitted (the step first runs the engine on the groups in flight only);
+* wait: a group in flight at the bound holds the step until it finishes (the engine admits in queue order, so the
+  groups in flight run before the new ones, which take the slots left);
 * drop: a group that can no longer finish within the bound is cancelled at the start of the step and its prompt
   queued again, with the same sampling seeds; it never reaches the loss;
 * keep: no bound: every group is trained, its stale tokens importance weighted (trainer.loss.tis).
@@ -58,14 +58,9 @@ class PartialRollouts:
         metrics."""
         cfg, pc = self.cfg, self.cfg.partial
         dropped = self._drop(version) if pc.policy == "drop" else []
-        finished: list[tuple[_Group, list[dict]]] = []
-        if pc.policy == "wait" and self._due(version):  # the groups at the bound finish before any is admitted
-            finished += self._run(0, self._due(version))
         self._top_up(version, [(g.draw, g.problem) for g, _ in dropped])
-        need = cfg.prompts_per_step - len(finished)
         due = self._due(version) if pc.policy == "wait" else []  # max_staleness=0: the new groups too
-        if need > 0 or due:
-            finished += self._run(max(need, 0), due)
+        finished = self._run(cfg.prompts_per_step, due)
         return self._samples(finished, dropped, version)
 
     # ---- the pool -------------------------------------------------------------------------------------------

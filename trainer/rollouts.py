@@ -55,8 +55,8 @@ class PartialConfig:
     """Weight versions a trained sample's oldest token may lag the adapter it trains: 0 is on-policy (every
     group finishes in the step it started), 1 lets a group span one push."""
     policy: str = "wait"
-    """What keeps a group within max_staleness. wait: while a group in flight is at the bound, no new group is
-    admitted until it finishes (admission control). drop: a group past the bound is discarded and its prompt
+    """What keeps a group within max_staleness. wait: a group at the bound holds the step until it finishes (groups
+    in flight are admitted before new ones). drop: a group past the bound is discarded and its prompt
     queued again (with the same sampling seeds). keep: no bound; every group is trained, with importance weights."""
 
     def validate(self) -> None:
