@@ -249,3 +249,16 @@ def test_sglang_cannot_run_partial_rollouts():
         check_partial("partial", "recompute", "token_truncate", "sglang", ParallelConfig(dp=1))
     check_partial("partial", "recompute", "token_truncate", "native", ParallelConfig(dp=1))
     check_partial("sync", "rollout", "none", "sglang", ParallelConfig(dp=4))
+
+
+def test_a_group_larger_than_the_engines_slots_is_refused_naming_the_fix(caplog):
+    import logging
+
+    from miles_k3.launch import check_pool_fits
+
+    cfg = _pool("wait", 1).cfg  # 3 groups of 2 in flight
+    with pytest.raises(ValueError, match=r"rollout.group_size=2: the engine has 1 request slots.*memory_budget_bytes"):
+        check_pool_fits(cfg, 1)
+    with caplog.at_level(logging.INFO, logger="miles_k3.train"):
+        check_pool_fits(cfg, 5)
+    assert "3 groups in flight, 2 run at once (5 engine slots)" in caplog.text
