@@ -280,7 +280,10 @@ class RolloutEngine(VersionedEngine):
         `load_queue_state` in another engine over the same model: {"next_group": int, "groups": [{"group", "n"}]
         (every group not finished, in id order), "requests": [request dicts] (the queued requests, then the
         finished samples of unfinished groups), "entries": [[indices into requests]] (the queue's entries in
-        order)}. Only between runs."""
+        order)}. A request: {group, index (its sample in the group), prompt, output, logprobs, unfiltered,
+        token_versions, weight_versions (sorted), finish (None while queued, else {type, matched}), key, lora,
+        record, routes (int16 [num_routed, L, K] or None), num_routed, cached, params (the SamplingParams fields)}.
+        Only between runs."""
         with self._lock:
             if self._serving:
                 raise RuntimeError("queue_state: a run() is serving the queue; save between runs")
