@@ -18,9 +18,6 @@ NATIVE_MEMORY_TAGS = ("kv_cache", "cuda_graph")
 """The native engine's releasable memory (the base weights are the trainer's: it owns their memory)."""
 SGLANG_MEMORY_TAGS = ("kv_cache", "weights", "cuda_graph")
 """SGLang's releasable memory (`weights` needs sglang.enable_weights_cpu_backup)."""
-PAUSED = "paused"
-"""The state of a partial-rollout request retracted at the end of a native engine's `run`: queued, holding no
-memory, continued by the next `run` (recomputed from its tokens)."""
 
 
 class FinishDict(TypedDict):

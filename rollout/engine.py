@@ -220,10 +220,7 @@ class RolloutEngine(VersionedEngine):
         with self._lock:
             if self._serving:
                 raise RuntimeError("run: another run() is serving the queue")
-            queued = set(self.queued_groups())
-            unknown = [g for g in must if g not in queued]
-            if unknown:
-                raise ValueError(f"run: must_finish groups {unknown} are not queued; queued: {sorted(queued)}")
+            self._check_queued(must, "run: must_finish groups")
             self._serving = True
             self._active += 1
         left = set(must)
@@ -261,14 +258,18 @@ class RolloutEngine(VersionedEngine):
         with self._lock:
             if self._serving:
                 raise RuntimeError("cancel: a run() is serving the queue; cancel between runs")
-            queued = set(self.queued_groups())
-            unknown = [g for g in ids if g not in queued]
-            if unknown:
-                raise ValueError(f"cancel: groups {unknown} are not queued; queued: {sorted(queued)}")
+            self._check_queued(ids, "cancel: groups")
             drop = set(ids)
             self._queue = deque(e for e in self._queue if e[0].group not in drop)
             for g in drop:
                 del self._groups[g]
+
+    def _check_queued(self, ids: list[int], what: str) -> None:
+        """ValueError `what` {ids not queued} naming the queued ones (none taken)."""
+        queued = set(self.queued_groups())
+        unknown = [g for g in ids if g not in queued]
+        if unknown:
+            raise ValueError(f"{what} {unknown} are not queued; queued: {sorted(queued)}")
 
     def queued_groups(self) -> list[int]:
         """The ids of the queued groups, in queue order (a group once, at its first entry)."""
