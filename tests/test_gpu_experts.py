@@ -137,3 +137,31 @@ def test_expert_lora_on_cuda_mxfp4_equals_bf16_base_and_matches_cpu():
             "dlora": max(rel(a, b) for a, b in zip(outs["mxfp4"][2], outs["cpu"][2]))}
     print("expert LoRA cuda bf16 vs cpu fp32:", errs)
     assert max(errs.values()) < 3e-2, errs  # bf16 activations through three matmul levels
+
+
+def test_grouped_mm_with_unaligned_widths_is_one_capturable_kernel():
+    """A LoRA rank of 2 on the experts gives widths that are not 16-byte aligned (O = 2; I = 20): the CUDA path pads
+    them and stays torch._grouped_mm on device offsets, so a CUDA graph captures it (before, it fell back to a host
+    list, which capture refuses) and its replay on new inputs matches the CPU per-expert reference; gradients too."""
+    torch.manual_seed(0)
+    counts = [3, 0, 5, 1]
+    ends = torch.tensor(counts).cumsum(0).to(torch.int32).cuda()
+    for o, i in ((2, 128), (24, 20), (3, 13)):
+        w = torch.randn(4, o, i) * 0.1
+        x0, x1 = torch.randn(sum(counts), i), torch.randn(sum(counts), i)
+        wc, xc = w.cuda().bfloat16(), x0.cuda().bfloat16()
+        grouped_linear(xc, ends, wc)  # warm-up outside capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            y = grouped_linear(xc, ends, wc)
+        xc.copy_(x1.bfloat16())
+        graph.replay()
+        ref = grouped_linear(x1.bfloat16().float(), counts, w.bfloat16().float())
+        assert y.shape == (sum(counts), o)
+        torch.testing.assert_close(y.float().cpu(), ref, atol=2e-2, rtol=2e-2)
+        xg, wg = (t.cuda().bfloat16().requires_grad_() for t in (x1, w))
+        xr, wr = (t.bfloat16().float().requires_grad_() for t in (x1, w))
+        grouped_linear(xg, counts, wg).float().sum().backward()
+        grouped_linear(xr, counts, wr).sum().backward()
+        torch.testing.assert_close(xg.grad.float().cpu(), xr.grad, atol=5e-2, rtol=2e-2)
+        torch.testing.assert_close(wg.grad.float().cpu(), wr.grad, atol=5e-2, rtol=2e-2)

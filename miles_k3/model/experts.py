@@ -24,6 +24,7 @@ import contextlib
 import os
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from miles_k3.kernels.mxfp4 import GROUP_SIZE, dequantize_mxfp4, quantize_mxfp4
@@ -134,9 +135,20 @@ def _use_routing_kernel(flat_ids: torch.Tensor) -> bool:
 
 
 def _use_grouped_mm(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """torch._grouped_mm (one kernel for all experts) for bf16 on CUDA with 16-byte aligned widths."""
-    return (x.is_cuda and x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16
-            and x.shape[-1] % 8 == 0 and w.shape[1] % 8 == 0)
+    """torch._grouped_mm (one kernel for all experts) for bf16 on CUDA."""
+    return x.is_cuda and x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16
+
+
+def _grouped_mm(x_MI: torch.Tensor, w_EOI: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """torch._grouped_mm over widths padded with zeros to a multiple of 8 (its 16-byte alignment): a LoRA rank of
+    2 or 4 on the experts stays one kernel with no host sync, which a captured decode step needs."""
+    pad_i, pad_o = -w_EOI.shape[2] % 8, -w_EOI.shape[1] % 8
+    if pad_i:
+        x_MI, w_EOI = F.pad(x_MI, (0, pad_i)), F.pad(w_EOI, (0, pad_i))
+    if pad_o:
+        w_EOI = F.pad(w_EOI, (0, 0, 0, pad_o))
+    y = torch._grouped_mm(x_MI, w_EOI.transpose(1, 2), offs=offs)
+    return y[:, :y.shape[1] - pad_o] if pad_o else y
 
 
 Counts = list[int] | torch.Tensor  # rows per expert (host list), or their cumulative ends (device int32 tensor)
@@ -151,14 +163,14 @@ def grouped_linear(x_MI: torch.Tensor, counts: Counts, w_EOI: torch.Tensor) -> t
     """
     if isinstance(counts, torch.Tensor):
         if _use_grouped_mm(x_MI, w_EOI):
-            return torch._grouped_mm(x_MI, w_EOI.transpose(1, 2), offs=counts)
+            return _grouped_mm(x_MI, w_EOI, counts)
         counts = torch.diff(counts, prepend=counts.new_zeros(1)).tolist()  # CPU: a host list is free
     assert len(counts) == w_EOI.shape[0] and sum(counts) == x_MI.shape[0], (len(counts), w_EOI.shape)
     if x_MI.shape[0] == 0:  # [0, O], still a function of w: an expert shard that got no rows has a zero gradient
         return x_MI @ w_EOI[0].t()
     if _use_grouped_mm(x_MI, w_EOI):
         offs = torch.tensor(counts, device=x_MI.device, dtype=torch.int32).cumsum(0, dtype=torch.int32)
-        return torch._grouped_mm(x_MI, w_EOI.transpose(1, 2), offs=offs)
+        return _grouped_mm(x_MI, w_EOI, offs)
     outs = [x_e @ w_EOI[e].t() for e, x_e in enumerate(torch.split(x_MI, counts)) if counts[e]]
     return torch.cat(outs)
 
