@@ -119,8 +119,7 @@ class TrainConfig:
         check_filtered_logprobs(self.rollout.top_p, self.rollout.top_k, self.trainer.old_logprobs, self.trainer.loss.tis,
                                 self.engine.backend)
         check_context("rollout.max_new_tokens", self.rollout.max_new_tokens, self.engine, self.sglang)
-        check_partial(self.rollout.mode, self.trainer.old_logprobs, self.trainer.loss.tis, self.engine.backend,
-                      self.parallel)
+        check_partial(self.rollout.mode, self.trainer.old_logprobs, self.trainer.loss.tis, self.engine.backend)
         if self.eval.every_n_steps > 0:
             check_context("eval.max_new_tokens", self.eval.max_new_tokens, self.engine, self.sglang)
         if self.trainer.old_logprobs == "rollout" and self.trainer.loss.tis != "none":

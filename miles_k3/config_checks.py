@@ -188,22 +188,18 @@ def check_filtered_logprobs(top_p: float, top_k: int, old_logprobs: str, tis: st
                          "trainer.old_logprobs=recompute trainer.loss.tis=none")
 
 
-def check_partial(mode: str, old_logprobs: str, tis: str, backend: str, parallel: ParallelConfig) -> None:
+def check_partial(mode: str, old_logprobs: str, tis: str, backend: str) -> None:
     """rollout.mode=partial trains samples whose tokens span weight versions: the PPO ratio is taken against the
     trainer's own log-probs at the start of the step (old_logprobs=recompute, decoupled PPO) and the tokens the
     engine drew under an older adapter are importance weighted (trainer.loss.tis). It needs the native engine's
     paused requests (SGLang 0.5.17 pauses only through its HTTP server's /pause_generation; its offline Engine,
-    which engine.backend=sglang drives, has no pause) and one process (the stop rule is not yet agreed across ranks)."""
+    which engine.backend=sglang drives, has no pause)."""
     if mode != "partial":
         return
     if backend != "native":
         raise ValueError("rollout.mode=partial: needs engine.backend=native (SGLang 0.5.17's offline Engine cannot "
                          "pause and continue requests: its pause_generation is an HTTP-server endpoint); use "
                          "engine.backend=native or rollout.mode=sync")
-    if (parallel.dp or 1) * parallel.tp * parallel.ep > 1:
-        raise ValueError(f"rollout.mode=partial: runs on one process for now (parallel.dp={parallel.dp} "
-                         f"tp={parallel.tp} ep={parallel.ep}); the ranks do not yet agree when a step's groups are "
-                         "done; use rollout.mode=sync on many ranks")
     if old_logprobs != "recompute":
         raise ValueError("trainer.old_logprobs: rollout.mode=partial takes the PPO ratio against the trainer's "
                          "log-probs at the start of the step (the engine's may come from an older adapter, and "

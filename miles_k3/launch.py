@@ -124,6 +124,7 @@ def build_run(cfg) -> Run:
     check_mesh_fits_model(cfg)
     device = resolve_device(cfg.device)
     ctx = init_parallel(cfg.parallel, device.type)
+    check_replica_share(cfg.rollout, ctx.dp_size)
     device = rank_device(device, ctx)
     if cfg.model.hf_path is None:  # an HF model runs transformers' kernels (kernels: is refused with it)
         apply_kernels(cfg.kernels, device)
@@ -172,26 +173,35 @@ def build_run(cfg) -> Run:
     reward = build_reward(cfg.reward)
     partial = None
     if cfg.rollout.mode == "partial":
-        check_pool_fits(cfg.rollout, engine.num_slots)
+        check_pool_fits(cfg.rollout, engine.num_slots, ctx.dp_size)
         partial = PartialRollouts(engine, tokenizer, stream, reward, cfg.rollout, POLICY,
-                                  routes=cfg.rollout.return_routed_experts or cfg.trainer.routing_replay)
+                                  routes=cfg.rollout.return_routed_experts or cfg.trainer.routing_replay, ctx=ctx)
         if rollout_state is not None:
             partial.load_state(rollout_state)
     return Run(cfg, run_dir, device, model, tokenizer, engine, params, opt, sched, channel, reward, stream, hook,
                tracker, guard, start, pad, version, ctx=ctx, partial=partial)
 
 
-def check_pool_fits(rollout, num_slots: int) -> None:
-    """rollout.mode=partial: a group runs all its samples at once (its forks share the prompt's prefill), so the
-    engine must hold one group; the groups in flight beyond what its slots hold wait in its queue (logged)."""
-    inflight = rollout.partial.groups(rollout.prompts_per_step)
+def check_replica_share(rollout, dp: int) -> None:
+    """rollout.mode=partial: each of the `dp` data-parallel replicas finishes prompts_per_step / dp groups per step."""
+    if rollout.mode == "partial" and rollout.prompts_per_step % dp:
+        raise ValueError(f"rollout.prompts_per_step={rollout.prompts_per_step}: rollout.mode=partial shares a step's "
+                         f"groups equally among the {dp} data-parallel replicas; set it to a multiple of {dp}")
+
+
+def check_pool_fits(rollout, num_slots: int, dp: int = 1) -> None:
+    """rollout.mode=partial: each of the `dp` replicas keeps its share of the groups in flight; a group runs all its samples at once (its forks share
+    the prompt's prefill), so a replica's engine must hold one group; the groups in flight beyond what its slots
+    hold wait in its queue (logged)."""
+    inflight = -(-rollout.partial.groups(rollout.prompts_per_step) // dp)
     if rollout.group_size > num_slots:
         raise ValueError(f"rollout.group_size={rollout.group_size}: the engine has {num_slots} request slots, so no "
                          "group could ever run; raise engine.memory_budget_bytes or lower rollout.group_size")
     running = num_slots // rollout.group_size
     if running < inflight:
-        log.info("rollout.mode=partial: %d groups in flight, %d run at once (%d engine slots); the others wait in "
-                 "the engine's queue (engine.memory_budget_bytes raises the slots)", inflight, running, num_slots)
+        log.info("rollout.mode=partial: %d groups in flight per replica, %d run at once (%d engine slots); the others "
+                 "wait in the engine's queue (engine.memory_budget_bytes raises the slots)", inflight, running,
+                 num_slots)
 
 
 def check_resume_mode(ckpt: Path, mode: str) -> None:

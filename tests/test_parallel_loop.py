@@ -10,6 +10,9 @@
   checkpoint of another mesh is refused naming both meshes (dp=1 -> dp=2 and dp=2 -> dp=1);
 * tp=2 x ep=2 and dp=2 x ep=2 (the EP group spanning both replicas: forwards in lockstep) train the one-process
   adapter, write it whole and evaluate as one process (the `tp2` spawn);
+* rollout.mode=partial (groups carried across pushes) at tp=2 x ep=2 trains the one-process partial adapter; at
+  dp=2 x ep=2 each replica finishes its half of every step's groups from its own draws (even, odd) in lockstep,
+  and resume=auto from its step-2 checkpoint (groups in flight on both replicas) continues bit-identically;
 * config refusals without spawning: a world that is not dp x tp, an ep that does not divide it, a model that a
   mesh does not divide, device=cuda:N on several ranks.
 
@@ -66,6 +69,13 @@ def _write_data(path) -> str:
             for i in range(10)]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return str(path)
+
+
+PARTIAL = ["rollout.mode=partial", "trainer.loss.tis=token_truncate", "rollout.dynamic_sampling=false",
+           "eval.every_n_steps=0", f"engine.eos_token_ids=[{','.join(str(i) for i in range(0, 512, 3))}]"]
+"""rollout.mode=partial on the tiny run: a third of k3_tiny's 512 token ids end a response (a random base is
+near uniform), so responses of 1 to 5 tokens end at different decode steps and some groups are carried across a
+push; 4 prompts per step (2 per replica under dp=2), 6 groups in flight."""
 
 
 def _adapter(run) -> dict[str, torch.Tensor]:
@@ -244,6 +254,20 @@ def _train_tp_rank(rank: int, data: str, root: str) -> dict:
     ep = train(compose_config("train", _overrides(data, f"{root}/ep_dp", "parallel.dp=2", "parallel.ep=2",
                                                   "trainer.micro_batch_tokens=16")))
     out |= {"ep_dp_version": ep.engine.weight_version, "ep_dp_idle": ep.engine.lockstep.idle_forwards}
+    # rollout.mode=partial: tp=2 x ep=2 (one replica, as one process) and dp=2 x ep=2 (a pool per replica, in
+    # lockstep), the latter resumed from its step-2 checkpoint
+    train(compose_config("train", _overrides(data, f"{root}/p_tp", "parallel.tp=2", "parallel.ep=2", *PARTIAL)))
+    p_dp = train(compose_config("train", _overrides(data, f"{root}/p_dp", "parallel.dp=2", "parallel.ep=2",
+                                                    *PARTIAL)))
+    ckpt = f"{root}/p_dp/checkpoints/step_00000002"
+    out |= {"p_dp_adapter": _adapter(p_dp), "p_dp_draws": p_dp.stream.state()["drawn"],
+            "p_dp_pool": torch.load(f"{ckpt}/rank-{rank:05d}/rollout.pt", weights_only=True)["groups"]}
+    if rank == 0:
+        shutil.copytree(ckpt, f"{root}/p_dp_resumed/checkpoints/step_00000002")
+    dist.barrier()
+    resumed = train(compose_config("train", _overrides(data, f"{root}/p_dp_resumed", "parallel.dp=2",
+                                                       "parallel.ep=2", "resume=auto", *PARTIAL)))
+    out["p_dp_resumed_adapter"] = _adapter(resumed)
     return out
 
 
@@ -258,8 +282,17 @@ def _eval_records(run_dir, step) -> list[tuple]:
 
 @pytest.fixture(scope="module")
 def tp2(dp2):
+    from miles_k3.train import train
+
     _, root, _ = dp2
-    return run_ranks(2, _train_tp_rank, str(root / "train.jsonl"), str(root), timeout_s=600)
+    data = str(root / "train.jsonl")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:  # the one-process partial run, the reference of the tp=2 one
+        train(compose_config("train", _overrides(data, root / "p_single", *PARTIAL)))
+    finally:
+        torch.set_num_threads(threads)
+    return run_ranks(2, _train_tp_rank, data, str(root), timeout_s=900)
 
 
 @pytest.mark.parametrize("mesh, run", [({"dp": 1, "tp": 2, "ep": 2, "world": 2}, "tp"),
@@ -289,6 +322,38 @@ def test_tp2_ep2_resumes_bit_identically_and_dp2_ep2_runs_in_lockstep(tp2):
     # prompts of different lengths, prefilled in chunks of 4 tokens: a replica with shorter prompts (or none, in a
     # refill round) ran idle forwards while the other prefilled (ranks 0 and 1 ran 5 and 1 here)
     assert sum(r["ep_dp_idle"] for r in tp2) > 0, [r["ep_dp_idle"] for r in tp2]
+
+
+def _rollout(row: dict) -> dict:
+    return {k: v for k, v in row.items() if k.startswith("rollout/")}
+
+
+def test_partial_at_tp2_trains_the_one_process_adapter_and_at_dp2_each_replica_its_share(dp2, tp2):
+    """rollout.mode=partial on 2 ranks. tp=2 x ep=2: one replica, so the same pool, the same stops and the same
+    adapter as one process. dp=2 x ep=2 (lockstep): every step trains 4 groups (2 per replica), some carried across
+    a push; replica r drew global draws r, r + 2, ... (its checkpointed pool holds only those); the run resumed
+    from step 2, with groups in flight on both replicas, ends with the same adapter bytes."""
+    _, root, _ = dp2
+    single = _jsonl(root / "p_single/metrics.jsonl")
+    assert any(r["rollout/groups_carried"] > 0 for r in single)  # the reference really carries groups
+    for step in (2, 3):
+        want = _peft(root / f"p_single/checkpoints/step_{step:08d}/adapter")
+        got = _peft(root / f"p_tp/checkpoints/step_{step:08d}/adapter")
+        assert got.keys() == want.keys()
+        for key, t in want.items():
+            assert (got[key] - t).norm() <= 5e-4 * t.norm() + 1e-7, key
+    tp_rows = _jsonl(root / "p_tp/metrics.jsonl")
+    assert [_rollout(r) for r in tp_rows] == [_rollout(r) for r in single]
+    rows = _jsonl(root / "p_dp/metrics.jsonl")
+    # 2 groups per replica, 4 in all (a step may end with a few more: groups finishing at the same decode step);
+    # 8 or more would be a replica finishing the whole step's groups
+    assert len(rows) == 3 and all(4 <= r["rollout/groups_kept"] < 8 for r in rows), [_rollout(r) for r in rows]
+    assert sum(r["rollout/groups_carried"] for r in rows) > 0
+    assert [_rollout(r) for r in _jsonl(root / "p_dp_resumed/metrics.jsonl")] == [_rollout(rows[2])]
+    for rank, r in enumerate(tp2):
+        assert r["p_dp_pool"] and all(g["draw"] % 2 == rank for g in r["p_dp_pool"]), r["p_dp_pool"]
+        for name, t in r["p_dp_adapter"].items():
+            assert torch.equal(r["p_dp_resumed_adapter"][name], t), name
 
 
 # ---- refusals without spawning ----------------------------------------------------------------------------

@@ -35,6 +35,12 @@ class Stream:
         self.drawn += k
         return out
 
+    def state(self):
+        return {"drawn": self.drawn}
+
+    def load_state(self, state):
+        self.drawn = state["drawn"]
+
 
 class ScriptedEngine:
     """submit / run / cancel / queue_state / load_queue_state of the native engine, scripted (see the module
@@ -172,8 +178,8 @@ def test_the_pool_state_continues_in_a_fresh_engine_exactly():
     a.collect(0)
     state = a.state()
     b = _pool("wait", 1, ScriptedEngine())
-    b.stream.drawn = a.stream.drawn  # the prompt cursor is the run's data_state, restored apart
-    b.load_state(state)
+    b.load_state(state)  # the prompt cursor too (this replica's: under dp > 1 each replica's differs)
+    assert b.stream.drawn == a.stream.drawn == 3
     for pool in (a, b):
         pool.engine.version = 1
     sa, ma = a.collect(1)
@@ -232,7 +238,6 @@ PARTIAL = ["rollout.mode=partial", "trainer.loss.tis=token_truncate"]
     (["rollout.partial.max_staleness=2"], "rollout.partial: rollout.partial.* is set but rollout.mode=sync"),
     ([*PARTIAL, "rollout.group_size=1"], "rollout.group_size: must be >= 2"),
     ([*PARTIAL, "rollout.max_new_tokens=64"], "rollout.max_new_tokens: 64 leaves no room for the prompt"),
-    ([*PARTIAL, "parallel.dp=2"], "rollout.mode=partial: runs on one process for now"),
 ])
 def test_partial_settings_that_cannot_work_are_refused_naming_the_field(overrides, message):
     from miles_k3.config import ConfigFieldError, compose_config
@@ -243,12 +248,11 @@ def test_partial_settings_that_cannot_work_are_refused_naming_the_field(override
 
 def test_sglang_cannot_run_partial_rollouts():
     from miles_k3.config_checks import check_partial
-    from miles_k3.parallel.config import ParallelConfig
 
     with pytest.raises(ValueError, match="needs engine.backend=native .*pause_generation is an HTTP-server endpoint"):
-        check_partial("partial", "recompute", "token_truncate", "sglang", ParallelConfig(dp=1))
-    check_partial("partial", "recompute", "token_truncate", "native", ParallelConfig(dp=1))
-    check_partial("sync", "rollout", "none", "sglang", ParallelConfig(dp=4))
+        check_partial("partial", "recompute", "token_truncate", "sglang")
+    check_partial("partial", "recompute", "token_truncate", "native")
+    check_partial("sync", "rollout", "none", "sglang")
 
 
 def test_a_group_larger_than_the_engines_slots_is_refused_naming_the_fix(caplog):
@@ -261,4 +265,36 @@ def test_a_group_larger_than_the_engines_slots_is_refused_naming_the_fix(caplog)
         check_pool_fits(cfg, 1)
     with caplog.at_level(logging.INFO, logger="miles_k3.train"):
         check_pool_fits(cfg, 5)
-    assert "3 groups in flight, 2 run at once (5 engine slots)" in caplog.text
+    assert "3 groups in flight per replica, 2 run at once (5 engine slots)" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="miles_k3.train"):
+        check_pool_fits(cfg, 3, dp=2)  # ceil(3 / 2) = 2 groups per replica, 1 at once
+    assert "2 groups in flight per replica, 1 run at once (3 engine slots)" in caplog.text
+
+
+def test_partial_over_replicas_that_do_not_divide_the_step_is_refused():
+    from miles_k3.launch import check_replica_share
+
+    cfg = _pool("wait", 1).cfg  # prompts_per_step 2
+    with pytest.raises(ValueError, match=r"rollout.prompts_per_step=2: .* among the 4 data-parallel replicas; set it "
+                                         r"to a multiple of 4"):
+        check_replica_share(cfg, 4)
+    check_replica_share(cfg, 2)
+
+
+def test_replicas_draw_every_dp_th_prompt_and_their_groups_interleave():
+    """Replica 1 of 2 draws global draws 1, 3, 5 (its seeds come from them); kept-group counts (3, 1, 2) over three
+    replicas number the groups 0..5 by rounds: replica 0 gets 0, 3, 5; replica 1 gets 1; replica 2 gets 2, 4."""
+    from miles_k3.parallel.mesh import ParallelContext
+    from miles_k3.trainer.partial import PartialRollouts, interleaved_index
+
+    cfg = _pool("wait", 1).cfg
+    stream = Stream([Problem(f"p{i}", "1,1", "0") for i in range(20)])
+    pool = PartialRollouts(ScriptedEngine(), Tok(), stream, odd_length, cfg, "policy",
+                           ctx=ParallelContext(world_size=2, rank=1, dp_size=2, dp_rank=1))
+    assert (pool.share, pool.inflight) == (1, 2)  # 2 prompts per step, 3 in flight: 1 and ceil(3 / 2) per replica
+    assert [d for d, _ in pool._take(3)] == [1, 3, 5]
+    assert [d for d, _ in pool._take(1)] == [7]
+    assert [interleaved_index([3, 1, 2], r) for r in range(3)] == [[0, 3, 5], [1], [2, 4]]
+    assert interleaved_index([2, 2], 1) == [1, 3]
+    assert interleaved_index([0, 2], 1) == [0, 1]

@@ -20,9 +20,18 @@ The loss (decoupled PPO): the ratio is taken against the trainer's log-probs at 
 proximal policy: `trainer.old_logprobs=recompute`), and the TIS weight exp(proximal - engine) corrects each token
 for the adapter that actually sampled it; config validation requires both (`config_checks.check_partial`).
 
-`state()` / `load_state()`: the pool (each group's prompt, draw index and problem, the version it was queued at)
-and the engine's queue (tokens so far, their log-probs, versions and routes, sampling keys), for a checkpoint from
-which `resume=auto` continues the run exactly.
+Data parallel (`ctx.dp_size` > 1): each replica keeps its own pool of ceil(inflight_groups / dp) groups and its
+step ends when prompts_per_step / dp of them have finished (its share of the global batch; launch checks that dp
+divides prompts_per_step). Replica r draws every dp-th prompt of the global stream (draws r, r + dp, ...; the
+sampling seeds come from the global draw index), so the replicas never draw the same prompt and need not agree on
+how many each draws. Under tensor parallelism the ranks of a replica hold identical pools and stop at the same
+decode step by construction; under expert parallelism across replicas a replica that has finished its share runs
+idle forwards for the others (`parallel.lockstep`) until every replica's run ends. The kept groups' indices
+(`Sample.group`) and the rollout/ metrics are global, as in the synchronous loop.
+
+`state()` / `load_state()`: the pool (each group's prompt, draw index and problem, the version it was queued at),
+this replica's prompt stream and the engine's queue (tokens so far, their log-probs, versions and routes, sampling
+keys), for a checkpoint from which `resume=auto` continues the run exactly.
 """
 from __future__ import annotations
 
@@ -32,6 +41,8 @@ from dataclasses import dataclass
 from miles_k3.evals.problems import Problem
 from miles_k3.evals.rewards import grade_outcome
 from miles_k3.evals.templates import render_prompt, response_text
+from miles_k3.parallel.mesh import SINGLE, ParallelContext
+from miles_k3.parallel.reduce import gather, sum_over
 from miles_k3.trainer.batch import Sample
 from miles_k3.trainer.rollouts import RolloutConfig, _advantages, _is_flat, _metrics, _sample, _totals
 
@@ -48,19 +59,21 @@ class PartialRollouts:
     """The pool of groups in flight in `engine` and one step's rollouts from it (`collect`)."""
 
     def __init__(self, engine, tokenizer, stream, reward_fn, cfg: RolloutConfig, lora: str | None,
-                 routes: bool = False):
+                 routes: bool = False, ctx: ParallelContext = SINGLE):
         self.engine, self.tokenizer, self.stream, self.reward_fn = engine, tokenizer, stream, reward_fn
-        self.cfg, self.lora, self.routes = cfg, lora, routes
+        self.cfg, self.lora, self.routes, self.ctx = cfg, lora, routes, ctx
+        self.share = cfg.prompts_per_step // ctx.dp_size  # groups this replica finishes per step
+        self.inflight = -(-cfg.partial.groups(cfg.prompts_per_step) // ctx.dp_size)  # groups this replica keeps
         self.groups: dict[int, _Group] = {}  # engine group id -> the group, in the order they were queued
 
     def collect(self, version: int) -> tuple[list[Sample], dict[str, float]]:
         """The step's samples (the finished groups, trained by the adapter of weight `version`) and its rollout/
         metrics."""
-        cfg, pc = self.cfg, self.cfg.partial
+        pc = self.cfg.partial
         dropped = self._drop(version) if pc.policy == "drop" else []
         self._top_up(version, [(g.draw, g.problem) for g, _ in dropped])
         due = self._due(version) if pc.policy == "wait" else []  # max_staleness=0: the new groups too
-        finished = self._run(cfg.prompts_per_step, due)
+        finished = self._run(self.share, due)
         return self._samples(finished, dropped, version)
 
     # ---- the pool -------------------------------------------------------------------------------------------
@@ -86,8 +99,8 @@ class PartialRollouts:
 
     def _top_up(self, version: int, again: list[tuple[int, Problem]]) -> None:
         """Queue groups until `inflight_groups` are in flight: the dropped prompts first, then new draws."""
-        want = self.cfg.partial.groups(self.cfg.prompts_per_step) - len(self.groups)
-        drawn = again + (self.stream.take(want - len(again)) if want > len(again) else [])
+        want = self.inflight - len(self.groups)
+        drawn = again + (self._take(want - len(again)) if want > len(again) else [])
         if not drawn:
             return
         cfg = self.cfg
@@ -99,6 +112,11 @@ class PartialRollouts:
                                   return_routed_experts=self.routes)
         for gid, (d, p), ids in zip(gids, drawn, prompts):
             self.groups[gid] = _Group(d, p, ids, version)
+
+    def _take(self, k: int) -> list[tuple[int, Problem]]:
+        """This replica's next k prompts: every dp-th of the global stream, from draw dp_rank on."""
+        dp, r = self.ctx.dp_size, self.ctx.dp_rank
+        return self.stream.take(k) if dp == 1 else [self.stream.take(dp)[r] for _ in range(k)]
 
     def _run(self, finished_groups: int, must_finish: list[int]) -> list[tuple[_Group, list[dict]]]:
         out = []
@@ -121,31 +139,55 @@ class PartialRollouts:
             k += len(records)
         flat = [_is_flat(group) for group in groups]
         kept = [group for group, f in zip(groups, flat) if not (cfg.dynamic_sampling and f)]
-        for i, group in enumerate(kept):
+        index = self._global_index(len(kept))
+        for i, group in zip(index, kept):
             for s, a in zip(group, _advantages(group, cfg.advantage)):
                 s.advantage, s.group = a, i
         samples = [s for group in kept for s in group]
         outcomes = [(grade_outcome(r), bool(r.correct)) for r in results]
-        counts = {"groups_kept": len(kept), "groups_drawn": max(len(groups), 1), "rounds": 1, "flat": sum(flat)}
-        metrics = _metrics(_totals(groups, outcomes), counts) if groups else {}
+        local = _totals(groups, outcomes)
+        totals = dict(zip(local, sum_over(list(local.values()), self.ctx.dp_group)))
+        num_kept, num_groups, num_flat = sum_over([len(kept), len(groups), sum(flat)], self.ctx.dp_group)
+        counts = {"groups_kept": int(num_kept), "groups_drawn": max(int(num_groups), 1), "rounds": 1,
+                  "flat": int(num_flat)}
+        metrics = _metrics(totals, counts) if totals["samples"] else {}
         return samples, metrics | self._partial_metrics(samples, groups, finished, dropped, version)
 
+    def _global_index(self, n: int) -> list[int]:
+        """The indices among the step's kept groups of all replicas of this replica's `n` kept groups: the replicas'
+        groups interleaved (first groups of replicas 0..dp-1, then second groups, ...), so that minibatches of
+        consecutive indices draw on every replica."""
+        dp, r = self.ctx.dp_size, self.ctx.dp_rank
+        if dp == 1:
+            return list(range(n))
+        marks = [0.0] * dp
+        marks[r] = float(n)
+        return interleaved_index([int(x) for x in sum_over(marks, self.ctx.dp_group)], r)
+
     def _partial_metrics(self, samples, groups, finished, dropped, version: int) -> dict[str, float]:
+        """rollout/ staleness, off-policy share, drops and the length bias, over every replica's groups."""
         bound = self.cfg.partial.max_staleness
         trained = [s for s in samples if s.in_loss]
-        stale = [version - min(s.token_versions) for s in trained if s.token_versions]
-        tokens = [v for s in trained for v in s.token_versions]
-        lengths = [len(s.response_ids) for s in trained]
-        every = [len(s.response_ids) for group in groups for s in group]
+        mine = {"stale": [version - min(s.token_versions) for s in trained if s.token_versions],
+                "tokens": sum(len(s.token_versions) for s in trained),
+                "offpolicy": sum(v < version for s in trained for v in s.token_versions),
+                "lengths": [len(s.response_ids) for s in trained],
+                "every": [len(s.response_ids) for group in groups for s in group],
+                "dropped": [max(lens, default=0) for _, lens in dropped],
+                "carried": sum(g.queued_at < version for g, _ in finished), "inflight": len(self.groups)}
+        parts = gather(mine, self.ctx.dp_group)
+        stale, lengths, every, dropped_max = ([x for part in parts for x in part[k]]
+                                              for k in ("stale", "lengths", "every", "dropped"))
+        tokens, offpolicy = sum(part["tokens"] for part in parts), sum(part["offpolicy"] for part in parts)
         p90 = _p90(lengths)
         out = {"rollout/staleness_mean": sum(stale) / len(stale) if stale else 0.0,
                "rollout/staleness_max": float(max(stale, default=0)),
-               "rollout/offpolicy_token_frac": sum(v < version for v in tokens) / len(tokens) if tokens else 0.0,
-               "rollout/groups_dropped": float(len(dropped)),
-               "rollout/dropped_long_frac": (sum(max(lens, default=0) >= p90 for _, lens in dropped) / len(dropped)
-                                             if dropped else 0.0),
-               "rollout/groups_carried": float(sum(g.queued_at < version for g, _ in finished)),
-               "rollout/groups_inflight": float(len(self.groups)),
+               "rollout/offpolicy_token_frac": offpolicy / tokens if tokens else 0.0,
+               "rollout/groups_dropped": float(len(dropped_max)),
+               "rollout/dropped_long_frac": (sum(m >= p90 for m in dropped_max) / len(dropped_max)
+                                             if dropped_max else 0.0),
+               "rollout/groups_carried": float(sum(part["carried"] for part in parts)),
+               "rollout/groups_inflight": float(sum(part["inflight"] for part in parts)),
                "rollout/trained_len_mean": sum(lengths) / len(lengths) if lengths else 0.0,
                "rollout/trained_len_p90": float(p90),
                "rollout/finished_len_mean": sum(every) / len(every) if every else 0.0,
@@ -162,13 +204,21 @@ class PartialRollouts:
         groups = [{"group": gid, "draw": g.draw, "id": g.problem.id, "problem": g.problem.problem,
                    "answer": g.problem.answer, "prompt": list(g.prompt), "queued_at": g.queued_at}
                   for gid, g in self.groups.items()]
-        return {"groups": groups, "engine": self.engine.queue_state()}
+        return {"groups": groups, "stream": self.stream.state(), "engine": self.engine.queue_state()}
 
     def load_state(self, state: dict) -> None:
         self.groups = {int(g["group"]): _Group(int(g["draw"]), Problem(g["id"], g["problem"], g["answer"]),
                                                [int(t) for t in g["prompt"]], int(g["queued_at"]))
                        for g in state["groups"]}
+        if "stream" in state:  # this replica's stream (under dp > 1 the replicas' positions differ)
+            self.stream.load_state(state["stream"])
         self.engine.load_queue_state(state["engine"])
+
+
+def interleaved_index(counts: list[int], r: int) -> list[int]:
+    """Replica r's groups' indices when replica q contributes counts[q] groups and the groups are numbered round by
+    round (every replica's first group, in replica order, then every second group, ...)."""
+    return [sum(min(c, i) for c in counts) + sum(c > i for c in counts[:r]) for i in range(counts[r])]
 
 
 def _p90(values: list[int]) -> int:

@@ -118,7 +118,8 @@ class RolloutConfig:
     response. partial: the engine keeps rollout.partial.inflight_groups groups in flight; a step trains on the first
     prompts_per_step groups to finish, and the others are paused, kept across the weight update and continued
     under the new adapter (each token records the version that sampled it; off-policy tokens are importance
-    weighted). Native engine, one process, trainer.loss.tis on and trainer.old_logprobs=recompute."""
+    weighted). Native engine; under parallel.dp > 1 each replica keeps and finishes its share of the groups.
+    Needs trainer.loss.tis on and trainer.old_logprobs=recompute."""
     partial: PartialConfig = field(default_factory=PartialConfig)
     """rollout.mode=partial only."""
     log_samples: int = 4
