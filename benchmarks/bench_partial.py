@@ -9,7 +9,9 @@ stops a response at any of V / `--mean-length` token ids (`engine.eos_token_ids`
 geometric with mean ~`--mean-length` tokens and a long tail up to `--max-new-tokens` (with the defaults, ~87% end
 under 512 tokens). The reward is the share of digits in the response text (`digit_share`, registered here), a
 signal a LoRA policy can learn. Each mode runs `--steps` steps of the training loop (`miles_k3.train.train`, eval
-off) from the same seed; the figures come from each run's metrics.jsonl:
+off) from the same seed; the figures come from each run's metrics.jsonl, leaving out each run's first
+`--skip-steps` steps (default 1: on a fresh GPU host fla-core's kernels compile and the decode graphs are captured
+in them; seen: a first sync step of 372 s on k3_m2 against ~23 s for the next ones):
 
   trained_tokens_per_s  sum of train/num_tokens / sum of perf/step_s (every phase of every step);
   time_to_samples_s     step time summed until the cumulative trained samples reach the smaller of the two runs'
@@ -40,6 +42,7 @@ def _digit_share(cfg):
 
 
 def _run(mode: str, args, root: Path) -> dict:
+    """One mode's run; its metric rows after the first --skip-steps, and the seconds those took."""
     from miles_k3.config import compose_config
     from miles_k3.model.config import K3Config
     from miles_k3.train import train
@@ -54,6 +57,7 @@ def _run(mode: str, args, root: Path) -> dict:
                  "eval.every_n_steps=0", "rollout.template=plain", "rollout.dynamic_sampling=false",
                  f"rollout.prompts_per_step={args.prompts_per_step}", f"rollout.group_size={args.group_size}",
                  f"rollout.max_new_tokens={args.max_new_tokens}", f"engine.max_context={args.max_new_tokens + 64}",
+                 f"engine.memory_budget_bytes={int(args.engine_gb * 2**30)}", "rollout.release_tags=[]",
                  f"engine.eos_token_ids=[{','.join(str(vocab - 1 - i) for i in range(stops))}]",
                  "trainer.loss.tis=token_truncate", "trainer.optim.total_steps=null", *args.override]
     if mode == "partial":
@@ -61,7 +65,9 @@ def _run(mode: str, args, root: Path) -> dict:
                       f"rollout.partial.policy={args.policy}"]
     train(compose_config("train", overrides), "")
     rows = [json.loads(x) for x in (root / mode / "metrics.jsonl").read_text().splitlines()]
-    return {"rows": [r for r in rows if "train/num_tokens" in r], "stop_ids": stops}
+    rows = [r for r in rows if "train/num_tokens" in r]
+    return {"rows": rows[args.skip_steps:], "warmup_s": sum(r["perf/step_s"] for r in rows[:args.skip_steps]),
+            "stop_ids": stops}
 
 
 def _figures(rows: list[dict], equal_samples: float) -> dict:
@@ -80,6 +86,13 @@ def _figures(rows: list[dict], equal_samples: float) -> dict:
             "peak_gb": max((r.get("mem/peak_gb", 0.0) for r in rows), default=0.0), "reward_by_samples": curve}
 
 
+def _all_figures(runs: dict, args) -> dict:
+    equal = min(sum(r["train/num_seqs"] for r in run["rows"]) for run in runs.values())
+    return {"model": args.model, "max_new_tokens": args.max_new_tokens, "mean_length": args.mean_length,
+            "skip_steps": args.skip_steps, "stop_ids": next(iter(runs.values()))["stop_ids"], "equal_samples": equal,
+            **{m: _figures(run["rows"], equal) | {"warmup_s": round(run["warmup_s"], 1)} for m, run in runs.items()}}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="k3_m2")
@@ -91,16 +104,20 @@ def main() -> None:
     ap.add_argument("--mean-length", type=float, default=250.0)
     ap.add_argument("--staleness", type=int, default=1)
     ap.add_argument("--policy", default="wait")
+    ap.add_argument("--engine-gb", type=float, default=8.0, help="engine.memory_budget_bytes, in GiB")
     ap.add_argument("--modes", default="sync,partial")
+    ap.add_argument("--skip-steps", type=int, default=1, help="first steps of each mode left out of the figures "
+                    "(kernel compilation and graph capture land in them)")
     ap.add_argument("--override", action="append", default=[], help="one more Hydra override (repeatable)")
     args = ap.parse_args()
     modes = args.modes.split(",")
+    runs = {}
     with tempfile.TemporaryDirectory() as tmp:
-        runs = {m: _run(m, args, Path(tmp)) for m in modes}
-    equal = min(sum(r["train/num_seqs"] for r in run["rows"]) for run in runs.values())
-    figures = {"model": args.model, "max_new_tokens": args.max_new_tokens, "mean_length": args.mean_length,
-               "stop_ids": runs[modes[0]]["stop_ids"], "equal_samples": equal,
-               **{m: _figures(run["rows"], equal) for m, run in runs.items()}}
+        for m in modes:  # a result after each mode: a run stopped in the next one keeps this one's figures
+            runs[m] = _run(m, args, Path(tmp))
+            figures = _all_figures(runs, args)
+            write_result("bench_partial", figures)
+    equal = figures["equal_samples"]
     for m in modes:
         f = figures[m]
         print(f"{m:>8}: {f['trained_tokens_per_s']:,.0f} trained tokens/s, {f['trained_samples']:.0f} samples in "
