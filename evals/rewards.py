@@ -6,18 +6,21 @@
 1.0 for a correct answer, 0.0 otherwise, plus `cfg.format_bonus` when the answer was written in a box. The
 built-in `integer` (a response that is exactly the gold integer) is for short-answer generated tasks; `coin` is a
 control that ignores the answer (a fair coin per response), for measuring what training without signal does.
+The built-in `remote` asks a judge server over HTTP (`remote_reward`: its wire protocol, retries and failure
+budget; configured by `cfg.remote`).
 """
 from __future__ import annotations
 
 import hashlib
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from miles_k3.evals.answers import RESPONSE_CHANNELS
 from miles_k3.evals.graders import MAX_RESPONSE_CHARS, Grade
 from miles_k3.evals.grading_pool import GradingPool
+from miles_k3.evals.remote_reward import RemoteReward, RemoteRewardConfig
 
 
 @dataclass
@@ -26,7 +29,8 @@ class RewardConfig:
 
     name: str = "aime"
     """A registered reward: aime (integer answers 0..999), math (math-verify), integer (the response is exactly the
-    gold integer), coin (a control: a fair coin that ignores the answer), or one added by register_reward."""
+    gold integer), coin (a control: a fair coin that ignores the answer), remote (a judge server's scores over HTTP:
+    reward.remote.*), or one added by register_reward."""
     format_bonus: float = 0.0
     """Added when the final answer was written in \\boxed{} (correct or not); 0 = off."""
     timeout_s: float = 5.0
@@ -37,6 +41,10 @@ class RewardConfig:
     """The part of a response graded: auto, none (all), k3 (after <|open|>response<|sep|>), think (after </think>)."""
     max_chars: int = MAX_RESPONSE_CHARS
     """A longer final segment is graded on its last max_chars characters."""
+    remote: RemoteRewardConfig = field(default_factory=RemoteRewardConfig)
+    """reward.name=remote only: the judge server (remote.url, required), batching, per-request time limit,
+    retries with backoff, the share of failed samples a call tolerates, and the bearer token's environment
+    variable; format_bonus, timeout_s, workers, channel and max_chars do nothing for it."""
 
     def validate(self) -> None:
         if self.name not in _REWARDS:
@@ -54,16 +62,38 @@ class RewardConfig:
             raise ValueError(f"channel: '{self.channel}' is not one of {', '.join(RESPONSE_CHANNELS)}")
         if self.max_chars < 1:
             raise ValueError(f"max_chars: must be >= 1, got {self.max_chars}")
+        self._validate_remote()
+
+    def _validate_remote(self) -> None:
+        """`remote` is used (and its url required) with name=remote, and left at its defaults otherwise."""
+        if self.name != "remote":
+            if self.remote != RemoteRewardConfig():
+                raise ValueError(f"remote: reward.remote.* is set but reward.name={self.name}, where it does "
+                                 "nothing; set reward.name=remote or leave reward.remote at its defaults")
+            return
+        if not self.remote.url:
+            raise ValueError("remote.url: reward.name=remote needs the judge's URL, e.g. "
+                             "reward.remote.url=http://127.0.0.1:8001/score")
+        if self.format_bonus:
+            raise ValueError("format_bonus: the remote reward's scores come from the judge as they are; set "
+                             "format_bonus=0 (score formatting in the judge)")
+        try:
+            self.remote.validate()
+        except ValueError as e:
+            raise ValueError(f"remote.{e}") from None
 
 
 @dataclass(frozen=True)
 class RewardResult:
     """One response's reward: `score` (what the RL loop optimises), whether the answer was `correct`, and
-    `reasons` for logging: {"grade": the grader's reason, "extracted": the answer found, "format": boxed?}."""
+    `reasons` for logging: {"grade": the grader's reason, "extracted": the answer found, "format": boxed?}.
+    `failed`: no reward could be computed (a remote call failed): the sample is left out of the loss, not
+    scored 0 (its score is 0.0 and correct False only as placeholders)."""
 
     score: float
     correct: bool
     reasons: dict
+    failed: bool = False
 
 
 GRADE_TIMEOUT_PREFIX = "timeout"
@@ -75,7 +105,9 @@ math-verify failed on the gold or on the response (`GradingPool`, `graders.grade
 
 def grade_outcome(result: RewardResult) -> str:
     """"timeout", "error" or "ok" (the grader judged the answer, right or wrong) from a reward's grade reason;
-    "ok" for rewards that record no grade."""
+    "ok" for rewards that record no grade; "error" for a result that `failed` (no reward computed)."""
+    if result.failed:
+        return "error"
     reason = str(result.reasons.get("grade", ""))
     if reason.startswith(GRADE_TIMEOUT_PREFIX):
         return "timeout"
@@ -175,3 +207,8 @@ def _coin(response: str, gold: str) -> bool:
 @register_reward("coin")
 def coin_reward(cfg: RewardConfig) -> RewardFn:
     return CoinReward()
+
+
+@register_reward("remote")
+def remote_reward(cfg: RewardConfig) -> RewardFn:
+    return RemoteReward(cfg.remote)
