@@ -29,6 +29,7 @@ from miles_k3.config_checks import (
     check_sync,
     check_weights_given,
 )
+from miles_k3.envs.env import EnvConfig
 from miles_k3.evals.datasets import DatasetConfig
 from miles_k3.evals.harness import EvalConfig, PromptLengthError
 from miles_k3.evals.problems import DatasetError
@@ -75,6 +76,9 @@ class TrainConfig:
     """The weight-sync channel from the trainer into the native rollout engine (sync.readback: a debug check)."""
     reward: RewardConfig = field(default_factory=RewardConfig)
     """The verifiable reward of the rollouts (reward=aime | math, by name; format bonus; grading timeouts)."""
+    env: EnvConfig = field(default_factory=EnvConfig)
+    """The environment each rollout is an episode of (env=single | guess | tools): one turn graded by the reward,
+    or a multi-turn episode, token in / token out (miles_k3/envs/env.py)."""
     steps: int = 0
     """Optimizer steps to train; 0 builds the base model and attaches the adapter, then stops (no data, engine or
     optimizer: a check of the config, the model and the adapter)."""
@@ -120,6 +124,9 @@ class TrainConfig:
                                 self.engine.backend)
         check_context("rollout.max_new_tokens", self.rollout.max_new_tokens, self.engine, self.sglang)
         check_partial(self.rollout.mode, self.trainer.old_logprobs, self.trainer.loss.tis, self.engine.backend)
+        if self.rollout.mode == "partial" and self.env.name != "single":
+            raise ValueError(f"env: env={self.env.name} runs multi-turn episodes, which rollout.mode=partial cannot "
+                             "pause and carry across a weight update yet; use rollout.mode=sync with it")
         if self.eval.every_n_steps > 0:
             check_context("eval.max_new_tokens", self.eval.max_new_tokens, self.engine, self.sglang)
         if self.trainer.old_logprobs == "rollout" and self.trainer.loss.tis != "none":

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 from omegaconf import OmegaConf
 
+from miles_k3.envs.env import build_env
 from miles_k3.evals.datasets import load_problems
 from miles_k3.evals.harness import EvalHook, check_prompt_lengths, prompt_ids
 from miles_k3.evals.rewards import build_reward
@@ -89,6 +90,7 @@ class Run:
     summary: dict | None = None
     ctx: ParallelContext = SINGLE  # this process's place in the run's ranks (SINGLE: one process)
     partial: PartialRollouts | None = None  # rollout.mode=partial: the groups in flight across weight updates
+    env: tuple | None = None  # (factory, EnvConfig) of the rollouts' environment (None: single)
 
     def lora_tensors(self) -> dict[str, torch.Tensor]:
         """What a push carries: the adapter parameters by name (native engine, and SGLang's merged pushes, which
@@ -171,6 +173,7 @@ def build_run(cfg) -> Run:
         set_rng_state(torch.load(rng_file(ckpt, ctx), weights_only=True))
     guard = BadStepGuard(cfg.trainer.optim.max_bad_steps, max_empty_steps=cfg.trainer.optim.max_empty_steps)
     reward = build_reward(cfg.reward)
+    env = (build_env(cfg.env), cfg.env)  # unknown tools, or a python tool without a sandbox, fail here
     partial = None
     if cfg.rollout.mode == "partial":
         check_pool_fits(cfg.rollout, engine.num_slots, ctx.dp_size)
@@ -179,7 +182,7 @@ def build_run(cfg) -> Run:
         if rollout_state is not None:
             partial.load_state(rollout_state)
     return Run(cfg, run_dir, device, model, tokenizer, engine, params, opt, sched, channel, reward, stream, hook,
-               tracker, guard, start, pad, version, ctx=ctx, partial=partial)
+               tracker, guard, start, pad, version, ctx=ctx, partial=partial, env=env)
 
 
 def check_replica_share(rollout, dp: int) -> None:

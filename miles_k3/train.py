@@ -172,7 +172,8 @@ def one_step(run: Run, step: int) -> tuple[dict[str, float], list]:
     else:
         samples, metrics = collect_rollouts(run.engine, run.tokenizer, run.stream, run.reward, cfg.rollout, POLICY,
                                             run.ctx,
-                                            routes=cfg.rollout.return_routed_experts or cfg.trainer.routing_replay)
+                                            routes=cfg.rollout.return_routed_experts or cfg.trainer.routing_replay,
+                                            env=run.env)
         check_on_policy(samples, run.version)
     timer.lap("rollout")
     if tags:

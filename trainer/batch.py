@@ -5,7 +5,8 @@ A `Sample` is one completion of one prompt (its prompt and response token ids, t
 its reward and advantage). `pack(samples, pad_id, vocab_size)` lays them out left-aligned in [B, T] with T the longest
 prompt + response - 1: row b holds tokens x_0 .. x_{L_b - 2} of its sequence (prompt then response), and
 `targets_BT[b, t] = x_{t+1}`, so the logits at position t score the target at t. `mask_BT` is 1 exactly where
-the target is a response token (of a sample that is `in_loss`). `rollout_logp_BT` holds the engine's log-probs
+the target is a response token (of a sample that is `in_loss`) that the policy sampled (`Sample.loss_mask`: a
+multi-turn episode's observation tokens are context, 0). `rollout_logp_BT` holds the engine's log-probs
 of the policy it sampled from: the unfiltered ones when top-p / top-k filtered the sampling (the trainer's
 log-probs are over the whole vocabulary, so the PPO old policy, TIS and the gap metric compare like with like),
 else the sampling ones. `pack` is where a step's token ids and log-prob counts are checked (on the host, before
@@ -45,10 +46,17 @@ class Sample:
     routed_experts: torch.Tensor | None = None  # the engine's routes [P + R - 1, L, K] int16 (host), if returned
     token_versions: list[int] = field(default_factory=list)  # the weight version that sampled each response token
     # (native engine; rollout.mode=partial samples may span versions)
+    loss_mask: list[int] = field(default_factory=list)  # per response token, 1: sampled by the policy, 0: an
+    # environment's observation in a multi-turn episode (context only, not trained); empty: all 1
 
     @property
     def length(self) -> int:
         return len(self.prompt_ids) + len(self.response_ids)
+
+    @property
+    def num_loss_tokens(self) -> int:
+        """Response tokens the loss scores: the policy's (a multi-turn episode's observations are not)."""
+        return sum(self.loss_mask) if self.loss_mask else len(self.response_ids)
 
 
 @dataclass
@@ -101,6 +109,8 @@ def pack(samples: list[Sample], pad_id: int, vocab_size: int) -> TrainBatch:
         n, p = len(seq) - 1, len(s.prompt_ids)
         ids[row, :n], targets[row, :n] = seq[:-1], seq[1:]
         mask[row, p - 1:n] = 1.0 if s.in_loss else 0.0  # position p - 1 scores the first response token
+        if s.loss_mask and s.in_loss:  # a multi-turn episode: its observations are context, not trained
+            mask[row, p - 1:n] = torch.tensor(s.loss_mask, dtype=torch.float32)
         engine_logprobs = s.unfiltered_logprobs or s.rollout_logprobs
         if engine_logprobs:
             rollout[row, p - 1:n] = torch.tensor(engine_logprobs, dtype=torch.float32)
@@ -134,6 +144,8 @@ def _check_sample(i: int, s: Sample, vocab_size: int) -> None:
                 f"response position {pos - len(s.prompt_ids)}"
             raise ValueError(f"sample {i}: token id {t} at {part} is outside the model's vocabulary [0, {vocab_size}) "
                              "(a tokenizer that does not match the model?)")
+    if s.loss_mask and len(s.loss_mask) != len(s.response_ids):
+        raise ValueError(f"sample {i}: a loss mask of {len(s.loss_mask)} for its {len(s.response_ids)} response tokens")
     r = s.routed_experts
     if r is not None and (r.ndim != 3 or r.shape[0] != s.length - 1):
         raise ValueError(f"sample {i}: routed_experts of shape {tuple(r.shape)}; its prompt + response - 1 = "

@@ -44,7 +44,15 @@ from miles_k3.evals.templates import render_prompt, response_text
 from miles_k3.parallel.mesh import SINGLE, ParallelContext
 from miles_k3.parallel.reduce import gather, sum_over
 from miles_k3.trainer.batch import Sample
-from miles_k3.trainer.rollouts import RolloutConfig, _advantages, _is_flat, _metrics, _sample, _totals
+from miles_k3.trainer.rollouts import (
+    RolloutConfig,
+    _advantages,
+    _is_flat,
+    _metrics,
+    _sample,
+    _totals,
+    reward_metrics,
+)
 
 
 @dataclass
@@ -135,7 +143,10 @@ class PartialRollouts:
         results = self.reward_fn(texts, golds) if texts else []
         groups, k = [], 0
         for g, records in finished:
-            groups.append([_sample(g.prompt, r, res.score, cfg) for r, res in zip(records, results[k:k + len(records)])])
+            group = [_sample(g.prompt, r, res.score, cfg) for r, res in zip(records, results[k:k + len(records)])]
+            for smp, res in zip(group, results[k:k + len(records)]):
+                smp.in_loss = smp.in_loss and not res.failed  # a remote reward that failed: out of the loss
+            groups.append(group)
             k += len(records)
         flat = [_is_flat(group) for group in groups]
         kept = [group for group, f in zip(groups, flat) if not (cfg.dynamic_sampling and f)]
@@ -151,7 +162,8 @@ class PartialRollouts:
         counts = {"groups_kept": int(num_kept), "groups_drawn": max(int(num_groups), 1), "rounds": 1,
                   "flat": int(num_flat)}
         metrics = _metrics(totals, counts) if totals["samples"] else {}
-        return samples, metrics | self._partial_metrics(samples, groups, finished, dropped, version)
+        return samples, metrics | self._partial_metrics(samples, groups, finished, dropped, version) | \
+            reward_metrics(self.reward_fn)
 
     def _global_index(self, n: int) -> list[int]:
         """The indices among the step's kept groups of all replicas of this replica's `n` kept groups: the replicas'

@@ -28,13 +28,15 @@ from dataclasses import dataclass, field
 
 import torch
 
+from miles_k3.envs.env import EnvConfig, EnvFactory, Single
 from miles_k3.evals.problems import Problem
 from miles_k3.evals.rewards import grade_outcome
-from miles_k3.evals.templates import render_prompt, response_text, template_names
+from miles_k3.evals.templates import response_text, template_names
 from miles_k3.parallel.mesh import SINGLE, ParallelContext
-from miles_k3.parallel.reduce import sum_over
+from miles_k3.parallel.reduce import gather, sum_over
 from miles_k3.trainer.advantages import ADVANTAGE_ESTIMATORS, group_advantages, zero_variance_groups
 from miles_k3.trainer.batch import Sample
+from miles_k3.trainer.episodes import Episode, env_metrics, env_totals, first_prompt, run_turns
 
 OVERLONG_MODES = ("none", "mask", "penalty")
 ROLLOUT_MODES = ("sync", "partial")
@@ -206,7 +208,8 @@ class PromptStream:
 
 def collect_rollouts(engine, tokenizer, stream: PromptStream, reward_fn, cfg: RolloutConfig,
                      lora: str | None, ctx: ParallelContext = SINGLE,
-                     routes: bool | None = None) -> tuple[list[Sample], dict[str, float]]:
+                     routes: bool | None = None,
+                     env: tuple[EnvFactory, EnvConfig] | None = None) -> tuple[list[Sample], dict[str, float]]:
     """`prompts_per_step` groups of `group_size` samples (fewer when dynamic sampling ran out of rounds), with
     rewards and advantages; metrics under rollout/.
 
@@ -217,8 +220,11 @@ def collect_rollouts(engine, tokenizer, stream: PromptStream, reward_fn, cfg: Ro
     kept groups, as one process numbers them) and the metrics are global; the samples returned are this
     replica's. Every replica calls engine.generate once per sampling round, with or without prompts of its own
     (an engine in lockstep needs every rank's calls). `routes` (default cfg.return_routed_experts): the samples
-    carry the engine's routes (Sample.routed_experts)."""
+    carry the engine's routes (Sample.routed_experts). `env`: (factory, its config) of the environment each
+    rollout is an episode of (`episodes.py`); None: `single`, one turn graded by `reward_fn`."""
     routes = cfg.return_routed_experts if routes is None else routes
+    env = env or SINGLE_ENV
+    episodes: list[Episode] = []
     group = ctx.dp_group
     kept: list[tuple[int, list[Sample]]] = []  # (global group index, this replica's group)
     seen: list[list[Sample]] = []
@@ -228,10 +234,12 @@ def collect_rollouts(engine, tokenizer, stream: PromptStream, reward_fn, cfg: Ro
         drawn = stream.take(cfg.prompts_per_step - num_kept)
         mine = drawn[ctx.dp_rank::ctx.dp_size]
         if mine:
-            groups, graded = _sample_groups(engine, tokenizer, mine, reward_fn, cfg, lora, routes)
-        else:  # no prompt of its own this round: a generate call still (lockstep: its part in the others' forwards)
+            groups, graded, eps = _sample_groups(engine, tokenizer, mine, reward_fn, cfg, lora, routes, env, ctx)
+            episodes += eps
+        else:  # no prompt of its own this round: generate calls still (lockstep: its part in the others' forwards)
             groups, graded = [], []
             engine.generate(input_ids=[], n=cfg.group_size, lora=lora)
+            run_turns(engine, tokenizer, [], cfg, env[1], lora, routes, ctx)
         seen += groups
         outcomes += graded
         flat = _global_flags([_is_flat(g) for g in groups], len(drawn), ctx)  # by position in `drawn`
@@ -245,9 +253,27 @@ def collect_rollouts(engine, tokenizer, stream: PromptStream, reward_fn, cfg: Ro
             s.advantage, s.group = a, gi
     samples = [s for _, g in kept for s in g]
     local = _totals(seen, outcomes)
+    multi = env[1].name != "single"
+    if multi:
+        local |= env_totals(episodes)
     totals = dict(zip(local, sum_over(list(local.values()), group)))
     counts = {"groups_kept": num_kept, "groups_drawn": num_drawn, "rounds": rounds, "flat": num_flat}
-    return samples, _metrics(totals, counts)
+    metrics = _metrics(totals, counts)
+    if multi:  # the environments' info numbers, every replica's
+        info: dict[str, float] = {}
+        for part in gather([ep.info for ep in episodes], group):
+            for d in part:
+                for k, v in d.items():
+                    info[k] = info.get(k, 0.0) + v
+        metrics |= env_metrics(totals, info)
+    return samples, metrics | reward_metrics(reward_fn)
+
+
+def reward_metrics(reward_fn) -> dict[str, float]:
+    """The reward's own metrics since the last step (`pop_metrics`, e.g. the remote reward's reward/ error rate and
+    retries; this rank's), or none."""
+    pop = getattr(reward_fn, "pop_metrics", None)
+    return pop() if pop is not None else {}
 
 
 def _global_flags(flags: list[bool], n: int, ctx: ParallelContext) -> list[bool]:
@@ -290,23 +316,56 @@ def _advantages(group: list[Sample], estimator: str) -> list[float]:
     return out
 
 
-def _sample_groups(engine, tokenizer, drawn, reward_fn, cfg: RolloutConfig, lora,
-                   routes: bool = False) -> tuple[list[list[Sample]], list[tuple[str, bool]]]:
-    prompts = [tokenizer.encode(render_prompt(cfg.template, p.problem, tokenizer), add_special_tokens=False)
-               for _, p in drawn]
+def _sample_groups(engine, tokenizer, drawn, reward_fn, cfg: RolloutConfig, lora, routes: bool = False,
+                   env: tuple[EnvFactory, EnvConfig] | None = None,
+                   ctx: ParallelContext = SINGLE) -> tuple[list[list[Sample]], list[tuple[str, bool]], list[Episode]]:
+    """The drawn prompts' groups as episodes (`episodes.py`; the default `single` environment: one turn each),
+    graded and scored: (groups of samples, the grade outcomes, the episodes)."""
+    factory, env_cfg = env or SINGLE_ENV
+    seeds = [cfg.seed * 1_000_003 + d * cfg.group_size for d, _ in drawn]
+    envs = [[factory() for _ in range(cfg.group_size)] for _ in drawn]
+    prompts = []
+    for (d, p), group in zip(drawn, envs):
+        texts = {first_prompt(e, p, d, cfg.seed, cfg.template, tokenizer) for e in group}
+        if len(texts) != 1:
+            raise ValueError(f"env={env_cfg.name}: reset gave the members of problem {p.id}'s group different "
+                             "prompts; a group shares its prompt (reset gets the same rng seed for each)")
+        prompts.append(tokenizer.encode(texts.pop(), add_special_tokens=False))
     params = [{"max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature, "top_p": cfg.top_p,
-               "top_k": cfg.top_k, "sampling_seed": cfg.seed * 1_000_003 + d * cfg.group_size} for d, _ in drawn]
+               "top_k": cfg.top_k, "sampling_seed": seed} for seed in seeds]
     outs = engine.generate(input_ids=prompts, sampling_params=params, n=cfg.group_size, return_logprob=True,
                            lora=lora, return_routed_experts=routes)
     bad = next((o for o in outs if "error" in o), None)
     if bad is not None:
         raise RuntimeError(f"rollout: the engine rejected a request: {bad['error']}")
-    texts = [response_text(tokenizer, o) for o in outs]
-    golds = [p.answer for _, p in drawn for _ in range(cfg.group_size)]
-    results = reward_fn(texts, golds)
-    samples = [_sample(prompts[i // cfg.group_size], o, r.score, cfg) for i, (o, r) in enumerate(zip(outs, results))]
-    graded = [(grade_outcome(r), bool(r.correct)) for r in results]
-    return [samples[i:i + cfg.group_size] for i in range(0, len(samples), cfg.group_size)], graded
+    g = cfg.group_size
+    episodes = [Episode(envs[i // g][i % g], prompts[i // g], seeds[i // g] + i % g) for i in range(len(outs))]
+    for ep, out in zip(episodes, outs):
+        ep.add_turn(out)
+    run_turns(engine, tokenizer, episodes, cfg, env_cfg, lora, routes, ctx)
+    graded = [i for i, ep in enumerate(episodes) if ep.graded]
+    results = reward_fn([response_text(tokenizer, episodes[i].outs[-1]) for i in graded],
+                        [drawn[i // g][1].answer for i in graded]) if graded else []
+    by_episode = dict(zip(graded, results))
+    samples = []
+    for i, ep in enumerate(episodes):
+        r = by_episode.get(i)
+        reward = ep.reward if r is None else (ep.reward + r.score if ep.reward else r.score)
+        s = _sample(ep.prompt, ep.record(), reward, cfg)
+        if 0 in ep.mask:
+            s.loss_mask = list(ep.mask)
+        if ep.end == "context":
+            s.truncated = True
+            s.in_loss = s.in_loss and cfg.overlong != "mask"
+        if ep.end in ("env_error", "env_timeout") or (r is not None and r.failed):
+            s.in_loss = False  # no trustworthy reward: out of the loss and its group's baseline
+        samples.append(s)
+    outcomes = [(grade_outcome(r), bool(r.correct)) for r in results]
+    return [samples[i:i + g] for i in range(0, len(samples), g)], outcomes, episodes
+
+
+SINGLE_ENV = (Single, EnvConfig())
+"""The default environment: one turn per rollout, graded by the run's reward."""
 
 
 def _sample(prompt: list[int], out: dict, reward: float, cfg: RolloutConfig) -> Sample:

@@ -214,7 +214,7 @@ def _update(model, samples: list[Sample], cfg: TrainerConfig, opt, sched, params
     all of them over every replica's samples (see `train_step`); a non-finite loss on any rank skips the update
     on every rank."""
     samples = [s for s in samples if _in_loss(s)]
-    num_tokens, num_seqs = sum_over([float(sum(len(s.response_ids) for s in samples)), float(len(samples))],
+    num_tokens, num_seqs = sum_over([float(sum(s.num_loss_tokens for s in samples)), float(len(samples))],
                                     ctx.dp_group)
     counts = {"train/num_tokens": num_tokens, "train/num_seqs": num_seqs}
     totals = {"num_tokens": num_tokens, "num_seqs": num_seqs, "temperature": temperature}
@@ -235,7 +235,7 @@ def _update(model, samples: list[Sample], cfg: TrainerConfig, opt, sched, params
                 continue
             break
         loss_total += loss
-        parts.append((m, float(sum(len(samples[i].response_ids) for i in idx)), float(len(idx))))  # no device sync
+        parts.append((m, float(sum(samples[i].num_loss_tokens for i in idx)), float(len(idx))))  # no device sync
     if not all_ranks(finite, world_of(ctx)):
         opt.zero_grad(set_to_none=True)  # nothing of this update may reach the adapter
         return {"train/skipped": 1.0, "train/loss": float("nan"), **counts}

@@ -1,0 +1,195 @@
+"""Environments: a rollout is an episode of turns between the policy and an environment, registered by name.
+
+An environment is made fresh for every episode (`build_env(cfg)` returns its factory) and answers two calls:
+
+    reset(problem, rng) -> str | None     the episode's first prompt text (None: the rollout template's rendering
+                                          of the problem, as a single-turn rollout has it)
+    step(turn) -> StepResult              the policy's turn (its text); the observation to append, a reward, done
+
+`StepResult.observation` is text (tokenised on its own and appended as ids after the policy's tokens: the policy's
+tokens are never re-tokenised) or token ids. `StepResult.reward` is added to the episode's reward; on the final
+step None means "grade the final turn with the run's reward (reward.name) against the problem's answer", which is
+what the one-step `single` environment (the default: one prompt, one response) returns. An episode ends when a
+step says done, at env.max_turns policy turns, when its tokens reach env.max_total_tokens (or the engine's
+context), when a turn is cut by rollout.max_new_tokens, or when the environment raises or runs past
+env.step_timeout_s (the episode is then left out of the loss and counted in env/error_rate or env/timeout_rate;
+the run goes on).
+
+Built in:
+* single: one turn, graded by the reward (the default);
+* guess: guess the number (the problem's answer, an integer) with "higher" / "lower" after each wrong guess;
+  reward 1 for finding it;
+* tools: the policy may call the tools of env.tools (`tools.py`: `<tool_call>{"name": ..., "arguments": ...}`
+  `</tool_call>`); each call's result comes back as `<tool_response>...</tool_response>`; the first turn without a
+  call is the answer, graded by the reward. A call that does not parse, or a tool that fails, is an observation
+  saying so.
+"""
+from __future__ import annotations
+
+import random
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from miles_k3.evals.problems import Problem
+
+
+@dataclass
+class StepResult:
+    """What the environment answers to one policy turn."""
+
+    observation: str | list[int] = ""
+    """Appended after the turn (text is tokenised on its own; ids go in as they are); ignored when done."""
+    reward: float | None = 0.0
+    """Added to the episode's reward; None (final step only): grade the final turn with the run's reward."""
+    done: bool = False
+    info: dict[str, float] = field(default_factory=dict)
+    """Numbers summed over the episode and logged as env/<key> (per-episode means), e.g. tool_calls."""
+
+
+class Environment(Protocol):
+    def reset(self, problem: Problem, rng: random.Random) -> str | None: ...
+
+    def step(self, turn: str) -> StepResult: ...
+
+
+@dataclass
+class EnvConfig:
+    """The rollout's environment (`env=NAME`): one turn graded by the reward (single), or a multi-turn episode."""
+
+    name: str = "single"
+    """A registered environment: single (one prompt, one response), guess (guess the number with higher/lower
+    feedback), tools (tool calls answered by env.tools), or one added by register_env."""
+    max_turns: int = 1
+    """Policy turns per episode at most (single: 1)."""
+    max_total_tokens: int = 0
+    """Prompt + all turns + observations at most; 0: the engine's max_context."""
+    step_timeout_s: float = 10.0
+    """Seconds one environment step may take; past it the episode ends (env/timeout_rate), the run goes on."""
+    tools: list[str] = field(default_factory=list)
+    """env=tools: the tools the policy may call (calculator; python runs code in a separate, limited process with
+    no network, and is off unless listed)."""
+
+    def validate(self) -> None:
+        if self.name not in _ENVS:
+            raise ValueError(f"name: '{self.name}' is not a registered environment; registered: "
+                             f"{', '.join(env_names())}")
+        if isinstance(self.max_turns, bool) or self.max_turns < 1:
+            raise ValueError(f"max_turns: must be >= 1, got {self.max_turns!r}")
+        if self.name == "single" and self.max_turns != 1:
+            raise ValueError(f"max_turns: env=single has one turn, got {self.max_turns}; pick a multi-turn env "
+                             "(guess, tools) or leave env.max_turns=1")
+        if self.max_total_tokens < 0:
+            raise ValueError(f"max_total_tokens: must be >= 0 (0: the engine's context), got {self.max_total_tokens}")
+        if not self.step_timeout_s > 0:
+            raise ValueError(f"step_timeout_s: must be > 0 seconds, got {self.step_timeout_s}")
+        if (self.name == "tools") != bool(self.tools):
+            raise ValueError("tools: env=tools needs at least one tool (env.tools=[calculator])" if self.name == "tools"
+                             else f"tools: env.tools is set but env={self.name} calls no tools; set env=tools or "
+                                  "leave env.tools empty")
+        if self.tools:
+            from miles_k3.envs.tools import TOOL_NAMES
+
+            for t in self.tools:
+                if t not in TOOL_NAMES:
+                    raise ValueError(f"tools: '{t}' is not a tool; known: {', '.join(TOOL_NAMES)}")
+
+
+EnvFactory = Callable[[], Environment]
+_ENVS: dict[str, Callable[[EnvConfig], EnvFactory]] = {}
+
+
+def register_env(name: str) -> Callable:
+    """Decorator: register `factory(cfg: EnvConfig) -> (() -> Environment)` as environment `name`."""
+    def deco(factory):
+        old = _ENVS.get(name)
+        if old is not None and old.__qualname__ != factory.__qualname__:
+            raise ValueError(f"environment '{name}' is already registered; pick another name")
+        _ENVS[name] = factory
+        return factory
+    return deco
+
+
+def env_names() -> list[str]:
+    return sorted(_ENVS)
+
+
+def build_env(cfg: EnvConfig) -> EnvFactory:
+    """The factory of fresh environments for `cfg` (validated first)."""
+    cfg.validate()
+    return _ENVS[cfg.name](cfg)
+
+
+class Single:
+    """One prompt (the rollout template's), one response, graded by the run's reward."""
+
+    def reset(self, problem: Problem, rng: random.Random) -> str | None:
+        return None
+
+    def step(self, turn: str) -> StepResult:
+        return StepResult(reward=None, done=True)
+
+
+@register_env("single")
+def _single(cfg: EnvConfig) -> EnvFactory:
+    return Single
+
+
+_INT = re.compile(r"-?\d+")
+
+
+class Guess:
+    """Guess the number: the problem's answer (an integer) is the secret; the problem's text is the prompt. Each
+    turn's first integer is the guess: "higher" or "lower" comes back after a wrong one, "not a number" after a
+    turn with none; reward 1 when found (0 if the turns run out)."""
+
+    def reset(self, problem: Problem, rng: random.Random) -> str | None:
+        try:
+            self.secret = int(problem.answer)
+        except ValueError:
+            raise ValueError(f"env=guess: problem {problem.id}'s answer {problem.answer!r} is not an integer") from None
+        return problem.problem
+
+    def step(self, turn: str) -> StepResult:
+        m = _INT.search(turn)
+        if m is None:
+            return StepResult(" not a number\n", 0.0, info={"invalid": 1.0})
+        guess = int(m.group())
+        if guess == self.secret:
+            return StepResult(reward=1.0, done=True)
+        return StepResult(" higher\n" if guess < self.secret else " lower\n", 0.0)
+
+
+@register_env("guess")
+def _guess(cfg: EnvConfig) -> EnvFactory:
+    return Guess
+
+
+class Tools:
+    """Tool calls in a turn are answered, each as `<tool_response>...</tool_response>`; a turn with no call is the
+    final answer, graded by the run's reward."""
+
+    def __init__(self, tools: dict):
+        self.tools = tools
+
+    def reset(self, problem: Problem, rng: random.Random) -> str | None:
+        return None
+
+    def step(self, turn: str) -> StepResult:
+        from miles_k3.envs.tools import ToolCallError, parse_tool_calls, run_tool_call
+
+        calls = parse_tool_calls(turn)
+        if not calls:
+            return StepResult(reward=None, done=True)
+        bad = sum(isinstance(c, ToolCallError) for c in calls)
+        text = "".join(f"<tool_response>{run_tool_call(c, self.tools)}</tool_response>" for c in calls)
+        return StepResult("\n" + text + "\n", 0.0, info={"tool_calls": float(len(calls)), "tool_call_errors": float(bad)})
+
+
+@register_env("tools")
+def _tools(cfg: EnvConfig) -> EnvFactory:
+    from miles_k3.envs.tools import build_tools
+
+    tools = build_tools(list(cfg.tools))  # unknown names and an unavailable sandbox fail here, before any work
+    return lambda: Tools(tools)

@@ -1,0 +1,200 @@
+"""Multi-turn episodes (`miles_k3.envs.env`, `miles_k3.trainer.episodes`) through `collect_rollouts`, with a
+scripted engine (a test double of `RolloutEngine.generate`: each call's outputs are scripted, so every token is
+known) and a tokenizer whose text round trip changes token ids ("a" "b" sampled as two tokens re-tokenise as one
+"ab"): the trainer's batch holds the tokens the engine saw, observations masked out of the loss."""
+import time
+
+import pytest
+import torch
+
+from miles_k3.envs.env import EnvConfig, StepResult, build_env, register_env
+from miles_k3.evals.problems import Problem
+from miles_k3.evals.rewards import RewardResult
+from miles_k3.trainer.batch import pack
+from miles_k3.trainer.rollouts import PromptStream, RolloutConfig, collect_rollouts
+
+
+class MergeTok:
+    """Characters are ids 10 + ord(c) - ord(' ') ... except that "ab" encodes as one token, AB; decode is exact."""
+
+    AB, EOS = 3, 2
+    pad_token_id = 0
+
+    def encode(self, text, add_special_tokens=False):
+        out, i = [], 0
+        while i < len(text):
+            if text.startswith("ab", i):
+                out.append(self.AB)
+                i += 2
+            else:
+                out.append(100 + ord(text[i]))
+                i += 1
+        return out
+
+    def decode(self, ids, skip_special_tokens=False):
+        return "".join("ab" if t == self.AB else "" if t == self.EOS else chr(t - 100) for t in ids)
+
+
+TOK = MergeTok()
+A, B = 100 + ord("a"), 100 + ord("b")
+
+
+class Engine:
+    """Answers call k's request r with `script[k][r]` (token ids + EOS); log-prob -0.5 per token; weight version 4;
+    routes [P + R - 1, 1, 1] holding 10 * (call + 1) when asked."""
+
+    max_context = 256
+
+    def __init__(self, script):
+        self.script, self.calls = script, []
+
+    def generate(self, input_ids, sampling_params=None, n=1, return_logprob=True, lora=None,
+                 return_routed_experts=False):
+        k = len(self.calls)
+        self.calls.append([list(x) for x in input_ids])
+        outs = []
+        for i, ids in enumerate(input_ids):
+            for j in range(n):
+                toks = list(self.script[k][i * n + j]) + [TOK.EOS]
+                meta = {"finish_reason": {"type": "stop", "matched": TOK.EOS}, "weight_version": 4,
+                        "weight_versions": [4], "output_token_logprobs": [(-0.5, t) for t in toks],
+                        "output_token_weight_versions": [4] * len(toks)}
+                if return_routed_experts:
+                    meta["routed_experts"] = torch.full((len(ids) + len(toks) - 1, 1, 1), 10 * (k + 1),
+                                                        dtype=torch.int16)
+                outs.append({"output_ids": toks, "meta_info": meta})
+        return outs
+
+
+def _digits(s):
+    return [100 + ord(c) for c in s]
+
+
+def _run(env_cfg, script, problems, reward=None, group_size=1, routes=False, **cfg):
+    engine = Engine(script)
+    rcfg = RolloutConfig(prompts_per_step=len(problems), group_size=group_size, template="plain",
+                         dynamic_sampling=False, max_new_tokens=8, **cfg)
+    reward = reward or (lambda rs, gs: [RewardResult(float(r == g), r == g, {}) for r, g in zip(rs, gs)])
+    samples, m = collect_rollouts(engine, TOK, PromptStream(problems, 0), reward, rcfg, "policy", routes=routes,
+                                  env=(build_env(env_cfg), env_cfg))
+    return samples, m, engine
+
+
+def test_guess_episode_keeps_the_sampled_tokens_masks_observations_and_scores_the_find():
+    """Secret 7: turns "ab3" (sampled as a, b, 3: re-tokenised it would be AB, 3), "9", "7". Observations
+    " higher\\n" and " lower\\n" come back as ids; the third turn finds it: reward 1, 3 turns."""
+    script = [[[A, B] + _digits("3")], [_digits("9")], [_digits("7")]]
+    samples, m, engine = _run(EnvConfig(name="guess", max_turns=6), script, [Problem("g", "guess:", "7")])
+    s = samples[0]
+    e = TOK.EOS
+    higher, lower = TOK.encode(" higher\n"), TOK.encode(" lower\n")
+    want = [A, B, *_digits("3"), e, *higher, *_digits("9"), e, *lower, *_digits("7"), e]
+    assert s.prompt_ids == TOK.encode("guess:") and s.response_ids == want
+    assert s.loss_mask == [1] * 4 + [0] * len(higher) + [1] * 2 + [0] * len(lower) + [1] * 2
+    assert s.reward == 1.0 and s.in_loss
+    # the second call's prompt is the first turn's tokens as sampled (A, B), not re-tokenised (AB)
+    assert engine.calls[1] == [s.prompt_ids + want[:4 + len(higher)]]
+    assert TOK.encode(TOK.decode([A, B])) == [TOK.AB]  # the round trip that would have changed them
+    assert s.rollout_logprobs == [-0.5] * 4 + [0.0] * len(higher) + [-0.5] * 2 + [0.0] * len(lower) + [-0.5] * 2
+    assert s.token_versions == [4] * len(want)
+    batch = pack(samples, 0, 400)
+    p = len(s.prompt_ids)
+    assert batch.mask_BT[0, p - 1:].tolist() == [float(x) for x in s.loss_mask]
+    assert batch.targets_BT[0, p - 1:].tolist() == want
+    assert s.num_loss_tokens == 8 == batch.num_tokens  # the loss's token normaliser: the policy's tokens only
+    assert m["env/turns_mean"] == 3.0 and m["env/error_rate"] == 0.0 and m["rollout/reward_mean"] == 1.0
+
+
+def test_guess_runs_out_of_turns_and_an_unparsable_turn_is_an_observation():
+    script = [[_digits("x")], [_digits("1")]]
+    samples, m, engine = _run(EnvConfig(name="guess", max_turns=2), script, [Problem("g", "guess:", "7")])
+    s = samples[0]
+    assert s.response_ids == [*_digits("x"), TOK.EOS, *TOK.encode(" not a number\n"), *_digits("1"), TOK.EOS]
+    assert s.reward == 0.0 and m["env/max_turns_rate"] == 1.0 and m["env/invalid"] == 1.0 and len(engine.calls) == 2
+
+
+def test_tools_episode_answers_a_calculator_call_and_grades_the_final_turn():
+    call = '<tool_call>{"name": "calculator", "arguments": {"expression": "6*7"}}</tool_call>'
+    script = [[TOK.encode(call)], [_digits("42")]]
+    samples, m, _ = _run(EnvConfig(name="tools", max_turns=3, tools=["calculator"]), script,
+                         [Problem("t", "what is 6*7?", "42")])
+    s = samples[0]
+    obs = TOK.encode("\n<tool_response>42</tool_response>\n")
+    assert s.response_ids == [*TOK.encode(call), TOK.EOS, *obs, *_digits("42"), TOK.EOS]
+    assert s.reward == 1.0 and m["env/tool_calls"] == 1.0 and m["env/tool_call_errors"] == 0.0
+
+
+@register_env("test_raises")
+def _raises(cfg):
+    class Env:
+        def reset(self, problem, rng):
+            return None
+
+        def step(self, turn):
+            raise KeyError("boom")
+    return Env
+
+
+@register_env("test_slow")
+def _slow(cfg):
+    class Env:
+        def reset(self, problem, rng):
+            return None
+
+        def step(self, turn):
+            time.sleep(1.0)
+            return StepResult(done=True, reward=1.0)
+    return Env
+
+
+def test_an_environment_that_raises_or_hangs_ends_its_episode_not_the_run():
+    samples, m, _ = _run(EnvConfig(name="test_raises", max_turns=3), [[_digits("1")]], [Problem("e", "q", "1")])
+    assert not samples[0].in_loss and samples[0].reward == 0.0 and m["env/error_rate"] == 1.0
+    t0 = time.perf_counter()
+    samples, m, _ = _run(EnvConfig(name="test_slow", max_turns=3, step_timeout_s=0.1), [[_digits("1")]],
+                         [Problem("e", "q", "1")])
+    assert time.perf_counter() - t0 < 0.9  # the run did not wait for the step
+    assert not samples[0].in_loss and m["env/timeout_rate"] == 1.0
+
+
+def test_an_episode_at_the_context_limit_ends_truncated():
+    """max_total_tokens 12: prompt "guess:" (6) + turn "1" + EOS (2) = 8; " higher\\n" (8) would pass 12."""
+    samples, m, engine = _run(EnvConfig(name="guess", max_turns=4, max_total_tokens=12), [[_digits("1")]],
+                              [Problem("g", "guess:", "7")])
+    assert samples[0].truncated and samples[0].response_ids == [*_digits("1"), TOK.EOS]
+    assert m["env/context_rate"] == 1.0 and len(engine.calls) == 1
+
+
+def test_routes_of_each_turn_come_from_that_turns_call():
+    """Turn 1 (call 1, routes 10) covers positions P-1 .. P; turn 2 (call 2, routes 20) the rest; the final call's
+    prefill gives the observation's positions."""
+    script = [[_digits("1")], [_digits("7")]]
+    samples, _, _ = _run(EnvConfig(name="guess", max_turns=3), script, [Problem("g", "guess:", "7")], routes=True)
+    s = samples[0]
+    p, higher = len(s.prompt_ids), len(TOK.encode(" higher\n"))
+    r = s.routed_experts[:, 0, 0].tolist()
+    assert len(r) == s.length - 1
+    assert r[:p - 1] == [20] * (p - 1)  # the prompt: the final call's prefill
+    assert r[p - 1:p + 1] == [10, 10]  # the positions that produced "1" and EOS: turn 1's call
+    assert r[p + 1:] == [20] * (higher + 2)  # the observation's positions (its last produced "7") and 7's: call 2
+
+
+def test_single_env_is_one_call_graded_by_the_reward():
+    samples, m, engine = _run(EnvConfig(), [[_digits("5"), _digits("4")]], [Problem("s", "q", "5")], group_size=2)
+    assert len(engine.calls) == 1 and [s.reward for s in samples] == [1.0, 0.0]
+    assert samples[0].loss_mask == [] and not any(k.startswith("env/") for k in m)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["env.name=nope"], "env.name: 'nope' is not a registered environment"),
+    (["env.max_turns=3"], "env.max_turns: env=single has one turn"),
+    (["env=tools", "env.tools=[]"], "env.tools: env=tools needs at least one tool"),
+    (["env=tools", "env.tools=[shell]"], "env.tools: 'shell' is not a tool; known: calculator, python"),
+    (["env.tools=[calculator]"], "env.tools: env.tools is set but env=single calls no tools"),
+    (["env=guess", "rollout.mode=partial", "trainer.loss.tis=token_truncate"], "env: env=guess runs multi-turn"),
+])
+def test_env_settings_that_cannot_work_are_refused(overrides, message):
+    from miles_k3.config import compose_config
+
+    with pytest.raises(Exception, match=message):
+        compose_config("train", overrides)

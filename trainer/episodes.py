@@ -1,0 +1,196 @@
+"""Episodes: the rollout of one prompt's group as turns between the policy and an environment (`miles_k3.envs`).
+
+Token in, token out. An episode's tokens are exactly what the engine saw: the prompt, then each turn's tokens as
+sampled (its stop token included), then each observation's tokens (text tokenised on its own, or ids from the
+environment), appended as ids; the policy's text is decoded only for the environment to read and is never
+tokenised again. Each response token carries a loss mask (1: sampled by the policy, 0: an observation), the
+engine's log-prob (0 for observations), its weight version (an observation takes its turn's) and, when routes are
+returned, its route: the positions that produced a turn's tokens take that turn's own routes, the others the
+final turn's prefill.
+
+Turn 1 is the group's `generate` call (n = group_size forks of one prompt: they share its prefill); each later
+round is one `generate` call over every live episode (n=1, its whole conversation as the prompt, recomputed: the
+session state kept across turns is not built yet). Under data parallelism every rank makes the same number of
+calls (a max over the ranks of the live episodes decides whether another round runs; a rank with none calls
+`generate` with no prompts), as lockstep needs. The default `single` environment ends every episode after its
+first turn, so a single-turn rollout makes one call and no collective, as before.
+
+An environment step runs in a worker thread with env.step_timeout_s: one that raises or runs over ends its
+episode (`end` "env_error" / "env_timeout": left out of the loss, counted in env/ metrics; a thread that runs over
+is abandoned, not killed).
+"""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import logging
+import random
+from dataclasses import dataclass, field
+
+import torch
+
+from miles_k3.envs.env import EnvConfig, Environment, StepResult
+from miles_k3.evals.problems import Problem
+from miles_k3.evals.templates import render_prompt, response_text
+from miles_k3.parallel.mesh import SINGLE, ParallelContext
+from miles_k3.parallel.reduce import max_over, world_of
+
+log = logging.getLogger("miles_k3.train")
+
+END_REASONS = ("done", "max_turns", "context", "env_error", "env_timeout")
+
+
+@dataclass
+class Episode:
+    env: Environment
+    prompt: list[int]
+    seed: int  # the first turn's sampling seed; later turns derive theirs from it
+    outs: list[dict] = field(default_factory=list)  # the engine's record of each turn
+    starts: list[int] = field(default_factory=list)  # each turn's first position in prompt + response
+    ids: list[int] = field(default_factory=list)  # response side: turns and observations
+    mask: list[int] = field(default_factory=list)
+    reward: float = 0.0
+    graded: bool = False  # the final turn is graded by the run's reward
+    end: str = ""
+    info: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def length(self) -> int:
+        return len(self.prompt) + len(self.ids)
+
+    def add_turn(self, out: dict) -> None:
+        self.starts.append(self.length)
+        self.outs.append(out)
+        self.ids += list(out["output_ids"])
+        self.mask += [1] * len(out["output_ids"])
+
+    def record(self) -> dict:
+        """The episode as one engine record (`output_ids`, `meta_info`): a one-turn episode's own record."""
+        if len(self.outs) == 1 and len(self.ids) == len(self.outs[0]["output_ids"]):
+            return self.outs[0]
+        lps, unf, versions, all_versions = [], [], [], set()
+        any_unf = any(o["meta_info"].get("output_token_logprobs_unfiltered") for o in self.outs)
+        p = len(self.prompt)
+        for k, out in enumerate(self.outs):
+            meta, n_out = out["meta_info"], len(out["output_ids"])
+            obs = self.ids[self.starts[k] - p + n_out:(self.starts[k + 1] if k + 1 < len(self.starts) else self.length)
+                           - p]  # the observation after turn k (none after the last)
+            lps += list(meta.get("output_token_logprobs", [])) + [(0.0, t) for t in obs]
+            if any_unf:
+                unf += list(meta.get("output_token_logprobs_unfiltered", [])) + [0.0] * len(obs)
+            tv = list(meta.get("output_token_weight_versions", []))
+            if tv:
+                versions += tv + [tv[-1]] * len(obs)
+            all_versions.update(meta.get("weight_versions") or [meta.get("weight_version", 0)])
+        last = self.outs[-1]["meta_info"]
+        meta = {"finish_reason": last.get("finish_reason"), "weight_versions": sorted(all_versions),
+                "weight_version": max(all_versions), "output_token_logprobs": lps,
+                "output_token_weight_versions": versions, "routed_experts": self._routes()}
+        if any_unf:
+            meta["output_token_logprobs_unfiltered"] = unf
+        return {"output_ids": list(self.ids), "meta_info": meta}
+
+    def _routes(self) -> torch.Tensor | None:
+        """The final turn's routes (every position but the last, its prefill recomputing the earlier ones), with
+        the positions that produced each earlier turn's tokens taken from that turn's own call."""
+        routes = [o["meta_info"].get("routed_experts") for o in self.outs]
+        if any(r is None for r in routes):
+            return None
+        out = routes[-1].clone()
+        for k, r in enumerate(routes[:-1]):
+            a, b = self.starts[k] - 1, self.starts[k] + len(self.outs[k]["output_ids"]) - 1
+            out[a:b] = r[a:b]
+        return out
+
+
+def first_prompt(env: Environment, problem: Problem, draw: int, seed: int, template: str, tokenizer) -> str:
+    """The episode's first prompt text: the environment's, else the rollout template's rendering of the problem.
+    Every member of a group resets with the same rng seed (the draw's), so a group shares its prompt."""
+    text = env.reset(problem, random.Random(seed * 1_000_003 + draw))
+    return render_prompt(template, problem.problem, tokenizer) if text is None else text
+
+
+def run_turns(engine, tokenizer, episodes: list[Episode], cfg, env_cfg: EnvConfig, lora, routes: bool,
+              ctx: ParallelContext = SINGLE) -> None:
+    """Steps every episode's environment after its first turn (already added) and runs further turns until every
+    episode has ended, on every rank (see the module docstring)."""
+    limit = 0  # one turn: no context limit to check (the first turn's request was checked by the engine)
+    if env_cfg.max_turns > 1:
+        limit = min(env_cfg.max_total_tokens or engine.max_context, engine.max_context)
+    pool = cf.ThreadPoolExecutor(max_workers=4, thread_name_prefix="env-step")
+    try:
+        for turn in range(1, env_cfg.max_turns + 1):
+            live = [ep for ep in episodes if _step(ep, tokenizer, pool, env_cfg, turn, limit)]
+            if turn == env_cfg.max_turns:
+                break
+            if ctx.distributed and not max_over([float(len(live))], world_of(ctx))[0]:
+                break
+            if not ctx.distributed and not live:
+                break
+            params = [{"max_new_tokens": min(cfg.max_new_tokens, limit - ep.length), "temperature": cfg.temperature,
+                       "top_p": cfg.top_p, "top_k": cfg.top_k, "sampling_seed": ep.seed * 1_009 + turn}
+                      for ep in live]
+            outs = engine.generate(input_ids=[ep.prompt + ep.ids for ep in live], sampling_params=params or None,
+                                   n=1, return_logprob=True, lora=lora, return_routed_experts=routes)
+            bad = next((o for o in outs if "error" in o), None)
+            if bad is not None:
+                raise RuntimeError(f"rollout: the engine rejected a turn: {bad['error']}")
+            for ep, out in zip(live, outs):
+                ep.add_turn(out)
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _step(ep: Episode, tokenizer, pool, env_cfg: EnvConfig, turn: int, limit: int) -> bool:
+    """The environment's answer to the episode's last turn; True when the episode goes on to another turn."""
+    if ep.end:
+        return False
+    text = response_text(tokenizer, ep.outs[-1])
+    try:
+        res: StepResult = pool.submit(ep.env.step, text).result(timeout=env_cfg.step_timeout_s)
+    except cf.TimeoutError:
+        log.warning("env=%s: a step ran past env.step_timeout_s=%s; its episode ends (env/timeout_rate)",
+                    env_cfg.name, env_cfg.step_timeout_s)
+        ep.end = "env_timeout"
+        return False
+    except Exception as e:  # noqa: BLE001 (an environment's bug ends its episode, not the run)
+        log.warning("env=%s: a step raised %s: %s; its episode ends (env/error_rate)", env_cfg.name,
+                    type(e).__name__, e)
+        ep.end = "env_error"
+        return False
+    for k, v in res.info.items():
+        ep.info[k] = ep.info.get(k, 0.0) + float(v)
+    if res.done:
+        ep.graded = res.reward is None
+        ep.reward += 0.0 if res.reward is None else float(res.reward)
+        ep.end = "done"
+        return False
+    ep.reward += float(res.reward or 0.0)
+    if turn == env_cfg.max_turns:
+        ep.end = "max_turns"
+        return False
+    obs = res.observation
+    obs_ids = list(obs) if isinstance(obs, list) else tokenizer.encode(obs, add_special_tokens=False)
+    if ep.length + len(obs_ids) >= limit:  # no room for the observation and one more token
+        ep.end = "context"
+        return False
+    ep.ids += obs_ids
+    ep.mask += [0] * len(obs_ids)
+    return True
+
+
+def env_totals(episodes: list[Episode]) -> dict[str, float]:
+    """Sums for the env/ metrics (summed over replicas before they are divided)."""
+    out = {"env_episodes": float(len(episodes)), "env_turns": float(sum(len(ep.outs) for ep in episodes))}
+    for reason in END_REASONS:
+        out[f"env_end_{reason}"] = float(sum(ep.end == reason for ep in episodes))
+    return out
+
+
+def env_metrics(t: dict[str, float], info: dict[str, float]) -> dict[str, float]:
+    """env/ metrics from the (global) sums: turns per episode, how episodes ended, and the environment's info
+    numbers per episode."""
+    n = max(t["env_episodes"], 1.0)
+    out = {"env/turns_mean": t["env_turns"] / n, "env/error_rate": t["env_end_env_error"] / n,
+           "env/timeout_rate": t["env_end_env_timeout"] / n, "env/max_turns_rate": t["env_end_max_turns"] / n,
+           "env/context_rate": t["env_end_context"] / n}
+    return out | {f"env/{k}": v / n for k, v in info.items()}
