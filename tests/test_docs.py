@@ -104,7 +104,7 @@ def test_config_reference_reads_attribute_docstrings():
 
 def _documented_keys() -> list[str]:
     """Every `prefix/...` key in the metrics reference's tables (first column and the perf/<phase>_s list)."""
-    keys = re.findall(r"`((?:rollout|train|sync|perf|mem|eval)/[^`]+)`", METRICS_DOC.read_text())
+    keys = re.findall(r"`((?:rollout|train|sync|perf|mem|eval|env|reward)/[^`]+)`", METRICS_DOC.read_text())
     return sorted(set(keys))
 
 

@@ -48,7 +48,7 @@ def test_defaults_are_valid_and_every_field_is_documented():
     fields = [n.target.id for n in body if isinstance(n, ast.AnnAssign)]
     documented = [a.target.id for a, b in itertools.pairwise(body) if isinstance(a, ast.AnnAssign)
                   and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant) and isinstance(b.value.value, str)]
-    assert fields == documented == ["name", "format_bonus", "timeout_s", "workers", "channel", "max_chars"]
+    assert fields == documented == ["name", "format_bonus", "timeout_s", "workers", "channel", "max_chars", "remote"]
 
 
 @pytest.mark.parametrize("grade, bonus, want", [
