@@ -41,6 +41,7 @@ ENTRY_POINTS = tuple(f"miles_k3.{name}" for name in (
 LAYERS: tuple[tuple[str, ...], ...] = (
     ENTRY_POINTS,  # the commands and their configuration
     ("miles_k3.trainer",),
+    ("miles_k3.envs",),  # environments and tools of multi-turn episodes: the trainer's rollouts run them
     ("miles_k3.weight_sync",),
     ("miles_k3.rollout",),
     ("miles_k3.evals",),
