@@ -77,6 +77,11 @@ class RewardConfig:
         if self.format_bonus:
             raise ValueError("format_bonus: the remote reward's scores come from the judge as they are; set "
                              "format_bonus=0 (score formatting in the judge)")
+        for name in ("timeout_s", "workers", "channel", "max_chars"):  # the local grading pool's, unused here
+            if getattr(self, name) != getattr(RewardConfig, name):
+                raise ValueError(f"{name}: reward.name=remote grades in the judge server, not in a local grading "
+                                 f"pool; leave reward.{name} at its default (reward.remote.timeout_s is the "
+                                 "per-request limit)")
         try:
             self.remote.validate()
         except ValueError as e:

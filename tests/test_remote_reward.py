@@ -388,3 +388,14 @@ def test_either_module_imports_first(first):
             "assert 'remote' in reward_names()\n"
             "build_reward(RewardConfig(name='remote', remote=RemoteRewardConfig(url='http://judge:1'))).close()\n")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+@pytest.mark.parametrize("field, value", [("timeout_s", 9.0), ("workers", 2), ("channel", "none"), ("max_chars", 10)])
+def test_the_local_grading_fields_are_refused_with_the_remote_reward(field, value):
+    from miles_k3.evals.rewards import RewardConfig
+
+    cfg = RewardConfig(name="remote", remote=RemoteRewardConfig(url="http://127.0.0.1:9/score"))
+    cfg.validate()
+    setattr(cfg, field, value)
+    with pytest.raises(ValueError, match=rf"^{field}: reward.name=remote grades in the judge server"):
+        cfg.validate()

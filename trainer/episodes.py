@@ -122,10 +122,8 @@ def run_turns(engine, tokenizer, episodes: list[Episode], cfg, env_cfg: EnvConfi
             live = [ep for ep in episodes if _step(ep, tokenizer, pool, env_cfg, turn, limit)]
             if turn == env_cfg.max_turns:
                 break
-            if ctx.distributed and not max_over([float(len(live))], world_of(ctx))[0]:
-                break
-            if not ctx.distributed and not live:
-                break
+            if not (max_over([float(len(live))], world_of(ctx))[0] if ctx.distributed else live):
+                break  # no episode left on any rank
             params = [{"max_new_tokens": min(cfg.max_new_tokens, limit - ep.length), "temperature": cfg.temperature,
                        "top_p": cfg.top_p, "top_k": cfg.top_k, "sampling_seed": ep.seed * 1_009 + turn}
                       for ep in live]

@@ -32,6 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from miles_k3.envs.tools import TOOL_NAMES, ToolCallError, build_tools, parse_tool_calls, run_tool_call
 from miles_k3.evals.problems import Problem
 
 
@@ -89,8 +90,6 @@ class EnvConfig:
                              else f"tools: env.tools is set but env={self.name} calls no tools; set env=tools or "
                                   "leave env.tools empty")
         if self.tools:
-            from miles_k3.envs.tools import TOOL_NAMES
-
             for t in self.tools:
                 if t not in TOOL_NAMES:
                     raise ValueError(f"tools: '{t}' is not a tool; known: {', '.join(TOOL_NAMES)}")
@@ -177,8 +176,6 @@ class Tools:
         return None
 
     def step(self, turn: str) -> StepResult:
-        from miles_k3.envs.tools import ToolCallError, parse_tool_calls, run_tool_call
-
         calls = parse_tool_calls(turn)
         if not calls:
             return StepResult(reward=None, done=True)
@@ -189,7 +186,5 @@ class Tools:
 
 @register_env("tools")
 def _tools(cfg: EnvConfig) -> EnvFactory:
-    from miles_k3.envs.tools import build_tools
-
     tools = build_tools(list(cfg.tools))  # unknown names and an unavailable sandbox fail here, before any work
     return lambda: Tools(tools)

@@ -27,6 +27,7 @@ own CPU and memory limits).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import os
@@ -218,10 +219,9 @@ class _CappedReader(threading.Thread):
     def run(self) -> None:
         fd = self._stream.fileno()
         try:
-            while chunk := os.read(fd, 65536):
-                self._keep(chunk)
-        except OSError:
-            pass
+            with contextlib.suppress(OSError):
+                while chunk := os.read(fd, 65536):
+                    self._keep(chunk)
         finally:
             self._stream.close()
 
@@ -252,10 +252,8 @@ def _wait_for_exit(pid: int, wall_s: float) -> bool:
 
 def _kill_group(pgid: int) -> None:
     """SIGKILL the child's process group; the unreaped leader keeps the id from being reused meanwhile."""
-    try:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 def _reap(proc: subprocess.Popen) -> tuple[int, float]:
