@@ -18,7 +18,10 @@ in them; seen: a first sync step of 372 s on k3_m2 against ~23 s for the next on
                         totals (equal samples);
   reward_by_samples     (cumulative trained samples, rollout/reward_mean) per step, for the curves;
   response lengths      mean and p90 of the trained responses, the longest seen;
-  peak_gb               the largest mem/peak_gb (CUDA).
+  peak_gb               the largest mem/peak_gb (CUDA);
+  retracted_mib_max     partial: the most MiB of KDA slots and latent pages the requests retracted at a step's stop
+                        held (what keeping them resident through the train step would keep allocated, at least);
+  reprefill_tokens_per_step  partial: tokens of state recomputed per step for the retracted requests.
 Partial mode keeps 1.5 x prompts_per_step groups in flight, max_staleness 1, policy wait (`--staleness`,
 `--policy`). The ratio trained_tokens_per_s partial / sync is printed and written to benchmarks/results.
 """
@@ -80,7 +83,11 @@ def _figures(rows: list[dict], equal_samples: float) -> dict:
         if to_equal is None and done >= equal_samples:
             to_equal = t
     key = "rollout/trained_len_mean" if "rollout/trained_len_mean" in rows[0] else "rollout/response_len_mean"
-    return {"steps": len(rows), "trained_samples": done, "trained_tokens": tokens, "seconds": round(seconds, 2),
+    resident = {}
+    if "rollout/retracted_mib" in rows[0]:  # partial: what the stop's retract recomputes, and what resident would hold
+        resident = {"retracted_mib_max": round(max(r["rollout/retracted_mib"] for r in rows), 1),
+                    "reprefill_tokens_per_step": round(sum(r["rollout/reprefill_tokens"] for r in rows) / len(rows))}
+    return {**resident, "steps": len(rows), "trained_samples": done, "trained_tokens": tokens, "seconds": round(seconds, 2),
             "trained_tokens_per_s": round(tokens / seconds, 1), "time_to_samples_s": to_equal,
             "response_len_mean": round(sum(r[key] for r in rows) / len(rows), 1),
             "peak_gb": max((r.get("mem/peak_gb", 0.0) for r in rows), default=0.0), "reward_by_samples": curve}

@@ -133,6 +133,12 @@ class RolloutEngine(VersionedEngine):
         return self.runner.lockstep
 
     @property
+    def retracted(self):
+        """The requests the last `run` retracted at its stop (`runner.Retracted`: how many, the tokens of state the
+        next run recomputes, the bytes of the slots and pages they held)."""
+        return self.runner.retracted
+
+    @property
     def num_preempted(self) -> int:
         """Requests preempted (and later recomputed) for lack of latent pages."""
         return self.scheduler.num_preempted
@@ -223,6 +229,7 @@ class RolloutEngine(VersionedEngine):
             self._check_queued(must, "run: must_finish groups")
             self._serving = True
             self._active += 1
+            self.runner.retracted.reset()
         left = set(must)
 
         def done(req: Request) -> None:

@@ -25,12 +25,37 @@ from miles_k3.parallel.mesh import ParallelContext
 from miles_k3.rollout.adapters import AdapterBank
 from miles_k3.rollout.engine_config import EngineConfig
 from miles_k3.rollout.graph_decode import GraphDecoder
-from miles_k3.rollout.memory import KDAStatePool, PagedLatentCache, plan_memory, pooled_state, store_state
+from miles_k3.rollout.memory import (
+    KDAStatePool,
+    PagedLatentCache,
+    page_bytes,
+    plan_memory,
+    pooled_state,
+    slot_bytes,
+    store_state,
+)
 from miles_k3.rollout.requests import Request
 from miles_k3.rollout.route_log import RouteLog
 from miles_k3.rollout.sampling import check_stop, filters, sample, unfiltered_logprobs
 
 log = logging.getLogger("miles_k3.rollout.engine")
+
+
+class Retracted:
+    """Requests retracted at a partial rollout's stop: how many, the tokens of state the next run recomputes for
+    them (prompt and output so far), and the bytes their KDA slots and latent pages held, which keeping them
+    resident through the train step instead would have kept allocated."""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.requests = self.tokens = self.bytes = 0
+
+    def add(self, tokens: int, nbytes: int) -> None:
+        self.requests += 1
+        self.tokens += tokens
+        self.bytes += nbytes
 
 
 class ModelRunner:
@@ -61,6 +86,10 @@ class ModelRunner:
                                 ctx.tp_size)
         self.cache = PagedLatentCache(self.cfg, num_pages, config.page_size, self.device, self.dtype)
         self._pages_per_request = plan.pages_per_request
+        self._slot_bytes = slot_bytes(self.cfg, self.dtype, ctx.tp_size)
+        self._page_bytes = page_bytes(self.cfg, config.page_size, self.dtype)
+        self.retracted = Retracted()
+        """What the retracts since the last `Retracted.reset` freed (the engine resets it at every run)."""
         self.graph = self._make_graph_decoder()
         self.route_log = RouteLog()  # decode steps' routes while generate() calls are in flight
         log.debug("rollout engine: %d slots, %d pages of %d tokens, decode=%s (%s)", num_slots, num_pages,
@@ -97,7 +126,12 @@ class ModelRunner:
     def retract(self, req: Request) -> None:
         """End `req`'s run without finishing it (a partial rollout's stop): its slot and pages freed like `free`,
         its tokens, log-probs and versions kept, and its decode-step routes moved from the RouteLog to its host
-        routes (the log is cleared after the run; the request continues in a later one)."""
+        routes (the log is cleared after the run; the request continues in a later one). Counted in `retracted`:
+        the tokens whose state the next run recomputes, and the bytes of its slot and of the pages no other request
+        holds (each page shared by forks is counted once, by the last of its holders to be retracted)."""
+        pages = self.cache.page_table(req.rid)
+        self.retracted.add(self.cache.seq_len(req.rid),
+                           self._slot_bytes + self._page_bytes * sum(self.cache.refcount(p) == 1 for p in pages))
         self.free(req)
         req.keep_routes(self.route_log)
 

@@ -6,6 +6,7 @@ PPO: the ratio against the proximal policy, the TIS weight against the engine's)
 import copy
 import math
 import re
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -62,6 +63,7 @@ class ScriptedEngine:
 
     def run(self, finished_groups=None, must_finish=()):
         done = []
+        self.retracted = SimpleNamespace(requests=0, tokens=0, bytes=0)
 
         def satisfied():
             ids = {g for g, _ in done}
@@ -76,6 +78,8 @@ class ScriptedEngine:
                 if all(len(s["out"]) == s["len"] for s in g["samples"]):
                     self.queue.remove(g)
                     done.append((g["group"], [self._record(s) for s in g["samples"]]))
+        begun = [len(s["out"]) for g in self.queue for s in g["samples"] if s["out"]]
+        self.retracted = SimpleNamespace(requests=len(begun), tokens=sum(begun), bytes=0)
         return done
 
     def _record(self, s):
@@ -123,6 +127,7 @@ def test_wait_holds_the_step_until_the_group_at_the_bound_finishes():
     s1, m1 = pool.collect(0)
     assert _lengths(s1) == [1, 1, 2, 1] and m1["rollout/staleness_max"] == 0.0
     assert list(pool.groups) == [2] and m1["rollout/groups_inflight"] == 1.0
+    assert (m1["rollout/retracted_requests"], m1["rollout/reprefill_tokens"]) == (2.0, 4.0)  # p2's, 2 tokens each
     pool.engine.version = 1  # the push
     s2, m2 = pool.collect(1)
     assert _lengths(s2) == [1, 2, 5, 4, 3, 3]
@@ -133,6 +138,7 @@ def test_wait_holds_the_step_until_the_group_at_the_bound_finishes():
     assert m2["rollout/staleness_frac_0"] == pytest.approx(2 / 3)
     assert m2["rollout/offpolicy_token_frac"] == pytest.approx(4 / 18)
     assert m2["rollout/groups_carried"] == 1.0 and m2["rollout/groups_inflight"] == 0.0
+    assert m2["rollout/retracted_requests"] == 0.0
     assert (m2["rollout/trained_len_mean"], m2["rollout/trained_len_p90"]) == (3.0, 5.0)
     check_versions(s2, 1, pool.cfg)
 

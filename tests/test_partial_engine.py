@@ -99,6 +99,24 @@ def test_a_run_stops_after_k_groups_and_the_next_continues_the_rest_as_one_gener
     assert _pools_free(engine)
 
 
+def test_the_stop_counts_what_it_retracted_tokens_to_recompute_and_bytes_held(trainer):
+    """Hand-worked: group 1 finishes with its third token, so groups 0 and 2 (two samples each) have three tokens
+    and their state covers prompt + 2 fed tokens: 13 tokens for prompt 0 (11 long), 4 for prompt 2. With 4-token
+    pages, a sample of group 0 holds 4 pages, the first two (8 prompt tokens) shared with its sibling (a fork copies
+    the partial third): 2 + 2 x 2 = 6 pages; group 2's samples hold one page each, unshared (a 2-token prompt's only
+    page is partial): 2. So 4 requests, 2 x 13 + 2 x 4 = 34 tokens, 4 slots and 8 pages."""
+    from miles_k3.rollout.memory import page_bytes, slot_bytes
+
+    engine = _engine(trainer)
+    _submit(engine)
+    engine.run(finished_groups=1)
+    r, cfg = engine.retracted, trainer.config
+    assert (r.requests, r.tokens) == (4, 34)
+    assert r.bytes == 4 * slot_bytes(cfg, torch.float32) + 8 * page_bytes(cfg, 4, torch.float32)
+    engine.run()  # ran to the end: nothing retracted
+    assert (engine.retracted.requests, engine.retracted.tokens, engine.retracted.bytes) == (0, 0, 0)
+
+
 def _push(engine, trainer, scale=0.2):
     g = torch.Generator().manual_seed(5)
     tensors = {k: v + torch.randn(v.shape, generator=g) * scale for k, v in lora_state_dict(trainer).items()}

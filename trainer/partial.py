@@ -42,7 +42,7 @@ from miles_k3.evals.problems import Problem
 from miles_k3.evals.rewards import grade_outcome
 from miles_k3.evals.templates import render_prompt, response_text
 from miles_k3.parallel.mesh import SINGLE, ParallelContext
-from miles_k3.parallel.reduce import gather, sum_over
+from miles_k3.parallel.reduce import gather, max_over, sum_over, world_of
 from miles_k3.trainer.batch import Sample
 from miles_k3.trainer.rollouts import (
     RolloutConfig,
@@ -82,7 +82,8 @@ class PartialRollouts:
         self._top_up(version, [(g.draw, g.problem) for g, _ in dropped])
         due = self._due(version) if pc.policy == "wait" else []  # max_staleness=0: the new groups too
         finished = self._run(self.share, due)
-        return self._samples(finished, dropped, version)
+        samples, metrics = self._samples(finished, dropped, version)
+        return samples, metrics | self._retract_metrics()
 
     # ---- the pool -------------------------------------------------------------------------------------------
     def _due(self, version: int) -> list[int]:
@@ -164,6 +165,16 @@ class PartialRollouts:
         metrics = _metrics(totals, counts) if totals["samples"] else {}
         return samples, metrics | self._partial_metrics(samples, groups, finished, dropped, version) | \
             reward_metrics(self.reward_fn)
+
+    def _retract_metrics(self) -> dict[str, float]:
+        """What the stop's retract cost and saved: the requests retracted and the tokens of state the next step
+        recomputes for them (all replicas), and the MiB their slots and pages held on the fullest rank, which keeping
+        them resident through the train step would have kept allocated."""
+        r = self.engine.retracted
+        requests, tokens = sum_over([r.requests, r.tokens], self.ctx.dp_group)
+        (nbytes,) = max_over([r.bytes], world_of(self.ctx))
+        return {"rollout/retracted_requests": requests, "rollout/reprefill_tokens": tokens,
+                "rollout/retracted_mib": nbytes / 2**20}
 
     def _global_index(self, n: int) -> list[int]:
         """The indices among the step's kept groups of all replicas of this replica's `n` kept groups: the replicas'
