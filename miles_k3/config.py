@@ -216,6 +216,65 @@ class EvalRunConfig:
         check_context("eval.max_new_tokens", self.eval.max_new_tokens, self.engine, self.sglang)
 
 
+@dataclass
+class ServeConfig:
+    """`python -m miles_k3.serve`: an OpenAI-compatible HTTP endpoint (chat/completions, sessions that keep the
+    exact token sequence) over the native rollout engine (docs/concepts/serve.md)."""
+
+    seed: int = 0
+    """Seed for torch's RNG: the sampling seeds of requests that give no `seed` are drawn from it."""
+    device: str = "auto"
+    """auto (cuda if available, else cpu), cpu, cuda or cuda:N."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """The base model."""
+    adapter: str | None = None
+    """A PEFT LoRA adapter directory (save_adapter / a training run's adapter) served on the base; None: the
+    base alone."""
+    kernels: KernelsConfig = field(default_factory=KernelsConfig)
+    """The kernels of the K3 forward (kernels.mxfp4_experts, kernels.reference), resolved once at startup."""
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    """The native engine's sizes; engine.max_context bounds prompt + max_tokens of every request (a session's
+    whole conversation included). Only engine.backend=native."""
+    host: str = "127.0.0.1"
+    """Address to bind: loopback by default; a non-loopback address (0.0.0.0, a LAN IP) only when given here."""
+    port: int = 8000
+    """TCP port, 1..65535."""
+    max_body_bytes: int = 2**20
+    """Largest request body accepted; a larger one is refused with 413 before it is parsed."""
+    default_max_tokens: int = 256
+    """max_tokens of a request that gives none (capped by the room left in engine.max_context)."""
+    max_sessions: int = 1024
+    """Sessions kept; a new one beyond this evicts the least recently used (its id then answers 404)."""
+    served_model_name: str | None = None
+    """The model id /v1/models lists and requests must name; None: model.name."""
+    api_key_env: str | None = None
+    """Name of an environment variable holding a bearer token every request must carry (Authorization: Bearer
+    ...); None: no authentication (the loopback default). The token is never logged."""
+
+    def validate(self) -> None:
+        check_device(self.device)
+        check_kernels(self.kernels, self.device)
+        check_weights_given(self.model)
+        if self.engine.backend != "native":
+            raise ValueError(f"engine.backend: python -m miles_k3.serve serves the native engine; remove "
+                             f"engine.backend={self.engine.backend}")
+        if self.model.hf_path is not None:
+            raise ValueError("model.hf_path: python -m miles_k3.serve serves K3 models (model.name, model.path) "
+                             "through the native engine")
+        if not self.host:
+            raise ValueError("host: give an address to bind (127.0.0.1: this machine only)")
+        if not 1 <= self.port <= 65535:
+            raise ValueError(f"port: must be in 1..65535, got {self.port}")
+        for name in ("max_body_bytes", "default_max_tokens", "max_sessions"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        if self.served_model_name is not None and not self.served_model_name:
+            raise ValueError("served_model_name: must be non-empty or null (model.name)")
+        if self.api_key_env is not None and not os.environ.get(self.api_key_env):
+            raise ValueError(f"api_key_env: the environment variable {self.api_key_env} is unset or empty; set it "
+                             "to the bearer token clients send, or leave api_key_env null")
+
+
 SFT_MODES = ("full", "lora")
 
 
@@ -343,6 +402,7 @@ def register_schemas() -> None:
     store.store(name="eval_schema", node=EvalRunConfig)
     store.store(name="model_info_schema", node=ModelInfoConfig)
     store.store(name="sft_schema", node=SFTConfig)
+    store.store(name="serve_schema", node=ServeConfig)
 
 
 def to_typed(cfg: DictConfig) -> Any:

@@ -1,0 +1,591 @@
+"""`python -m miles_k3.serve [model=k3_nano] [model.path=...] [adapter=DIR] [host=127.0.0.1] [port=8000] ...`: an
+OpenAI-compatible HTTP endpoint over the native rollout engine, for agent code (docs/concepts/serve.md).
+
+Endpoints: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET and DELETE /v1/sessions/{id}.
+
+Sessions, token in / token out. Every generation belongs to a session (`session_id` in the request, else a new
+one, returned in the response). A session keeps the exact token sequence the engine saw: the first prompt's ids,
+each turn's output ids as sampled (never re-tokenised from the text the client got), and the ids of each later
+message (chat: the chat template's rendering of just the new messages, tokenised on its own; completions: the new
+prompt text or ids), with a loss mask (1: sampled, 0: prompt and observations), the engine's log-prob of each
+sampled token (0.0 elsewhere) and the weight version that sampled it (null elsewhere). A turn's prompt is the
+session's tokens so far + the new ids, so the engine sees exactly that concatenation.
+
+`build_app(engine, tokenizer, cfg)` builds the FastAPI app over an engine already built (training may run it
+for agent rollouts); `main` is the Hydra command (uvicorn). Engine calls run one at a time on a single worker
+thread, each through `generate_turn`.
+"""
+
+import asyncio
+import concurrent.futures as cf
+import contextlib
+import hmac
+import ipaddress
+import json
+import logging
+import os
+import time
+import uuid
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+import hydra
+import torch
+from omegaconf import DictConfig
+
+from miles_k3.config import ServeConfig, exit_on_user_error, register_schemas, typed_or_exit
+from miles_k3.eval import eval_engine, warn_random_weights
+from miles_k3.evals.templates import response_text
+from miles_k3.launch import silence_fla_cpu_warning
+
+log = logging.getLogger("miles_k3.serve")
+register_schemas()
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+"""Message roles accepted (the chat template may refuse some of them)."""
+NULL_MESSAGE_KEYS = ("refusal", "tool_calls", "function_call", "audio", "annotations")
+"""Keys of an OpenAI response message that a client may echo back: accepted when null, refused otherwise."""
+COMMON_FIELDS = frozenset({"model", "n", "max_tokens", "temperature", "top_p", "top_k", "seed", "logprobs",
+                           "stop", "stream", "session_id"})
+CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs"}
+COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo"}
+
+
+class ApiError(Exception):
+    """A request refused: its HTTP status and a message saying what to fix (OpenAI's error body)."""
+
+    def __init__(self, status: int, message: str, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.code = status, message, code
+
+    def body(self) -> dict:
+        kind = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+                409: "conflict_error", 413: "request_too_large"}.get(self.status, "server_error")
+        return {"error": {"message": self.message, "type": kind, "param": None, "code": self.code}}
+
+
+# ---- the engine call --------------------------------------------------------------------------------------
+def generate_turn(engine, prompts: list[list[int]], params: dict, n: int, lora: str | None) -> list[dict]:
+    """The one engine call of a turn: `n` samples of each prompt (the whole token sequence of its session so far),
+    with log-probs. The place to switch to engine-side session state (KDA state and KV pages kept across turns)."""
+    return engine.generate(input_ids=prompts, sampling_params=[dict(params) for _ in prompts], n=n,
+                           return_logprob=True, lora=lora)
+
+
+# ---- prompts ------------------------------------------------------------------------------------------------
+def render_messages(tokenizer, messages: list[dict]) -> str:
+    """The prompt text of `messages`, ending with the assistant turn opened: the tokenizer's chat template
+    (add_generation_prompt=True) when it has one, else the fallback format: each message as `role: content\\n`
+    (`role (name): ` with a name), then `assistant: `."""
+    if getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    lines = [f"{m['role']}{' (' + m['name'] + ')' if 'name' in m else ''}: {m['content']}\n" for m in messages]
+    return "".join(lines) + "assistant: "
+
+
+def encode(tokenizer, text: str) -> list[int]:
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def normalize_messages(raw: Any) -> list[dict]:
+    """The request's messages as {role, content[, name]} with text content (a list of text parts is joined);
+    ApiError(400) naming the message for anything else."""
+    if not isinstance(raw, list) or not raw:
+        raise ApiError(400, "messages: give a non-empty list of {role, content} objects")
+    out = []
+    for i, m in enumerate(raw):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise ApiError(400, f"{where}: not an object")
+        unknown = sorted(set(m) - {"role", "content", "name", *NULL_MESSAGE_KEYS})
+        set_nulls = sorted(k for k in NULL_MESSAGE_KEYS if m.get(k) is not None)
+        if unknown or set_nulls:
+            raise ApiError(400, f"{where}: unsupported key(s) {unknown + set_nulls} (this server takes role, "
+                                "content and name; tool calls are not supported)")
+        role, content = m.get("role"), m.get("content")
+        if role not in ROLES:
+            raise ApiError(400, f"{where}.role: {role!r} is not one of {', '.join(ROLES)}")
+        if isinstance(content, list):
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                       for p in content):
+                raise ApiError(400, f"{where}.content: only text parts ({{type: text, text: ...}}) are supported")
+            content = "".join(p["text"] for p in content)
+        if not isinstance(content, str):
+            raise ApiError(400, f"{where}.content: give a string (or a list of text parts)")
+        msg = {"role": role, "content": content}
+        if m.get("name") is not None:
+            if not isinstance(m["name"], str) or not m["name"]:
+                raise ApiError(400, f"{where}.name: give a non-empty string")
+            msg["name"] = m["name"]
+        out.append(msg)
+    return out
+
+
+def _describe(m: dict) -> str:
+    text = m["content"] if len(m["content"]) <= 60 else m["content"][:57] + "..."
+    return f"{m['role']} {text!r}"
+
+
+# ---- request fields -----------------------------------------------------------------------------------------
+def _int(body: dict, key: str, default: int | None, lo: int, hi: int | None = None) -> int | None:
+    v = body.get(key)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, int) or v < lo or (hi is not None and v > hi):
+        rng = f">= {lo}" if hi is None else f"in {lo}..{hi}"
+        raise ApiError(400, f"{key}: must be an integer {rng}, got {v!r}", "invalid_value")
+    return v
+
+
+def _float(body: dict, key: str, default: float, lo: float, hi: float, lo_open: bool = False) -> float:
+    v = body.get(key)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not (lo < v if lo_open else lo <= v) or v > hi:
+        raise ApiError(400, f"{key}: must be a number in {'(' if lo_open else '['}{lo}, {hi}], got {v!r}",
+                       "invalid_value")
+    return float(v)
+
+
+def _refuse_set(body: dict, key: str, allowed: tuple, why: str) -> None:
+    if body.get(key) not in allowed:
+        raise ApiError(400, f"{key}: {body[key]!r} is not supported: {why}", "unsupported_value")
+
+
+# ---- sessions ---------------------------------------------------------------------------------------------------
+@dataclass
+class Session:
+    """One conversation's exact token sequence (see the module docstring) and its turns."""
+
+    id: str
+    kind: str  # "chat" or "completion": how later requests extend it
+    prompt_ids: list[int]
+    messages: list[dict] = field(default_factory=list)  # chat: every message so far, the replies included
+    ids: list[int] = field(default_factory=list)
+    loss_mask: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    weight_versions: list[int | None] = field(default_factory=list)
+    turns: list[dict] = field(default_factory=list)
+    end: str | None = None  # "truncated": a request ran past the engine's context; the session takes no more
+    busy: bool = False  # a turn is being generated
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def append_context(self, ids: list[int]) -> None:
+        self.ids += ids
+        self.loss_mask += [0] * len(ids)
+        self.logprobs += [0.0] * len(ids)
+        self.weight_versions += [None] * len(ids)
+
+    def append_turn(self, context_start: int, out: dict) -> None:
+        meta, ids = out["meta_info"], list(out["output_ids"])
+        lps = [float(lp) for lp, _ in meta.get("output_token_logprobs", [])]
+        versions = list(meta.get("output_token_weight_versions", []))
+        start = len(self.ids)
+        self.ids += ids
+        self.loss_mask += [1] * len(ids)
+        self.logprobs += lps if len(lps) == len(ids) else [0.0] * len(ids)
+        self.weight_versions += versions if len(versions) == len(ids) else [meta.get("weight_version")] * len(ids)
+        self.turns.append({"context_start": context_start, "output_start": start, "output_end": len(self.ids),
+                           "finish_reason": meta["finish_reason"].get("type"),
+                           "weight_versions": list(meta.get("weight_versions", []))})
+
+    def record(self) -> dict:
+        return {"id": self.id, "object": "session", "kind": self.kind, "created": self.created,
+                "prompt_ids": list(self.prompt_ids), "ids": list(self.ids), "loss_mask": list(self.loss_mask),
+                "logprobs": list(self.logprobs), "weight_versions": list(self.weight_versions),
+                "turns": [dict(t) for t in self.turns], "messages": [dict(m) for m in self.messages],
+                "end": self.end, "truncated": self.end == "truncated"}
+
+
+class Sessions:
+    """The sessions kept, least recently used first; beyond `limit` the oldest idle one is evicted."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self._items: OrderedDict[str, Session] = OrderedDict()
+
+    def new(self, kind: str, prompt_ids: list[int]) -> Session:
+        s = Session(uuid.uuid4().hex, kind, list(prompt_ids))
+        s.append_context(prompt_ids)
+        self._items[s.id] = s
+        while len(self._items) > self.limit:
+            old = next((k for k, v in self._items.items() if not v.busy), None)
+            if old is None:
+                break
+            del self._items[old]
+            log.info("session %s evicted (max_sessions=%d)", old, self.limit)
+        return s
+
+    def get(self, sid: Any) -> Session:
+        if not isinstance(sid, str) or sid not in self._items:
+            raise ApiError(404, f"session {sid!r}: unknown or ended (deleted, or evicted beyond max_sessions); "
+                                "leave session_id out to start a new one", "session_not_found")
+        self._items.move_to_end(sid)
+        return self._items[sid]
+
+    def delete(self, sid: str) -> Session:
+        s = self.get(sid)
+        del self._items[sid]
+        return s
+
+
+# ---- the server ---------------------------------------------------------------------------------------------
+class Server:
+    """The endpoints' logic over one engine and tokenizer (no HTTP here: `build_app` wraps it)."""
+
+    def __init__(self, engine, tokenizer, cfg: ServeConfig, lora: str | None = None):
+        self.engine, self.tokenizer, self.lora = engine, tokenizer, lora
+        self.model_id = cfg.served_model_name or cfg.model.name
+        self.max_body_bytes = cfg.max_body_bytes
+        self.default_max_tokens = cfg.default_max_tokens
+        self.sessions = Sessions(cfg.max_sessions)
+        self.api_key = os.environ.get(cfg.api_key_env) if cfg.api_key_env else None
+        if cfg.api_key_env and not self.api_key:
+            raise ValueError(f"api_key_env: the environment variable {cfg.api_key_env} is unset or empty")
+        self.worker = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="serve-engine")
+        self.created = int(time.time())
+
+    # -- checks shared by every request
+    def check_auth(self, header: str | None) -> None:
+        if self.api_key is None:
+            return
+        token = (header or "").removeprefix("Bearer ").strip()
+        if not hmac.compare_digest(token.encode(), self.api_key.encode()):
+            raise ApiError(401, "missing or wrong API key (Authorization: Bearer ...)", "invalid_api_key")
+
+    def check_model(self, body: dict) -> None:
+        model = body.get("model", self.model_id)
+        if model != self.model_id:
+            raise ApiError(404, f"model {model!r} is not served here; this server serves {self.model_id!r} "
+                                "(GET /v1/models)", "model_not_found")
+
+    def models(self) -> dict:
+        return {"object": "list", "data": [{"id": self.model_id, "object": "model", "created": self.created,
+                                            "owned_by": "miles_k3"}]}
+
+    def sampling(self, body: dict, max_tokens_key: str) -> tuple[dict, int | None, int]:
+        """(sampling params without max_new_tokens, the requested max_tokens or None, n)."""
+        n = _int(body, "n", 1, 1)
+        max_tokens = _int(body, max_tokens_key, None, 1)
+        if max_tokens_key == "max_completion_tokens" and max_tokens is None:
+            max_tokens = _int(body, "max_tokens", None, 1)
+        params = {"temperature": _float(body, "temperature", 1.0, 0.0, 100.0),
+                  "top_p": _float(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
+                  "top_k": _int(body, "top_k", -1, -1)}
+        seed = _int(body, "seed", None, 0, 2**62)
+        if seed is not None:
+            params["sampling_seed"] = seed
+        _refuse_set(body, "stream", (None, False), "responses are returned whole")
+        _refuse_set(body, "stop", (None, [], ""), "generation stops at the model's end tokens only")
+        return params, max_tokens, n
+
+    def room(self, prompt: list[int], max_tokens: int | None, session: Session | None) -> int:
+        """max_new_tokens of a request: the requested max_tokens (else the default, capped by the room left);
+        ApiError(400) when prompt + max_tokens exceed the engine's max_context (a session ends truncated)."""
+        ctx = self.engine.max_context
+        left = ctx - len(prompt)
+        if max_tokens is None and left >= 1:
+            return min(self.default_max_tokens, left)
+        if max_tokens is not None and max_tokens <= left:
+            return max_tokens
+        msg = (f"the prompt ({len(prompt)} tokens{', the whole session' if session else ''}) + max_tokens "
+               f"({max_tokens if max_tokens is not None else 1}) exceed the engine's max_context {ctx}")
+        if session is not None:
+            session.end = "truncated"
+            msg += f"; session {session.id} has ended truncated (its record: GET /v1/sessions/{session.id})"
+        else:
+            msg += "; shorten the prompt or lower max_tokens"
+        raise ApiError(400, msg, "context_length_exceeded")
+
+    def open_session(self, body: dict, kind: str, n: int) -> Session | None:
+        """The session the request continues (marked busy), or None for a new one."""
+        sid = body.get("session_id")
+        if sid is None:
+            return None
+        s = self.sessions.get(sid)
+        if s.end is not None:
+            raise ApiError(404, f"session {sid!r} has ended ({s.end}); its record stays readable at "
+                                f"GET /v1/sessions/{sid} until DELETE", "session_ended")
+        if s.kind != kind:
+            raise ApiError(409, f"session {sid!r} is a {s.kind} session; continue it with "
+                                f"/v1/{'chat/completions' if s.kind == 'chat' else 'completions'}")
+        if s.busy:
+            raise ApiError(409, f"session {sid!r} is generating a turn; send its next request after the reply")
+        if n != 1:
+            raise ApiError(400, f"n: a session continues with one sample (n=1), got {n}; forks (n > 1) start "
+                                "new sessions", "invalid_value")
+        return s
+
+    async def run_engine(self, prompt: list[int], params: dict, n: int) -> list[dict]:
+        loop = asyncio.get_running_loop()
+        try:
+            outs = await loop.run_in_executor(self.worker, generate_turn, self.engine, [prompt], params, n,
+                                              self.lora)
+        except ValueError as e:  # a request the engine refuses
+            raise ApiError(400, str(e)) from None
+        bad = next((o for o in outs if "error" in o), None)
+        if bad is not None:
+            raise ApiError(400, f"the engine rejected the request: {bad['error']}")
+        return outs
+
+    async def turn(self, body: dict, kind: str, new_ids, max_tokens_key: str, first_ids
+                   ) -> tuple[list[Session], list[dict]]:
+        """Generate one turn: continue the body's session (new_ids() appended) or start n sessions
+        (first_ids()); returns (the sessions, the engine's records)."""
+        params, max_tokens, n = self.sampling(body, max_tokens_key)
+        session = self.open_session(body, kind, n)
+        if session is None:
+            prompt = first_ids()
+            params["max_new_tokens"] = self.room(prompt, max_tokens, None)
+            outs = await self.run_engine(prompt, params, n)
+            sessions = [self.sessions.new(kind, prompt) for _ in outs]
+            for s, out in zip(sessions, outs):
+                s.append_turn(0, out)
+            return sessions, outs
+        added = new_ids(session)
+        prompt = session.ids + added
+        params["max_new_tokens"] = self.room(prompt, max_tokens, session)
+        session.busy = True
+        try:
+            outs = await self.run_engine(prompt, params, 1)
+        finally:
+            session.busy = False
+        start = len(session.ids)
+        session.append_context(added)
+        session.append_turn(start, outs[0])
+        return [session], outs
+
+    # -- the endpoints
+    async def chat(self, body: dict) -> dict:
+        self.check_fields(body, CHAT_FIELDS)
+        self.check_model(body)
+        messages = normalize_messages(body.get("messages"))
+        want_logprobs = body.get("logprobs") not in (None, False)
+        if body.get("logprobs") not in (None, False, True):
+            raise ApiError(400, f"logprobs: give true or false, got {body['logprobs']!r}", "invalid_value")
+        _refuse_set(body, "top_logprobs", (None, 0), "only the sampled tokens' log-probs are reported")
+        holder: dict = {}
+
+        def new_ids(s: Session) -> list[int]:
+            old = s.messages
+            for i, (have, got) in enumerate(zip(old, messages)):
+                if have != got:
+                    raise ApiError(409, f"messages[{i}] differs from session {s.id}'s message {i}: it has "
+                                        f"{_describe(have)}, the request {_describe(got)}; a session's request "
+                                        "repeats its messages (the replies as returned) and adds new ones",
+                                   "session_mismatch")
+            if len(messages) <= len(old):
+                raise ApiError(409, f"session {s.id} has {len(old)} messages; the request gives {len(messages)}, "
+                                    "so it adds none: append the new messages after the last reply",
+                               "session_mismatch")
+            holder["new"] = messages[len(old):]
+            return encode(self.tokenizer, render_messages(self.tokenizer, holder["new"]))
+
+        def first_ids() -> list[int]:
+            return encode(self.tokenizer, render_messages(self.tokenizer, messages))
+
+        sessions, outs = await self.turn(body, "chat", new_ids, "max_completion_tokens", first_ids)
+        choices = []
+        for i, (s, out) in enumerate(zip(sessions, outs)):
+            text = response_text(self.tokenizer, out)
+            if "new" in holder:
+                s.messages += holder["new"]
+            elif not s.messages:
+                s.messages = [dict(m) for m in messages]
+            s.messages.append({"role": "assistant", "content": text})
+            choice = {"index": i, "message": {"role": "assistant", "content": text},
+                      "finish_reason": self.finish(out), "logprobs": None, "session_id": s.id}
+            if want_logprobs:
+                choice["logprobs"] = {"content": [self.token_logprob(t, lp) for lp, t in
+                                                  out["meta_info"].get("output_token_logprobs", [])]}
+            choices.append(choice)
+        return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
+                "model": self.model_id, "choices": choices, "usage": self.usage(outs),
+                "session_id": sessions[0].id}
+
+    async def completions(self, body: dict) -> dict:
+        self.check_fields(body, COMPLETION_FIELDS)
+        self.check_model(body)
+        _refuse_set(body, "echo", (None, False), "the prompt is not repeated (its ids: GET /v1/sessions/{id})")
+        logprobs = _int(body, "logprobs", None, 0, 0)
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]  # a batch of one
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ApiError(400, "prompt: empty; give text or token ids")
+            ids = encode(self.tokenizer, prompt)
+        elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
+                                                         for t in prompt):
+            ids = list(prompt)
+        else:
+            raise ApiError(400, "prompt: give one prompt, as text or a list of token ids (batches: one request "
+                                "each)")
+        sessions, outs = await self.turn(body, "completion", lambda s: ids, "max_tokens", lambda: ids)
+        choices = []
+        for i, (s, out) in enumerate(zip(sessions, outs)):
+            choice = {"index": i, "text": response_text(self.tokenizer, out), "finish_reason": self.finish(out),
+                      "logprobs": None, "session_id": s.id}
+            if logprobs is not None:
+                pairs = out["meta_info"].get("output_token_logprobs", [])
+                choice["logprobs"] = {"tokens": [self.tokenizer.decode([t]) for _, t in pairs],
+                                      "token_logprobs": [float(lp) for lp, _ in pairs], "top_logprobs": None,
+                                      "text_offset": None}
+            choices.append(choice)
+        return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+                "model": self.model_id, "choices": choices, "usage": self.usage(outs),
+                "session_id": sessions[0].id}
+
+    def session_record(self, sid: str) -> dict:
+        return self.sessions.get(sid).record()
+
+    def delete_session(self, sid: str) -> dict:
+        s = self.sessions.get(sid)
+        if s.busy:
+            raise ApiError(409, f"session {sid!r} is generating a turn; delete it after the reply")
+        self.sessions.delete(sid)
+        return {"id": sid, "object": "session.deleted", "deleted": True}
+
+    # -- helpers
+    @staticmethod
+    def check_fields(body: dict, known: frozenset) -> None:
+        unknown = sorted(set(body) - known)
+        if unknown:
+            raise ApiError(400, f"unknown or unsupported field(s) {unknown}; this endpoint takes "
+                                f"{', '.join(sorted(known))}", "unknown_field")
+
+    @staticmethod
+    def finish(out: dict) -> str:
+        kind = out["meta_info"]["finish_reason"].get("type")
+        return kind if kind in ("stop", "length") else "stop"
+
+    @staticmethod
+    def usage(outs: list[dict]) -> dict:
+        prompt = outs[0]["meta_info"].get("prompt_tokens", 0)
+        completion = sum(len(o["output_ids"]) for o in outs)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+    def token_logprob(self, token: int, lp: float) -> dict:
+        text = self.tokenizer.decode([token])
+        return {"token": text, "logprob": float(lp),
+                "bytes": None if "\ufffd" in text else list(text.encode("utf-8")), "top_logprobs": []}
+
+    async def read_json(self, request) -> dict:
+        """The request body as a JSON object: 413 over max_body_bytes (by its Content-Length, else as read),
+        400 for anything but a JSON object."""
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
+            raise ApiError(413, f"request body of {declared} bytes exceeds max_body_bytes={self.max_body_bytes}")
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > self.max_body_bytes:
+                raise ApiError(413, f"request body exceeds max_body_bytes={self.max_body_bytes}")
+            chunks.append(chunk)
+        try:
+            body = json.loads(b"".join(chunks))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ApiError(400, f"the body is not JSON: {e}", "invalid_json") from None
+        if not isinstance(body, dict):
+            raise ApiError(400, "the body must be a JSON object", "invalid_json")
+        return body
+
+
+def build_app(engine, tokenizer, cfg: ServeConfig, lora: str | None = None):
+    """The FastAPI app serving `engine` (a native `RolloutEngine`, or anything with its `generate` and
+    `max_context`) and `tokenizer` under `cfg`'s limits; `lora`: the engine's adapter name to generate with (None:
+    the base). `app.state.server` is the `Server` (its sessions)."""
+    try:
+        from fastapi import FastAPI, Request
+        from fastapi.responses import JSONResponse
+    except ModuleNotFoundError as e:
+        raise ModuleNotFoundError(f"python -m miles_k3.serve needs FastAPI and uvicorn: pip install -e '.[serve]' "
+                                  f"({e})") from None
+
+    server = Server(engine, tokenizer, cfg, lora)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        yield
+        server.worker.shutdown(wait=True)
+
+    app = FastAPI(title="miles_k3.serve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.server = server
+
+    async def answer(request: Request, handler, *args, body: bool = False):
+        try:
+            server.check_auth(request.headers.get("authorization"))
+            result = handler(await server.read_json(request), *args) if body else handler(*args)
+            if asyncio.iscoroutine(result):
+                result = await result
+            return JSONResponse(result)
+        except ApiError as e:
+            return JSONResponse(e.body(), status_code=e.status)
+        except Exception:  # a bug answers 500 and is logged; the server keeps serving
+            log.exception("serve: %s %s failed", request.method, request.url.path)
+            return JSONResponse(ApiError(500, "internal error (logged by the server)").body(), status_code=500)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        return await answer(request, server.chat, body=True)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await answer(request, server.completions, body=True)
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        return await answer(request, server.models)
+
+    @app.get("/v1/sessions/{sid}")
+    async def get_session(request: Request, sid: str):
+        return await answer(request, server.session_record, sid)
+
+    @app.delete("/v1/sessions/{sid}")
+    async def delete_session(request: Request, sid: str):
+        return await answer(request, server.delete_session, sid)
+
+    return app
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def serve(cfg: ServeConfig) -> None:
+    """Build the engine (and adapter) of `cfg` and serve it until interrupted."""
+    try:
+        import uvicorn
+    except ModuleNotFoundError as e:
+        raise SystemExit(f"miles_k3.serve: needs FastAPI and uvicorn: pip install -e '.[serve]' ({e})") from None
+    torch.manual_seed(cfg.seed)
+    warn_random_weights(cfg.model)
+    engine, tokenizer, lora = eval_engine(cfg)
+    try:
+        app = build_app(engine, tokenizer, cfg, lora)
+        if not is_loopback(cfg.host):
+            log.warning("serving on %s, reachable from other machines%s", cfg.host,
+                        "" if cfg.api_key_env else "; no api_key_env is set, so anyone who reaches it can use it")
+        log.info("serving %s on http://%s:%d/v1 (max_context %d)", app.state.server.model_id, cfg.host, cfg.port,
+                 engine.max_context)
+        uvicorn.run(app, host=cfg.host, port=cfg.port, log_level="info")
+    finally:
+        engine.close()
+
+
+@hydra.main(version_base=None, config_path="pkg://miles_k3.recipes", config_name="serve")
+def main(raw: DictConfig) -> None:
+    silence_fla_cpu_warning()
+    cfg = typed_or_exit(raw, "miles_k3.serve")
+    with exit_on_user_error("miles_k3.serve"):
+        serve(cfg)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,307 @@
+"""`python -m miles_k3.serve`: the OpenAI-compatible endpoint, driven by the real `openai` client against a uvicorn
+server in a background thread (one for the module) over the shipped k3_nano base on the CPU. Its tokenizer is
+the small byte-level one (byte b is id b, [EOS] 257, <|end_of_msg|> 259, no chat template), so the expected
+prompt ids are the bytes of the fallback format's text: `user: hi\\nassistant: ` is list(b"user: hi\\nassistant: ").
+
+A `ScriptedEngine` stands between the server and the real engine: with a script it returns the scripted output
+ids (hand-picked: a reply whose bytes are invalid UTF-8) instead of sampling; it records every prompt the server
+sent, so a test checks exactly what the engine saw."""
+import json
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("fastapi")
+uvicorn = pytest.importorskip("uvicorn")
+openai = pytest.importorskip("openai")
+import httpx  # after the skips: the serve extra
+
+from miles_k3.config import ConfigFieldError, compose_config
+from miles_k3.serve import build_app, eval_engine, is_loopback, render_messages
+
+ROOT = Path(__file__).resolve().parents[1]
+MAX_CONTEXT = 160
+MAX_BODY = 65536
+EOS, END_OF_MSG = 257, 259
+
+
+class ScriptedEngine:
+    """The real engine, or the next scripted output (`script`: a list of output id lists) when one is queued."""
+
+    def __init__(self, engine):
+        self.engine, self.script, self.prompts = engine, [], []
+
+    @property
+    def max_context(self):
+        return self.engine.max_context
+
+    def generate(self, input_ids, sampling_params, n, return_logprob, lora):
+        self.prompts.append([list(p) for p in input_ids])
+        if not self.script:
+            return self.engine.generate(input_ids=input_ids, sampling_params=sampling_params, n=n,
+                                        return_logprob=return_logprob, lora=lora)
+        out = self.script.pop(0)
+        stop = out[-1] in (EOS, END_OF_MSG)
+        finish = {"type": "stop", "matched": out[-1]} if stop else {"type": "length"}
+        return [{"output_ids": list(out),
+                 "meta_info": {"finish_reason": finish, "prompt_tokens": len(input_ids[0]),
+                               "completion_tokens": len(out), "cached_tokens": 0, "weight_version": 7,
+                               "weight_versions": [7], "output_token_logprobs": [(-0.5, t) for t in out],
+                               "output_token_weight_versions": [7] * len(out)}}]
+
+
+@pytest.fixture(scope="module")
+def served():
+    """(openai client, base url, scripted engine, real engine, tokenizer) of one server for the module."""
+    cfg = compose_config("serve", ["device=cpu", f"engine.max_context={MAX_CONTEXT}", f"max_body_bytes={MAX_BODY}",
+                                   "engine.memory_budget_bytes=8388608"])
+    engine, tokenizer, lora = eval_engine(cfg)
+    scripted = ScriptedEngine(engine)
+    app = build_app(scripted, tokenizer, cfg, lora)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.time() + 30
+    while not server.started and time.time() < deadline:
+        time.sleep(0.02)
+    assert server.started
+    base = f"http://127.0.0.1:{port}/v1"
+    client = openai.OpenAI(base_url=base, api_key="x", max_retries=0, timeout=60)
+    yield client, base, scripted, engine, tokenizer
+    server.should_exit = True
+    thread.join(timeout=10)
+    sock.close()
+    engine.close()
+
+
+def record(base: str, sid: str) -> dict:
+    r = httpx.get(f"{base}/sessions/{sid}")
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_config_defaults_bind_loopback_and_serve_the_shipped_base():
+    cfg = compose_config("serve")
+    assert (cfg.host, cfg.port, cfg.max_body_bytes) == ("127.0.0.1", 8000, 1048576)
+    assert cfg.model.name == "k3_nano" and cfg.model.path == "builtin:k3_nano_chain_sum"
+    assert cfg.adapter is None and cfg.api_key_env is None
+    assert is_loopback("127.0.0.1") and is_loopback("::1") and not is_loopback("0.0.0.0")
+    with pytest.raises(ConfigFieldError, match="port: must be in 1..65535"):
+        compose_config("serve", ["port=0"])
+    with pytest.raises(ConfigFieldError, match="engine.backend: python -m miles_k3.serve serves the native"):
+        compose_config("serve", ["engine.backend=sglang"])
+    with pytest.raises(ConfigFieldError, match="api_key_env: the environment variable MILES_K3_NO_SUCH_VAR"):
+        compose_config("serve", ["api_key_env=MILES_K3_NO_SUCH_VAR"])
+
+
+def test_help_prints_usage(monkeypatch, capsys):
+    """`python -m miles_k3.serve --help`, in this process (a subprocess would import torch again)."""
+    from miles_k3 import serve
+
+    monkeypatch.setattr(sys, "argv", ["miles_k3.serve", "--help"])
+    with pytest.raises(SystemExit) as done:
+        serve.main()
+    assert done.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("python -m miles_k3.serve [model=NAME]") and "host=127.0.0.1" in out
+
+
+def test_render_uses_the_chat_template_when_there_is_one():
+    from miles_k3.model.tokenizer import small_tokenizer
+
+    tok = small_tokenizer(512)
+    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi", "name": "ann"}]
+    assert render_messages(tok, msgs) == "system: be brief\nuser (ann): hi\nassistant: "
+    tok.chat_template = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+                         "{% if add_generation_prompt %}<assistant>{% endif %}")
+    assert render_messages(tok, msgs) == "<system>be brief<user>hi<assistant>"
+
+
+def test_models_lists_the_served_model(served):
+    client, *_ = served
+    assert [m.id for m in client.models.list().data] == ["k3_nano"]
+    with pytest.raises(openai.NotFoundError, match="not served here"):
+        client.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "hi"}])
+
+
+def test_session_keeps_the_sampled_ids_not_a_retokenisation(served):
+    """Turn 2 samples the bytes E2 82 (the first two of the three of "€") and [EOS]: decoded, they are one
+    U+FFFD, which tokenises as EF BF BD. The session keeps E2 82, and turn 3's prompt carries them."""
+    client, base, scripted, _, tokenizer = served
+    scripted.script = [[104, 105, END_OF_MSG], [0xE2, 0x82, EOS], [33, END_OF_MSG]]
+    msgs = [{"role": "user", "content": "hi"}]
+    r1 = client.chat.completions.create(model="k3_nano", messages=msgs, max_tokens=5)
+    sid = r1.session_id
+    assert r1.choices[0].message.content == "hi" and r1.choices[0].finish_reason == "stop"
+    prompt = list(b"user: hi\nassistant: ")
+    assert scripted.prompts[-1] == [prompt]
+
+    msgs += [{"role": "assistant", "content": "hi"}, {"role": "user", "content": "ok"}]
+    r2 = client.chat.completions.create(model="k3_nano", messages=msgs, max_tokens=5, extra_body={"session_id": sid})
+    assert r2.session_id == sid
+    new = list(b"user: ok\nassistant: ")
+    assert scripted.prompts[-1] == [prompt + [104, 105, END_OF_MSG] + new]
+    text = r2.choices[0].message.content
+    assert text == "\ufffd"
+    assert tokenizer.encode(text, add_special_tokens=False) == [0xEF, 0xBF, 0xBD]  # not what was sampled
+
+    msgs += [{"role": "assistant", "content": text}, {"role": "user", "content": "?"}]
+    client.chat.completions.create(model="k3_nano", messages=msgs, max_tokens=5, extra_body={"session_id": sid})
+    third = list(b"user: ?\nassistant: ")
+    ids = prompt + [104, 105, END_OF_MSG] + new + [0xE2, 0x82, EOS] + third + [33, END_OF_MSG]
+    assert scripted.prompts[-1] == [ids[:-2]]
+    rec = record(base, sid)
+    assert rec["ids"] == ids and rec["prompt_ids"] == prompt
+    mask = [0] * len(prompt) + [1] * 3 + [0] * len(new) + [1] * 3 + [0] * len(third) + [1] * 2
+    assert rec["loss_mask"] == mask
+    assert rec["logprobs"] == [-0.5 if m else 0.0 for m in mask]
+    assert rec["weight_versions"] == [7 if m else None for m in mask]
+    assert [(t["context_start"], t["output_start"], t["output_end"]) for t in rec["turns"]] == [
+        (0, 20, 23), (23, 43, 46), (46, 65, 67)]
+    assert rec["messages"][-1] == {"role": "assistant", "content": "!"} and rec["end"] is None
+
+
+def test_greedy_and_seeded_turns_equal_the_engines_own_generate(served):
+    """Real sampling: turn 1 greedy, turn 2 seeded; each equals the engine's generate over the same ids, and the
+    record is prompt + turn 1 + the next message + turn 2."""
+    client, base, _, engine, _ = served
+    msgs = [{"role": "user", "content": "15-43-75="}]
+    r1 = client.chat.completions.create(model="k3_nano", messages=msgs, max_tokens=6, temperature=0, logprobs=True)
+    sid = r1.session_id
+    prompt = list(b"user: 15-43-75=\nassistant: ")
+    greedy = engine.generate(input_ids=[prompt], sampling_params={"max_new_tokens": 6, "temperature": 0.0})[0]
+    out1 = greedy["output_ids"]
+    assert record(base, sid)["ids"] == prompt + out1
+    lps = [c.logprob for c in r1.choices[0].logprobs.content]
+    assert lps == pytest.approx([lp for lp, _ in greedy["meta_info"]["output_token_logprobs"]])
+
+    msgs += [{"role": "assistant", "content": r1.choices[0].message.content}, {"role": "user", "content": "2+3="}]
+    client.chat.completions.create(model="k3_nano", messages=msgs, max_tokens=6, seed=11,
+                                   extra_body={"session_id": sid})
+    new = list(b"user: 2+3=\nassistant: ")
+    out2 = engine.generate(input_ids=[prompt + out1 + new], sampling_params={
+        "max_new_tokens": 6, "temperature": 1.0, "sampling_seed": 11})[0]["output_ids"]
+    rec = record(base, sid)
+    assert rec["ids"] == prompt + out1 + new + out2
+    assert rec["loss_mask"] == [0] * len(prompt) + [1] * len(out1) + [0] * len(new) + [1] * len(out2)
+    assert rec["weight_versions"][len(prompt)] == 0 and len(rec["turns"]) == 2
+
+
+def test_n_forks_start_one_session_each(served):
+    client, base, _, engine, _ = served
+    r = client.chat.completions.create(model="k3_nano", messages=[{"role": "user", "content": "7+8="}], n=2,
+                                       max_tokens=4, seed=5)
+    prompt = list(b"user: 7+8=\nassistant: ")
+    outs = engine.generate(input_ids=[prompt], sampling_params={"max_new_tokens": 4, "sampling_seed": 5}, n=2)
+    sids = [c.session_id for c in r.choices]
+    assert len(set(sids)) == 2 and r.session_id == sids[0]
+    assert [record(base, s)["ids"] for s in sids] == [prompt + o["output_ids"] for o in outs]
+    with pytest.raises(openai.BadRequestError, match="a session continues with one sample"):
+        client.chat.completions.create(model="k3_nano", n=2, extra_body={"session_id": sids[0]}, messages=[
+            {"role": "user", "content": "7+8="}, {"role": "assistant", "content": r.choices[0].message.content},
+            {"role": "user", "content": "?"}])
+
+
+def test_completions_text_and_token_ids(served):
+    client, base, scripted, _, _ = served
+    scripted.script = [[50, 51], [52, EOS]]
+    r = client.completions.create(model="k3_nano", prompt="1+1=", max_tokens=2, logprobs=0)
+    assert r.choices[0].text == "23" and r.choices[0].finish_reason == "length"
+    assert r.choices[0].logprobs.token_logprobs == [-0.5, -0.5]
+    r2 = client.completions.create(model="k3_nano", prompt=[10, 61], max_tokens=2,
+                                   extra_body={"session_id": r.session_id})
+    assert r2.choices[0].text == "4"
+    assert scripted.prompts[-1] == [list(b"1+1=") + [50, 51, 10, 61]]
+    rec = record(base, r.session_id)
+    assert rec["ids"] == list(b"1+1=") + [50, 51, 10, 61, 52, EOS]
+    assert rec["loss_mask"] == [0, 0, 0, 0, 1, 1, 0, 0, 1, 1] and rec["kind"] == "completion"
+
+
+def test_unknown_and_deleted_sessions_answer_404_and_the_server_goes_on(served):
+    client, base, scripted, _, _ = served
+    with pytest.raises(openai.NotFoundError, match="unknown or ended"):
+        client.chat.completions.create(model="k3_nano", messages=[{"role": "user", "content": "hi"}],
+                                       extra_body={"session_id": "no-such-session"})
+    assert httpx.get(f"{base}/sessions/nope").status_code == 404
+    scripted.script = [[104, END_OF_MSG]]
+    r = client.chat.completions.create(model="k3_nano", messages=[{"role": "user", "content": "hi"}], max_tokens=3)
+    assert r.choices[0].message.content == "h"
+    assert httpx.delete(f"{base}/sessions/{r.session_id}").json()["deleted"] is True
+    assert httpx.get(f"{base}/sessions/{r.session_id}").status_code == 404
+    with pytest.raises(openai.NotFoundError, match="unknown or ended"):
+        client.chat.completions.create(model="k3_nano", extra_body={"session_id": r.session_id}, messages=[
+            {"role": "user", "content": "hi"}, {"role": "assistant", "content": "h"}, {"role": "user", "content": "x"}])
+
+
+def test_altered_history_is_409_naming_the_message(served):
+    client, base, scripted, _, _ = served
+    scripted.script = [[104, 105, END_OF_MSG]]
+    msgs = [{"role": "system", "content": "s"}, {"role": "user", "content": "hi"}]
+    sid = client.chat.completions.create(model="k3_nano", messages=msgs, max_tokens=3).session_id
+    edited = [msgs[0], {"role": "user", "content": "HI"}, {"role": "assistant", "content": "hi"},
+              {"role": "user", "content": "more"}]
+    with pytest.raises(openai.ConflictError, match=r"messages\[1\] differs"):
+        client.chat.completions.create(model="k3_nano", messages=edited, extra_body={"session_id": sid})
+    reply_changed = [*msgs, {"role": "assistant", "content": "hello"}, {"role": "user", "content": "more"}]
+    with pytest.raises(openai.ConflictError, match=r"messages\[2\] differs.*assistant 'hi'"):
+        client.chat.completions.create(model="k3_nano", messages=reply_changed, extra_body={"session_id": sid})
+    with pytest.raises(openai.ConflictError, match="adds none"):
+        client.chat.completions.create(model="k3_nano", messages=msgs, extra_body={"session_id": sid})
+    assert len(record(base, sid)["turns"]) == 1  # refused requests change nothing
+
+
+def test_past_the_context_is_400_and_ends_the_session_truncated(served):
+    client, base, scripted, _, _ = served
+    with pytest.raises(openai.BadRequestError, match=f"exceed the engine's max_context {MAX_CONTEXT}"):
+        client.chat.completions.create(model="k3_nano", messages=[{"role": "user", "content": "hi"}],
+                                       max_tokens=MAX_CONTEXT)
+    scripted.script = [[104, END_OF_MSG]]
+    msgs = [{"role": "user", "content": "hi"}]
+    sid = client.chat.completions.create(model="k3_nano", messages=msgs, max_tokens=3).session_id
+    msgs += [{"role": "assistant", "content": "h"}, {"role": "user", "content": "x" * 150}]
+    with pytest.raises(openai.BadRequestError, match=f"ended truncated.*GET /v1/sessions/{sid}"):
+        client.chat.completions.create(model="k3_nano", messages=msgs, extra_body={"session_id": sid})
+    rec = record(base, sid)
+    assert rec["truncated"] is True and rec["end"] == "truncated" and len(rec["ids"]) == 22
+    with pytest.raises(openai.NotFoundError, match="has ended"):
+        client.chat.completions.create(model="k3_nano", messages=msgs[:1], extra_body={"session_id": sid})
+
+
+def test_bad_bodies_are_refused_without_a_crash(served):
+    client, base, _, _, _ = served
+    r = httpx.post(f"{base}/chat/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "not JSON" in r.json()["error"]["message"]
+    assert httpx.post(f"{base}/chat/completions", json=[1, 2]).status_code == 400
+    with pytest.raises(openai.APIStatusError) as e:
+        client.chat.completions.create(model="k3_nano", messages=[{"role": "user", "content": "x" * (MAX_BODY + 1)}])
+    assert e.value.status_code == 413
+    big = httpx.post(f"{base}/completions", content=(b"x" * 1024 for _ in range(MAX_BODY // 1024 + 1)))  # chunked
+    assert big.status_code == 413
+    with pytest.raises(openai.BadRequestError, match=r"unknown or unsupported field\(s\) \['frequency_penalty'\]"):
+        client.chat.completions.create(model="k3_nano", messages=[{"role": "user", "content": "hi"}],
+                                       frequency_penalty=0.5)
+    with pytest.raises(openai.BadRequestError, match="temperature: must be a number"):
+        client.chat.completions.create(model="k3_nano", messages=[{"role": "user", "content": "hi"}],
+                                       temperature=-1)
+    with pytest.raises(openai.BadRequestError, match="role"):
+        client.chat.completions.create(model="k3_nano", messages=[{"role": "robot", "content": "hi"}])
+    assert [m.id for m in client.models.list().data] == ["k3_nano"]  # still serving
+
+
+def test_api_key_is_required_when_configured(monkeypatch):
+    from fastapi.testclient import TestClient
+
+    monkeypatch.setenv("MILES_K3_TEST_KEY", "s3cret")
+    cfg = compose_config("serve", ["api_key_env=MILES_K3_TEST_KEY"])
+    with TestClient(build_app(ScriptedEngine(None), None, cfg)) as c:
+        assert c.get("/v1/models").status_code == 401
+        assert c.get("/v1/models", headers={"authorization": "Bearer wrong"}).status_code == 401
+        ok = c.get("/v1/models", headers={"authorization": "Bearer s3cret"})
+        assert ok.status_code == 200 and "s3cret" not in json.dumps(ok.json())
