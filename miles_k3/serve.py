@@ -574,7 +574,7 @@ def serve(cfg: ServeConfig) -> None:
                         "" if cfg.api_key_env else "; no api_key_env is set, so anyone who reaches it can use it")
         log.info("serving %s on http://%s:%d/v1 (max_context %d)", app.state.server.model_id, cfg.host, cfg.port,
                  engine.max_context)
-        uvicorn.run(app, host=cfg.host, port=cfg.port, log_level="info")
+        uvicorn.run(app, host=cfg.host, port=cfg.port, log_config=None)  # its logs through Hydra's: stderr
     finally:
         engine.close()
 
