@@ -146,7 +146,8 @@ class RolloutEngine(VersionedEngine):
     # ---- public API --------------------------------------------------------------------------------
     def generate(self, input_ids: list[list[int]] | None = None, prompts: list[str] | None = None,
                  sampling_params: dict | list[dict] | None = None, n: int = 1, return_logprob: bool = True,
-                 lora: str | list[str | None] | None = None, return_routed_experts: bool = False) -> list[Record]:
+                 lora: str | list[str | None] | None = None, return_routed_experts: bool = False,
+                 keep_state: bool = False, sessions: list[int | None] | None = None) -> list[Record]:
         """Samples for every prompt: `n` per prompt, in order (prompt i's sample j at i * n + j).
 
         Each entry: `output_ids`, `meta_info` {finish_reason, prompt_tokens, completion_tokens,
@@ -159,16 +160,28 @@ class RolloutEngine(VersionedEngine):
         a preempted request keeps the routes its tokens were sampled with)}, or
         `error` (with finish_reason {"type": "abort"}) for a request that was rejected. Sample j of a prompt
         with `sampling_seed` s uses seed s + j, so a fork equals n separate requests with those seeds.
+
+        Sessions (`sessions.py`): with `keep_state`, every sample's state (KDA slot, latent pages) is parked when it
+        finishes, under the session id in its `meta_info["session_id"]` (a new id per sample, or the id it
+        continued). `sessions[i]` (n=1): prompt i is session `sessions[i]`'s next turn: its tokens so far (the
+        previous turn's prompt + output ids) followed by the new ones; only the new ones are prefilled (the state is
+        recomputed instead when it gave way for memory, or the weights, adapter or route recording changed). A
+        session continued without `keep_state` ends with that turn; `close_sessions` ends the others.
         """
         ids, params, loras = generate_requests(input_ids, prompts, sampling_params, n, lora, self.tokenizer,
                                                self._released)
         if return_routed_experts and not self.runner.num_moe:
             raise ValueError("return_routed_experts: this model has no MoE layers, so there are no routes")
+        if sessions is not None and len(sessions) != len(ids):
+            raise ValueError(f"sessions: one entry per prompt ({len(ids)}), got {len(sessions)}")
         results: list[dict | None] = [None] * (len(ids) * n)
         groups = deque()
         for i, (p, sp, name) in enumerate(zip(ids, params, loras)):
             try:
-                groups.append(self._make_group(i, n, p, sp, name, return_routed_experts))
+                with self._lock:
+                    group = self._make_group(i, n, p, sp, name, return_routed_experts)
+                    self._attach_session(group, None if sessions is None else sessions[i], keep_state)
+                groups.append(group)
             except ValueError as e:
                 for j in range(n):
                     results[i * n + j] = error_record(str(e))
@@ -180,6 +193,62 @@ class RolloutEngine(VersionedEngine):
             if not self._active:  # every request of every call has its routes in its result
                 self.runner.route_log.clear()
         return results
+
+    def close_sessions(self, session_ids: Iterable[int]) -> None:
+        """End these sessions (their parked state freed); an id not open is a ValueError naming it (the ids before
+        it are closed)."""
+        with self._lock:
+            for sid in session_ids:
+                self.runner.sessions.close(sid)
+
+    @property
+    def session_stats(self) -> dict[str, int]:
+        """Sessions parked, continued on kept state, dropped for memory, recomputed; the kept positions those
+        continued turns did not prefill, and every position prefilled over the engine's life (`prefill_tokens`)."""
+        return self.runner.sessions.stats.as_dict() | {"prefill_tokens": self.runner.prefill_tokens}
+
+    def _attach_session(self, group: list[Request], sid: int | None, keep: bool) -> None:
+        """Make the group's requests sessions (keep: parked when they finish) and, for a session's next turn, hand
+        its head the parked slot and pages (or recompute: see `generate`)."""
+        store = self.runner.sessions
+        if sid is None:
+            for req in group:
+                req.session = store.new_id() if keep else None
+            return
+        head = group[0]
+        where = f"request {head.index}"
+        if len(group) != 1:
+            raise ValueError(f"{where}: continuing session {sid} takes n=1, got n={len(group)}")
+        if not store.known(sid):
+            store.claim(sid)  # the ValueError naming the open sessions
+        parked = store.peek(sid)
+        if parked is not None and head.prompt[:len(parked.tokens)] != parked.tokens:
+            k = next((i for i, (a, b) in enumerate(zip(head.prompt, parked.tokens)) if a != b),
+                     min(len(head.prompt), len(parked.tokens)))
+            raise ValueError(f"{where}: its prompt does not extend session {sid}'s tokens (they differ from position "
+                             f"{k} of {len(parked.tokens)}); a turn's prompt is the session's previous prompt and "
+                             "output ids as returned, then the new tokens")
+        if parked is not None and len(head.prompt) == len(parked.tokens):
+            raise ValueError(f"{where}: session {sid}'s next prompt adds no token to its {len(parked.tokens)}")
+        parked = store.claim(sid)
+        head.session = sid if keep else None
+        if not keep:
+            store.close(sid)
+        if parked is None:
+            store.stats.recomputed += 1  # its state gave way for memory, or the pools were released
+            return
+        if parked.versions != {self.weight_version} or parked.lora != head.lora or (head.record and
+                                                                                    not parked.record):
+            self.runner._free_state(parked.slot, parked.rid)
+            store.stats.recomputed += 1
+            return
+        kept = len(parked.tokens) - 1
+        head.rid, head.slot, head.kept, head.cached = parked.rid, parked.slot, kept, kept
+        head.weight_versions = set(parked.versions)
+        if head.record:
+            head.routes, head.num_routed = list(parked.routes), parked.num_routed
+        store.stats.continued += 1
+        store.stats.kept_tokens += kept
 
     # ---- partial rollouts: a persistent queue served across runs ------------------------------------------
     def submit(self, input_ids: list[list[int]], sampling_params: dict | list[dict] | None = None, n: int = 1,
@@ -436,6 +505,8 @@ class RolloutEngine(VersionedEngine):
     def _result(self, req: Request, return_logprob: bool) -> Record:
         meta = sample_meta(req.finish.to_dict(), len(req.prompt), len(req.output), req.cached, req.weight_versions)
         meta["output_token_weight_versions"] = list(req.token_versions)
+        if req.session is not None:
+            meta["session_id"] = req.session
         if return_logprob:
             meta["output_token_logprobs"] = list(zip(req.logprobs, req.output))
             if req.unfiltered:  # the sampling was filtered: the same tokens under the unfiltered distribution

@@ -37,6 +37,7 @@ from miles_k3.rollout.memory import (
 from miles_k3.rollout.requests import Request
 from miles_k3.rollout.route_log import RouteLog
 from miles_k3.rollout.sampling import check_stop, filters, sample, unfiltered_logprobs
+from miles_k3.rollout.sessions import Parked, SessionStore
 
 log = logging.getLogger("miles_k3.rollout.engine")
 
@@ -89,6 +90,10 @@ class ModelRunner:
         self._slot_bytes = slot_bytes(self.cfg, self.dtype, ctx.tp_size)
         self._page_bytes = page_bytes(self.cfg, config.page_size, self.dtype)
         self.retracted = Retracted()
+        self.sessions = SessionStore(self._free_state)
+        """States parked between a session's turns (`sessions.py`); they give way when the pools are short."""
+        self.prefill_tokens = 0
+        """Positions prefilled over the engine's life (a session's kept state saves its positions here)."""
         """What the retracts since the last `Retracted.reset` freed (the engine resets it at every run)."""
         self.graph = self._make_graph_decoder()
         self.route_log = RouteLog()  # decode steps' routes while generate() calls are in flight
@@ -98,30 +103,57 @@ class ModelRunner:
     # ---- slots and pages (the scheduler's `StepRunner`) ----------------------------------------------------
     @property
     def num_free_slots(self) -> int:
-        return self.kda.num_free
+        """Free slots, and the parked sessions' (they give way when taken: `alloc_slots`, `fork_slots`)."""
+        return self.kda.num_free + self.sessions.num_parked
+
+    def _slots_free(self, k: int) -> None:
+        while self.kda.num_free < k and self.sessions.give_way():
+            pass
 
     def alloc_slots(self, k: int) -> list[int] | None:
+        self._slots_free(k)
         return self.kda.alloc_many(k)  # one reset for every slot
 
     def fork_slots(self, slot: int, k: int) -> list[int] | None:
+        self._slots_free(k)
         return self.kda.fork(slot, k)
 
     def new_request(self, rid: int) -> None:
         self.cache.new_request(rid)
 
     def reserve(self, rid: int, num_tokens: int) -> bool:
-        return self.cache.reserve(rid, num_tokens)
+        """Pages for `num_tokens` more positions of `rid`, parked sessions giving way while they are short."""
+        while not self.cache.reserve(rid, num_tokens):
+            if not self.sessions.give_way():
+                return False
+        return True
 
     def fork_pages(self, rid: int, children: list[int]) -> bool:
-        return self.cache.fork(rid, children)
+        while not self.cache.fork(rid, children):
+            if not self.sessions.give_way():
+                return False
+        return True
 
     def free_slot(self, slot: int) -> None:
         self.kda.free(slot)
 
+    def _free_state(self, slot: int, rid: int) -> None:
+        self.kda.free(slot)
+        self.cache.free(rid)
+
+    def finish(self, req: Request) -> None:
+        """A finished request: its slot and pages parked under its session (keep_state), else freed."""
+        if req.session is None:
+            self.free(req)
+            return
+        req.keep_routes(self.route_log)
+        self.sessions.park(req.session, Parked(req.rid, req.slot, list(req.tokens), set(req.weight_versions),
+                                               req.lora, req.record, list(req.routes), req.num_routed))
+
     def free(self, req: Request) -> None:
         self.kda.free(req.slot)
         self.cache.free(req.rid)
-        req.slot = None
+        req.slot, req.kept = None, 0  # recomputed from its first token if it runs again
 
     def retract(self, req: Request) -> None:
         """End `req`'s run without finishing it (a partial rollout's stop): its slot and pages freed like `free`,
@@ -141,6 +173,7 @@ class ModelRunner:
     # ---- memory ---------------------------------------------------------------------------------------
     def release(self, tags: list[str]) -> None:
         if "kv_cache" in tags:
+            self.sessions.forget_states()
             self.kda.release()
             self.cache.release()
         if self.graph is not None and ("cuda_graph" in tags or "kv_cache" in tags):
@@ -208,19 +241,20 @@ class ModelRunner:
         self.model(torch.zeros(1, 1, dtype=torch.long, device=self.device), return_logits=False)
 
     def prefill(self, heads: list[Request]) -> set[int]:
-        """Chunked prefill of each head's tokens but the last, batched (right-padded) per adapter; returns the
-        rids that could not reserve pages (their state is left partial: the caller frees them)."""
+        """Chunked prefill of each head's tokens but the last, from its first position not kept (`Request.kept`: a
+        session's turn prefills only its new tokens), batched (right-padded) per adapter; returns the rids that
+        could not reserve pages (their state is left partial: the caller frees them)."""
         failed: set[int] = set()
         chunk = self.config.prefill_chunk
         by_lora: dict[str | None, list[Request]] = {}
         for h in heads:
             by_lora.setdefault(h.lora, []).append(h)
         for name, reqs in by_lora.items():
-            longest = max(len(r.tokens) - 1 for r in reqs)
-            for start in range(0, longest, chunk):
-                rows = [r for r in reqs if len(r.tokens) - 1 > start and r.rid not in failed]
+            longest = max(len(r.tokens) - 1 - r.kept for r in reqs)
+            for start in range(0, longest, chunk):  # start: past each row's kept positions
+                rows = [r for r in reqs if len(r.tokens) - 1 - r.kept > start and r.rid not in failed]
                 for r in rows:
-                    if not self.cache.reserve(r.rid, min(chunk, len(r.tokens) - 1 - start)):
+                    if not self.reserve(r.rid, min(chunk, len(r.tokens) - 1 - r.kept - start)):
                         failed.add(r.rid)
                 rows = [r for r in rows if r.rid not in failed]
                 width = min(chunk, longest - start)  # the padded width of this chunk's forwards
@@ -231,8 +265,9 @@ class ModelRunner:
         return failed
 
     def prefill_rows(self, rows: list[Request], start: int, chunk: int) -> None:
-        """One prefill forward: tokens start .. start + chunk - 1 of each row (but its last token)."""
-        pieces = [r.tokens[start:min(start + chunk, len(r.tokens) - 1)] for r in rows]
+        """One prefill forward: each row's tokens kept + start .. kept + start + chunk - 1 (but its last token)."""
+        pieces = [r.tokens[r.kept + start:min(r.kept + start + chunk, len(r.tokens) - 1)] for r in rows]
+        self.prefill_tokens += sum(map(len, pieces))
         width = max(map(len, pieces))
         ids = torch.tensor([p + [0] * (width - len(p)) for p in pieces], device=self.device)
         lens = torch.tensor([len(p) for p in pieces], device=self.device)
@@ -252,7 +287,7 @@ class ModelRunner:
             routes_BTLK = self.route_log.to_host(recorder.routes().view(len(rows), width, self.num_moe, -1))
             for b, (r, p) in enumerate(zip(rows, pieces)):
                 if r.record:
-                    r.add_routes(start, routes_BTLK[b, :len(p)], self.route_log)
+                    r.add_routes(r.kept + start, routes_BTLK[b, :len(p)], self.route_log)
 
     def decode(self, running: list[Request]) -> list[Request]:
         """One token for every running request (one model step per adapter); returns the finished ones."""

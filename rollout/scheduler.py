@@ -44,6 +44,10 @@ class StepRunner(Protocol):
 
     def free(self, req: Any) -> None: ...
 
+    def finish(self, req: Any) -> None:
+        """A finished request's slot and pages: freed, or parked for its session's next turn."""
+        ...
+
     def retract(self, req: Any) -> None:
         """Free a running request's slot and pages like `free`, keeping its tokens and moving whatever it holds in
         the runner's per-run state (its route rows) onto the request: it continues in a later run."""
@@ -95,7 +99,7 @@ class Scheduler:
                 self.make_room(running, waiting)
                 for req in self.runner.decode(running):
                     running.remove(req)
-                    self.runner.free(req)
+                    self.runner.finish(req)
                     done(req)
                 if stop is not None and stop():
                     self.retract(running, waiting)
@@ -111,14 +115,17 @@ class Scheduler:
 
     def admit(self, waiting: deque, running: list, max_groups: int | None = None) -> None:
         """Admit waiting groups in order while their slots fit: prefill their heads (batched), then fork each group
-        into its requests. A group that gets no pages goes back to the front of the queue, in order."""
+        into its requests. A head that holds a slot already (a session's turn on its kept state) needs no new one.
+        A group that gets no pages goes back to the front of the queue, in order."""
         taken, need, free = [], 0, self.runner.num_free_slots
-        while waiting and need + len(waiting[0]) <= free and len(taken) != max_groups:
+        while waiting and need + len(waiting[0]) - _holds(waiting[0]) <= free and len(taken) != max_groups:
             group = waiting.popleft()
-            need += len(group)
-            self.runner.new_request(group[0].rid)
+            need += len(group) - _holds(group)
+            if not _holds(group):
+                self.runner.new_request(group[0].rid)
             taken.append(group)
-        for group, slot in zip(taken, self.runner.alloc_slots(len(taken)) or ()):
+        fresh = [g for g in taken if not _holds(g)]
+        for group, slot in zip(fresh, (self.runner.alloc_slots(len(fresh)) or ()) if fresh else ()):
             group[0].slot = slot
         failed = self.runner.prefill([g[0] for g in taken]) if taken else set()
         back = []
@@ -158,3 +165,8 @@ class Scheduler:
             self.num_preempted += 1
             log.info("preempted request %d (%d tokens) for lack of latent pages", victim.rid, len(victim.tokens))
             i = min(i, len(running))
+
+
+def _holds(group: list) -> bool:
+    """Whether the group's head holds its slot (and pages) already: a session's turn on its kept state."""
+    return group[0].slot is not None

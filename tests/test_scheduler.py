@@ -72,6 +72,9 @@ class FakeRunner:
         req.slot = None
         self.events.append(("free", req.name))
 
+    def finish(self, req):  # no sessions here: a finished request is freed
+        self.free(req)
+
     def retract(self, req):
         self.free_slot(req.slot)
         self.pages.pop(req.rid)
