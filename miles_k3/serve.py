@@ -13,7 +13,7 @@ session's tokens so far + the new ids, so the engine sees exactly that concatena
 
 `build_app(engine, tokenizer, cfg)` builds the FastAPI app over an engine already built (training may run it
 for agent rollouts); `main` is the Hydra command (uvicorn). Engine calls run one at a time on a single worker
-thread, each through `generate_turn`.
+thread, each through `generate_turn`; requests that arrive while the engine is busy share its next call.
 """
 
 import asyncio
@@ -66,11 +66,11 @@ class ApiError(Exception):
 
 
 # ---- the engine call --------------------------------------------------------------------------------------
-def generate_turn(engine, prompts: list[list[int]], params: dict, n: int, lora: str | None) -> list[dict]:
-    """The one engine call of a turn: `n` samples of each prompt (the whole token sequence of its session so far),
-    with log-probs. The place to switch to engine-side session state (KDA state and KV pages kept across turns)."""
-    return engine.generate(input_ids=prompts, sampling_params=[dict(params) for _ in prompts], n=n,
-                           return_logprob=True, lora=lora)
+def generate_turn(engine, prompts: list[list[int]], params: list[dict], n: int, lora: str | None) -> list[dict]:
+    """The one engine call of a turn (of every turn batched into it): `n` samples of each prompt (the whole token
+    sequence of its session so far) under its own sampling params, with log-probs; prompt i's sample j at
+    i * n + j. The place to switch to engine-side session state (KDA state and KV pages kept across turns)."""
+    return engine.generate(input_ids=prompts, sampling_params=params, n=n, return_logprob=True, lora=lora)
 
 
 # ---- prompts ------------------------------------------------------------------------------------------------
@@ -244,6 +244,8 @@ class Server:
         if cfg.api_key_env and not self.api_key:
             raise ValueError(f"api_key_env: the environment variable {cfg.api_key_env} is unset or empty")
         self.worker = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="serve-engine")
+        self.pending: list[tuple[list[int], dict, int, asyncio.Future]] = []  # requests waiting for the engine
+        self.drainer: asyncio.Task | None = None  # the task feeding them to the engine, while there are any
         self.created = int(time.time())
 
     # -- checks shared by every request
@@ -318,16 +320,44 @@ class Server:
         return s
 
     async def run_engine(self, prompt: list[int], params: dict, n: int) -> list[dict]:
+        """The `n` records of one prompt. Requests that arrive while the engine is busy wait together and go
+        into its next call as one batch (those with the same n; `drain`)."""
         loop = asyncio.get_running_loop()
+        done = loop.create_future()
+        self.pending.append((prompt, params, n, done))
+        if self.drainer is None:
+            self.drainer = loop.create_task(self.drain())
         try:
-            outs = await loop.run_in_executor(self.worker, generate_turn, self.engine, [prompt], params, n,
-                                              self.lora)
-        except ValueError as e:  # a request the engine refuses
+            outs = await done
+        except ValueError as e:  # a call the engine refuses as a whole
             raise ApiError(400, str(e)) from None
         bad = next((o for o in outs if "error" in o), None)
         if bad is not None:
             raise ApiError(400, f"the engine rejected the request: {bad['error']}")
         return outs
+
+    async def drain(self) -> None:
+        """Run the waiting requests, one engine call at a time on the worker thread: each call takes every
+        waiting request with the first one's n (in arrival order); the others wait for the next call."""
+        loop = asyncio.get_running_loop()
+        try:
+            while self.pending:
+                n = self.pending[0][2]
+                batch = [p for p in self.pending if p[2] == n]
+                self.pending = [p for p in self.pending if p[2] != n]
+                try:
+                    outs = await loop.run_in_executor(self.worker, generate_turn, self.engine, [b[0] for b in batch],
+                                                      [b[1] for b in batch], n, self.lora)
+                except Exception as e:  # noqa: BLE001 (every request of the call gets the error)
+                    for *_, done in batch:
+                        if not done.done():
+                            done.set_exception(e)
+                    continue
+                for i, (*_, done) in enumerate(batch):
+                    if not done.done():
+                        done.set_result(outs[i * n:(i + 1) * n])
+        finally:
+            self.drainer = None
 
     async def turn(self, body: dict, kind: str, new_ids, max_tokens_key: str, first_ids
                    ) -> tuple[list[Session], list[dict]]:

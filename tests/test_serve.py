@@ -6,6 +6,7 @@ prompt ids are the bytes of the fallback format's text: `user: hi\\nassistant: `
 A `ScriptedEngine` stands between the server and the real engine: with a script it returns the scripted output
 ids (hand-picked: a reply whose bytes are invalid UTF-8) instead of sampling; it records every prompt the server
 sent, so a test checks exactly what the engine saw."""
+import concurrent.futures as cf
 import json
 import socket
 import sys
@@ -30,10 +31,11 @@ EOS, END_OF_MSG = 257, 259
 
 
 class ScriptedEngine:
-    """The real engine, or the next scripted output (`script`: a list of output id lists) when one is queued."""
+    """The real engine, or scripted outputs when `script` is set: a list of output id lists (one per prompt, in
+    order) or a function of the prompt. `gate`: an event each call waits for (to hold the engine busy)."""
 
     def __init__(self, engine):
-        self.engine, self.script, self.prompts = engine, [], []
+        self.engine, self.script, self.prompts, self.gate = engine, [], [], None
 
     @property
     def max_context(self):
@@ -41,17 +43,22 @@ class ScriptedEngine:
 
     def generate(self, input_ids, sampling_params, n, return_logprob, lora):
         self.prompts.append([list(p) for p in input_ids])
+        if self.gate is not None:
+            self.gate.wait(timeout=30)
         if not self.script:
             return self.engine.generate(input_ids=input_ids, sampling_params=sampling_params, n=n,
                                         return_logprob=return_logprob, lora=lora)
-        out = self.script.pop(0)
+        return [self.scripted(p) for p in input_ids for _ in range(n)]
+
+    def scripted(self, prompt):
+        out = self.script(prompt) if callable(self.script) else self.script.pop(0)
         stop = out[-1] in (EOS, END_OF_MSG)
         finish = {"type": "stop", "matched": out[-1]} if stop else {"type": "length"}
-        return [{"output_ids": list(out),
-                 "meta_info": {"finish_reason": finish, "prompt_tokens": len(input_ids[0]),
-                               "completion_tokens": len(out), "cached_tokens": 0, "weight_version": 7,
-                               "weight_versions": [7], "output_token_logprobs": [(-0.5, t) for t in out],
-                               "output_token_weight_versions": [7] * len(out)}}]
+        return {"output_ids": list(out),
+                "meta_info": {"finish_reason": finish, "prompt_tokens": len(prompt), "completion_tokens": len(out),
+                              "cached_tokens": 0, "weight_version": 7, "weight_versions": [7],
+                              "output_token_logprobs": [(-0.5, t) for t in out],
+                              "output_token_weight_versions": [7] * len(out)}}
 
 
 @pytest.fixture(scope="module")
@@ -62,6 +69,7 @@ def served():
     engine, tokenizer, lora = eval_engine(cfg)
     scripted = ScriptedEngine(engine)
     app = build_app(scripted, tokenizer, cfg, lora)
+    scripted.server = app.state.server
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
@@ -207,6 +215,42 @@ def test_n_forks_start_one_session_each(served):
         client.chat.completions.create(model="k3_nano", n=2, extra_body={"session_id": sids[0]}, messages=[
             {"role": "user", "content": "7+8="}, {"role": "assistant", "content": r.choices[0].message.content},
             {"role": "user", "content": "?"}])
+
+
+def test_requests_that_wait_share_the_next_engine_call(served):
+    """While a call holds the engine, three requests arrive; they go into the next call together, and each gets
+    its own prompt's output (the script echoes the user's letter)."""
+    client, base, scripted, _, _ = served
+    scripted.script = lambda prompt: [prompt[6], END_OF_MSG]  # "user: b\nassistant: " -> "b"
+    scripted.gate = threading.Event()
+    calls = len(scripted.prompts)
+
+    def ask(letter):
+        r = client.chat.completions.create(model="k3_nano", messages=[{"role": "user", "content": letter}],
+                                           max_tokens=2)
+        return r.choices[0].message.content, r.session_id
+
+    def wait_for(cond):
+        deadline = time.time() + 20
+        while not cond() and time.time() < deadline:
+            time.sleep(0.01)
+        assert cond()
+
+    try:
+        with cf.ThreadPoolExecutor(4) as pool:
+            first = pool.submit(ask, "a")
+            wait_for(lambda: len(scripted.prompts) == calls + 1)  # the first call holds the engine
+            rest = {c: pool.submit(ask, c) for c in "bcd"}
+            wait_for(lambda: len(scripted.server.pending) == 3)
+            scripted.gate.set()
+            answers = {"a": first.result(), **{c: f.result() for c, f in rest.items()}}
+    finally:
+        scripted.gate, scripted.script = None, []
+    assert {c: text for c, (text, _) in answers.items()} == {"a": "a", "b": "b", "c": "c", "d": "d"}
+    assert len(scripted.prompts) == calls + 2  # two engine calls for four requests
+    assert sorted(scripted.prompts[-1]) == [list(f"user: {c}\nassistant: ".encode()) for c in "bcd"]
+    for c, (_, sid) in answers.items():
+        assert record(base, sid)["ids"] == list(f"user: {c}\nassistant: ".encode()) + [ord(c), END_OF_MSG]
 
 
 def test_completions_text_and_token_ids(served):
