@@ -438,7 +438,10 @@ class Server:
         self.check_fields(body, COMPLETION_FIELDS)
         self.check_model(body)
         _refuse_set(body, "echo", (None, False), "the prompt is not repeated (its ids: GET /v1/sessions/{id})")
-        logprobs = _int(body, "logprobs", None, 0, 0)
+        logprobs = body.get("logprobs")
+        if logprobs not in (None, 0) or isinstance(logprobs, bool):
+            raise ApiError(400, f"logprobs: {logprobs!r} is not supported: give 0 (the sampled tokens' log-probs; "
+                                "no alternatives) or leave it out", "unsupported_value")
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]  # a batch of one

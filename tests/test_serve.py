@@ -339,6 +339,43 @@ def test_bad_bodies_are_refused_without_a_crash(served):
     assert [m.id for m in client.models.list().data] == ["k3_nano"]  # still serving
 
 
+def test_adapter_dir_is_served(served, tmp_path):
+    """adapter=DIR (a PEFT directory as training saves it): the server generates with it, as the engine does with
+    its adapter, and not as the base does."""
+    import torch
+    from fastapi.testclient import TestClient
+
+    from miles_k3.adapter import save_adapter
+    from miles_k3.model.build import build_model
+    from miles_k3.model.lora import LoRAConfig, lora_parameters
+
+    _, _, _, base_engine, _ = served
+    overrides = ["device=cpu", f"engine.max_context={MAX_CONTEXT}", "engine.memory_budget_bytes=8388608"]
+    cfg = compose_config("serve", overrides)
+    lora = LoRAConfig(rank=4, alpha=8.0)
+    model = build_model(cfg.model, torch.device("cpu"), torch.float32, lora=lora)
+    with torch.no_grad():
+        for t in lora_parameters(model).values():
+            t.normal_(0, 0.5)
+    save_adapter(model, lora, tmp_path / "adapter", base_model_name_or_path="k3_nano")
+    cfg = compose_config("serve", [*overrides, f"adapter={tmp_path}/adapter"])
+    engine, tokenizer, name = eval_engine(cfg)
+    assert name == "policy"
+    prompt = list(b"15-43-75=")
+    greedy = {"max_new_tokens": 8, "temperature": 0.0}
+    try:
+        with TestClient(build_app(engine, tokenizer, cfg, name)) as c:
+            r = c.post("/v1/completions", json={"model": "k3_nano", "prompt": prompt, "max_tokens": 8,
+                                                "temperature": 0})
+            assert r.status_code == 200, r.text
+            ids = c.get(f"/v1/sessions/{r.json()['session_id']}").json()["ids"][len(prompt):]
+        tuned = engine.generate(input_ids=[prompt], sampling_params=greedy, lora="policy")[0]["output_ids"]
+    finally:
+        engine.close()
+    base = base_engine.generate(input_ids=[prompt], sampling_params=greedy)[0]["output_ids"]
+    assert ids == tuned and ids != base
+
+
 def test_api_key_is_required_when_configured(monkeypatch):
     from fastapi.testclient import TestClient
 
