@@ -79,7 +79,11 @@ def render_messages(tokenizer, messages: list[dict]) -> str:
     (add_generation_prompt=True) when it has one, else the fallback format: each message as `role: content\\n`
     (`role (name): ` with a name), then `assistant: `."""
     if getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        try:
+            return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except Exception as e:  # noqa: BLE001 (a template that refuses the messages: e.g. roles must alternate)
+            raise ApiError(400, f"the chat template refused these messages: {type(e).__name__}: {e}",
+                           "template_error") from None
     lines = [f"{m['role']}{' (' + m['name'] + ')' if 'name' in m else ''}: {m['content']}\n" for m in messages]
     return "".join(lines) + "assistant: "
 
@@ -518,7 +522,7 @@ class Server:
             chunks.append(chunk)
         try:
             body = json.loads(b"".join(chunks))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
             raise ApiError(400, f"the body is not JSON: {e}", "invalid_json") from None
         if not isinstance(body, dict):
             raise ApiError(400, "the body must be a JSON object", "invalid_json")

@@ -376,6 +376,20 @@ def test_adapter_dir_is_served(served, tmp_path):
     assert ids == tuned and ids != base
 
 
+def test_a_template_that_refuses_and_a_body_nested_too_deep_are_400():
+    from fastapi.testclient import TestClient
+
+    from miles_k3.model.tokenizer import small_tokenizer
+
+    tok = small_tokenizer(512)
+    tok.chat_template = "{{ raise_exception('roles must alternate') }}"
+    with TestClient(build_app(ScriptedEngine(None), tok, compose_config("serve"))) as c:
+        r = c.post("/v1/chat/completions", json={"model": "k3_nano", "messages": [{"role": "user", "content": "a"}]})
+        assert r.status_code == 400 and "roles must alternate" in r.json()["error"]["message"]
+        deep = c.post("/v1/chat/completions", content=b"[" * 100_000 + b"]" * 100_000)
+        assert deep.status_code == 400 and "not JSON" in deep.json()["error"]["message"]
+
+
 def test_api_key_is_required_when_configured(monkeypatch):
     from fastapi.testclient import TestClient
 
