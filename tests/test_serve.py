@@ -339,6 +339,7 @@ def test_bad_bodies_are_refused_without_a_crash(served):
     assert [m.id for m in client.models.list().data] == ["k3_nano"]  # still serving
 
 
+@pytest.mark.slow  # peft's import, which writing and reading an adapter directory need: seconds
 def test_adapter_dir_is_served(served, tmp_path):
     """adapter=DIR (a PEFT directory as training saves it): the server generates with it, as the engine does with
     its adapter, and not as the base does."""
