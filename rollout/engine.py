@@ -70,6 +70,7 @@ class RolloutEngine(VersionedEngine):
     queue_state / load_queue_state."""
 
     backend = "native"
+    keeps_sessions = True  # generate(keep_state=, sessions=): a conversation's state kept between its turns
     push_needs_memory = False  # a push copies tensors into the adapter buffers: no request runs
 
     def __init__(self, model: K3ForCausalLM, config: EngineConfig | None = None, lora: LoRAConfig | None = None,

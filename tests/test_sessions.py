@@ -15,6 +15,7 @@ PROMPT = [1, 2, 3, 4, 5]
 OBS = [[200, 201, 202], [210, 211, 212]]  # the observations after turns 1 and 2
 NEW = 4  # max_new_tokens, no stop token: every turn samples exactly 4
 LOGPROB_ATOL = 1e-5  # fp32: the kept state and the re-prefill compute the same positions in other chunkings
+EPISODE_ATOL = 5e-5  # the same over episodes of up to 128 tokens (seen: 1.4e-5)
 
 
 @pytest.fixture(scope="module")
@@ -169,3 +170,52 @@ def test_bad_continuations_are_refused_naming_the_session_and_the_rest_are_serve
     assert "error" not in again[0] and "session 0 has a turn running" in again[1]["error"]
     with pytest.raises(ValueError, match="one entry per prompt"):
         engine.generate(input_ids=[ids], sessions=[0, 1])
+
+
+def test_guess_episodes_as_sessions_equal_recomputed_ones_and_prefill_only_the_observations(model):
+    """collect_rollouts with env=guess on the real engine, keep_state on and off: the same samples (tokens, masks;
+    log-probs within LOGPROB_ATOL). Prefill counted from the samples' own structure: each group prefills its prompt
+    but the last token once; after that a kept-state turn prefills the previous turn's last token and the
+    observation but its last (= the observation's length), a recomputed turn everything before it but the last.
+    Log-probs within EPISODE_ATOL."""
+    from miles_k3.envs.env import EnvConfig, build_env
+    from miles_k3.evals.problems import Problem
+    from miles_k3.evals.rewards import RewardResult
+    from miles_k3.model.tokenizer import small_tokenizer
+    from miles_k3.trainer.rollouts import PromptStream, RolloutConfig, collect_rollouts
+
+    tok = small_tokenizer(512)
+    problems = [Problem(f"g{i}", f"Guess my number from 1 to 9: {i}", str(i)) for i in range(1, 3)]
+    rcfg = RolloutConfig(prompts_per_step=2, group_size=2, template="plain", dynamic_sampling=False,
+                         max_new_tokens=NEW)
+
+    def run(keep: bool):
+        engine = _engine(model, max_context=128)
+        env_cfg = EnvConfig(name="guess", max_turns=3, keep_state=keep)
+        samples, m = collect_rollouts(engine, tok, PromptStream(problems, 0), lambda r, g: [
+            RewardResult(0.0, False, {}) for _ in r], rcfg, "policy", env=(build_env(env_cfg), env_cfg))
+        assert _pools_free(engine)  # every episode's session closed
+        return samples, m
+
+    (kept, mk), (full, mf) = run(True), run(False)
+    for a, b in zip(kept, full, strict=True):
+        assert (a.prompt_ids, a.response_ids, a.loss_mask) == (b.prompt_ids, b.response_ids, b.loss_mask)
+        assert max(abs(x - y) for x, y in zip(a.rollout_logprobs, b.rollout_logprobs)) < EPISODE_ATOL
+    turns = [[i for i in range(len(s.loss_mask)) if s.loss_mask[i] and (i == 0 or not s.loss_mask[i - 1])]
+             for s in kept]  # where each turn's tokens start in the response
+    assert sum(map(len, turns)) > len(kept)  # the episodes went past one turn
+    first = sum(len(s.prompt_ids) - 1 for s in kept[::2])
+    want_kept = first + sum(_obs_before(s.loss_mask, t) for s, ts in zip(kept, turns) for t in ts[1:])
+    want_full = first + sum(len(s.prompt_ids) + t - 1 for s, ts in zip(kept, turns) for t in ts[1:])
+    n = len(kept)
+    assert mk["env/prefill_tokens_mean"] == pytest.approx(want_kept / n)
+    assert mf["env/prefill_tokens_mean"] == pytest.approx(want_full / n)
+    assert mk["env/kept_tokens_mean"] > 0 and mf["env/kept_tokens_mean"] == 0.0
+
+
+def _obs_before(mask: list[int], t: int) -> int:
+    """The length of the observation that ends right before position t (the zeros of the mask before it)."""
+    k = t
+    while k > 0 and mask[k - 1] == 0:
+        k -= 1
+    return t - k

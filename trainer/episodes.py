@@ -9,8 +9,11 @@ returned, its route: the positions that produced a turn's tokens take that turn'
 final turn's prefill.
 
 Turn 1 is the group's `generate` call (n = group_size forks of one prompt: they share its prefill); each later
-round is one `generate` call over every live episode (n=1, its whole conversation as the prompt, recomputed: the
-session state kept across turns is not built yet). Under data parallelism every rank makes the same number of
+round is one `generate` call over every live episode (n=1, its whole conversation as the prompt). With
+env.keep_state (native engine) every episode is an engine session (`rollout/sessions.py`): a turn's KDA state and
+latent pages stay parked in the engine until the episode's next turn, which prefills only its new tokens (the
+state is recomputed, with the same result, when it gave way for memory); an episode's session is closed when it
+ends. Without it every turn recomputes the whole conversation. Under data parallelism every rank makes the same number of
 calls (a max over the ranks of the live episodes decides whether another round runs; a rank with none calls
 `generate` with no prompts), as lockstep needs. The default `single` environment ends every episode after its
 first turn, so a single-turn rollout makes one call and no collective, as before.
@@ -52,12 +55,14 @@ class Episode:
     graded: bool = False  # the final turn is graded by the run's reward
     end: str = ""
     info: dict[str, float] = field(default_factory=dict)
+    session: int | None = None  # the engine session its turns continue (env.keep_state), None: recomputed
 
     @property
     def length(self) -> int:
         return len(self.prompt) + len(self.ids)
 
     def add_turn(self, out: dict) -> None:
+        self.session = out["meta_info"].get("session_id")
         self.starts.append(self.length)
         self.outs.append(out)
         self.ids += list(out["output_ids"])
@@ -109,17 +114,30 @@ def first_prompt(env: Environment, problem: Problem, draw: int, seed: int, templ
     return render_prompt(template, problem.problem, tokenizer) if text is None else text
 
 
+def keeps_state(engine, env_cfg: EnvConfig) -> bool:
+    """Whether episodes run as engine sessions (multi-turn, env.keep_state, an engine with sessions)."""
+    return env_cfg.max_turns > 1 and env_cfg.keep_state and getattr(engine, "keeps_sessions", False)
+
+
+def session_args(engine, env_cfg: EnvConfig) -> dict:
+    """The first turn's `generate` arguments for sessions ({} when episodes recompute every turn)."""
+    return {"keep_state": True} if keeps_state(engine, env_cfg) else {}
+
+
 def run_turns(engine, tokenizer, episodes: list[Episode], cfg, env_cfg: EnvConfig, lora, routes: bool,
               ctx: ParallelContext = SINGLE) -> None:
     """Steps every episode's environment after its first turn (already added) and runs further turns until every
-    episode has ended, on every rank (see the module docstring)."""
+    episode has ended, on every rank (see the module docstring). Every episode's engine session is closed when it
+    ends (and all of them if this raises)."""
     limit = 0  # one turn: no context limit to check (the first turn's request was checked by the engine)
     if env_cfg.max_turns > 1:
         limit = min(env_cfg.max_total_tokens or engine.max_context, engine.max_context)
+    keep = keeps_state(engine, env_cfg)
     pool = cf.ThreadPoolExecutor(max_workers=4, thread_name_prefix="env-step")
     try:
         for turn in range(1, env_cfg.max_turns + 1):
             live = [ep for ep in episodes if _step(ep, tokenizer, pool, env_cfg, turn, limit)]
+            _close(engine, [ep for ep in episodes if ep.end])
             if turn == env_cfg.max_turns:
                 break
             if not (max_over([float(len(live))], world_of(ctx))[0] if ctx.distributed else live):
@@ -127,8 +145,9 @@ def run_turns(engine, tokenizer, episodes: list[Episode], cfg, env_cfg: EnvConfi
             params = [{"max_new_tokens": min(cfg.max_new_tokens, limit - ep.length), "temperature": cfg.temperature,
                        "top_p": cfg.top_p, "top_k": cfg.top_k, "sampling_seed": ep.seed * 1_009 + turn}
                       for ep in live]
+            more = {"keep_state": True, "sessions": [ep.session for ep in live]} if keep else {}
             outs = engine.generate(input_ids=[ep.prompt + ep.ids for ep in live], sampling_params=params or None,
-                                   n=1, return_logprob=True, lora=lora, return_routed_experts=routes)
+                                   n=1, return_logprob=True, lora=lora, return_routed_experts=routes, **more)
             bad = next((o for o in outs if "error" in o), None)
             if bad is not None:
                 raise RuntimeError(f"rollout: the engine rejected a turn: {bad['error']}")
@@ -136,6 +155,16 @@ def run_turns(engine, tokenizer, episodes: list[Episode], cfg, env_cfg: EnvConfi
                 ep.add_turn(out)
     finally:
         pool.shutdown(wait=False, cancel_futures=True)
+        _close(engine, episodes)
+
+
+def _close(engine, episodes: list[Episode]) -> None:
+    """End the engine sessions of these episodes (their parked state freed)."""
+    ids = [ep.session for ep in episodes if ep.session is not None]
+    if ids:
+        engine.close_sessions(ids)
+    for ep in episodes:
+        ep.session = None
 
 
 def _step(ep: Episode, tokenizer, pool, env_cfg: EnvConfig, turn: int, limit: int) -> bool:
@@ -176,9 +205,22 @@ def _step(ep: Episode, tokenizer, pool, env_cfg: EnvConfig, turn: int, limit: in
     return True
 
 
-def env_totals(episodes: list[Episode]) -> dict[str, float]:
-    """Sums for the env/ metrics (summed over replicas before they are divided)."""
+def engine_counts(engine) -> dict[str, float]:
+    """The native engine's prefill and session counters now ({} for an engine without them): `env_totals` takes
+    the difference over a step's rollouts."""
+    stats = getattr(engine, "session_stats", None)
+    if stats is None:
+        return {}
+    return {"env_prefill_tokens": float(stats["prefill_tokens"]), "env_kept_tokens": float(stats["kept_tokens"]),
+            "env_recomputed_turns": float(stats["recomputed"])}
+
+
+def env_totals(episodes: list[Episode], before: dict[str, float] | None = None,
+               after: dict[str, float] | None = None) -> dict[str, float]:
+    """Sums for the env/ metrics (summed over replicas before they are divided); `before` / `after`: the engine's
+    counters around the rollouts (`engine_counts`)."""
     out = {"env_episodes": float(len(episodes)), "env_turns": float(sum(len(ep.outs) for ep in episodes))}
+    out |= {k: after[k] - before[k] for k in (before or {})}
     for reason in END_REASONS:
         out[f"env_end_{reason}"] = float(sum(ep.end == reason for ep in episodes))
     return out
@@ -191,4 +233,7 @@ def env_metrics(t: dict[str, float], info: dict[str, float]) -> dict[str, float]
     out = {"env/turns_mean": t["env_turns"] / n, "env/error_rate": t["env_end_env_error"] / n,
            "env/timeout_rate": t["env_end_env_timeout"] / n, "env/max_turns_rate": t["env_end_max_turns"] / n,
            "env/context_rate": t["env_end_context"] / n}
+    if "env_prefill_tokens" in t:
+        out |= {"env/prefill_tokens_mean": t["env_prefill_tokens"] / n, "env/kept_tokens_mean": t["env_kept_tokens"] / n,
+                "env/recomputed_turns_mean": t["env_recomputed_turns"] / n}
     return out | {f"env/{k}": v / n for k, v in info.items()}

@@ -36,7 +36,15 @@ from miles_k3.parallel.mesh import SINGLE, ParallelContext
 from miles_k3.parallel.reduce import gather, sum_over
 from miles_k3.trainer.advantages import ADVANTAGE_ESTIMATORS, group_advantages, zero_variance_groups
 from miles_k3.trainer.batch import Sample
-from miles_k3.trainer.episodes import Episode, env_metrics, env_totals, first_prompt, run_turns
+from miles_k3.trainer.episodes import (
+    Episode,
+    engine_counts,
+    env_metrics,
+    env_totals,
+    first_prompt,
+    run_turns,
+    session_args,
+)
 
 OVERLONG_MODES = ("none", "mask", "penalty")
 ROLLOUT_MODES = ("sync", "partial")
@@ -230,6 +238,7 @@ def collect_rollouts(engine, tokenizer, stream: PromptStream, reward_fn, cfg: Ro
     seen: list[list[Sample]] = []
     outcomes: list[tuple[str, bool]] = []  # (grade outcome, correct) of every graded sample
     rounds = num_kept = num_flat = num_drawn = 0
+    counts_before = engine_counts(engine)
     while num_kept < cfg.prompts_per_step and rounds < (cfg.max_sampling_rounds if cfg.dynamic_sampling else 1):
         drawn = stream.take(cfg.prompts_per_step - num_kept)
         mine = drawn[ctx.dp_rank::ctx.dp_size]
@@ -255,7 +264,7 @@ def collect_rollouts(engine, tokenizer, stream: PromptStream, reward_fn, cfg: Ro
     local = _totals(seen, outcomes)
     multi = env[1].name != "single"
     if multi:
-        local |= env_totals(episodes)
+        local |= env_totals(episodes, counts_before, engine_counts(engine))
     totals = dict(zip(local, sum_over(list(local.values()), group)))
     counts = {"groups_kept": num_kept, "groups_drawn": num_drawn, "rounds": rounds, "flat": num_flat}
     metrics = _metrics(totals, counts)
@@ -334,9 +343,12 @@ def _sample_groups(engine, tokenizer, drawn, reward_fn, cfg: RolloutConfig, lora
     params = [{"max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature, "top_p": cfg.top_p,
                "top_k": cfg.top_k, "sampling_seed": seed} for seed in seeds]
     outs = engine.generate(input_ids=prompts, sampling_params=params, n=cfg.group_size, return_logprob=True,
-                           lora=lora, return_routed_experts=routes)
+                           lora=lora, return_routed_experts=routes, **session_args(engine, env_cfg))
     bad = next((o for o in outs if "error" in o), None)
     if bad is not None:
+        ids = [o["meta_info"]["session_id"] for o in outs if "session_id" in o.get("meta_info", {})]
+        if ids:
+            engine.close_sessions(ids)
         raise RuntimeError(f"rollout: the engine rejected a request: {bad['error']}")
     g = cfg.group_size
     episodes = [Episode(envs[i // g][i % g], prompts[i // g], seeds[i // g] + i % g) for i in range(len(outs))]

@@ -68,6 +68,10 @@ class EnvConfig:
     """Prompt + all turns + observations at most; 0: the engine's max_context."""
     step_timeout_s: float = 10.0
     """Seconds one environment step may take; past it the episode ends (env/timeout_rate), the run goes on."""
+    keep_state: bool = True
+    """Multi-turn episodes keep each episode's KDA state and MLA latent pages in the engine between its turns, so a
+    turn prefills only its new tokens (engine.backend=native; false: every turn recomputes the whole conversation,
+    as SGLang's offline engine does)."""
     tools: list[str] = field(default_factory=list)
     """env=tools: the tools the policy may call (calculator; python runs code in a separate, limited process with
     no network, and is off unless listed)."""
