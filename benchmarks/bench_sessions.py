@@ -1,0 +1,107 @@
+"""Multi-turn episodes with the session state kept in the engine vs re-prefilled every turn: prefill tokens and wall
+time per episode on a 10-turn task.
+
+    python benchmarks/bench_sessions.py [--model k3_nano] [--device cpu] [--turns 10] [--episodes 8]
+                                        [--prompt 32] [--obs 16] [--new 16] [--repeats 3]
+
+Each episode: a `--prompt`-token prompt, then `--turns` turns of exactly `--new` sampled tokens (no stop token),
+each followed by an observation of `--obs` fixed token ids (a tool's or a game's answer, appended as ids), all
+episodes' turns batched in one `generate` call per turn as the trainer's episodes run (`trainer/episodes.py`).
+`kept`: `generate(keep_state=True, sessions=...)`, each turn prefilling only its new tokens; `recompute`: every turn
+the whole conversation. The model is the named config at its random init (prefill cost does not depend on the
+weights). Both modes sample the same tokens (checked: the run stops if they differ). Figures, per episode: prefill
+tokens (the engine's counter), wall seconds (median of `--repeats`, after one warm-up repeat), and the ratio.
+Written to benchmarks/results/bench_sessions.json with the command.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+from record import write_result
+
+from miles_k3.model import K3Config, K3ForCausalLM
+from miles_k3.rollout.engine import EngineConfig, RolloutEngine
+
+
+def _episodes(engine, args, keep: bool) -> list[list[int]]:
+    """Run the episodes; their final token lists."""
+    g = torch.Generator().manual_seed(0)
+    vocab = engine.cfg.vocab_size
+    convs = [torch.randint(0, vocab, (args.prompt,), generator=g).tolist() for _ in range(args.episodes)]
+    obs = torch.randint(0, vocab, (args.obs,), generator=g).tolist()
+    sessions = None
+    for turn in range(args.turns):
+        params = [{"max_new_tokens": args.new, "temperature": 1.0, "sampling_seed": 1000 * i + turn}
+                  for i in range(args.episodes)]
+        kw = {"keep_state": True, "sessions": sessions} if keep else {}
+        outs = engine.generate(input_ids=convs, sampling_params=params, **kw)
+        bad = next((o for o in outs if "error" in o), None)
+        if bad is not None:
+            raise RuntimeError(bad["error"])
+        convs = [c + o["output_ids"] + (obs if turn + 1 < args.turns else []) for c, o in zip(convs, outs)]
+        if keep:
+            sessions = [o["meta_info"]["session_id"] for o in outs]
+    if keep:
+        engine.close_sessions(sessions)
+    return convs
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="k3_nano")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--turns", type=int, default=10)
+    ap.add_argument("--episodes", type=int, default=8)
+    ap.add_argument("--prompt", type=int, default=32)
+    ap.add_argument("--obs", type=int, default=16)
+    ap.add_argument("--new", type=int, default=16)
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    device = torch.device(args.device)
+    with device:
+        model = K3ForCausalLM(K3Config.from_name(args.model), expert_format="mxfp4").eval().requires_grad_(False)
+    if device.type == "cuda":
+        model = model.cast(torch.bfloat16)
+    length = args.prompt + args.turns * args.new + (args.turns - 1) * args.obs
+    cfg = EngineConfig(memory_budget_bytes=256 * 2**20, max_context=length + 8, eos_token_ids=[],
+                       decode="graph" if device.type == "cuda" else "eager")
+    engine = RolloutEngine(model, cfg)
+    out = {"model": args.model, "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+           "torch_threads": torch.get_num_threads(), **{k: getattr(args, k) for k in
+                                                        ("turns", "episodes", "prompt", "obs", "new", "repeats")},
+           "episode_tokens": length}
+    tokens = {}
+    for mode in ("kept", "recompute"):
+        times = []
+        for r in range(args.repeats + 1):  # the first: warm-up
+            before = engine.session_stats["prefill_tokens"]
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            convs = _episodes(engine, args, mode == "kept")
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            if r:
+                times.append(time.perf_counter() - t0)
+            prefill = engine.session_stats["prefill_tokens"] - before
+        tokens[mode] = convs
+        out[mode] = {"prefill_tokens_per_episode": prefill / args.episodes,
+                     "seconds_per_episode": statistics.median(times) / args.episodes,
+                     "seconds_all": [round(t, 4) for t in times]}
+        print(f"{mode:>9}: {prefill / args.episodes:,.0f} prefill tokens / episode, "
+              f"{out[mode]['seconds_per_episode'] * 1e3:.1f} ms / episode", flush=True)
+    if tokens["kept"] != tokens["recompute"]:
+        raise SystemExit("kept and recomputed episodes sampled different tokens")
+    out["prefill_ratio"] = round(out["recompute"]["prefill_tokens_per_episode"]
+                                 / out["kept"]["prefill_tokens_per_episode"], 2)
+    out["time_ratio"] = round(out["recompute"]["seconds_per_episode"] / out["kept"]["seconds_per_episode"], 2)
+    print(f"recompute / kept: {out['prefill_ratio']}x prefill tokens, {out['time_ratio']}x wall time", flush=True)
+    write_result("bench_sessions", out)
+
+
+if __name__ == "__main__":
+    main()
