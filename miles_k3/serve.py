@@ -13,7 +13,9 @@ session's tokens so far + the new ids, so the engine sees exactly that concatena
 
 `build_app(engine, tokenizer, cfg)` builds the FastAPI app over an engine already built (training may run it
 for agent rollouts); `main` is the Hydra command (uvicorn). Engine calls run one at a time on a single worker
-thread, each through `generate_turn`; requests that arrive while the engine is busy share its next call.
+thread, each through `generate_turn`; requests that arrive while the engine is busy share its next call. On the
+native engine each session's KDA state and latent pages stay in the engine between its turns (an engine session:
+`rollout/sessions.py`), so a turn prefills only its new tokens; a session deleted, evicted or ended frees them.
 """
 
 import asyncio
@@ -66,11 +68,17 @@ class ApiError(Exception):
 
 
 # ---- the engine call --------------------------------------------------------------------------------------
-def generate_turn(engine, prompts: list[list[int]], params: list[dict], n: int, lora: str | None) -> list[dict]:
+def generate_turn(engine, prompts: list[list[int]], params: list[dict], n: int, lora: str | None,
+                  sessions: list[int | None] | None = None) -> list[dict]:
     """The one engine call of a turn (of every turn batched into it): `n` samples of each prompt (the whole token
     sequence of its session so far) under its own sampling params, with log-probs; prompt i's sample j at
-    i * n + j. The place to switch to engine-side session state (KDA state and KV pages kept across turns)."""
-    return engine.generate(input_ids=prompts, sampling_params=params, n=n, return_logprob=True, lora=lora)
+    i * n + j. On an engine with sessions (the native one) every sample's state is kept between its turns
+    (`meta_info["session_id"]`): `sessions[i]`, the engine session prompt i continues, prefills only its new
+    tokens."""
+    if not getattr(engine, "keeps_sessions", False):
+        return engine.generate(input_ids=prompts, sampling_params=params, n=n, return_logprob=True, lora=lora)
+    return engine.generate(input_ids=prompts, sampling_params=params, n=n, return_logprob=True, lora=lora,
+                           keep_state=True, sessions=sessions or [None] * len(prompts))
 
 
 # ---- prompts ------------------------------------------------------------------------------------------------
@@ -172,6 +180,7 @@ class Session:
     weight_versions: list[int | None] = field(default_factory=list)
     turns: list[dict] = field(default_factory=list)
     end: str | None = None  # "truncated": a request ran past the engine's context; the session takes no more
+    engine_session: int | None = None  # the engine session holding its state between turns (native engine)
     busy: bool = False  # a turn is being generated
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -205,8 +214,9 @@ class Session:
 class Sessions:
     """The sessions kept, least recently used first; beyond `limit` the oldest idle one is evicted."""
 
-    def __init__(self, limit: int):
-        self.limit = limit
+    def __init__(self, limit: int, on_drop=lambda session: None):
+        """`on_drop(session)`: called for a session evicted or deleted (its engine state is freed there)."""
+        self.limit, self.on_drop = limit, on_drop
         self._items: OrderedDict[str, Session] = OrderedDict()
 
     def new(self, kind: str, prompt_ids: list[int]) -> Session:
@@ -217,7 +227,7 @@ class Sessions:
             old = next((k for k, v in self._items.items() if not v.busy), None)
             if old is None:
                 break
-            del self._items[old]
+            self.on_drop(self._items.pop(old))
             log.info("session %s evicted (max_sessions=%d)", old, self.limit)
         return s
 
@@ -231,6 +241,7 @@ class Sessions:
     def delete(self, sid: str) -> Session:
         s = self.get(sid)
         del self._items[sid]
+        self.on_drop(s)
         return s
 
 
@@ -243,12 +254,12 @@ class Server:
         self.model_id = cfg.served_model_name or cfg.model.name
         self.max_body_bytes = cfg.max_body_bytes
         self.default_max_tokens = cfg.default_max_tokens
-        self.sessions = Sessions(cfg.max_sessions)
+        self.sessions = Sessions(cfg.max_sessions, self.end_engine_session)
         self.api_key = os.environ.get(cfg.api_key_env) if cfg.api_key_env else None
         if cfg.api_key_env and not self.api_key:
             raise ValueError(f"api_key_env: the environment variable {cfg.api_key_env} is unset or empty")
         self.worker = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="serve-engine")
-        self.pending: list[tuple[list[int], dict, int, asyncio.Future]] = []  # requests waiting for the engine
+        self.pending: list[tuple[list[int], dict, int, int | None, asyncio.Future]] = []  # waiting for the engine
         self.drainer: asyncio.Task | None = None  # the task feeding them to the engine, while there are any
         self.created = int(time.time())
 
@@ -299,6 +310,7 @@ class Server:
                f"({max_tokens if max_tokens is not None else 1}) exceed the engine's max_context {ctx}")
         if session is not None:
             session.end = "truncated"
+            self.end_engine_session(session)
             msg += f"; session {session.id} has ended truncated (its record: GET /v1/sessions/{session.id})"
         else:
             msg += "; shorten the prompt or lower max_tokens"
@@ -323,12 +335,19 @@ class Server:
                                 "new sessions", "invalid_value")
         return s
 
-    async def run_engine(self, prompt: list[int], params: dict, n: int) -> list[dict]:
-        """The `n` records of one prompt. Requests that arrive while the engine is busy wait together and go
-        into its next call as one batch (those with the same n; `drain`)."""
+    def end_engine_session(self, session: Session) -> None:
+        """Free a session's engine state (on the worker thread, after the engine calls queued before)."""
+        if session.engine_session is not None:
+            self.worker.submit(self.engine.close_sessions, [session.engine_session])
+            session.engine_session = None
+
+    async def run_engine(self, prompt: list[int], params: dict, n: int, engine_session: int | None = None
+                         ) -> list[dict]:
+        """The `n` records of one prompt (continuing `engine_session`'s kept state). Requests that arrive while
+        the engine is busy wait together and go into its next call as one batch (those with the same n; `drain`)."""
         loop = asyncio.get_running_loop()
         done = loop.create_future()
-        self.pending.append((prompt, params, n, done))
+        self.pending.append((prompt, params, n, engine_session, done))
         if self.drainer is None:
             self.drainer = loop.create_task(self.drain())
         try:
@@ -351,7 +370,7 @@ class Server:
                 self.pending = [p for p in self.pending if p[2] != n]
                 try:
                     outs = await loop.run_in_executor(self.worker, generate_turn, self.engine, [b[0] for b in batch],
-                                                      [b[1] for b in batch], n, self.lora)
+                                                      [b[1] for b in batch], n, self.lora, [b[3] for b in batch])
                 except Exception as e:  # noqa: BLE001 (every request of the call gets the error)
                     for *_, done in batch:
                         if not done.done():
@@ -375,6 +394,7 @@ class Server:
             outs = await self.run_engine(prompt, params, n)
             sessions = [self.sessions.new(kind, prompt) for _ in outs]
             for s, out in zip(sessions, outs):
+                s.engine_session = out["meta_info"].get("session_id")
                 s.append_turn(0, out)
             return sessions, outs
         added = new_ids(session)
@@ -382,9 +402,10 @@ class Server:
         params["max_new_tokens"] = self.room(prompt, max_tokens, session)
         session.busy = True
         try:
-            outs = await self.run_engine(prompt, params, 1)
+            outs = await self.run_engine(prompt, params, 1, session.engine_session)
         finally:
             session.busy = False
+        session.engine_session = outs[0]["meta_info"].get("session_id")
         start = len(session.ids)
         session.append_context(added)
         session.append_turn(start, outs[0])
