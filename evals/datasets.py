@@ -24,6 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from miles_k3.evals.fields import MISSING, follow, parse_path, show
+from miles_k3.evals.guess import GuessSourceError, is_guess
+from miles_k3.evals.guess import generate_rows as generate_guess_rows
 from miles_k3.evals.problems import (
     DatasetError,
     Problem,
@@ -46,7 +48,8 @@ class DatasetConfig:
 
     source: str = "HuggingFaceH4/aime_2024"
     """A hub dataset id (owner/name), a local .jsonl / .json / .parquet file, a directory saved by `datasets`
-    (save_to_disk), or reasoning_gym:<generator> (problems generated offline, e.g. reasoning_gym:chain_sum)."""
+    (save_to_disk), reasoning_gym:<generator> (problems generated offline, e.g. reasoning_gym:chain_sum), or
+    guess (the guess-the-number problems of env=guess, `evals/guess.py`: task_args min_n, max_n)."""
     split: str | None = None
     """The split to read; None: the preset's split for a known hub id (e.g. "test" for math-ai/aime25), else
     "train". A local file has only the split "train"; a reasoning_gym source has train and test (disjoint)."""
@@ -146,6 +149,8 @@ def load_problems(cfg: DatasetConfig) -> list[Problem]:
 def _load_table(cfg: DatasetConfig) -> Table:
     if is_task(cfg.source):
         return _load_task(cfg)
+    if is_guess(cfg.source):
+        return _load_guess(cfg)
     path = Path(cfg.source).expanduser()
     if path.exists():
         return _load_local(path, cfg)
@@ -165,6 +170,18 @@ def _load_task(cfg: DatasetConfig) -> Table:
         raise DatasetError(str(e)) from None
     return Table(f"{cfg.source} [{split}, seed {cfg.seed}]", datasets.Dataset.from_list(rows), rows,
                   [None] * len(rows))
+
+
+def _load_guess(cfg: DatasetConfig) -> Table:
+    """data.source=guess: guess-the-number problems (`evals.guess`), train or test split."""
+    import datasets
+
+    split = cfg.split or "train"
+    try:
+        rows = generate_guess_rows(split, cfg.size, cfg.seed, cfg.task_args, cfg.distinct)
+    except GuessSourceError as e:
+        raise DatasetError(str(e)) from None
+    return Table(f"guess [{split}, seed {cfg.seed}]", datasets.Dataset.from_list(rows), rows, [None] * len(rows))
 
 
 def _looks_like_path(source: str) -> bool:

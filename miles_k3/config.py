@@ -276,6 +276,7 @@ class ServeConfig:
 
 
 SFT_MODES = ("full", "lora")
+SFT_TRANSCRIPTS = ("none", "guess_random")
 
 
 @dataclass
@@ -324,6 +325,13 @@ class SFTConfig:
     log_every: int = 10
     """Log train/loss (mean since the last log), train/lr, train/grad_norm, perf/tokens_per_s every N steps
     (and at the last step); >= 1."""
+    env: EnvConfig = field(default_factory=EnvConfig)
+    """single (the default): (problem, answer) pairs. A multi-turn environment (env.name=guess) trains on
+    `transcripts` of it, at most env.max_turns policy turns each, and evaluates held-out episodes of it."""
+    transcripts: str = "none"
+    """none: the target is the gold answer + eos. guess_random (env=guess): a multi-turn transcript of the
+    environment played by a uniformly random guess consistent with the feedback so far; the loss is on the
+    guesses' tokens only (each observation is the environment's text, tokenized on its own, as in rollouts)."""
 
     def validate(self) -> None:
         check_device(self.device)
@@ -347,6 +355,16 @@ class SFTConfig:
                              "set model.experts=bf16 (or auto), or train an adapter with mode=lora")
         if self.eval.every_n_steps > 0:
             check_context("eval.max_new_tokens", self.eval.max_new_tokens, self.engine)
+        self.env.validate()
+        if self.transcripts not in SFT_TRANSCRIPTS:
+            raise ValueError(f"transcripts: '{self.transcripts}' is not one of {', '.join(SFT_TRANSCRIPTS)}")
+        if (self.transcripts == "guess_random") != (self.env.name == "guess"):
+            raise ValueError(f"transcripts: transcripts={self.transcripts} with env={self.env.name}; "
+                             "transcripts=guess_random plays env=guess (set both), and env=guess trains on its "
+                             "transcripts (pairs would teach the secret from the prompt alone)"
+                             if self.env.name in ("single", "guess") else
+                             f"env: python -m miles_k3.sft has no transcripts of env={self.env.name}; use "
+                             "env=single or env=guess")
 
 
 SHIPPED_BASES = {"k3_nano": "builtin:k3_nano_chain_sum"}

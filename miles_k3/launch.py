@@ -50,6 +50,7 @@ from miles_k3.trainer.checkpoint import (
     rng_file,
     set_rng_state,
 )
+from miles_k3.trainer.episode_eval import EpisodeEvalHook
 from miles_k3.trainer.optim import BadStepGuard, build_optimizer, build_scheduler
 from miles_k3.trainer.partial import PartialRollouts
 from miles_k3.trainer.rollouts import PromptStream
@@ -165,15 +166,15 @@ def build_run(cfg) -> Run:
     tracker = (Tracker(cfg.tracking, run_dir, config=OmegaConf.to_container(OmegaConf.structured(cfg)))
                if ctx.is_main else NullTracker())
     hook = None
+    env = (build_env(cfg.env), cfg.env)  # unknown tools, or a python tool without a sandbox, fail here
     if eval_problems is not None:  # every rank generates its replica's share; rank 0 grades, writes and logs
-        hook = EvalHook(cfg.eval, engine, tokenizer, eval_problems, run_dir, tracker if ctx.is_main else None,
-                        ctx=ctx)
+        hook = build_eval_hook(cfg, engine, tokenizer, eval_problems, run_dir, tracker if ctx.is_main else None,
+                               ctx, env)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     if ckpt is not None:  # building the engine may draw random numbers: the loop starts from the saved state
         set_rng_state(torch.load(rng_file(ckpt, ctx), weights_only=True))
     guard = BadStepGuard(cfg.trainer.optim.max_bad_steps, max_empty_steps=cfg.trainer.optim.max_empty_steps)
     reward = build_reward(cfg.reward)
-    env = (build_env(cfg.env), cfg.env)  # unknown tools, or a python tool without a sandbox, fail here
     partial = None
     if cfg.rollout.mode == "partial":
         check_pool_fits(cfg.rollout, engine.num_slots, ctx.dp_size)
@@ -183,6 +184,14 @@ def build_run(cfg) -> Run:
             partial.load_state(rollout_state)
     return Run(cfg, run_dir, device, model, tokenizer, engine, params, opt, sched, channel, reward, stream, hook,
                tracker, guard, start, pad, version, ctx=ctx, partial=partial, env=env)
+
+
+def build_eval_hook(cfg, engine, tokenizer, problems, run_dir, tracker, ctx, env) -> EvalHook:
+    """The loop's eval: held-out problems answered in one turn (env=single), or played as episodes of the run's
+    environment (`trainer.episode_eval`: success, turns per episode, invalid turns), with the eval's sampling."""
+    if cfg.env.name == "single":
+        return EvalHook(cfg.eval, engine, tokenizer, problems, run_dir, tracker, ctx=ctx)
+    return EpisodeEvalHook(cfg.eval, engine, tokenizer, problems, run_dir, tracker, ctx=ctx, env=env)
 
 
 def check_replica_share(rollout, dp: int) -> None:

@@ -12,6 +12,10 @@ seeds torch/python/numpy, and runs:
     gold answer + eos) -> mean cross-entropy over the target tokens -> clipped AdamW step -> log every
     `log_every` -> eval every `eval.every_n_steps` and at the end (eval.at_start: also before step 1) -> save
 
+With `env=guess transcripts=guess_random` an example is instead a multi-turn transcript of the environment played by
+an imperfect policy (`guess_transcript`: the tokens an episode of the same guesses holds, observations tokenized on
+their own and masked out of the loss), and the eval plays held-out episodes (`trainer.episode_eval`).
+
 Evaluation runs the eval harness through the rollout engine, which shares the trained model's base tensors:
 in full mode the engine sees every update in place; in lora mode the current adapter is pushed into the engine
 before each evaluation. The result goes to `run_dir` (default runs/sft-<date>-<time>): `model/` in full
@@ -29,6 +33,8 @@ import contextlib
 import dataclasses
 import logging
 import math
+import random
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,6 +47,7 @@ from torch import nn
 
 from miles_k3.atomic import atomic_write_text
 from miles_k3.config import ConfigFieldError, exit_on_user_error, register_schemas, typed_or_exit
+from miles_k3.envs.env import Guess, build_env
 from miles_k3.evals.datasets import load_problems
 from miles_k3.evals.harness import EvalHook, check_prompt_lengths, prompt_ids
 from miles_k3.evals.problems import DatasetError, Problem
@@ -56,6 +63,7 @@ from miles_k3.rollout.factory import POLICY, build_engine
 from miles_k3.runtime import resolve_device, resolve_dtype
 from miles_k3.tracking import Tracker
 from miles_k3.trainer.batch import Sample, TrainBatch, pack
+from miles_k3.trainer.episode_eval import EpisodeEvalHook
 from miles_k3.trainer.losses import token_logprobs
 from miles_k3.trainer.optim import BadStepGuard, OptimConfig, build_optimizer, build_scheduler, optimizer_step
 from miles_k3.trainer.rollouts import PromptStream
@@ -120,6 +128,53 @@ def encode_example(problem: Problem, template: str, tokenizer, eos_id: int) -> S
     return Sample(prompt, tokenizer.encode(problem.answer, add_special_tokens=False) + [eos_id])
 
 
+_RANGE = re.compile(r"from (-?\d+) to (-?\d+)")
+
+
+def guess_transcript(problem: Problem, tokenizer, eos_id: int, max_turns: int, rng: random.Random) -> Sample:
+    """One multi-turn example of env=guess played by an imperfect policy: each turn guesses uniformly at random
+    among the numbers the feedback so far allows (the range is read from the problem text, "from 1 to 16"), until
+    the environment says found or `max_turns` turns are played. Token in / token out, as `trainer.episodes` builds
+    an episode: the prompt is the environment's reset text; each turn is the guess's text (" 7") + eos, loss mask
+    1; each observation is the environment's own text (" higher\n"), tokenized on its own and appended as ids,
+    loss mask 0; no observation after the last turn."""
+    env = Guess()
+    prompt = tokenizer.encode(env.reset(problem, rng), add_special_tokens=False)
+    m = _RANGE.search(problem.problem)
+    if m is None:
+        raise DatasetError(f"problem {problem.id}: transcripts=guess_random reads the range from the problem text "
+                           f"('from 1 to 16'), got {problem.problem!r}")
+    lo, hi = int(m.group(1)), int(m.group(2))
+    ids: list[int] = []
+    mask: list[int] = []
+    for turn in range(1, max_turns + 1):
+        guess = rng.randint(lo, hi) if lo <= hi else lo
+        text = f" {guess}"
+        turn_ids = tokenizer.encode(text, add_special_tokens=False) + [eos_id]
+        ids += turn_ids
+        mask += [1] * len(turn_ids)
+        res = env.step(text)
+        if res.done or turn == max_turns:
+            break
+        obs = tokenizer.encode(res.observation, add_special_tokens=False)
+        ids += obs
+        mask += [0] * len(obs)
+        if res.observation.strip() == "higher":
+            lo = guess + 1
+        elif res.observation.strip() == "lower":
+            hi = guess - 1
+    return Sample(prompt, ids, loss_mask=mask)
+
+
+def encode_examples(problems: list[Problem], cfg, tokenizer, eos_id: int) -> dict[int, Sample]:
+    """Every problem's training example, by id(problem): `encode_example` (transcripts=none), or a transcript of
+    the environment (`guess_transcript`, seeded by cfg.seed and the problem's id)."""
+    if cfg.transcripts == "guess_random":
+        return {id(p): guess_transcript(p, tokenizer, eos_id, cfg.env.max_turns, random.Random(f"{cfg.seed}:{p.id}"))
+                for p in problems}
+    return {id(p): encode_example(p, cfg.template, tokenizer, eos_id) for p in problems}
+
+
 def sft_loss(model: nn.Module, batch: TrainBatch) -> torch.Tensor:
     """Mean cross-entropy over all target tokens of the batch (`mask_BT`): -mean log p(target | prefix)."""
     with _autocast(model):
@@ -172,7 +227,7 @@ def train_sft(cfg, raw_yaml: str = "") -> SFTResult:
     model = build_model(model_cfg, device, resolve_dtype(model_cfg.dtype, device),
                         lora=cfg.lora if cfg.mode == "lora" else None, seed=cfg.seed)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    examples = {id(p): encode_example(p, cfg.template, tokenizer, stop_ids[0]) for p in problems}
+    examples = encode_examples(problems, cfg, tokenizer, stop_ids[0])
     params = trainable_parameters(model, cfg)
     build = build_full_optimizer if cfg.mode == "full" else build_optimizer
     opt = build(params, cfg.optim)
@@ -267,6 +322,9 @@ def _build_eval(cfg, model, tokenizer, stop_ids, params, problems, run_dir, trac
     with _rng_isolated(device), torch.no_grad():
         engine = build_engine(cfg, model, tokenizer, stop_ids, lora=cfg.lora if lora else None,
                               adapter={n: p.detach() for n, p in params.items()} if lora else None)
+    if cfg.env.name != "single":  # held-out episodes of the environment
+        return engine, EpisodeEvalHook(cfg.eval, engine, tokenizer, problems, run_dir, tracker,
+                                       env=(build_env(cfg.env), cfg.env))
     return engine, EvalHook(cfg.eval, engine, tokenizer, problems, run_dir, tracker)
 
 

@@ -1,0 +1,176 @@
+"""The agent quickstart (`recipe=agent_quickstart`): guess-the-number problems with a held-out split
+(`data.source=guess`, evals/guess.py), the k3_nano_guess base SFT'd on transcripts of an imperfect guessing policy
+(`transcripts=guess_random`, miles_k3/sft.py), episode-level evals (trainer/episode_eval.py), and a shortened run of
+the recipe that must raise held-out episode success."""
+
+import pytest
+
+from miles_k3.config import compose_config, to_typed
+from miles_k3.envs.env import EnvConfig, build_env
+from miles_k3.evals.datasets import DatasetConfig, load_problems
+from miles_k3.evals.harness import EvalConfig
+from miles_k3.evals.problems import DatasetError, Problem
+from miles_k3.model.build import ModelConfig, build_tokenizer
+from miles_k3.sft import guess_transcript
+from miles_k3.trainer.episode_eval import evaluate_episodes
+from miles_k3.trainer.episodes import Episode, first_prompt, run_turns
+from miles_k3.trainer.rollouts import RolloutConfig
+
+GUESS_BASE = "builtin:k3_nano_guess"
+
+
+def _pairs(split, size, seed=0, distinct=True, **task_args):
+    cfg = DatasetConfig(source="guess", split=split, size=size, seed=seed, distinct=distinct, task_args=task_args)
+    return [(p.problem, p.answer) for p in load_problems(cfg)]
+
+
+# ---- the data source ---------------------------------------------------------------------------------------------
+def test_guess_rows_are_the_env_prompt_and_the_secret():
+    rows = _pairs("train", 50, min_n=8, max_n=8, distinct=False)
+    assert {q for q, _ in rows} == {"Guess my number from 1 to 8:"}
+    assert {int(a) for _, a in rows} <= set(range(1, 9))
+    assert _pairs("train", 20, seed=3, distinct=False) == _pairs("train", 20, seed=3, distinct=False)  # seeded
+    assert _pairs("train", 20, seed=3, distinct=False) != _pairs("train", 20, seed=4, distinct=False)
+
+
+def test_held_out_split_is_disjoint_from_every_training_draw():
+    """The ranges 1..8 .. 1..12 hold 8 + 9 + 10 + 11 + 12 = 50 (range, secret) pairs: the test split's distinct pairs
+    and the train split's distinct pairs are disjoint and together make all 50; a 51st distinct pair of either split
+    does not exist, and 20 seeds' worth of training draws never produce a held-out pair."""
+    args = {"min_n": 8, "max_n": 12}
+    everything = {(f"Guess my number from 1 to {n}:", str(s)) for n in range(8, 13) for s in range(1, n + 1)}
+    assert len(everything) == 50
+    test = None
+    for k in range(1, 50):
+        try:
+            test = set(_pairs("test", k, **args))
+        except DatasetError:
+            break
+    k_test = len(test)
+    train = set(_pairs("train", 50 - k_test, **args))
+    assert train.isdisjoint(test) and train | test == everything
+    assert 5 <= k_test <= 20  # one hash bucket in four: about 12 of 50
+    with pytest.raises(DatasetError, match="distinct"):
+        _pairs("train", 51 - k_test, **args)
+    for seed in range(20):
+        assert set(_pairs("train", 200, seed=seed, distinct=False, **args)).isdisjoint(test)
+
+
+def test_bad_guess_source_args_fail_clearly():
+    with pytest.raises(DatasetError, match="takes min_n, max_n, not max"):
+        _pairs("train", 5, max=10)
+    with pytest.raises(DatasetError, match="1 <= min_n <= max_n"):
+        _pairs("train", 5, min_n=9, max_n=8)
+    with pytest.raises(DatasetError, match="integer"):
+        _pairs("train", 5, min_n="8")
+    with pytest.raises(DatasetError, match="splits train, test"):
+        _pairs("validation", 5)
+
+
+def test_bad_env_and_sft_settings_fail_clearly():
+    with pytest.raises(ValueError, match="'riddle' is not a registered environment"):
+        to_typed(compose_config("train", ["recipe=agent_quickstart", "env.name=riddle"]))
+    with pytest.raises(ValueError, match="transcripts=guess_random plays env=guess"):
+        to_typed(compose_config("sft", ["recipe=guess_base", "env.name=single", "env.max_turns=1"]))
+    with pytest.raises(ValueError, match="transcripts: 'bisect' is not one of none, guess_random"):
+        to_typed(compose_config("sft", ["recipe=guess_base", "transcripts=bisect"]))
+
+
+# ---- SFT transcripts: token in, token out --------------------------------------------------------------------------
+class Scripted:
+    """A random.Random stand-in for the transcript policy: randint returns the scripted guesses in turn and records
+    the range it was asked for."""
+
+    def __init__(self, guesses):
+        self.guesses, self.asked = list(guesses), []
+
+    def randint(self, lo, hi):
+        self.asked.append((lo, hi))
+        return self.guesses.pop(0)
+
+
+class ScriptedEngine:
+    """Answers call k's request r with `script[k][r]` (token ids, EOS included); records the prompts."""
+
+    max_context = 96
+
+    def __init__(self, script):
+        self.script, self.calls = script, []
+
+    def generate(self, input_ids, sampling_params=None, n=1, return_logprob=True, lora=None,
+                 return_routed_experts=False):
+        k = len(self.calls)
+        self.calls.append([list(x) for x in input_ids])
+        outs = []
+        for i in range(len(input_ids)):
+            for j in range(n):
+                toks = list(self.script[k][i * n + j])
+                meta = {"finish_reason": {"type": "stop", "matched": toks[-1]}, "weight_version": 0,
+                        "weight_versions": [0], "output_token_logprobs": [(-0.5, t) for t in toks]}
+                outs.append({"output_ids": toks, "meta_info": meta})
+        return outs
+
+
+@pytest.fixture(scope="module")
+def tok():
+    tokenizer, stops = build_tokenizer(ModelConfig(path=GUESS_BASE))
+    return tokenizer, stops[0]
+
+
+def test_transcript_follows_the_feedback_and_masks_observations(tok):
+    tokenizer, eos = tok
+    p = Problem("p", "Guess my number from 1 to 8:", "5")
+    rng = Scripted([3, 6, 5])
+    s = guess_transcript(p, tokenizer, eos, 5, rng)
+    assert rng.asked == [(1, 8), (4, 8), (4, 5)]  # after 3 "higher": 4..8; after 6 "lower": 4..5
+    enc = lambda t: tokenizer.encode(t, add_special_tokens=False)
+    assert s.prompt_ids == enc("Guess my number from 1 to 8:")
+    assert s.response_ids == enc(" 3") + [eos] + enc(" higher\n") + enc(" 6") + [eos] + enc(" lower\n") + enc(" 5") + [eos]
+    assert s.loss_mask == [1, 1, 1] + [0] * 8 + [1, 1, 1] + [0] * 7 + [1, 1, 1]  # byte tokens: " 3" is 2, +eos
+    # at max_turns the transcript stops after the last guess, with no observation
+    s2 = guess_transcript(p, tokenizer, eos, 2, Scripted([1, 2]))
+    assert s2.response_ids == enc(" 1") + [eos] + enc(" higher\n") + enc(" 2") + [eos]
+
+
+def test_transcript_tokens_equal_the_episode_of_the_same_guesses(tok):
+    """The same guesses played by the engine through trainer/episodes.py give the same ids and loss mask."""
+    tokenizer, eos = tok
+    p = Problem("p", "Guess my number from 1 to 20:", "13")
+    guesses = [10, 15, 12, 13]
+    s = guess_transcript(p, tokenizer, eos, 5, Scripted(list(guesses)))
+    cfg = EnvConfig(name="guess", max_turns=5)
+    env = build_env(cfg)()
+    prompt = tokenizer.encode(first_prompt(env, p, 0, 0, "plain", tokenizer), add_special_tokens=False)
+    turns = [[tokenizer.encode(f" {g}", add_special_tokens=False) + [eos]] for g in guesses]
+    engine = ScriptedEngine(turns[1:])
+    ep = Episode(env, prompt, 0)
+    ep.add_turn(ScriptedEngine(turns[:1]).generate([prompt])[0])
+    run_turns(engine, tokenizer, [ep], RolloutConfig(max_new_tokens=6, template="plain"), cfg, None, False)
+    assert (ep.prompt, ep.ids, ep.mask) == (s.prompt_ids, s.response_ids, s.loss_mask)
+    assert ep.end == "done" and ep.reward == 1.0
+
+
+# ---- episode-level evals -------------------------------------------------------------------------------------------
+def test_episode_eval_scores_success_turns_and_invalid_turns(tok, tmp_path):
+    """Two problems (secrets 3 of 1..4 and 2 of 1..4), two episodes each, max_turns 3:
+    p0 e0: 2 -> higher, 3 found (2 turns, success); p0 e1: 1 -> higher, "x" (invalid), 4 -> lower: out of turns;
+    p1 e0: 2 found (1 turn); p1 e1: 3 -> lower, 1 -> higher, 2 found (3 turns).
+    avg@2 = mean(0.5, 1.0) = 0.75, se = std([0.5, 1], ddof=1) / sqrt(2) = 0.25; turns 2.25 (per problem 2.5, 2);
+    invalid turns 1 of 9; answer_rate 3 of 4 (the episode with the invalid turn is not well formed)."""
+    tokenizer, eos = tok
+    t = lambda x: tokenizer.encode(x, add_special_tokens=False) + [eos]
+    problems = [Problem("a", "Guess my number from 1 to 4:", "3"), Problem("b", "Guess my number from 1 to 4:", "2")]
+    engine = ScriptedEngine([[t(" 2"), t(" 1"), t(" 2"), t(" 3")],  # the first turns, 2 forks of each problem
+                             [t(" 3"), t(" x"), t(" 1")],  # the live episodes: a0, a1, b1
+                             [t(" 4"), t(" 2")]])  # a1, b1
+    cfg = EvalConfig(samples=2, max_new_tokens=6, template="plain", grader="integer", temperature=1.0)
+    env_cfg = EnvConfig(name="guess", max_turns=3)
+    r = evaluate_episodes(engine, tokenizer, problems, cfg, (build_env(env_cfg), env_cfg))
+    m = r.metrics()
+    assert m["eval/avg@2"] == pytest.approx(0.75) and m["eval/avg@2_se"] == pytest.approx(0.25)
+    assert m["eval/turns_mean"] == pytest.approx(2.25)
+    assert m["eval/invalid_turn_rate"] == pytest.approx(1 / 9) and m["eval/env/invalid"] == pytest.approx(0.25)
+    assert m["eval/answer_rate"] == pytest.approx(0.75)
+    assert m["eval/end_done_rate"] == pytest.approx(0.75) and m["eval/end_max_turns_rate"] == pytest.approx(0.25)
+    assert [rec.turns for rec in r.records] == [2, 3, 1, 3]
+    assert r.records[1].response == " 1[EOS] higher\n x[EOS] not a number\n 4[EOS]"  # the tokens, stop tokens too
