@@ -6,6 +6,7 @@ COMMANDS = (
     ("miles-k3-eval", "miles_k3.eval", "evaluate a model (+ adapter) on a dataset (--help)"),
     ("miles-k3-sft", "miles_k3.sft", "supervised fine-tuning, full or LoRA (--help)"),
     ("miles-k3-grade", "miles_k3.grade", "regrade saved responses (--help)"),
+    ("", "miles_k3.serve", "OpenAI-compatible endpoint with token-exact sessions (--help; the serve extra)"),
     ("", "miles_k3.init_checkpoint", "random-init checkpoint of a K3 config (--help)"),
     ("", "miles_k3.model_info", "sizing figures of a K3 config as JSON (--help)"),
     ("", "miles_k3.quantize", "bf16 K3 checkpoint -> MXFP4 routed experts (--help)"),

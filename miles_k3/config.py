@@ -116,6 +116,9 @@ class TrainConfig:
         check_kernels(self.kernels, self.device, None if self.model.hf_path is None else
                       "model.hf_path: the HF model's forward is transformers' and SGLang's")
         check_weights_given(self.model)
+        if self.env.keep_state and self.env.max_turns > 1 and self.engine.backend != "native":
+            raise ValueError("env.keep_state: keeping an episode's state in the engine between turns needs "
+                             "engine.backend=native (SGLang's offline engine has no sessions); set env.keep_state=false")
         check_backend(self.model, self.engine.backend, self.sglang, self.lora)
         check_release_tags(self.rollout.release_tags, self.engine.backend, self.sglang)
         check_sync(self.sync, self.engine.backend)

@@ -3,6 +3,7 @@ scripted engine (a test double of `RolloutEngine.generate`: each call's outputs 
 known) and a tokenizer whose text round trip changes token ids ("a" "b" sampled as two tokens re-tokenise as one
 "ab"): the trainer's batch holds the tokens the engine saw, observations masked out of the loss."""
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -36,6 +37,7 @@ class MergeTok:
 
 
 TOK = MergeTok()
+BASE = Path(__file__).resolve().parents[1] / "miles_k3/model/bases/k3_nano_chain_sum"  # a checkpoint directory
 A, B = 100 + ord("a"), 100 + ord("b")
 
 
@@ -192,6 +194,8 @@ def test_single_env_is_one_call_graded_by_the_reward():
     (["env=tools", "env.tools=[shell]"], "env.tools: 'shell' is not a tool; known: calculator, python"),
     (["env.tools=[calculator]"], "env.tools: env.tools is set but env=single calls no tools"),
     (["env=guess", "rollout.mode=partial", "trainer.loss.tis=token_truncate"], "env: env=guess runs multi-turn"),
+    (["env=guess", "engine.backend=sglang", "model=k3_nano", f"model.path={BASE}"],
+     "env.keep_state: keeping an episode's state in the engine between turns needs engine.backend=native"),
 ])
 def test_env_settings_that_cannot_work_are_refused(overrides, message):
     from miles_k3.config import compose_config
