@@ -133,15 +133,18 @@ class RemoteReward:
         self._check_failure_budget(failed, len(results), last_error)
         return results
 
-    def pop_metrics(self) -> dict[str, float]:
-        """Since the last pop: the share of samples that could not be scored, the retries made and the wall
-        seconds spent in calls; the counters are then reset."""
-        metrics = {"reward/remote_error_rate": self._failed / self._samples if self._samples else 0.0,
-                   "reward/remote_retries": float(self._retries),
-                   "reward/remote_seconds": self._seconds}
+    def pop_counts(self) -> dict[str, float]:
+        """Since the last pop: samples scored, samples that could not be, retries made and wall seconds spent in
+        calls (the counters are then reset); `remote_metrics` turns them, summed over ranks, into metrics."""
+        counts = {"samples": float(self._samples), "failed": float(self._failed), "retries": float(self._retries),
+                  "seconds": self._seconds}
         self._samples = self._failed = self._retries = 0
         self._seconds = 0.0
-        return metrics
+        return counts
+
+    def pop_metrics(self) -> dict[str, float]:
+        """This process's reward/ metrics since the last pop (`pop_counts`, then `remote_metrics`)."""
+        return remote_metrics(self.pop_counts())
 
     def close(self) -> None:
         """Close the HTTP client (unless it was injected)."""
@@ -253,3 +256,10 @@ def _failed_result(reason: str) -> RewardResult:
 def _short_repr(value: Any, limit: int = 40) -> str:
     text = repr(value)
     return text if len(text) <= limit else text[:limit] + "..."
+
+
+def remote_metrics(counts: dict[str, float]) -> dict[str, float]:
+    """reward/ metrics from `RemoteReward.pop_counts` (one rank's, or summed over ranks with the seconds their
+    maximum): the share of samples that could not be scored, the retries made, the wall seconds in calls."""
+    return {"reward/remote_error_rate": counts["failed"] / counts["samples"] if counts["samples"] else 0.0,
+            "reward/remote_retries": counts["retries"], "reward/remote_seconds": counts["seconds"]}

@@ -399,3 +399,19 @@ def test_the_local_grading_fields_are_refused_with_the_remote_reward(field, valu
     setattr(cfg, field, value)
     with pytest.raises(ValueError, match=rf"^{field}: reward.name=remote grades in the judge server"):
         cfg.validate()
+
+
+def test_step_metrics_sum_the_replicas_counts(monkeypatch):
+    """Two replicas: this one scored 10 samples (2 failed, 1 retry, 3 s), the other 30 (none failed, 2 retries,
+    5 s). The step's error rate is 2 / 40 = 0.05 (this replica's alone: 0.2), retries 3, seconds the slower 5."""
+    from miles_k3.trainer import rollouts
+
+    class Counted:
+        def pop_counts(self):
+            return {"samples": 10.0, "failed": 2.0, "retries": 1.0, "seconds": 3.0}
+
+    monkeypatch.setattr(rollouts, "sum_over", lambda values, group: [v + o for v, o in zip(values, [30.0, 0.0, 2.0])])
+    monkeypatch.setattr(rollouts, "max_over", lambda values, group: [max(values[0], 5.0)])
+    assert rollouts.reward_metrics(Counted()) == {"reward/remote_error_rate": 0.05, "reward/remote_retries": 3.0,
+                                                  "reward/remote_seconds": 5.0}
+    assert rollouts.reward_metrics(lambda rs, gs: []) == {}  # a reward without counts

@@ -164,7 +164,7 @@ class PartialRollouts:
                   "flat": int(num_flat)}
         metrics = _metrics(totals, counts) if totals["samples"] else {}
         return samples, metrics | self._partial_metrics(samples, groups, finished, dropped, version) | \
-            reward_metrics(self.reward_fn)
+            reward_metrics(self.reward_fn, self.ctx)
 
     def _retract_metrics(self) -> dict[str, float]:
         """What the stop's retract cost and saved: the requests retracted and the tokens of state the next step

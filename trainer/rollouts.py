@@ -30,10 +30,11 @@ import torch
 
 from miles_k3.envs.env import EnvConfig, EnvFactory, Single
 from miles_k3.evals.problems import Problem
+from miles_k3.evals.remote_reward import remote_metrics
 from miles_k3.evals.rewards import grade_outcome
 from miles_k3.evals.templates import response_text, template_names
 from miles_k3.parallel.mesh import SINGLE, ParallelContext
-from miles_k3.parallel.reduce import gather, sum_over
+from miles_k3.parallel.reduce import gather, max_over, sum_over
 from miles_k3.trainer.advantages import ADVANTAGE_ESTIMATORS, group_advantages, zero_variance_groups
 from miles_k3.trainer.batch import Sample
 from miles_k3.trainer.episodes import (
@@ -275,14 +276,19 @@ def collect_rollouts(engine, tokenizer, stream: PromptStream, reward_fn, cfg: Ro
                 for k, v in d.items():
                     info[k] = info.get(k, 0.0) + v
         metrics |= env_metrics(totals, info)
-    return samples, metrics | reward_metrics(reward_fn)
+    return samples, metrics | reward_metrics(reward_fn, ctx)
 
 
-def reward_metrics(reward_fn) -> dict[str, float]:
-    """The reward's own metrics since the last step (`pop_metrics`, e.g. the remote reward's reward/ error rate and
-    retries; this rank's), or none."""
-    pop = getattr(reward_fn, "pop_metrics", None)
-    return pop() if pop is not None else {}
+def reward_metrics(reward_fn, ctx: ParallelContext = SINGLE) -> dict[str, float]:
+    """The reward's own metrics since the last step, over every replica (the remote reward's error rate, retries
+    and seconds in calls: `pop_counts` summed over the replicas, the seconds their maximum), or none."""
+    pop = getattr(reward_fn, "pop_counts", None)
+    if pop is None:
+        return {}
+    counts = pop()
+    samples, failed, retries = sum_over([counts["samples"], counts["failed"], counts["retries"]], ctx.dp_group)
+    (seconds,) = max_over([counts["seconds"]], ctx.dp_group)
+    return remote_metrics({"samples": samples, "failed": failed, "retries": retries, "seconds": seconds})
 
 
 def _global_flags(flags: list[bool], n: int, ctx: ParallelContext) -> list[bool]:
