@@ -17,6 +17,7 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 
 from miles_k3.config_checks import (
+    check_agent,
     check_backend,
     check_context,
     check_device,
@@ -119,6 +120,9 @@ class TrainConfig:
         if self.env.keep_state and self.env.max_turns > 1 and self.engine.backend != "native":
             raise ValueError("env.keep_state: keeping an episode's state in the engine between turns needs "
                              "engine.backend=native (SGLang's offline engine has no sessions); set env.keep_state=false")
+        if self.env.name == "agent":
+            check_agent(self.engine.backend, self.parallel.world_size, self.rollout.mode,
+                        self.rollout.return_routed_experts or self.trainer.routing_replay, self.eval.every_n_steps)
         check_backend(self.model, self.engine.backend, self.sglang, self.lora)
         check_release_tags(self.rollout.release_tags, self.engine.backend, self.sglang)
         check_sync(self.sync, self.engine.backend)

@@ -208,3 +208,23 @@ def check_partial(mode: str, old_logprobs: str, tis: str, backend: str) -> None:
         raise ValueError("trainer.loss.tis: rollout.mode=partial trains tokens sampled under older adapters, which "
                          "need an importance weight against the engine's log-probs; set "
                          "trainer.loss.tis=token_truncate (or seq_mask)")
+
+
+def check_agent(backend: str, world_size: int, mode: str, routes: bool, eval_every: int) -> None:
+    """env=agent (`miles_k3.agent`): agent code drives the engine through an in-process HTTP server, whose engine
+    calls are neither in lockstep across ranks nor routed, nor paused across a weight update."""
+    if backend != "native":
+        raise ValueError("env=agent: the in-process OpenAI-compatible server runs over the native engine; set "
+                         "engine.backend=native")
+    if world_size != 1:
+        raise ValueError(f"env=agent: runs in one process (its agents' engine calls are not in lockstep across "
+                         f"ranks), got {world_size} ranks; run without torchrun / parallel.*")
+    if mode != "sync":
+        raise ValueError("env=agent: rollout.mode=partial cannot pause an agent's episode across a weight update; "
+                         "set rollout.mode=sync")
+    if routes:
+        raise ValueError("env=agent: the server does not record routes; set trainer.routing_replay=false and "
+                         "rollout.return_routed_experts=false")
+    if eval_every:
+        raise ValueError("env=agent: the held-out eval plays no agent episodes; set eval.every_n_steps=0 (evaluate "
+                         "the adapter with your agent against python -m miles_k3.serve adapter=DIR)")

@@ -262,6 +262,7 @@ class Server:
         self.pending: list[tuple[list[int], dict, int, int | None, asyncio.Future]] = []  # waiting for the engine
         self.drainer: asyncio.Task | None = None  # the task feeding them to the engine, while there are any
         self.created = int(time.time())
+        self.episodes: dict[str, dict] = {}  # agent episodes (`open_episode`)
 
     # -- checks shared by every request
     def check_auth(self, header: str | None) -> None:
@@ -495,6 +496,41 @@ class Server:
                 "model": self.model_id, "choices": choices, "usage": self.usage(outs),
                 "session_id": sessions[0].id}
 
+    # -- agent episodes (training: `miles_k3.agent`): one conversation per base URL /episodes/{id}/v1
+    def open_episode(self, eid: str, params: dict) -> None:
+        """Serve episode `eid` at /episodes/{eid}/v1: its chat requests continue one session (the first starts it)
+        and take `params` (temperature, top_p, top_k, max_tokens, seed: the trainer's rollout settings, replacing
+        the request's; turn k samples with seed + k) and at most params["max_turns"] turns."""
+        self.episodes[eid] = {"params": dict(params), "session": None, "turns": 0}
+
+    def close_episode(self, eid: str) -> dict | None:
+        """End episode `eid`: its session's record (None if it made no request), the session deleted."""
+        ep = self.episodes.pop(eid, None)
+        if ep is None or ep["session"] is None:
+            return None
+        s = self.sessions.get(ep["session"])
+        record = s.record()
+        if not s.busy:
+            self.sessions.delete(s.id)
+        return record
+
+    async def episode_chat(self, body: dict, eid: str) -> dict:
+        ep = self.episodes.get(eid)
+        if ep is None:
+            raise ApiError(404, f"episode {eid!r} is not open (it ended, or was never started)", "episode_not_found")
+        p = ep["params"]
+        if ep["turns"] >= p["max_turns"]:
+            raise ApiError(400, f"episode {eid!r} has had its {p['max_turns']} turns (env.max_turns)", "max_turns")
+        body = {k: v for k, v in body.items() if k not in ("max_completion_tokens", "session_id")}
+        body |= {"temperature": p["temperature"], "top_p": p["top_p"], "top_k": p["top_k"],
+                 "max_tokens": p["max_tokens"], "seed": p["seed"] + ep["turns"], "n": 1,
+                 "model": self.model_id}  # an agent names its own model: the episode's is the policy
+        if ep["session"] is not None:
+            body["session_id"] = ep["session"]
+        result = await self.chat(body)
+        ep["session"], ep["turns"] = result["session_id"], ep["turns"] + 1
+        return result
+
     def session_record(self, sid: str) -> dict:
         return self.sessions.get(sid).record()
 
@@ -591,6 +627,10 @@ def build_app(engine, tokenizer, cfg: ServeConfig, lora: str | None = None):
     @app.post("/v1/completions")
     async def completions(request: Request):
         return await answer(request, server.completions, body=True)
+
+    @app.post("/episodes/{eid}/v1/chat/completions")
+    async def episode_chat(request: Request, eid: str):
+        return await answer(request, server.episode_chat, eid, body=True)
 
     @app.get("/v1/models")
     async def models(request: Request):

@@ -56,6 +56,8 @@ class Episode:
     end: str = ""
     info: dict[str, float] = field(default_factory=dict)
     session: int | None = None  # the engine session its turns continue (env.keep_state), None: recomputed
+    answer: str | None = None  # graded instead of the final turn's text (an agent's returned answer, env=agent)
+    turns: int = 0  # policy turns when `outs` holds them as one record (env=agent); 0: one record per turn
 
     @property
     def length(self) -> int:
@@ -219,7 +221,8 @@ def env_totals(episodes: list[Episode], before: dict[str, float] | None = None,
                after: dict[str, float] | None = None) -> dict[str, float]:
     """Sums for the env/ metrics (summed over replicas before they are divided); `before` / `after`: the engine's
     counters around the rollouts (`engine_counts`)."""
-    out = {"env_episodes": float(len(episodes)), "env_turns": float(sum(len(ep.outs) for ep in episodes))}
+    out = {"env_episodes": float(len(episodes)),
+           "env_turns": float(sum(ep.turns or len(ep.outs) for ep in episodes))}
     out |= {k: after[k] - before[k] for k in (before or {})}
     for reason in END_REASONS:
         out[f"env_end_{reason}"] = float(sum(ep.end == reason for ep in episodes))

@@ -338,6 +338,37 @@ def _sample_groups(engine, tokenizer, drawn, reward_fn, cfg: RolloutConfig, lora
     graded and scored: (groups of samples, the grade outcomes, the episodes)."""
     factory, env_cfg = env or SINGLE_ENV
     seeds = [cfg.seed * 1_000_003 + d * cfg.group_size for d, _ in drawn]
+    g = cfg.group_size
+    if getattr(factory, "plays_episodes", False):  # env=agent: agent code plays them (`miles_k3.agent`)
+        episodes = factory.play(drawn, seeds, cfg)
+    else:
+        episodes = _first_turns(engine, tokenizer, drawn, seeds, cfg, lora, routes, factory, env_cfg)
+        run_turns(engine, tokenizer, episodes, cfg, env_cfg, lora, routes, ctx)
+    graded = [i for i, ep in enumerate(episodes) if ep.graded]
+    results = reward_fn([episodes[i].answer if episodes[i].answer is not None else
+                         response_text(tokenizer, episodes[i].outs[-1]) for i in graded],
+                        [drawn[i // g][1].answer for i in graded]) if graded else []
+    by_episode = dict(zip(graded, results))
+    samples = []
+    for i, ep in enumerate(episodes):
+        r = by_episode.get(i)
+        reward = ep.reward if r is None else (ep.reward + r.score if ep.reward else r.score)
+        s = _sample(ep.prompt, ep.record(), reward, cfg)
+        if 0 in ep.mask:
+            s.loss_mask = list(ep.mask)
+        if ep.end == "context":
+            s.truncated = True
+            s.in_loss = s.in_loss and cfg.overlong != "mask"
+        if ep.end in ("env_error", "env_timeout") or (r is not None and r.failed):
+            s.in_loss = False  # no trustworthy reward: out of the loss and its group's baseline
+        samples.append(s)
+    outcomes = [(grade_outcome(r), bool(r.correct)) for r in results]
+    return [samples[i:i + g] for i in range(0, len(samples), g)], outcomes, episodes
+
+
+def _first_turns(engine, tokenizer, drawn, seeds, cfg: RolloutConfig, lora, routes: bool, factory,
+                 env_cfg: EnvConfig) -> list[Episode]:
+    """Every drawn prompt's group after its first turn: one `generate` call, n = group_size forks of each prompt."""
     envs = [[factory() for _ in range(cfg.group_size)] for _ in drawn]
     prompts = []
     for (d, p), group in zip(drawn, envs):
@@ -360,26 +391,7 @@ def _sample_groups(engine, tokenizer, drawn, reward_fn, cfg: RolloutConfig, lora
     episodes = [Episode(envs[i // g][i % g], prompts[i // g], seeds[i // g] + i % g) for i in range(len(outs))]
     for ep, out in zip(episodes, outs):
         ep.add_turn(out)
-    run_turns(engine, tokenizer, episodes, cfg, env_cfg, lora, routes, ctx)
-    graded = [i for i, ep in enumerate(episodes) if ep.graded]
-    results = reward_fn([response_text(tokenizer, episodes[i].outs[-1]) for i in graded],
-                        [drawn[i // g][1].answer for i in graded]) if graded else []
-    by_episode = dict(zip(graded, results))
-    samples = []
-    for i, ep in enumerate(episodes):
-        r = by_episode.get(i)
-        reward = ep.reward if r is None else (ep.reward + r.score if ep.reward else r.score)
-        s = _sample(ep.prompt, ep.record(), reward, cfg)
-        if 0 in ep.mask:
-            s.loss_mask = list(ep.mask)
-        if ep.end == "context":
-            s.truncated = True
-            s.in_loss = s.in_loss and cfg.overlong != "mask"
-        if ep.end in ("env_error", "env_timeout") or (r is not None and r.failed):
-            s.in_loss = False  # no trustworthy reward: out of the loss and its group's baseline
-        samples.append(s)
-    outcomes = [(grade_outcome(r), bool(r.correct)) for r in results]
-    return [samples[i:i + g] for i in range(0, len(samples), g)], outcomes, episodes
+    return episodes
 
 
 SINGLE_ENV = (Single, EnvConfig())

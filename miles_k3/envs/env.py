@@ -19,6 +19,8 @@ Built in:
 * single: one turn, graded by the reward (the default);
 * guess: guess the number (the problem's answer, an integer) with "higher" / "lower" after each wrong guess;
   reward 1 for finding it;
+* agent: agent code written against the OpenAI client plays the episodes over an in-process server
+  (`miles_k3.agent`; env.agent=MODULE:FUNCTION);
 * tools: the policy may call the tools of env.tools (`tools.py`: `<tool_call>{"name": ..., "arguments": ...}`
   `</tool_call>`); each call's result comes back as `<tool_response>...</tool_response>`; the first turn without a
   call is the answer, graded by the reward. A call that does not parse, or a tool that fails, is an observation
@@ -72,6 +74,10 @@ class EnvConfig:
     """Multi-turn episodes keep each episode's KDA state and MLA latent pages in the engine between its turns, so a
     turn prefills only its new tokens (engine.backend=native; false: every turn recomputes the whole conversation,
     as SGLang's offline engine does)."""
+    agent: str = ""
+    """env=agent: MODULE:FUNCTION of agent code written against the OpenAI client, called once per episode with
+    (problem text, base_url) and returning its answer text (graded by the reward) or a float reward
+    (`miles_k3.agent`)."""
     tools: list[str] = field(default_factory=list)
     """env=tools: the tools the policy may call (calculator; python runs code in a separate, limited process with
     no network, and is off unless listed)."""
@@ -93,6 +99,10 @@ class EnvConfig:
             raise ValueError("tools: env=tools needs at least one tool (env.tools=[calculator])" if self.name == "tools"
                              else f"tools: env.tools is set but env={self.name} calls no tools; set env=tools or "
                                   "leave env.tools empty")
+        if (self.name == "agent") != bool(self.agent):
+            raise ValueError("agent: env=agent needs env.agent=MODULE:FUNCTION (the agent code to run per episode)"
+                             if self.name == "agent" else
+                             f"agent: env.agent is set but env={self.name} runs no agent code; set env=agent")
         if self.tools:
             for t in self.tools:
                 if t not in TOOL_NAMES:
@@ -192,3 +202,11 @@ class Tools:
 def _tools(cfg: EnvConfig) -> EnvFactory:
     tools = build_tools(list(cfg.tools))  # unknown names and an unavailable sandbox fail here, before any work
     return lambda: Tools(tools)
+
+
+@register_env("agent")
+def _agent(cfg: EnvConfig) -> EnvFactory:
+    def refuse():
+        raise RuntimeError("env=agent has no per-episode environment: the training loop's agent runner "
+                           "(miles_k3.agent.AgentRollouts) plays its episodes")
+    return refuse

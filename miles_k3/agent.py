@@ -1,0 +1,183 @@
+"""`env=agent env.agent=MODULE:FUNCTION`: rollouts played by agent code written against the OpenAI client.
+
+The trainer serves its own engine over the OpenAI-compatible API of `miles_k3.serve`, in-process, on a loopback port
+(127.0.0.1, a free port, for the run). Every episode gets its own base URL, `http://127.0.0.1:PORT/episodes/ID/v1`,
+and the agent function is called once per episode, in a thread:
+
+    def my_agent(problem: str, base_url: str) -> str | float:
+        client = openai.OpenAI(base_url=base_url, api_key="unused")
+        reply = client.chat.completions.create(model="policy", messages=[{"role": "user", "content": problem}])
+        ...                                   # more turns: the messages so far, the replies as returned, new ones
+        return final_answer                   # graded by reward.name against the problem's answer (or a float reward)
+
+So an agent already written against the OpenAI client trains by changing its base_url. All the chat requests of an
+episode are one session of the server (`serve.py`): its messages must extend the previous request's (the replies as
+returned), and the server keeps the exact tokens the engine saw (sampled ids as sampled, each new message's ids
+appended), their log-probs and weight versions, and the loss mask. The trainer's rollout settings replace the
+request's sampling fields (temperature, top_p, top_k, max_tokens = rollout.max_new_tokens; turn k of episode e
+samples with the seed the trainer derives for e, + k), so the samples are what the loss expects. At most
+env.max_turns requests per episode; an episode that runs past env.step_timeout_s x env.max_turns, raises, or never
+calls the server is left out of the loss (env/timeout_rate, env/error_rate). Concurrent episodes' requests share
+engine calls (the server batches what arrives while the engine is busy).
+
+Not with: data / tensor / expert parallelism (the agents' engine calls are not in lockstep across ranks),
+rollout.mode=partial, routing replay (the server does not record routes), engine.backend=sglang: refused at
+validation. Needs the serve extra (FastAPI, uvicorn) and `openai` for the agents.
+"""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import importlib
+import logging
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable
+
+from miles_k3.config import ServeConfig
+from miles_k3.envs.env import EnvConfig
+from miles_k3.evals.problems import Problem
+from miles_k3.trainer.episodes import Episode
+
+log = logging.getLogger("miles_k3.train")
+
+AgentFn = Callable[[str, str], "str | float"]
+
+
+def load_agent(spec: str) -> AgentFn:
+    """`MODULE:FUNCTION` (the user's configuration, imported like a plugin); ValueError naming what is missing."""
+    module_name, _, fn_name = spec.partition(":")
+    if not module_name or not fn_name:
+        raise ValueError(f"env.agent: give MODULE:FUNCTION (e.g. my_agents:solve), got {spec!r}")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ValueError(f"env.agent: cannot import module {module_name!r}: {e}") from None
+    fn = getattr(module, fn_name, None)
+    if not callable(fn):
+        raise ValueError(f"env.agent: module {module_name!r} has no function {fn_name!r}")  # noqa: TRY004
+    return fn
+
+
+class AgentRollouts:
+    """Plays a round of rollouts with the agent function (`play`); the trainer's rollouts call it in place of the
+    environment's turn loop (`plays_episodes`). The server starts on the first round and stops with `close`."""
+
+    plays_episodes = True
+
+    def __init__(self, fn: AgentFn, engine, tokenizer, env_cfg: EnvConfig, lora: str | None):
+        self.fn, self.engine, self.tokenizer, self.env_cfg, self.lora = fn, engine, tokenizer, env_cfg, lora
+        self._server = self._uvicorn = self._thread = None
+        self.port = 0
+
+    # ---- the server ----------------------------------------------------------------------------------------
+    def _start(self) -> None:
+        try:
+            import uvicorn
+
+            from miles_k3.serve import build_app
+        except ModuleNotFoundError as e:
+            raise ModuleNotFoundError(f"env=agent serves the engine over HTTP: pip install -e '.[serve]' ({e})") \
+                from None
+        cfg = ServeConfig(max_sessions=1_000_000)  # the episodes' sessions end with their episodes
+        app = build_app(self.engine, self.tokenizer, cfg, self.lora)
+        self._server = app.state.server
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        self.port = sock.getsockname()[1]
+        self._uvicorn = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+        self._thread = threading.Thread(target=self._uvicorn.run, kwargs={"sockets": [sock]}, daemon=True,
+                                        name="agent-server")
+        self._thread.start()
+        deadline = time.monotonic() + 60
+        while not self._uvicorn.started:
+            if time.monotonic() > deadline or not self._thread.is_alive():
+                raise RuntimeError("env=agent: the in-process OpenAI-compatible server did not start")
+            time.sleep(0.01)
+        log.info("env=agent: serving the policy at http://127.0.0.1:%d/episodes/<id>/v1", self.port)
+
+    def close(self) -> None:
+        if self._uvicorn is not None:
+            self._uvicorn.should_exit = True
+            self._thread.join(timeout=10)
+            self._uvicorn = None
+
+    # ---- a round -------------------------------------------------------------------------------------------
+    def play(self, drawn: list[tuple[int, Problem]], seeds: list[int], cfg) -> list[Episode]:
+        """group_size episodes of each drawn problem (the agent gets the problem's text and its episode's base URL;
+        sampling seeds from `seeds`), in order (problem i's episode j at i * group_size + j), each an `Episode`
+        holding the session's tokens as one record, `answer` the agent's returned text (or `reward` its float)."""
+        if self._uvicorn is None:
+            self._start()
+        g, ec = cfg.group_size, self.env_cfg
+        params = {"temperature": cfg.temperature, "top_p": cfg.top_p, "top_k": cfg.top_k,
+                  "max_tokens": cfg.max_new_tokens, "max_turns": ec.max_turns}
+        jobs = []
+        for (_, problem), seed in zip(drawn, seeds):
+            for j in range(g):
+                eid = uuid.uuid4().hex
+                self._server.open_episode(eid, params | {"seed": (seed + j) * 1_009})
+                jobs.append((eid, problem, problem.problem))
+        timeout = ec.step_timeout_s * ec.max_turns
+        pool = cf.ThreadPoolExecutor(max_workers=max(1, len(jobs)), thread_name_prefix="agent")
+        try:
+            futures = [pool.submit(self.fn, text, f"http://127.0.0.1:{self.port}/episodes/{eid}/v1")
+                       for eid, _, text in jobs]
+            deadline = time.monotonic() + timeout
+            return [self._episode(eid, fut, deadline) for (eid, _, _), fut in zip(jobs, futures)]
+        finally:
+            pool.shutdown(wait=False, cancel_futures=True)
+
+    def _episode(self, eid: str, fut: cf.Future, deadline: float) -> Episode:
+        end, answer, reward = "done", None, 0.0
+        try:
+            result = fut.result(timeout=max(0.0, deadline - time.monotonic()))
+        except cf.TimeoutError:
+            end = "env_timeout"
+            log.warning("env=agent: an episode ran past env.step_timeout_s x env.max_turns; it is left out of the "
+                        "loss (env/timeout_rate)")
+        except Exception as e:  # noqa: BLE001 (the agent's bug ends its episode, not the run)
+            end = "env_error"
+            log.warning("env=agent: the agent raised %s: %s; its episode is left out of the loss (env/error_rate)",
+                        type(e).__name__, e)
+        else:
+            if isinstance(result, str):
+                answer = result
+            elif isinstance(result, (int, float)) and not isinstance(result, bool):
+                reward = float(result)
+            else:
+                end = "env_error"
+                log.warning("env=agent: the agent returned %s, not the answer text or a float reward",
+                            type(result).__name__)
+        record = self._server.close_episode(eid)
+        if record is None:  # no request reached the server: nothing to train on
+            ep = Episode(None, [0], 0, end="env_error" if end == "done" else end)
+            ep.outs = [{"output_ids": [], "meta_info": {"finish_reason": {"type": "abort"}}}]
+            return ep
+        return episode_from_session(record, answer, reward, end)
+
+
+def episode_from_session(record: dict, answer: str | None, reward: float, end: str) -> Episode:
+    """An `Episode` holding a server session's tokens (`serve.Session.record`): the first prompt's ids, then every
+    token after it as one record (sampled tokens with their log-probs and versions; the other tokens log-prob 0 and
+    the version of the token sampled before them), masked by the session's loss mask. `answer`: graded by the run's
+    reward (the episode's `graded`), else `reward` is the episode's."""
+    p = len(record["prompt_ids"])
+    ids, mask = list(record["ids"][p:]), list(record["loss_mask"][p:])
+    versions, last = [], 0
+    for v in record["weight_versions"][p:]:
+        last = last if v is None else v
+        versions.append(last)
+    turns = record["turns"]
+    finish = {"type": turns[-1]["finish_reason"]} if turns else {"type": "abort"}
+    if record.get("end") == "truncated":
+        end = "context" if end == "done" else end
+    meta = {"finish_reason": finish, "weight_versions": sorted({v for t in turns for v in t["weight_versions"]}),
+            "output_token_logprobs": [(lp, t) for lp, t in zip(record["logprobs"][p:], ids)],
+            "output_token_weight_versions": versions}
+    meta["weight_version"] = max(meta["weight_versions"], default=0)
+    ep = Episode(None, list(record["prompt_ids"]), 0, outs=[{"output_ids": ids, "meta_info": meta}], starts=[p],
+                 ids=ids, mask=mask, reward=reward, graded=answer is not None and end == "done", end=end,
+                 answer=answer, turns=len(turns))
+    return ep
