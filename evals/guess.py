@@ -5,10 +5,13 @@ the secret ("7"). `generate_rows(split, size, seed, task_args, distinct)` draws 
 `task_args.min_n..max_n` and then the secret uniformly from 1..n, with a `random.Random` seeded by `seed`, so a
 (split, size, seed, task_args, distinct) tuple always gives the same rows.
 
-Held out by a hash: a (range, secret) pair belongs to `test` when the first 8 bytes of the SHA-1 of "{n}:{secret}"
-fall in one bucket of TEST_BUCKETS, to `train` otherwise. Every draw is tested against its split and skipped when it
-is the other's, so no training draw, whatever its seed, size or range, can be a held-out problem: a held-out pair's
-prompt may be seen in training (the prompt names the range only), but never with that secret behind it.
+Held out by a hash of the prompt: a range belongs to `test` when the first 8 bytes of the SHA-1 of its question text
+("Guess my number from 1 to 19:") fall in one bucket of TEST_BUCKETS, to `train` otherwise; every draw whose range is
+the other split's is skipped. So no training draw, whatever its seed, size or task_args, has a held-out prompt: the
+held-out episodes are searches of ranges the policy never saw (in 8..32: 10, 11, 19, 26, 27 and 30), their secrets
+uniform like the training ones. (A split of (range, secret) pairs instead leaks: the training secrets of a range are
+then exactly the ones the eval never asks for, and RL learns to avoid guessing the held-out ones: held-out success
+fell from 39% to 32% in 20 steps.)
 """
 from __future__ import annotations
 
@@ -19,7 +22,7 @@ from typing import Any
 GUESS_SOURCE = "guess"
 """`data.source=guess`."""
 TEST_BUCKETS = 4
-"""One hash bucket of TEST_BUCKETS is the test split: 1/4 of the (range, secret) pairs."""
+"""One hash bucket of TEST_BUCKETS is the test split: about 1/4 of the ranges."""
 SPLITS = ("train", "test")
 TASK_ARGS = {"min_n": 8, "max_n": 32}
 """The task_args it takes, with their defaults: the range's upper bound n is drawn from min_n..max_n."""
@@ -39,9 +42,9 @@ def question(n: int) -> str:
     return f"Guess my number from 1 to {n}:"
 
 
-def in_split(n: int, secret: int, split: str) -> bool:
-    """Whether the pair (range 1..n, secret) is in `split`, by the first 8 bytes of the SHA-1 of "{n}:{secret}"."""
-    digest = hashlib.sha1(f"{n}:{secret}".encode()).digest()
+def in_split(n: int, split: str) -> bool:
+    """Whether the range 1..n is in `split`, by the first 8 bytes of the SHA-1 of its question text."""
+    digest = hashlib.sha1(question(n).encode()).digest()
     return (int.from_bytes(digest[:8], "big") % TEST_BUCKETS == 0) == (split == "test")
 
 
@@ -71,7 +74,7 @@ def generate_rows(split: str, size: int, seed: int, task_args: dict[str, Any], d
     for i in range(size * _DRAW_FACTOR):
         n = rng.randint(lo, hi)
         secret = rng.randint(1, n)
-        if not in_split(n, secret, split) or (distinct and (n, secret) in seen):
+        if not in_split(n, split) or (distinct and (n, secret) in seen):
             continue
         seen.add((n, secret))
         rows.append({"id": f"guess-{seed}-{i}", "question": question(n), "answer": str(secret), "n": n})

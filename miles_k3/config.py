@@ -131,9 +131,10 @@ class TrainConfig:
                                 self.engine.backend)
         check_context("rollout.max_new_tokens", self.rollout.max_new_tokens, self.engine, self.sglang)
         check_partial(self.rollout.mode, self.trainer.old_logprobs, self.trainer.loss.tis, self.engine.backend)
-        if self.rollout.mode == "partial" and self.env.name != "single":
-            raise ValueError(f"env: env={self.env.name} runs multi-turn episodes, which rollout.mode=partial cannot "
-                             "pause and carry across a weight update yet; use rollout.mode=sync with it")
+        if self.rollout.mode == "partial" and self.env.name != "single" and self.parallel.world_size > 1:
+            raise ValueError(f"env: multi-turn episodes (env={self.env.name}) in rollout.mode=partial run in one "
+                             f"process only (not tested across ranks yet), got {self.parallel.world_size} ranks; "
+                             "use rollout.mode=sync under torchrun")
         if self.eval.every_n_steps > 0:
             check_context("eval.max_new_tokens", self.eval.max_new_tokens, self.engine, self.sglang)
         if self.trainer.old_logprobs == "rollout" and self.trainer.loss.tis != "none":
@@ -283,7 +284,7 @@ class ServeConfig:
 
 
 SFT_MODES = ("full", "lora")
-SFT_TRANSCRIPTS = ("none", "guess_random")
+SFT_TRANSCRIPTS = ("none", "guess_random", "guess_noisy_bisect")
 
 
 @dataclass
@@ -337,7 +338,8 @@ class SFTConfig:
     `transcripts` of it, at most env.max_turns policy turns each, and evaluates held-out episodes of it."""
     transcripts: str = "none"
     """none: the target is the gold answer + eos. guess_random (env=guess): a multi-turn transcript of the
-    environment played by a uniformly random guess consistent with the feedback so far; the loss is on the
+    environment played by a uniformly random guess consistent with the feedback so far; guess_noisy_bisect: the
+    middle of the numbers the feedback allows half of the time, such a random guess otherwise. The loss is on the
     guesses' tokens only (each observation is the environment's text, tokenized on its own, as in rollouts)."""
 
     def validate(self) -> None:
@@ -365,9 +367,9 @@ class SFTConfig:
         self.env.validate()
         if self.transcripts not in SFT_TRANSCRIPTS:
             raise ValueError(f"transcripts: '{self.transcripts}' is not one of {', '.join(SFT_TRANSCRIPTS)}")
-        if (self.transcripts == "guess_random") != (self.env.name == "guess"):
+        if (self.transcripts != "none") != (self.env.name == "guess"):
             raise ValueError(f"transcripts: transcripts={self.transcripts} with env={self.env.name}; "
-                             "transcripts=guess_random plays env=guess (set both), and env=guess trains on its "
+                             "transcripts=guess_* plays env=guess (set both), and env=guess trains on its "
                              "transcripts (pairs would teach the secret from the prompt alone)"
                              if self.env.name in ("single", "guess") else
                              f"env: python -m miles_k3.sft has no transcripts of env={self.env.name}; use "

@@ -129,12 +129,16 @@ def encode_example(problem: Problem, template: str, tokenizer, eos_id: int) -> S
 
 
 _RANGE = re.compile(r"from (-?\d+) to (-?\d+)")
+NOISY_BISECT_P = 0.5
+"""transcripts=guess_noisy_bisect: the share of turns that guess the middle of the allowed numbers."""
 
 
-def guess_transcript(problem: Problem, tokenizer, eos_id: int, max_turns: int, rng: random.Random) -> Sample:
+def guess_transcript(problem: Problem, tokenizer, eos_id: int, max_turns: int, rng: random.Random,
+                     bisect_p: float = 0.0) -> Sample:
     """One multi-turn example of env=guess played by an imperfect policy: each turn guesses uniformly at random
-    among the numbers the feedback so far allows (the range is read from the problem text, "from 1 to 16"), until
-    the environment says found or `max_turns` turns are played. Token in / token out, as `trainer.episodes` builds
+    among the numbers the feedback so far allows (the range is read from the problem text, "from 1 to 16"), or,
+    with probability `bisect_p`, their middle ((lo + hi) // 2: a noisy bisection), until the environment says found
+    or `max_turns` turns are played. Token in / token out, as `trainer.episodes` builds
     an episode: the prompt is the environment's reset text; each turn is the guess's text (" 7") + eos, loss mask
     1; each observation is the environment's own text (" higher\n"), tokenized on its own and appended as ids,
     loss mask 0; no observation after the last turn."""
@@ -148,7 +152,12 @@ def guess_transcript(problem: Problem, tokenizer, eos_id: int, max_turns: int, r
     ids: list[int] = []
     mask: list[int] = []
     for turn in range(1, max_turns + 1):
-        guess = rng.randint(lo, hi) if lo <= hi else lo
+        if lo > hi:
+            guess = lo
+        elif bisect_p and rng.random() < bisect_p:
+            guess = (lo + hi) // 2
+        else:
+            guess = rng.randint(lo, hi)
         text = f" {guess}"
         turn_ids = tokenizer.encode(text, add_special_tokens=False) + [eos_id]
         ids += turn_ids
@@ -169,9 +178,10 @@ def guess_transcript(problem: Problem, tokenizer, eos_id: int, max_turns: int, r
 def encode_examples(problems: list[Problem], cfg, tokenizer, eos_id: int) -> dict[int, Sample]:
     """Every problem's training example, by id(problem): `encode_example` (transcripts=none), or a transcript of
     the environment (`guess_transcript`, seeded by cfg.seed and the problem's id)."""
-    if cfg.transcripts == "guess_random":
-        return {id(p): guess_transcript(p, tokenizer, eos_id, cfg.env.max_turns, random.Random(f"{cfg.seed}:{p.id}"))
-                for p in problems}
+    if cfg.transcripts in ("guess_random", "guess_noisy_bisect"):
+        bisect_p = NOISY_BISECT_P if cfg.transcripts == "guess_noisy_bisect" else 0.0
+        return {id(p): guess_transcript(p, tokenizer, eos_id, cfg.env.max_turns, random.Random(f"{cfg.seed}:{p.id}"),
+                                        bisect_p) for p in problems}
     return {id(p): encode_example(p, cfg.template, tokenizer, eos_id) for p in problems}
 
 
