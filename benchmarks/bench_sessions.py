@@ -10,7 +10,8 @@ episodes' turns batched in one `generate` call per turn as the trainer's episode
 `kept`: `generate(keep_state=True, sessions=...)`, each turn prefilling only its new tokens; `recompute`: every turn
 the whole conversation. The model is the named config at its random init (prefill cost does not depend on the
 weights). Both modes sample the same tokens (checked: the run stops if they differ). Figures, per episode: prefill
-tokens (the engine's counter), wall seconds (median of `--repeats`, after one warm-up repeat), and the ratio.
+tokens (the engine's counter), wall seconds (median of `--repeats`; the modes alternate, after one warm-up round of
+each), and the ratio.
 Written to benchmarks/results/bench_sessions.json with the command.
 """
 from __future__ import annotations
@@ -74,25 +75,24 @@ def main() -> None:
            "torch_threads": torch.get_num_threads(), **{k: getattr(args, k) for k in
                                                         ("turns", "episodes", "prompt", "obs", "new", "repeats")},
            "episode_tokens": length}
-    tokens = {}
-    for mode in ("kept", "recompute"):
-        times = []
-        for r in range(args.repeats + 1):  # the first: warm-up
+    tokens, times, prefill = {}, {"kept": [], "recompute": []}, {}
+    for r in range(args.repeats + 1):  # the modes alternate (a load that changes over time hits both); 0: warm-up
+        for mode in ("kept", "recompute"):
             before = engine.session_stats["prefill_tokens"]
             if device.type == "cuda":
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
-            convs = _episodes(engine, args, mode == "kept")
+            tokens[mode] = _episodes(engine, args, mode == "kept")
             if device.type == "cuda":
                 torch.cuda.synchronize()
             if r:
-                times.append(time.perf_counter() - t0)
-            prefill = engine.session_stats["prefill_tokens"] - before
-        tokens[mode] = convs
-        out[mode] = {"prefill_tokens_per_episode": prefill / args.episodes,
-                     "seconds_per_episode": statistics.median(times) / args.episodes,
-                     "seconds_all": [round(t, 4) for t in times]}
-        print(f"{mode:>9}: {prefill / args.episodes:,.0f} prefill tokens / episode, "
+                times[mode].append(time.perf_counter() - t0)
+            prefill[mode] = engine.session_stats["prefill_tokens"] - before
+    for mode in ("kept", "recompute"):
+        out[mode] = {"prefill_tokens_per_episode": prefill[mode] / args.episodes,
+                     "seconds_per_episode": statistics.median(times[mode]) / args.episodes,
+                     "seconds_all": [round(t, 4) for t in times[mode]]}
+        print(f"{mode:>9}: {prefill[mode] / args.episodes:,.0f} prefill tokens / episode, "
               f"{out[mode]['seconds_per_episode'] * 1e3:.1f} ms / episode", flush=True)
     if tokens["kept"] != tokens["recompute"]:
         raise SystemExit("kept and recomputed episodes sampled different tokens")
