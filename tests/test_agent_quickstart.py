@@ -1,7 +1,8 @@
 """The agent quickstart (`recipe=agent_quickstart`): guess-the-number problems with a held-out split
 (`data.source=guess`, evals/guess.py), the k3_nano_guess base SFT'd on transcripts of an imperfect guessing policy
-(`transcripts=guess_random`, miles_k3/sft.py), episode-level evals (trainer/episode_eval.py), and a shortened run of
-the recipe that must raise held-out episode success."""
+(`transcripts=guess_noisy_bisect` / `guess_random`, miles_k3/sft.py), episode-level evals (trainer/episode_eval.py),
+and a shortened run of the recipe whose held-out episodes must improve (see MIN_GAIN for what is and is not required)."""
+import json
 
 import pytest
 
@@ -34,14 +35,15 @@ def test_guess_rows_are_the_env_prompt_and_the_secret():
 
 
 def test_held_out_split_is_disjoint_from_every_training_draw():
-    """The ranges 1..8 .. 1..12 hold 8 + 9 + 10 + 11 + 12 = 50 (range, secret) pairs: the test split's distinct pairs
-    and the train split's distinct pairs are disjoint and together make all 50; a 51st distinct pair of either split
-    does not exist, and 20 seeds' worth of training draws never produce a held-out pair."""
+    """The ranges 1..8 .. 1..12 hold 8 + 9 + 10 + 11 + 12 = 50 (range, secret) pairs. Every range is in one split
+    only (a held-out prompt never appears in training), the two splits' distinct pairs are disjoint and together
+    make all 50, a pair more of either split does not exist, and 20 seeds' worth of training draws never produce a
+    held-out prompt."""
     args = {"min_n": 8, "max_n": 12}
     everything = {(f"Guess my number from 1 to {n}:", str(s)) for n in range(8, 13) for s in range(1, n + 1)}
     assert len(everything) == 50
     test = None
-    for k in range(1, 50):
+    for k in range(1, 51):
         try:
             test = set(_pairs("test", k, **args))
         except DatasetError:
@@ -49,11 +51,14 @@ def test_held_out_split_is_disjoint_from_every_training_draw():
     k_test = len(test)
     train = set(_pairs("train", 50 - k_test, **args))
     assert train.isdisjoint(test) and train | test == everything
-    assert 5 <= k_test <= 20  # one hash bucket in four: about 12 of 50
+    test_prompts, train_prompts = {q for q, _ in test}, {q for q, _ in train}
+    assert test_prompts and train_prompts and test_prompts.isdisjoint(train_prompts)
+    for q in test_prompts:  # a held-out range's every secret is held out
+        assert {a for p, a in test if p == q} == {str(s) for s in range(1, int(q.split()[-1][:-1]) + 1)}
     with pytest.raises(DatasetError, match="distinct"):
         _pairs("train", 51 - k_test, **args)
     for seed in range(20):
-        assert set(_pairs("train", 200, seed=seed, distinct=False, **args)).isdisjoint(test)
+        assert {q for q, _ in _pairs("train", 200, seed=seed, distinct=False, **args)}.isdisjoint(test_prompts)
 
 
 def test_bad_guess_source_args_fail_clearly():
@@ -70,9 +75,9 @@ def test_bad_guess_source_args_fail_clearly():
 def test_bad_env_and_sft_settings_fail_clearly():
     with pytest.raises(ValueError, match="'riddle' is not a registered environment"):
         to_typed(compose_config("train", ["recipe=agent_quickstart", "env.name=riddle"]))
-    with pytest.raises(ValueError, match="transcripts=guess_random plays env=guess"):
+    with pytest.raises(ValueError, match=r"transcripts=guess_\* plays env=guess"):
         to_typed(compose_config("sft", ["recipe=guess_base", "env.name=single", "env.max_turns=1"]))
-    with pytest.raises(ValueError, match="transcripts: 'bisect' is not one of none, guess_random"):
+    with pytest.raises(ValueError, match="transcripts: 'bisect' is not one of none, guess_random, guess_noisy_bisect"):
         to_typed(compose_config("sft", ["recipe=guess_base", "transcripts=bisect"]))
 
 
@@ -87,6 +92,9 @@ class Scripted:
     def randint(self, lo, hi):
         self.asked.append((lo, hi))
         return self.guesses.pop(0)
+
+    def random(self):
+        return 0.0  # below any bisect_p > 0: the noisy bisection takes the middle
 
 
 class ScriptedEngine:
@@ -132,6 +140,14 @@ def test_transcript_follows_the_feedback_and_masks_observations(tok):
     assert s2.response_ids == enc(" 1") + [eos] + enc(" higher\n") + enc(" 2") + [eos]
 
 
+def test_noisy_bisection_transcript_takes_the_middle(tok):
+    """bisect_p=1 (and a draw below it every turn): 1..8, secret 5: 4 (middle of 1..8) -> higher, 6 (of 5..8) ->
+    lower, 5 (of 5..5) found."""
+    tokenizer, eos = tok
+    s = guess_transcript(Problem("p", "Guess my number from 1 to 8:", "5"), tokenizer, eos, 5, Scripted([]), 1.0)
+    assert tokenizer.decode(s.response_ids, skip_special_tokens=True) == " 4 higher\n 6 lower\n 5"
+
+
 def test_transcript_tokens_equal_the_episode_of_the_same_guesses(tok):
     """The same guesses played by the engine through trainer/episodes.py give the same ids and loss mask."""
     tokenizer, eos = tok
@@ -174,3 +190,40 @@ def test_episode_eval_scores_success_turns_and_invalid_turns(tok, tmp_path):
     assert m["eval/end_done_rate"] == pytest.approx(0.75) and m["eval/end_max_turns_rate"] == pytest.approx(0.25)
     assert [rec.turns for rec in r.records] == [2, 3, 1, 3]
     assert r.records[1].response == " 1[EOS] higher\n x[EOS] not a number\n 4[EOS]"  # the tokens, stop tokens too
+
+
+# ---- the recipe learns -------------------------------------------------------------------------------------------
+QUICK = ["steps=20", "trainer.optim.total_steps=40", "eval.every_n_steps=20"]
+"""The first 20 of the recipe's 40 steps (its schedule: cosine over 40), evaluated at steps 0 and 20: the measured
+runs' own first half."""
+MAX_INVALID_RATIO = 0.5
+MIN_GAIN = 0.0
+"""Measured on 2 shared cores, one thread (benchmarks/results/agent_quickstart_seeds.json; seeds 0, 1, 2 of the
+recipe): the held-out invalid-turn rate fell from 7.9% to 0.8%, 2.0%, 2.8% by step 20 (ratios 0.09, 0.25, 0.35: the
+bar 0.5 is above the worst), and to 0.8%, 1.5%, 2.5% by step 40. Held-out success moved by +1.75, +0.25, +0.75 points
+by step 20 and +3.75, +1.75, +0.25 by step 40, each with an eval standard error of ~2.7 points: the seed spread's
+"min gain - 2 s.e." is below 0, so this test can only require that success does not fall (MIN_GAIN 0: the smallest
+measured gain, +0.25, clears it by 0.25 points); the gain in success is measured, not established (see
+docs/concepts/agents.md)."""
+
+
+@pytest.mark.slow
+def test_shortened_agent_quickstart_raises_held_out_success(tmp_path):
+    import torch
+
+    from miles_k3.train import train
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # 2 shared cores: more OpenMP threads only contend (~25x slower here)
+    try:
+        cfg = compose_config("train", ["recipe=agent_quickstart", *QUICK, f"run_dir={tmp_path}/run"])
+        s = train(cfg, "").summary
+    finally:
+        torch.set_num_threads(threads)
+    assert (s["accuracy_metric"], s["accuracy_before_step"]) == ("avg@4", 0)
+    assert s["accuracy_after"] - s["accuracy_before"] >= MIN_GAIN, s
+    assert s["answer_rate_after"] >= 0.9, s  # the turns stay well formed
+    rows = [json.loads(x) for x in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
+    evals = {r["step"]: r for r in rows if "eval/avg@4" in r}
+    assert sorted(evals) == [0, 20] and all("eval/turns_mean" in r for r in evals.values())
+    assert evals[20]["eval/invalid_turn_rate"] <= MAX_INVALID_RATIO * evals[0]["eval/invalid_turn_rate"], evals
