@@ -227,3 +227,16 @@ def test_shortened_agent_quickstart_raises_held_out_success(tmp_path):
     evals = {r["step"]: r for r in rows if "eval/avg@4" in r}
     assert sorted(evals) == [0, 20] and all("eval/turns_mean" in r for r in evals.values())
     assert evals[20]["eval/invalid_turn_rate"] <= MAX_INVALID_RATIO * evals[0]["eval/invalid_turn_rate"], evals
+
+
+def test_episode_eval_grades_a_final_turn_left_to_the_reward(tok):
+    """env=single's one turn is left to the grader (StepResult.reward None): "7" and "8" against the gold 7 score
+    1 and 0 under eval.grader=integer: avg@2 0.5, one turn each, both well formed."""
+    tokenizer, eos = tok
+    t = lambda x: tokenizer.encode(x, add_special_tokens=False) + [eos]
+    engine = ScriptedEngine([[t("7"), t("8")]])
+    cfg = EvalConfig(samples=2, max_new_tokens=6, template="plain", grader="integer")
+    r = evaluate_episodes(engine, tokenizer, [Problem("a", "3+4=", "7")], cfg, (build_env(EnvConfig()), EnvConfig()))
+    m = r.metrics()
+    assert (m["eval/avg@2"], m["eval/turns_mean"], m["eval/answer_rate"]) == (0.5, 1.0, 1.0)
+    assert [rec.score for rec in r.records] == [1.0, 0.0] and [rec.normalized for rec in r.records] == ["7", "8"]

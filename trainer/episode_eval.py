@@ -94,7 +94,7 @@ def evaluate_episodes(engine, tokenizer, problems: list[Problem], cfg: EvalConfi
                                                  [rows[k]["gold"] for k in graded])))
     records = [_record(r, grades.get(k)) for k, r in enumerate(rows)]
     summary = summarize(outcomes_by_problem(records), ks=cfg.ks)
-    summary |= episode_summary(records, len(problems))
+    summary |= episode_summary(records)
     summary.update(seconds=time.perf_counter() - t0, env=env_cfg.name, max_turns=env_cfg.max_turns,
                    grader=cfg.grader, temperature=cfg.temperature, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens)
     return EvalResult(records, summary)
@@ -151,7 +151,7 @@ def _record(r: dict, grade) -> EpisodeRecord:
                          reason, r["end"], r["num_tokens"], r["weight_version"], turns=r["turns"], info=r["info"])
 
 
-def episode_summary(records: list[EpisodeRecord], num_problems: int) -> dict[str, float]:
+def episode_summary(records: list[EpisodeRecord]) -> dict[str, float]:
     """turns_mean (+ its standard error over problems), how episodes ended, the environment's info numbers per
     episode (env/<key>) and invalid turns per turn."""
     by_problem: dict[str, list[EpisodeRecord]] = {}
