@@ -179,7 +179,8 @@ def build_run(cfg) -> Run:
     if cfg.rollout.mode == "partial":
         check_pool_fits(cfg.rollout, engine.num_slots, ctx.dp_size)
         partial = PartialRollouts(engine, tokenizer, stream, reward, cfg.rollout, POLICY,
-                                  routes=cfg.rollout.return_routed_experts or cfg.trainer.routing_replay, ctx=ctx)
+                                  routes=cfg.rollout.return_routed_experts or cfg.trainer.routing_replay, ctx=ctx,
+                                  env=env)
         if rollout_state is not None:
             partial.load_state(rollout_state)
     return Run(cfg, run_dir, device, model, tokenizer, engine, params, opt, sched, channel, reward, stream, hook,

@@ -38,7 +38,7 @@ import dataclasses
 import itertools
 import threading
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -253,19 +253,25 @@ class RolloutEngine(VersionedEngine):
 
     # ---- partial rollouts: a persistent queue served across runs ------------------------------------------
     def submit(self, input_ids: list[list[int]], sampling_params: dict | list[dict] | None = None, n: int = 1,
-               lora: str | list[str | None] | None = None, return_routed_experts: bool = False) -> list[int]:
+               lora: str | list[str | None] | None = None, return_routed_experts: bool = False,
+               keep_state: bool = False, sessions: list[int | None] | None = None) -> list[int]:
         """Queue each prompt's `n` samples as a group (behind the groups queued already) for `run`; returns the new
         group ids (increasing from 0 over the engine's life). The arguments are checked as `generate` checks them;
         a bad prompt (empty, a token outside the vocabulary, prompt + max_new_tokens over max_context, bad sampling
-        params, an unknown adapter) is a ValueError naming it ("request i", i its place in this call), and then
-        nothing is queued. A prompt without `sampling_seed` draws its seed here."""
+        params, an unknown adapter, a bad session continuation) is a ValueError naming it ("request i", i its place
+        in this call), and then nothing is queued. A prompt without `sampling_seed` draws its seed here.
+        `keep_state` / `sessions`: as `generate`'s (a multi-turn episode's turns)."""
         ids, params, loras = generate_requests(input_ids, None, sampling_params, n, lora, self.tokenizer,
                                                self._released)
         if return_routed_experts and not self.runner.num_moe:
             raise ValueError("return_routed_experts: this model has no MoE layers, so there are no routes")
+        if sessions is not None and len(sessions) != len(ids):
+            raise ValueError(f"sessions: one entry per prompt ({len(ids)}), got {len(sessions)}")
         with self._lock:
             groups = [self._make_group(i, n, p, sp, name, return_routed_experts)
                       for i, (p, sp, name) in enumerate(zip(ids, params, loras))]
+            for i, group in enumerate(groups):
+                self._attach_session(group, None if sessions is None else sessions[i], keep_state)
             new = []
             for group in groups:
                 gid = self._next_group
@@ -278,14 +284,19 @@ class RolloutEngine(VersionedEngine):
             return new
 
     def run(self, finished_groups: int | None = None, must_finish: Iterable[int] = (),
-            return_logprob: bool = True) -> list[tuple[int, list[Record]]]:
+            return_logprob: bool = True, until: Callable[[], bool] | None = None,
+            on_finished: Callable[[int, list[Record]], None] | None = None) -> list[tuple[int, list[Record]]]:
         """Serve the queue (`submit`) until at least `finished_groups` groups have finished all their samples in
         this run and every group id in `must_finish` has (None: until the queue is empty); then the running requests
         are retracted (their slots and pages freed, their tokens kept) and stay queued, first, for the next run,
         which recomputes their state from their tokens under the weights it serves (each output token records the
         version that sampled it: `output_token_weight_versions`). Returns (group id, the group's n records in sample
         order) for each group finished in this run, in the order they finished (with their last sample). A condition
-        that holds before the first step runs nothing; a queue that empties first returns what finished."""
+        that holds before the first step runs nothing; a queue that empties first returns what finished.
+
+        `until`: the stop condition instead (checked at the same points). `on_finished(group id, records)`: called
+        for each group as it finishes, within the run, instead of returning it; it may `submit` groups, which join
+        the queue this run serves (a multi-turn episode's next turn)."""
         must = list(must_finish)
         if finished_groups is not None and finished_groups < 0:
             raise ValueError(f"run: finished_groups must be >= 0 or None, got {finished_groups}")
@@ -308,11 +319,15 @@ class RolloutEngine(VersionedEngine):
             samples[req.index] = req
             if len(samples) == n:
                 del self._groups[req.group]
-                finished.append((req.group, [self._result(samples[j], return_logprob) for j in range(n)]))
+                records = [self._result(samples[j], return_logprob) for j in range(n)]
                 left.discard(req.group)
+                if on_finished is not None:
+                    on_finished(req.group, records)
+                else:
+                    finished.append((req.group, records))
 
-        stop = None
-        if finished_groups is not None:
+        stop = until
+        if until is None and finished_groups is not None:
             def stop() -> bool:
                 return len(finished) >= finished_groups and not left
         try:
@@ -322,6 +337,8 @@ class RolloutEngine(VersionedEngine):
                 for entry in self._queue:  # preempted requests still hold rows of the log
                     for req in entry:
                         req.keep_routes(self.runner.route_log)
+                    if entry[0].slot is not None:  # a session's turn never admitted: its kept state is freed
+                        self.runner.free(entry[0])
                 self._serving = False
                 self._active -= 1
                 if not self._active:
@@ -398,6 +415,7 @@ class RolloutEngine(VersionedEngine):
                     groups[req.group][1][req.index] = req
             self._groups = groups
             self._queue = deque([reqs[i] for i in e] for e in state["entries"])
+            self.runner.sessions.adopt([r.session for r in reqs if r.session is not None])
             self._next_group = max(self._next_group, state["next_group"])
 
     def _request_from_state(self, d: dict, i: int) -> Request:
@@ -410,7 +428,8 @@ class RolloutEngine(VersionedEngine):
                        cached=d["cached"], output=list(d["output"]), logprobs=list(d["logprobs"]),
                        unfiltered=list(d["unfiltered"]), finish=finish, weight_versions=set(d["weight_versions"]),
                        record=d["record"], routes=[] if d["routes"] is None else [d["routes"]],
-                       num_routed=d["num_routed"], token_versions=list(d["token_versions"]), group=d["group"])
+                       num_routed=d["num_routed"], token_versions=list(d["token_versions"]), group=d["group"],
+                       session=d.get("session"))
 
     def load_lora_adapter_from_tensors(self, name: str, tensors: dict[str, torch.Tensor],
                                        config: LoRAConfig) -> None:
@@ -526,5 +545,5 @@ def _request_state(req: Request) -> dict:
             "logprobs": list(req.logprobs), "unfiltered": list(req.unfiltered),
             "token_versions": list(req.token_versions), "weight_versions": sorted(req.weight_versions),
             "finish": None if req.finish is None else req.finish.to_dict(), "key": req.key, "lora": req.lora,
-            "record": req.record, "routes": torch.cat(req.routes) if req.routes else None,
+            "record": req.record, "routes": torch.cat(req.routes) if req.routes else None, "session": req.session,
             "num_routed": req.num_routed, "cached": req.cached, "params": dataclasses.asdict(req.params)}

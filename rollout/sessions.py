@@ -131,6 +131,14 @@ class SessionStore:
         self._gone.discard(sid)
         self._running.discard(sid)
 
+    def adopt(self, ids: list[int]) -> None:
+        """Open sessions `ids` without state (a queue loaded from a checkpoint: their turns recompute), and give
+        new ids past them."""
+        for sid in ids:
+            if not self.known(sid):
+                self._gone.add(sid)
+            self._next = max(self._next, sid + 1)
+
     def forget_states(self) -> None:
         """The pools were released: every parked state is gone (the sessions stay open and recompute)."""
         self._gone |= self._parked.keys()

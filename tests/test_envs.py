@@ -193,7 +193,6 @@ def test_single_env_is_one_call_graded_by_the_reward():
     (["env=tools", "env.tools=[]"], "env.tools: env=tools needs at least one tool"),
     (["env=tools", "env.tools=[shell]"], "env.tools: 'shell' is not a tool; known: calculator, python"),
     (["env.tools=[calculator]"], "env.tools: env.tools is set but env=single calls no tools"),
-    (["env=guess", "rollout.mode=partial", "trainer.loss.tis=token_truncate"], "env: env=guess runs multi-turn"),
     (["env=guess", "engine.backend=sglang", "model=k3_nano", f"model.path={BASE}"],
      "env.keep_state: keeping an episode's state in the engine between turns needs engine.backend=native"),
 ])

@@ -138,7 +138,7 @@ def run_turns(engine, tokenizer, episodes: list[Episode], cfg, env_cfg: EnvConfi
     pool = cf.ThreadPoolExecutor(max_workers=4, thread_name_prefix="env-step")
     try:
         for turn in range(1, env_cfg.max_turns + 1):
-            live = [ep for ep in episodes if _step(ep, tokenizer, pool, env_cfg, turn, limit)]
+            live = [ep for ep in episodes if step_episode(ep, tokenizer, pool, env_cfg, turn, limit)]
             _close(engine, [ep for ep in episodes if ep.end])
             if turn == env_cfg.max_turns:
                 break
@@ -169,7 +169,7 @@ def _close(engine, episodes: list[Episode]) -> None:
         ep.session = None
 
 
-def _step(ep: Episode, tokenizer, pool, env_cfg: EnvConfig, turn: int, limit: int) -> bool:
+def step_episode(ep: Episode, tokenizer, pool, env_cfg: EnvConfig, turn: int, limit: int) -> bool:
     """The environment's answer to the episode's last turn; True when the episode goes on to another turn."""
     if ep.end:
         return False

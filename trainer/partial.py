@@ -35,8 +35,9 @@ keys), for a checkpoint from which `resume=auto` continues the run exactly.
 """
 from __future__ import annotations
 
+import concurrent.futures as cf
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from miles_k3.evals.problems import Problem
 from miles_k3.evals.rewards import grade_outcome
@@ -44,7 +45,17 @@ from miles_k3.evals.templates import render_prompt, response_text
 from miles_k3.parallel.mesh import SINGLE, ParallelContext
 from miles_k3.parallel.reduce import gather, max_over, sum_over, world_of
 from miles_k3.trainer.batch import Sample
+from miles_k3.trainer.episodes import (
+    Episode,
+    engine_counts,
+    env_metrics,
+    env_totals,
+    first_prompt,
+    keeps_state,
+    step_episode,
+)
 from miles_k3.trainer.rollouts import (
+    SINGLE_ENV,
     RolloutConfig,
     _advantages,
     _is_flat,
@@ -52,6 +63,7 @@ from miles_k3.trainer.rollouts import (
     _sample,
     _totals,
     reward_metrics,
+    score_episodes,
 )
 
 
@@ -61,15 +73,20 @@ class _Group:
     problem: Problem
     prompt: list[int]
     queued_at: int  # the trainer's weight version when it was queued
+    envs: list = field(default_factory=list)  # multi-turn: each episode's environment
+    episodes: list[Episode] | None = None  # multi-turn: the group's episodes, once their first turn finished
 
 
 class PartialRollouts:
     """The pool of groups in flight in `engine` and one step's rollouts from it (`collect`)."""
 
     def __init__(self, engine, tokenizer, stream, reward_fn, cfg: RolloutConfig, lora: str | None,
-                 routes: bool = False, ctx: ParallelContext = SINGLE):
+                 routes: bool = False, ctx: ParallelContext = SINGLE, env=None):
         self.engine, self.tokenizer, self.stream, self.reward_fn = engine, tokenizer, stream, reward_fn
         self.cfg, self.lora, self.routes, self.ctx = cfg, lora, routes, ctx
+        self.env = env or SINGLE_ENV  # (factory, EnvConfig) of the episodes
+        self.multi = self.env[1].name != "single"
+        self.turns: dict[int, tuple[int, int]] = {}  # multi-turn: engine group of a later turn -> (group, episode)
         self.share = cfg.prompts_per_step // ctx.dp_size  # groups this replica finishes per step
         self.inflight = -(-cfg.partial.groups(cfg.prompts_per_step) // ctx.dp_size)  # groups this replica keeps
         self.groups: dict[int, _Group] = {}  # engine group id -> the group, in the order they were queued
@@ -81,8 +98,13 @@ class PartialRollouts:
         dropped = self._drop(version) if pc.policy == "drop" else []
         self._top_up(version, [(g.draw, g.problem) for g, _ in dropped])
         due = self._due(version) if pc.policy == "wait" else []  # max_staleness=0: the new groups too
-        finished = self._run(self.share, due)
-        samples, metrics = self._samples(finished, dropped, version)
+        if self.multi:
+            before = engine_counts(self.engine)
+            finished = self._run_episodes(self.share, due)
+            samples, metrics = self._episode_samples(finished, dropped, version, before)
+        else:
+            finished = self._run(self.share, due)
+            samples, metrics = self._samples(finished, dropped, version)
         return samples, metrics | self._retract_metrics()
 
     # ---- the pool -------------------------------------------------------------------------------------------
@@ -94,9 +116,27 @@ class PartialRollouts:
         late = [gid for gid, g in self.groups.items() if version - g.queued_at > self.cfg.partial.max_staleness]
         if not late:
             return []
+        if self.multi:
+            return [self._drop_episodes(gid) for gid in late]
         lengths = self._lengths(late)
         self.engine.cancel(late)
         return [(self.groups.pop(gid), lengths.get(gid, [])) for gid in late]
+
+    def _drop_episodes(self, key: int) -> tuple[_Group, list[int]]:
+        """Cancel a multi-turn group: its first turn (if still queued) or its episodes' turns in flight, and their
+        sessions; (the group, its episodes' lengths so far)."""
+        g = self.groups.pop(key)
+        live = [gid for gid, (k, _) in self.turns.items() if k == key]
+        queued = set(self.engine.queued_groups())
+        self.engine.cancel([gid for gid in [key, *live] if gid in queued])
+        for gid in live:
+            del self.turns[gid]
+        if g.episodes is None:
+            return g, [len(r["output"]) for r in self.engine.queue_state()["requests"] if r["group"] == key]
+        sessions = [ep.session for ep in g.episodes if ep.session is not None]
+        if sessions:
+            self.engine.close_sessions(sessions)
+        return g, [len(ep.ids) for ep in g.episodes]
 
     def _lengths(self, gids: list[int]) -> dict[int, list[int]]:
         """Each queued group's samples' response lengths so far."""
@@ -113,14 +153,29 @@ class PartialRollouts:
         if not drawn:
             return
         cfg = self.cfg
-        prompts = [self.tokenizer.encode(render_prompt(cfg.template, p.problem, self.tokenizer),
-                                         add_special_tokens=False) for _, p in drawn]
+        envs = [self._envs(d, p) for d, p in drawn] if self.multi else [[] for _ in drawn]
+        if self.multi:
+            prompts = [self._first_prompt(d, p, group) for (d, p), group in zip(drawn, envs)]
+        else:
+            prompts = [self.tokenizer.encode(render_prompt(cfg.template, p.problem, self.tokenizer),
+                                             add_special_tokens=False) for _, p in drawn]
         params = [{"max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature, "top_p": cfg.top_p,
                    "top_k": cfg.top_k, "sampling_seed": cfg.seed * 1_000_003 + d * cfg.group_size} for d, _ in drawn]
+        more = {"keep_state": True} if self.multi and keeps_state(self.engine, self.env[1]) else {}
         gids = self.engine.submit(input_ids=prompts, sampling_params=params, n=cfg.group_size, lora=self.lora,
-                                  return_routed_experts=self.routes)
-        for gid, (d, p), ids in zip(gids, drawn, prompts):
-            self.groups[gid] = _Group(d, p, ids, version)
+                                  return_routed_experts=self.routes, **more)
+        for gid, (d, p), ids, group in zip(gids, drawn, prompts, envs):
+            self.groups[gid] = _Group(d, p, ids, version, group)
+
+    def _envs(self, draw: int, problem: Problem) -> list:
+        return [self.env[0]() for _ in range(self.cfg.group_size)]
+
+    def _first_prompt(self, draw: int, problem: Problem, envs: list) -> list[int]:
+        texts = {first_prompt(e, problem, draw, self.cfg.seed, self.cfg.template, self.tokenizer) for e in envs}
+        if len(texts) != 1:
+            raise ValueError(f"env={self.env[1].name}: reset gave the members of problem {problem.id}'s group "
+                             "different prompts; a group shares its prompt (reset gets the same rng seed for each)")
+        return self.tokenizer.encode(texts.pop(), add_special_tokens=False)
 
     def _take(self, k: int) -> list[tuple[int, Problem]]:
         """This replica's next k prompts: every dp-th of the global stream, from draw dp_rank on."""
@@ -136,6 +191,78 @@ class PartialRollouts:
             out.append((self.groups.pop(gid), records))
         return out
 
+    # ---- multi-turn episodes ---------------------------------------------------------------------------------
+    def _run_episodes(self, share: int, due: list[int]) -> list[tuple[_Group, list]]:
+        """Serve the pool until `share` groups have finished every episode (and every group of `due` has): a turn
+        that finishes is handed to its environment at once, and the episode's next turn joins the queue being
+        served. The groups finished, in order."""
+        env_cfg = self.env[1]
+        limit = min(env_cfg.max_total_tokens or self.engine.max_context, self.engine.max_context)
+        done: list[int] = []
+        pool = cf.ThreadPoolExecutor(max_workers=4, thread_name_prefix="env-step")
+
+        def until() -> bool:
+            return len(done) >= share and all(k in done for k in due)
+
+        def on_finished(gid: int, records: list[dict]) -> None:
+            bad = next((r for r in records if "error" in r), None)
+            if bad is not None:
+                raise RuntimeError(f"rollout: the engine rejected a request: {bad['error']}")
+            if gid in self.turns:
+                key, j = self.turns.pop(gid)
+                self.groups[key].episodes[j].add_turn(records[0])
+                steps = [(key, j)]
+            else:  # a group's first turn: its episodes begin
+                g, key = self.groups[gid], gid
+                base = self.cfg.seed * 1_000_003 + g.draw * self.cfg.group_size
+                g.episodes = [Episode(env, g.prompt, base + j) for j, env in enumerate(g.envs)]
+                for ep, record in zip(g.episodes, records):
+                    ep.add_turn(record)
+                steps = [(key, j) for j in range(len(records))]
+            for key, j in steps:
+                self._advance(key, j, pool, limit)
+            g = self.groups[key]
+            if key not in done and all(ep.end for ep in g.episodes):
+                done.append(key)
+
+        try:
+            self.engine.run(until=until, on_finished=on_finished)
+        finally:
+            pool.shutdown(wait=False, cancel_futures=True)
+        return [(self.groups.pop(k), []) for k in done]
+
+    def _advance(self, key: int, j: int, pool, limit: int) -> None:
+        """Episode j of group `key` after a turn: its environment's step, then its next turn queued, or its end."""
+        ep, cfg = self.groups[key].episodes[j], self.cfg
+        turn = len(ep.outs)
+        if not step_episode(ep, self.tokenizer, pool, self.env[1], turn, limit):
+            if ep.session is not None:
+                self.engine.close_sessions([ep.session])
+                ep.session = None
+            return
+        params = {"max_new_tokens": min(cfg.max_new_tokens, limit - ep.length), "temperature": cfg.temperature,
+                  "top_p": cfg.top_p, "top_k": cfg.top_k, "sampling_seed": ep.seed * 1_009 + turn}
+        more = {"keep_state": True, "sessions": [ep.session]} if keeps_state(self.engine, self.env[1]) else {}
+        (gid,) = self.engine.submit([ep.prompt + ep.ids], params, n=1, lora=self.lora,
+                                    return_routed_experts=self.routes, **more)
+        self.turns[gid] = (key, j)
+
+    def _episode_samples(self, finished, dropped, version: int, before: dict) -> tuple[list[Sample], dict]:
+        episodes = [ep for g, _ in finished for ep in g.episodes]
+        golds = [g.problem.answer for g, _ in finished for _ in g.episodes]
+        samples, outcomes = score_episodes(episodes, golds, self.reward_fn, self.cfg, self.tokenizer)
+        n = self.cfg.group_size
+        groups = [samples[i:i + n] for i in range(0, len(samples), n)]
+        out, metrics = self._finish(groups, outcomes, finished, dropped, version)
+        local = env_totals(episodes, before, engine_counts(self.engine))
+        totals = dict(zip(local, sum_over(list(local.values()), self.ctx.dp_group)))
+        info: dict[str, float] = {}
+        for part in gather([ep.info for ep in episodes], self.ctx.dp_group):
+            for d in part:
+                for k, v in d.items():
+                    info[k] = info.get(k, 0.0) + v
+        return out, metrics | env_metrics(totals, info)
+
     # ---- samples and metrics --------------------------------------------------------------------------------
     def _samples(self, finished, dropped, version: int) -> tuple[list[Sample], dict[str, float]]:
         cfg = self.cfg
@@ -149,6 +276,12 @@ class PartialRollouts:
                 smp.in_loss = smp.in_loss and not res.failed  # a remote reward that failed: out of the loss
             groups.append(group)
             k += len(records)
+        return self._finish(groups, [(grade_outcome(r), bool(r.correct)) for r in results], finished, dropped,
+                            version)
+
+    def _finish(self, groups, outcomes, finished, dropped, version: int) -> tuple[list[Sample], dict[str, float]]:
+        """The step's kept groups with their advantages, and the rollout/ metrics."""
+        cfg = self.cfg
         flat = [_is_flat(group) for group in groups]
         kept = [group for group, f in zip(groups, flat) if not (cfg.dynamic_sampling and f)]
         index = self._global_index(len(kept))
@@ -156,7 +289,6 @@ class PartialRollouts:
             for s, a in zip(group, _advantages(group, cfg.advantage)):
                 s.advantage, s.group = a, i
         samples = [s for group in kept for s in group]
-        outcomes = [(grade_outcome(r), bool(r.correct)) for r in results]
         local = _totals(groups, outcomes)
         totals = dict(zip(local, sum_over(list(local.values()), self.ctx.dp_group)))
         num_kept, num_groups, num_flat = sum_over([len(kept), len(groups), sum(flat)], self.ctx.dp_group)
@@ -226,8 +358,13 @@ class PartialRollouts:
         """The pool and the engine's queue, as plain data and host tensors (torch.save, weights_only loads)."""
         groups = [{"group": gid, "draw": g.draw, "id": g.problem.id, "problem": g.problem.problem,
                    "answer": g.problem.answer, "prompt": list(g.prompt), "queued_at": g.queued_at}
+                  | ({"episodes": None if g.episodes is None else [_episode_state(ep) for ep in g.episodes]}
+                     if self.multi else {})
                   for gid, g in self.groups.items()]
-        return {"groups": groups, "stream": self.stream.state(), "engine": self.engine.queue_state()}
+        out = {"groups": groups, "stream": self.stream.state(), "engine": self.engine.queue_state()}
+        if self.multi:
+            out["turns"] = [[gid, key, j] for gid, (key, j) in self.turns.items()]
+        return out
 
     def load_state(self, state: dict) -> None:
         self.groups = {int(g["group"]): _Group(int(g["draw"]), Problem(g["id"], g["problem"], g["answer"]),
@@ -235,7 +372,43 @@ class PartialRollouts:
                        for g in state["groups"]}
         if "stream" in state:  # this replica's stream (under dp > 1 the replicas' positions differ)
             self.stream.load_state(state["stream"])
+        if self.multi != ("turns" in state):
+            raise ValueError("rollout state: saved with env=" + ("single" if "turns" not in state else "a multi-turn "
+                             "environment") + f", resumed with env={self.env[1].name}; resume with the saved env")
+        if self.multi:
+            for g, saved in zip(self.groups.values(), state["groups"]):
+                self._restore_episodes(g, saved["episodes"])
+            self.turns = {int(gid): (int(key), int(j)) for gid, key, j in state["turns"]}
         self.engine.load_queue_state(state["engine"])
+
+    def _restore_episodes(self, g: _Group, saved: list[dict] | None) -> None:
+        """A multi-turn group's environments rebuilt: reset as at its draw, then (each live episode) stepped with
+        its turns so far, which brings a deterministic environment back to where it was (its answers are in the
+        episode's tokens already)."""
+        g.envs = self._envs(g.draw, g.problem)
+        prompt = self._first_prompt(g.draw, g.problem, g.envs)
+        if prompt != g.prompt:
+            raise ValueError(f"rollout state: env={self.env[1].name} gives problem {g.problem.id} another first "
+                             "prompt than the saved one; its environment is not deterministic")
+        if saved is None:
+            return
+        g.episodes = [_episode_from_state(d, env) for d, env in zip(saved, g.envs)]
+        for ep in g.episodes:
+            if not ep.end:
+                for out in ep.outs:
+                    ep.env.step(response_text(self.tokenizer, out))
+
+
+_EPISODE_FIELDS = ("prompt", "seed", "outs", "starts", "ids", "mask", "reward", "graded", "end", "info", "session")
+
+
+def _episode_state(ep: Episode) -> dict:
+    """An episode in flight as plain data and host tensors (its engine records as they are)."""
+    return {k: getattr(ep, k) for k in _EPISODE_FIELDS}
+
+
+def _episode_from_state(d: dict, env) -> Episode:
+    return Episode(env, **{k: d[k] for k in _EPISODE_FIELDS})
 
 
 def interleaved_index(counts: list[int], r: int) -> list[int]:

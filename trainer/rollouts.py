@@ -344,10 +344,21 @@ def _sample_groups(engine, tokenizer, drawn, reward_fn, cfg: RolloutConfig, lora
     else:
         episodes = _first_turns(engine, tokenizer, drawn, seeds, cfg, lora, routes, factory, env_cfg)
         run_turns(engine, tokenizer, episodes, cfg, env_cfg, lora, routes, ctx)
+    samples, outcomes = score_episodes(episodes, [p.answer for _, p in drawn for _ in range(g)], reward_fn, cfg,
+                                       tokenizer)
+    return [samples[i:i + g] for i in range(0, len(samples), g)], outcomes, episodes
+
+
+def score_episodes(episodes: list[Episode], golds: list[str], reward_fn, cfg: RolloutConfig, tokenizer
+                   ) -> tuple[list[Sample], list[tuple[str, bool]]]:
+    """Each episode as a `Sample` (its tokens, loss mask, log-probs, versions) with its reward: the environment's,
+    and the run's reward of its final turn (or agent's answer) against its gold where the environment leaves it to
+    the reward; an episode the environment failed or whose reward failed is out of the loss. Also the grade
+    outcomes of the graded ones."""
     graded = [i for i, ep in enumerate(episodes) if ep.graded]
     results = reward_fn([episodes[i].answer if episodes[i].answer is not None else
                          response_text(tokenizer, episodes[i].outs[-1]) for i in graded],
-                        [drawn[i // g][1].answer for i in graded]) if graded else []
+                        [golds[i] for i in graded]) if graded else []
     by_episode = dict(zip(graded, results))
     samples = []
     for i, ep in enumerate(episodes):
@@ -362,8 +373,7 @@ def _sample_groups(engine, tokenizer, drawn, reward_fn, cfg: RolloutConfig, lora
         if ep.end in ("env_error", "env_timeout") or (r is not None and r.failed):
             s.in_loss = False  # no trustworthy reward: out of the loss and its group's baseline
         samples.append(s)
-    outcomes = [(grade_outcome(r), bool(r.correct)) for r in results]
-    return [samples[i:i + g] for i in range(0, len(samples), g)], outcomes, episodes
+    return samples, [(grade_outcome(r), bool(r.correct)) for r in results]
 
 
 def _first_turns(engine, tokenizer, drawn, seeds, cfg: RolloutConfig, lora, routes: bool, factory,
