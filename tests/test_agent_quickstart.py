@@ -208,7 +208,7 @@ docs/concepts/agents.md)."""
 
 
 @pytest.mark.slow
-def test_shortened_agent_quickstart_raises_held_out_success(tmp_path):
+def test_shortened_agent_quickstart_halves_invalid_turns_without_losing_success(tmp_path):
     import torch
 
     from miles_k3.train import train
