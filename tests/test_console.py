@@ -58,7 +58,7 @@ def test_python_m_miles_k3_lists_every_command_one_line_each(tmp_path):
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()[1:]
     modules = [re.search(r"python -m (miles_k3\.\w+)", line).group(1) for line in lines]
-    assert modules == ["miles_k3.train", "miles_k3.eval", "miles_k3.sft", "miles_k3.grade",
+    assert modules == ["miles_k3.train", "miles_k3.eval", "miles_k3.sft", "miles_k3.grade", "miles_k3.serve",
                        "miles_k3.init_checkpoint", "miles_k3.model_info", "miles_k3.quantize"]
     for script, target in SCRIPTS.items():  # a script's line names the module it runs
         (line,) = [x for x in lines if x.split()[0] == script]
