@@ -4,7 +4,7 @@ import os
 if os.environ.get("PYTEST_XDIST_WORKER"):  # `pytest -n 2` (what CI runs): two workers on two cores, one thread each
     os.environ["OMP_NUM_THREADS"] = "1"  # before torch is imported; spawned ranks inherit it (more threads only contend)
 
-import pytest  # noqa: E402
+import pytest
 from kernel_testing import results_of
 
 
