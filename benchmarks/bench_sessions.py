@@ -2,17 +2,20 @@
 time per episode on a 10-turn task.
 
     python benchmarks/bench_sessions.py [--model k3_nano] [--device cpu] [--turns 10] [--episodes 8]
-                                        [--prompt 32] [--obs 16] [--new 16] [--repeats 3]
+                                        [--prompt 32] [--obs 16] [--new 16] [--repeats 3] [--memory-mib 256]
+                                        [--out bench_sessions]
 
 Each episode: a `--prompt`-token prompt, then `--turns` turns of exactly `--new` sampled tokens (no stop token),
 each followed by an observation of `--obs` fixed token ids (a tool's or a game's answer, appended as ids), all
 episodes' turns batched in one `generate` call per turn as the trainer's episodes run (`trainer/episodes.py`).
 `kept`: `generate(keep_state=True, sessions=...)`, each turn prefilling only its new tokens; `recompute`: every turn
 the whole conversation. The model is the named config at its random init (prefill cost does not depend on the
-weights). Both modes sample the same tokens (checked: the run stops if they differ). Figures, per episode: prefill
+weights). On the CPU (fp32) both modes sample the same tokens (checked: the run stops if they differ); in bf16 on a
+GPU a chunked prefill and step decode round differently and the samples drift apart (`same_token_share`), which
+changes no shape: every turn samples exactly `--new` tokens either way. Figures, per episode: prefill
 tokens (the engine's counter), wall seconds (median of `--repeats`; the modes alternate, after one warm-up round of
-each), and the ratio.
-Written to benchmarks/results/bench_sessions.json with the command.
+each), sampled tokens per second (episodes x turns x new / seconds), and the ratios.
+Written to benchmarks/results/<--out>.json with the command.
 """
 from __future__ import annotations
 
@@ -60,6 +63,8 @@ def main() -> None:
     ap.add_argument("--obs", type=int, default=16)
     ap.add_argument("--new", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--memory-mib", type=int, default=256, help="the engine's memory_budget_bytes, in MiB")
+    ap.add_argument("--out", default="bench_sessions", help="the result's name (benchmarks/results/NAME.json)")
     args = ap.parse_args()
     torch.manual_seed(0)
     device = torch.device(args.device)
@@ -68,12 +73,13 @@ def main() -> None:
     if device.type == "cuda":
         model = model.cast(torch.bfloat16)
     length = args.prompt + args.turns * args.new + (args.turns - 1) * args.obs
-    cfg = EngineConfig(memory_budget_bytes=256 * 2**20, max_context=length + 8, eos_token_ids=[],
+    cfg = EngineConfig(memory_budget_bytes=args.memory_mib * 2**20, max_context=length + 8, eos_token_ids=[],
                        decode="graph" if device.type == "cuda" else "eager")
     engine = RolloutEngine(model, cfg)
     out = {"model": args.model, "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
            "torch_threads": torch.get_num_threads(), **{k: getattr(args, k) for k in
-                                                        ("turns", "episodes", "prompt", "obs", "new", "repeats")},
+                                                        ("turns", "episodes", "prompt", "obs", "new", "repeats",
+                                                         "memory_mib")},
            "episode_tokens": length}
     tokens, times, prefill = {}, {"kept": [], "recompute": []}, {}
     for r in range(args.repeats + 1):  # the modes alternate (a load that changes over time hits both); 0: warm-up
@@ -91,16 +97,21 @@ def main() -> None:
     for mode in ("kept", "recompute"):
         out[mode] = {"prefill_tokens_per_episode": prefill[mode] / args.episodes,
                      "seconds_per_episode": statistics.median(times[mode]) / args.episodes,
-                     "seconds_all": [round(t, 4) for t in times[mode]]}
+                     "seconds_all": [round(t, 4) for t in times[mode]],
+                     "sampled_tokens_per_s": round(args.episodes * args.turns * args.new
+                                                   / statistics.median(times[mode]), 1)}
         print(f"{mode:>9}: {prefill[mode] / args.episodes:,.0f} prefill tokens / episode, "
-              f"{out[mode]['seconds_per_episode'] * 1e3:.1f} ms / episode", flush=True)
-    if tokens["kept"] != tokens["recompute"]:
+              f"{out[mode]['seconds_per_episode'] * 1e3:.1f} ms / episode, "
+              f"{out[mode]['sampled_tokens_per_s']:,.0f} sampled tokens/s", flush=True)
+    same = sum(a == b for ka, kb in zip(tokens["kept"], tokens["recompute"]) for a, b in zip(ka, kb))
+    out["same_token_share"] = round(same / sum(map(len, tokens["kept"])), 4)
+    if device.type == "cpu" and tokens["kept"] != tokens["recompute"]:
         raise SystemExit("kept and recomputed episodes sampled different tokens")
     out["prefill_ratio"] = round(out["recompute"]["prefill_tokens_per_episode"]
                                  / out["kept"]["prefill_tokens_per_episode"], 2)
     out["time_ratio"] = round(out["recompute"]["seconds_per_episode"] / out["kept"]["seconds_per_episode"], 2)
     print(f"recompute / kept: {out['prefill_ratio']}x prefill tokens, {out['time_ratio']}x wall time", flush=True)
-    write_result("bench_sessions", out)
+    write_result(args.out, out)
 
 
 if __name__ == "__main__":
