@@ -24,7 +24,7 @@ import statistics
 import time
 
 import torch
-from record import write_result
+from record import RESULTS, write_result
 
 from miles_k3.model import K3Config, K3ForCausalLM
 from miles_k3.rollout.engine import EngineConfig, RolloutEngine
@@ -64,7 +64,7 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--memory-mib", type=int, default=256, help="the engine's memory_budget_bytes, in MiB")
-    ap.add_argument("--out", default="bench_sessions", help="the result's name (benchmarks/results/NAME.json)")
+    ap.add_argument("--out", default="bench_sessions", help="the result file's name (benchmarks/results/NAME.json)")
     args = ap.parse_args()
     torch.manual_seed(0)
     device = torch.device(args.device)
@@ -111,7 +111,7 @@ def main() -> None:
                                  / out["kept"]["prefill_tokens_per_episode"], 2)
     out["time_ratio"] = round(out["recompute"]["seconds_per_episode"] / out["kept"]["seconds_per_episode"], 2)
     print(f"recompute / kept: {out['prefill_ratio']}x prefill tokens, {out['time_ratio']}x wall time", flush=True)
-    write_result(args.out, out)
+    write_result("bench_sessions", out, out=RESULTS / f"{args.out}.json")
 
 
 if __name__ == "__main__":
