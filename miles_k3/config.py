@@ -284,7 +284,7 @@ class ServeConfig:
 
 
 SFT_MODES = ("full", "lora")
-SFT_TRANSCRIPTS = ("none", "guess_random", "guess_noisy_bisect")
+SFT_TRANSCRIPTS = ("none", "guess_random", "guess_noisy_bisect", "guess_passes")
 
 
 @dataclass
@@ -339,7 +339,8 @@ class SFTConfig:
     transcripts: str = "none"
     """none: the target is the gold answer + eos. guess_random (env=guess): a multi-turn transcript of the
     environment played by a uniformly random guess consistent with the feedback so far; guess_noisy_bisect: the
-    middle of the numbers the feedback allows half of the time, such a random guess otherwise. The loss is on the
+    middle of the numbers the feedback allows half of the time, such a random guess otherwise; guess_passes: as
+    guess_noisy_bisect, but 40% of the turns pass (" pass": no number, a lost turn). The loss is on the
     guesses' tokens only (each observation is the environment's text, tokenized on its own, as in rollouts)."""
 
     def validate(self) -> None:

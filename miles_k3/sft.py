@@ -130,16 +130,23 @@ def encode_example(problem: Problem, template: str, tokenizer, eos_id: int) -> S
 
 _RANGE = re.compile(r"from (-?\d+) to (-?\d+)")
 NOISY_BISECT_P = 0.5
-"""transcripts=guess_noisy_bisect: the share of turns that guess the middle of the allowed numbers."""
+"""transcripts=guess_noisy_bisect and guess_passes: the share of turns that guess the middle of the allowed numbers."""
+PASS_P = 0.4
+"""transcripts=guess_passes: the share of turns that pass (" pass": no number, a lost turn)."""
+GUESS_TRANSCRIPTS = {"guess_random": (0.0, 0.0), "guess_noisy_bisect": (NOISY_BISECT_P, 0.0),
+                     "guess_passes": (NOISY_BISECT_P, PASS_P)}
+"""transcripts=NAME -> (bisect_p, pass_p) of `guess_transcript`."""
+PASS_TEXT = " pass"
 
 
 def guess_transcript(problem: Problem, tokenizer, eos_id: int, max_turns: int, rng: random.Random,
-                     bisect_p: float = 0.0) -> Sample:
+                     bisect_p: float = 0.0, pass_p: float = 0.0) -> Sample:
     """One multi-turn example of env=guess played by an imperfect policy: each turn guesses uniformly at random
     among the numbers the feedback so far allows (the range is read from the problem text, "from 1 to 16"), or,
     with probability `bisect_p`, their middle ((lo + hi) // 2: a noisy bisection), until the environment says found
-    or `max_turns` turns are played. Token in / token out, as `trainer.episodes` builds
-    an episode: the prompt is the environment's reset text; each turn is the guess's text (" 7") + eos, loss mask
+    or `max_turns` turns are played. With probability `pass_p` a turn instead passes (" pass": no number, so the
+    environment answers " not a number" and the turn is lost, as a malformed action is). Token in / token out,
+    as `trainer.episodes` builds an episode: the prompt is the environment's reset text; each turn is the guess's text (" 7") + eos, loss mask
     1; each observation is the environment's own text (" higher\n"), tokenized on its own and appended as ids,
     loss mask 0; no observation after the last turn."""
     env = Guess()
@@ -152,13 +159,17 @@ def guess_transcript(problem: Problem, tokenizer, eos_id: int, max_turns: int, r
     ids: list[int] = []
     mask: list[int] = []
     for turn in range(1, max_turns + 1):
-        if lo > hi:
-            guess = lo
-        elif bisect_p and rng.random() < bisect_p:
-            guess = (lo + hi) // 2
+        guess = None
+        if pass_p and rng.random() < pass_p:
+            text = PASS_TEXT
         else:
-            guess = rng.randint(lo, hi)
-        text = f" {guess}"
+            if lo > hi:
+                guess = lo
+            elif bisect_p and rng.random() < bisect_p:
+                guess = (lo + hi) // 2
+            else:
+                guess = rng.randint(lo, hi)
+            text = f" {guess}"
         turn_ids = tokenizer.encode(text, add_special_tokens=False) + [eos_id]
         ids += turn_ids
         mask += [1] * len(turn_ids)
@@ -178,10 +189,10 @@ def guess_transcript(problem: Problem, tokenizer, eos_id: int, max_turns: int, r
 def encode_examples(problems: list[Problem], cfg, tokenizer, eos_id: int) -> dict[int, Sample]:
     """Every problem's training example, by id(problem): `encode_example` (transcripts=none), or a transcript of
     the environment (`guess_transcript`, seeded by cfg.seed and the problem's id)."""
-    if cfg.transcripts in ("guess_random", "guess_noisy_bisect"):
-        bisect_p = NOISY_BISECT_P if cfg.transcripts == "guess_noisy_bisect" else 0.0
+    if cfg.transcripts in GUESS_TRANSCRIPTS:
+        bisect_p, pass_p = GUESS_TRANSCRIPTS[cfg.transcripts]
         return {id(p): guess_transcript(p, tokenizer, eos_id, cfg.env.max_turns, random.Random(f"{cfg.seed}:{p.id}"),
-                                        bisect_p) for p in problems}
+                                        bisect_p, pass_p) for p in problems}
     return {id(p): encode_example(p, cfg.template, tokenizer, eos_id) for p in problems}
 
 

@@ -1,7 +1,7 @@
 """The agent quickstart (`recipe=agent_quickstart`): guess-the-number problems with a held-out split
 (`data.source=guess`, evals/guess.py), the k3_nano_guess base SFT'd on transcripts of an imperfect guessing policy
-(`transcripts=guess_noisy_bisect` / `guess_random`, miles_k3/sft.py), episode-level evals (trainer/episode_eval.py),
-and a shortened run of the recipe whose held-out episodes must improve (see MIN_GAIN for what is and is not required)."""
+(`transcripts=guess_passes` / `guess_noisy_bisect` / `guess_random`, miles_k3/sft.py), episode-level evals
+(trainer/episode_eval.py), and a shortened run of the recipe whose held-out success must rise (see MIN_GAIN)."""
 import json
 
 import pytest
@@ -148,6 +148,47 @@ def test_noisy_bisection_transcript_takes_the_middle(tok):
     assert tokenizer.decode(s.response_ids, skip_special_tokens=True) == " 4 higher\n 6 lower\n 5"
 
 
+class Draws(Scripted):
+    """Scripted guesses and scripted random() draws."""
+
+    def __init__(self, guesses, draws):
+        super().__init__(guesses)
+        self.draws = list(draws)
+
+    def random(self):
+        return self.draws.pop(0)
+
+
+def test_passing_transcript_loses_the_turns_it_passes(tok):
+    """pass_p 0.4, bisect_p 0.5, 1..8, secret 5. Turn 1: draw 0.3 < 0.4: pass. Turn 2: 0.7 (no pass), 0.2 < 0.5:
+    the middle of 1..8, 4 -> higher. Turn 3: 0.5, 0.9 (no bisection): a random one of 5..8, scripted 6 -> lower.
+    Turn 4: 0.1: pass. Turn 5: 0.6, 0.3: the middle of 5..5, found. A pass is the text " pass", trained on (mask 1);
+    the environment's " not a number" is not."""
+    tokenizer, eos = tok
+    rng = Draws([6], [0.3, 0.7, 0.2, 0.5, 0.9, 0.1, 0.6, 0.3])
+    s = guess_transcript(Problem("p", "Guess my number from 1 to 8:", "5"), tokenizer, eos, 5, rng, 0.5, 0.4)
+    assert tokenizer.decode(s.response_ids, skip_special_tokens=True) == \
+        " pass not a number\n 4 higher\n 6 lower\n pass not a number\n 5"
+    assert rng.asked == [(5, 8)] and rng.draws == []
+    enc = lambda t: tokenizer.encode(t, add_special_tokens=False)
+    assert s.response_ids[:len(enc(" pass")) + 1 + len(enc(" not a number\n"))] == \
+        enc(" pass") + [eos] + enc(" not a number\n")
+    assert s.loss_mask[:6 + 14] == [1] * 6 + [0] * 14  # " pass" is 5 byte tokens + eos; the observation 14 bytes
+
+
+def test_guess_env_counts_repeated_wrong_guesses():
+    """Secret 5 of 1..8: 3 (higher), 3 again (a repeat), x (invalid, not a repeat), 6 (lower), 3 (a repeat), 5
+    (found): repeats 2 in all, invalid 1."""
+    env = build_env(EnvConfig(name="guess", max_turns=9))()
+    env.reset(Problem("p", "Guess my number from 1 to 8:", "5"), None)
+    infos = [env.step(t) for t in (" 3", " 3", " x", " 6", " 3")]
+    assert [r.observation for r in infos] == [" higher\n", " higher\n", " not a number\n", " lower\n", " higher\n"]
+    assert sum(r.info.get("repeats", 0.0) for r in infos) == 2 and [r.info for r in infos][1] == {"repeats": 1.0}
+    assert sum(r.info.get("invalid", 0.0) for r in infos) == 1
+    last = env.step(" 5")
+    assert (last.done, last.reward) == (True, 1.0)
+
+
 def test_transcript_tokens_equal_the_episode_of_the_same_guesses(tok):
     """The same guesses played by the engine through trainer/episodes.py give the same ids and loss mask."""
     tokenizer, eos = tok
@@ -197,18 +238,16 @@ QUICK = ["steps=20", "trainer.optim.total_steps=40", "eval.every_n_steps=20"]
 """The first 20 of the recipe's 40 steps (its schedule: cosine over 40), evaluated at steps 0 and 20: the measured
 runs' own first half."""
 MAX_INVALID_RATIO = 0.5
-MIN_GAIN = 0.0
+MIN_GAIN = 0.03
 """Measured on 2 shared cores, one thread (benchmarks/results/agent_quickstart_seeds.json; seeds 0, 1, 2 of the
-recipe): the held-out invalid-turn rate fell from 7.9% to 0.8%, 2.0%, 2.8% by step 20 (ratios 0.09, 0.25, 0.35: the
-bar 0.5 is above the worst), and to 0.8%, 1.5%, 2.5% by step 40. Held-out success moved by +1.75, +0.25, +0.75 points
-by step 20 and +3.75, +1.75, +0.25 by step 40, each with an eval standard error of ~2.7 points: the seed spread's
-"min gain - 2 s.e." is below 0, so this test can only require that success does not fall (MIN_GAIN 0: the smallest
-measured gain, +0.25, clears it by 0.25 points); the gain in success is measured, not established (see
-docs/concepts/agents.md)."""
+recipe): by step 20 held-out success rose from 14.75% by +8.25, +6.25 and +7.0 points (paired standard errors 2.0,
+2.3, 2.2) and the invalid-turn rate fell from 38.6% to 9.7%, 9.2%, 10.3% (ratios 0.25 to 0.27: the bar 0.5 is
+above the worst). The bar of 3 points is the smallest seed gain less 1.4 of its standard error, and 1.3 standard
+errors above no gain."""
 
 
 @pytest.mark.slow
-def test_shortened_agent_quickstart_halves_invalid_turns_without_losing_success(tmp_path):
+def test_shortened_agent_quickstart_raises_held_out_success_and_stops_passing(tmp_path):
     import torch
 
     from miles_k3.train import train
@@ -222,7 +261,6 @@ def test_shortened_agent_quickstart_halves_invalid_turns_without_losing_success(
         torch.set_num_threads(threads)
     assert (s["accuracy_metric"], s["accuracy_before_step"]) == ("avg@4", 0)
     assert s["accuracy_after"] - s["accuracy_before"] >= MIN_GAIN, s
-    assert s["answer_rate_after"] >= 0.9, s  # the turns stay well formed
     rows = [json.loads(x) for x in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
     evals = {r["step"]: r for r in rows if "eval/avg@4" in r}
     assert sorted(evals) == [0, 20] and all("eval/turns_mean" in r for r in evals.values())

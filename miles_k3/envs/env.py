@@ -155,13 +155,15 @@ _INT = re.compile(r"-?\d+")
 class Guess:
     """Guess the number: the problem's answer (an integer) is the secret; the problem's text is the prompt. Each
     turn's first integer is the guess: "higher" or "lower" comes back after a wrong one, "not a number" after a
-    turn with none; reward 1 when found (0 if the turns run out)."""
+    turn with none; reward 1 when found (0 if the turns run out). Info: `invalid` (a turn with no number) and
+    `repeats` (a wrong guess made again: a wasted turn)."""
 
     def reset(self, problem: Problem, rng: random.Random) -> str | None:
         try:
             self.secret = int(problem.answer)
         except ValueError:
             raise ValueError(f"env=guess: problem {problem.id}'s answer {problem.answer!r} is not an integer") from None
+        self.guessed: set[int] = set()
         return problem.problem
 
     def step(self, turn: str) -> StepResult:
@@ -171,7 +173,9 @@ class Guess:
         guess = int(m.group())
         if guess == self.secret:
             return StepResult(reward=1.0, done=True)
-        return StepResult(" higher\n" if guess < self.secret else " lower\n", 0.0)
+        info = {"repeats": 1.0} if guess in self.guessed else {}
+        self.guessed.add(guess)
+        return StepResult(" higher\n" if guess < self.secret else " lower\n", 0.0, info=info)
 
 
 @register_env("guess")
