@@ -240,16 +240,15 @@ class RolloutEngine(VersionedEngine):
             return
         if parked.versions != {self.weight_version} or parked.lora != head.lora or (head.record and
                                                                                     not parked.record):
-            self.runner._free_state(parked.slot, parked.rid)
+            store.free(parked)
             store.stats.recomputed += 1
             return
         kept = len(parked.tokens) - 1
         head.rid, head.slot, head.kept, head.cached = parked.rid, parked.slot, kept, kept
+        head.restore = parked.snapshot  # a snapshot (no slot): copied into the slot the turn is admitted to
         head.weight_versions = set(parked.versions)
         if head.record:
             head.routes, head.num_routed = list(parked.routes), parked.num_routed
-        store.stats.continued += 1
-        store.stats.kept_tokens += kept
 
     # ---- partial rollouts: a persistent queue served across runs ------------------------------------------
     def submit(self, input_ids: list[list[int]], sampling_params: dict | list[dict] | None = None, n: int = 1,
@@ -337,7 +336,7 @@ class RolloutEngine(VersionedEngine):
                 for entry in self._queue:  # preempted requests still hold rows of the log
                     for req in entry:
                         req.keep_routes(self.runner.route_log)
-                    if entry[0].slot is not None:  # a session's turn never admitted: its kept state is freed
+                    if entry[0].kept:  # a session's turn never admitted: its kept state is freed
                         self.runner.free(entry[0])
                 self._serving = False
                 self._active -= 1

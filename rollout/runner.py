@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from miles_k3.model.routing import moe_layers, recording
+from miles_k3.model.state import KDALayerState
 from miles_k3.parallel.lockstep import Lockstep
 from miles_k3.parallel.mesh import ParallelContext
 from miles_k3.rollout.adapters import AdapterBank
@@ -90,7 +91,8 @@ class ModelRunner:
         self._slot_bytes = slot_bytes(self.cfg, self.dtype, ctx.tp_size)
         self._page_bytes = page_bytes(self.cfg, config.page_size, self.dtype)
         self.retracted = Retracted()
-        self.sessions = SessionStore(self._free_state)
+        self.sessions = SessionStore(self.kda.free, self.cache.free, self._copy_out, self._slot_bytes,
+                                     config.session_snapshot_bytes)
         """States parked between a session's turns (`sessions.py`); they give way when the pools are short."""
         self.prefill_tokens = 0
         """Positions prefilled over the engine's life (a session's kept state saves its positions here)."""
@@ -104,11 +106,41 @@ class ModelRunner:
     @property
     def num_free_slots(self) -> int:
         """Free slots, and the parked sessions' (they give way when taken: `alloc_slots`, `fork_slots`)."""
-        return self.kda.num_free + self.sessions.num_parked
+        return self.kda.num_free + self.sessions.num_parked_slots
 
     def _slots_free(self, k: int) -> None:
-        while self.kda.num_free < k and self.sessions.give_way():
+        while self.kda.num_free < k and self.sessions.give_slot():
             pass
+
+    def _copy_out(self, slot: int) -> list[KDALayerState]:
+        """Slot `slot`'s KDA state, copied to the host (a parked session's snapshot)."""
+        states = self.kda.read(torch.tensor([slot], device=self.device))
+        return [KDALayerState(s.conv_BCW.to("cpu", copy=True), s.recurrent_BHKV.to("cpu", copy=True))
+                for s in states]
+
+    def restore(self, req: Request) -> None:
+        """Copy a snapshotted session's KDA state into the slot its turn was admitted to."""
+        self.kda.write(torch.tensor([req.slot], device=self.device),
+                       [KDALayerState(s.conv_BCW.to(self.device), s.recurrent_BHKV.to(self.device))
+                        for s in req.restore])
+        req.restore = None
+        self.sessions.snapshot_gone()
+        self.sessions.stats.restored += 1
+
+    def unhold(self, req: Request) -> None:
+        """A queued session turn's slot, for a request ahead of it: the turn's state snapshotted (`req.restore`) when
+        the budget has room, else its slot and pages freed (the turn recomputes; counted as dropped)."""
+        if self.sessions.take_snapshot_bytes():
+            req.restore = self._copy_out(req.slot)
+            self.kda.free(req.slot)
+            req.slot = None
+            self.sessions.snapshotted(req.session, req.kept)
+            return
+        log.info("session %s: its kept state (%d tokens) gave way for memory before its turn ran; the turn "
+                 "recomputes it", req.session, req.kept)
+        self.free(req)
+        self.sessions.stats.dropped += 1
+        self.sessions.stats.recomputed += 1
 
     def alloc_slots(self, k: int) -> list[int] | None:
         self._slots_free(k)
@@ -137,10 +169,6 @@ class ModelRunner:
     def free_slot(self, slot: int) -> None:
         self.kda.free(slot)
 
-    def _free_state(self, slot: int, rid: int) -> None:
-        self.kda.free(slot)
-        self.cache.free(rid)
-
     def finish(self, req: Request) -> None:
         """A finished request: its slot and pages parked under its session (keep_state), else freed."""
         if req.session is None:
@@ -151,9 +179,12 @@ class ModelRunner:
                                                req.lora, req.record, list(req.routes), req.num_routed))
 
     def free(self, req: Request) -> None:
-        self.kda.free(req.slot)
+        if req.slot is not None:  # a snapshotted session's turn never admitted holds pages only
+            self.kda.free(req.slot)
+        if req.restore is not None:
+            self.sessions.snapshot_gone()
         self.cache.free(req.rid)
-        req.slot, req.kept = None, 0  # recomputed from its first token if it runs again
+        req.slot, req.kept, req.restore = None, 0, None  # recomputed from its first token if it runs again
 
     def retract(self, req: Request) -> None:
         """End `req`'s run without finishing it (a partial rollout's stop): its slot and pages freed like `free`,
@@ -249,6 +280,9 @@ class ModelRunner:
         by_lora: dict[str | None, list[Request]] = {}
         for h in heads:
             by_lora.setdefault(h.lora, []).append(h)
+            if h.kept:  # a session's turn on its kept (or restored) state
+                self.sessions.stats.continued += 1
+                self.sessions.stats.kept_tokens += h.kept
         for name, reqs in by_lora.items():
             longest = max(len(r.tokens) - 1 - r.kept for r in reqs)
             for start in range(0, longest, chunk):  # start: past each row's kept positions

@@ -42,6 +42,15 @@ class StepRunner(Protocol):
 
     def free_slot(self, slot: int) -> None: ...
 
+    def restore(self, req: Any) -> None:
+        """Copy a snapshotted session's state (`req.restore`) into the slot `req` was just given."""
+        ...
+
+    def unhold(self, req: Any) -> None:
+        """Take the slot of a queued session turn (`req.slot`) for a request ahead of it: its state snapshotted into
+        `req.restore`, or its slot and pages freed (`req.kept` 0: it recomputes)."""
+        ...
+
     def free(self, req: Any) -> None: ...
 
     def finish(self, req: Any) -> None:
@@ -116,17 +125,30 @@ class Scheduler:
     def admit(self, waiting: deque, running: list, max_groups: int | None = None) -> None:
         """Admit waiting groups in order while their slots fit: prefill their heads (batched), then fork each group
         into its requests. A head that holds a slot already (a session's turn on its kept state) needs no new one.
-        A group that gets no pages goes back to the front of the queue, in order."""
-        taken, need, free = [], 0, self.runner.num_free_slots
-        while waiting and need + len(waiting[0]) - _holds(waiting[0]) <= free and len(taken) != max_groups:
+        The slots held by queued heads behind the admitted groups count as free: they are taken (`unhold`), from
+        the back of the queue, when the admitted groups need them (else sessions continued together in one call,
+        more than the slots, would wait on each other). A group that gets no pages goes back to the front of the
+        queue, in order."""
+        taken, want, free = [], 0, self.runner.num_free_slots
+        held = sum(map(_holds, waiting))
+        while waiting and want + len(waiting[0]) <= free + held and len(taken) != max_groups:
             group = waiting.popleft()
-            need += len(group) - _holds(group)
-            if not _holds(group):
+            want += len(group)
+            if not group[0].kept:  # a session's turn holds its pages already (and its slot or a snapshot)
                 self.runner.new_request(group[0].rid)
             taken.append(group)
         fresh = [g for g in taken if not _holds(g)]
+        short = sum(len(g) - _holds(g) for g in taken) - free  # slots to take from queued heads
+        for group in reversed(waiting):
+            if short <= 0:
+                break
+            if _holds(group):
+                self.runner.unhold(group[0])
+                short -= 1
         for group, slot in zip(fresh, (self.runner.alloc_slots(len(fresh)) or ()) if fresh else ()):
             group[0].slot = slot
+            if group[0].restore is not None:  # a snapshotted session's turn: its state back into the new slot
+                self.runner.restore(group[0])
         failed = self.runner.prefill([g[0] for g in taken]) if taken else set()
         back = []
         for group in taken:

@@ -12,8 +12,15 @@ When the pools are short (admitting a request, forking, or a page for a running 
 oldest first (least recently parked): their slot and pages are freed and the session is `dropped`. A dropped
 session's next turn, a session whose adapter, weights (a push landed) or route recording differs from its next
 turn's, or one whose state the memory release took, is recomputed from its tokens: the same result, more prefill.
-Counters (`SessionStats`): sessions parked, continued on kept state, recomputed (dropped, stale) and the tokens each
-path prefilled.
+
+Snapshots (`EngineConfig.session_snapshot_bytes` > 0). When it is slots that are short, the oldest parked session
+holding one gives up only its slot: its KDA state is copied to host memory (a snapshot) and its latent pages stay
+parked, by reference. Its next turn gets a free slot when admitted, the snapshot is copied back into it, and the turn
+prefills only its new tokens, as on a kept slot. Snapshots take host memory up to the budget; a session whose state
+would pass it is dropped instead. Short pages still drop sessions (snapshotted ones too), oldest first.
+
+Counters (`SessionStats`): sessions parked, snapshotted, continued on kept state (restored ones included),
+recomputed (dropped, stale) and the tokens each path prefilled.
 """
 from __future__ import annotations
 
@@ -24,22 +31,26 @@ from dataclasses import dataclass, field
 
 import torch
 
+from miles_k3.model.state import KDALayerState
+
 log = logging.getLogger("miles_k3.rollout.engine")
 
 
 @dataclass
 class Parked:
     """A finished turn's state, parked: slot and cache rid, the tokens the state covers (all but the last of
-    `tokens`), how it was computed, and the routes of those positions (when the turn recorded them)."""
+    `tokens`), how it was computed, and the routes of those positions (when the turn recorded them). A snapshotted
+    state has no slot (`slot` None): its KDA state is `snapshot`, on the host."""
 
     rid: int
-    slot: int
+    slot: int | None
     tokens: list[int]
     versions: set[int]
     lora: str | None
     record: bool
     routes: list[torch.Tensor] = field(default_factory=list)
     num_routed: int = 0
+    snapshot: list[KDALayerState] | None = None
 
 
 @dataclass
@@ -50,6 +61,12 @@ class SessionStats:
     """Turns that continued a session on its kept state (prefilling only their new tokens)."""
     dropped: int = 0
     """Parked states freed for memory (the session's next turn recomputes it)."""
+    snapshotted: int = 0
+    """Parked states whose slot gave way while their KDA state was copied to the host (their pages kept)."""
+    restored: int = 0
+    """Turns that continued a session from a snapshot (its state copied back into a slot; counted in `continued`)."""
+    snapshot_bytes: int = 0
+    """Host bytes the sessions' snapshots hold now (parked, or queued for their next turn)."""
     recomputed: int = 0
     """Turns of a known session recomputed from their tokens: dropped, released, or stale (weights / adapter /
     route recording changed since it was parked)."""
@@ -64,9 +81,14 @@ class SessionStore:
     """The parked sessions of one engine (in parking order: the oldest gives way first), the ids of sessions whose
     state is gone (dropped or released: their next turn recomputes), and the next session id."""
 
-    def __init__(self, free_state: Callable[[int, int], None]):
-        """`free_state(slot, rid)` frees a parked state's slot and pages (the runner's pools)."""
-        self._free_state = free_state
+    def __init__(self, free_slot: Callable[[int], None], free_pages: Callable[[int], None],
+                 copy_out: Callable[[int], list[KDALayerState]] | None = None, slot_bytes: int = 0,
+                 snapshot_budget: int = 0):
+        """`free_slot(slot)` / `free_pages(rid)` free a parked state's slot / latent pages (the runner's pools);
+        `copy_out(slot)`: the slot's KDA state as host copies, `slot_bytes` host bytes, for a snapshot; at most
+        `snapshot_budget` bytes of snapshots are held (0: never snapshot)."""
+        self._free_slot, self._free_pages, self._copy_out = free_slot, free_pages, copy_out
+        self.slot_bytes, self.snapshot_budget = slot_bytes, snapshot_budget
         self._parked: OrderedDict[int, Parked] = OrderedDict()
         self._gone: set[int] = set()
         self._running: set[int] = set()  # claimed by a turn in flight
@@ -76,6 +98,11 @@ class SessionStore:
     @property
     def num_parked(self) -> int:
         return len(self._parked)
+
+    @property
+    def num_parked_slots(self) -> int:
+        """Slots the parked sessions hold (snapshotted ones hold none)."""
+        return sum(p.slot is not None for p in self._parked.values())
 
     def new_id(self) -> int:
         sid = self._next
@@ -98,8 +125,8 @@ class SessionStore:
         return self._parked.get(sid)
 
     def claim(self, sid: int) -> Parked | None:
-        """Session `sid`'s parked state, taken out of the store (its next turn owns the slot and pages now); None
-        when it has none (dropped or released). ValueError for an id never given or closed."""
+        """Session `sid`'s parked state, taken out of the store (its next turn owns the slot or snapshot and the
+        pages now); None when it has none (dropped or released). ValueError for an id never given or closed."""
         if not self.known(sid):
             raise ValueError(f"session {sid} is not open (never created, or closed); open sessions: "
                              f"{sorted(self._parked.keys() | self._gone | self._running)[:20]}")
@@ -107,19 +134,64 @@ class SessionStore:
             raise ValueError(f"session {sid} has a turn running; a session's turns run one at a time")
         self._gone.discard(sid)
         self._running.add(sid)
-        return self._parked.pop(sid, None)
+        return self._parked.pop(sid, None)  # a snapshot goes with its turn (`Request.restore`), its bytes counted
+
+    def give_slot(self) -> bool:
+        """Free one slot held by a parked session, the oldest: snapshotted when the budget has room for its state
+        (its pages stay parked), else dropped. False when no parked session holds a slot."""
+        sid = next((s for s, p in self._parked.items() if p.slot is not None), None)
+        if sid is None:
+            return False
+        p = self._parked[sid]
+        if self._copy_out is None or not self.take_snapshot_bytes():
+            return self._drop(sid)
+        p.snapshot = self._copy_out(p.slot)
+        self._free_slot(p.slot)
+        p.slot = None
+        self.snapshotted(sid, len(p.tokens) - 1)
+        return True
+
+    def take_snapshot_bytes(self) -> bool:
+        """Count one more snapshot's bytes against the budget; False (nothing counted) when it has no room."""
+        if self.stats.snapshot_bytes + self.slot_bytes > self.snapshot_budget:
+            return False
+        self.stats.snapshot_bytes += self.slot_bytes
+        return True
+
+    def snapshot_gone(self) -> None:
+        """A snapshot was restored into a slot or freed: its bytes back to the budget."""
+        self.stats.snapshot_bytes -= self.slot_bytes
+
+    def snapshotted(self, sid: int, tokens: int) -> None:
+        self.stats.snapshotted += 1
+        log.info("session %d: its KDA state slot gave way for memory; the state (%d tokens) is copied to the host "
+                 "(%d of %d snapshot bytes) and its pages kept", sid, tokens, self.stats.snapshot_bytes,
+                 self.snapshot_budget)
 
     def give_way(self) -> bool:
-        """Free the oldest parked state for memory; False when none is parked."""
+        """Free the oldest parked state (slot or snapshot, and pages) for memory; False when none is parked."""
         if not self._parked:
             return False
-        sid, p = self._parked.popitem(last=False)
-        self._free_state(p.slot, p.rid)
+        return self._drop(next(iter(self._parked)))
+
+    def _drop(self, sid: int) -> bool:
+        p = self._parked.pop(sid)
+        self.free(p)
         self._gone.add(sid)
         self.stats.dropped += 1
         log.info("session %d: its kept state (%d tokens) gave way for memory; its next turn recomputes it", sid,
                  len(p.tokens) - 1)
         return True
+
+    def free(self, p: Parked) -> None:
+        """Free a state's slot (if it holds one), pages and snapshot: one given way, closed, or claimed and not
+        used (its turn recomputes: stale weights, adapter, route recording)."""
+        if p.slot is not None:
+            self._free_slot(p.slot)
+        self._free_pages(p.rid)
+        if p.snapshot is not None:
+            self.snapshot_gone()
+        p.slot, p.snapshot = None, None
 
     def close(self, sid: int) -> None:
         """End session `sid`: its parked state freed, the id forgotten. ValueError for an id not open."""
@@ -127,7 +199,7 @@ class SessionStore:
             raise ValueError(f"session {sid} is not open (never created, or closed)")
         p = self._parked.pop(sid, None)
         if p is not None:
-            self._free_state(p.slot, p.rid)
+            self.free(p)
         self._gone.discard(sid)
         self._running.discard(sid)
 
@@ -140,6 +212,8 @@ class SessionStore:
             self._next = max(self._next, sid + 1)
 
     def forget_states(self) -> None:
-        """The pools were released: every parked state is gone (the sessions stay open and recompute)."""
+        """The pools were released: every parked state is gone, snapshots too (their pages were released); the
+        sessions stay open and recompute."""
         self._gone |= self._parked.keys()
+        self.stats.snapshot_bytes -= self.slot_bytes * sum(p.snapshot is not None for p in self._parked.values())
         self._parked.clear()

@@ -20,6 +20,8 @@ class Req:
     slot: int | None = None
     cached: int = 0
     weight_versions: set[int] = field(default_factory=set)
+    kept: int = 0  # no sessions here: never a kept state or a snapshot to restore
+    restore: list | None = None
 
     @property
     def tokens(self):

@@ -67,11 +67,11 @@ def _conversation(engine, keep: bool, n_first: int = 2):
     return turns, ids
 
 
-def _assert_same_turns(got, want):
+def _assert_same_turns(got, want, atol=LOGPROB_ATOL):
     for g, w in zip(got, want, strict=True):
         assert g["output_ids"] == w["output_ids"]
         gl, wl = g["meta_info"]["output_token_logprobs"], w["meta_info"]["output_token_logprobs"]
-        assert max(abs(a - b) for (a, _), (b, _) in zip(gl, wl)) < LOGPROB_ATOL
+        assert max(abs(a - b) for (a, _), (b, _) in zip(gl, wl)) < atol
         assert torch.equal(g["meta_info"]["routed_experts"], w["meta_info"]["routed_experts"])
 
 
@@ -116,6 +116,107 @@ def test_parked_states_give_way_when_slots_are_short_and_the_session_recomputes(
     assert engine.session_stats["prefill_tokens"] - before == len(ids) - 1 == 11
     assert engine.session_stats["recomputed"] == 1 and out["meta_info"]["session_id"] == 0
     _assert_same_turns([first[0], out], want[:2])
+
+
+PROMPTS = [[1, 2, 3, 4, 5], [11, 12, 13, 14, 15], [21, 22, 23, 24, 25], [31, 32, 33, 34, 35]]
+SLOT_BYTES = 6 * (4 * 32 * 32 * 4 + 384 * 3 * 4)
+"""k3_tiny's KDA state per request: 6 KDA layers x (recurrent 4 heads x 32 x 32 fp32 + conv window 384 channels x 3
+fp32) = 125,952 bytes."""
+
+
+@pytest.fixture(scope="module")
+def four_reprefilled(model):
+    return _four_sessions(_engine(model), keep=False)
+
+
+def _four_sessions(engine, keep: bool):
+    """Four one-sample prompts, then a second turn of all four in one call; returns both turns, the session
+    counters after turn 1 and the positions turn 2 prefilled."""
+    kw = {"lora": "policy", "return_routed_experts": True, "keep_state": keep}
+    first = engine.generate(input_ids=PROMPTS, sampling_params=_params(1), **kw)
+    after_first = dict(engine.session_stats)
+    ids = [p + r["output_ids"] + OBS[0] for p, r in zip(PROMPTS, first)]
+    before = engine.session_stats["prefill_tokens"]
+    second = engine.generate(input_ids=ids, sampling_params=_params(2), sessions=[0, 1, 2, 3] if keep else None,
+                             **kw)
+    return first, second, after_first, engine.session_stats["prefill_tokens"] - before
+
+
+@pytest.mark.parametrize("budget_slots, turn1, turn2", [
+    (4, (2, 0), (6, 4, 0, 0, 4, 12)),
+    (2, (2, 0), (4, 2, 2, 2, 2, 28)),
+    (0, (0, 2), (0, 0, 6, 4, 0, 44)),
+])
+def test_more_sessions_than_slots_snapshot_their_states_or_drop_them_and_match_a_full_reprefill(
+        model, four_reprefilled, budget_slots, turn1, turn2):
+    """Two slots, four sessions, a snapshot budget of `budget_slots` states. Hand run: turn 1 admits sessions 0 and
+    1, which park; 2 and 3 take their slots (the oldest first), snapshotting (turn1 = (snapshotted, dropped)) or, with
+    no budget, dropping them. Turn 2 continues all four in one call: 0 and 1 (queued first) take the slots that 2 and
+    3 hold (from the back: 3, then 2), which snapshot while the budget has room (2 states are counted already:
+    0's and 1's, until restored) and are dropped otherwise; 0 and 1 restore (or recompute), park, and give their
+    slots to 2 and 3 the same way. turn2 = (snapshotted, restored, dropped, recomputed, continued in all, turn-2
+    prefill). A continued turn prefills 3 positions (the last sampled token and the observation but its last), a
+    recomputed one 5 + 4 + 3 - 1 = 11. Either way the tokens, routes and (within EPISODE_ATOL: the reference runs
+    the four in one batch, these two at a time) log-probs of re-prefilling every turn."""
+    want1, want2, _, full_prefill = four_reprefilled
+    engine = _engine(model, num_slots=2, session_snapshot_bytes=budget_slots * SLOT_BYTES)
+    got1, got2, s1, prefill = _four_sessions(engine, keep=True)
+    for g in zip(got1, got2):
+        assert "error" not in g[1], g[1]
+    for i in range(4):
+        _assert_same_turns([got1[i], got2[i]], [want1[i], want2[i]], EPISODE_ATOL)
+    assert full_prefill == 4 * 11
+    assert (s1["snapshotted"], s1["dropped"]) == turn1
+    assert s1["snapshot_bytes"] == turn1[0] * SLOT_BYTES
+    s = engine.session_stats
+    assert (s["snapshotted"], s["restored"], s["dropped"], s["recomputed"], s["continued"], prefill) == turn2
+    assert s["kept_tokens"] == 8 * s["continued"]  # 5 + 4 - 1 positions each
+    assert s["snapshot_bytes"] == (2 * SLOT_BYTES if budget_slots else 0)  # 0 and 1, snapshotted for 2 and 3
+    engine.close_sessions([0, 1, 2, 3])
+    assert _pools_free(engine) and engine.session_stats["snapshot_bytes"] == 0
+
+
+def test_session_store_snapshots_within_the_budget_and_frees_them_once():
+    """SessionStore alone, with counting pools: four parked states, a budget of two snapshots of 10 bytes."""
+    from miles_k3.rollout.sessions import Parked, SessionStore
+
+    slots, pages, copies = [], [], []
+    store = SessionStore(slots.append, pages.append, lambda slot: copies.append(slot) or [f"state of {slot}"],
+                         slot_bytes=10, snapshot_budget=20)
+    for sid in range(4):
+        assert store.new_id() == sid
+        store.park(sid, Parked(rid=100 + sid, slot=sid, tokens=[1, 2, 3], versions={0}, lora=None, record=False))
+    assert store.num_parked_slots == 4
+    assert store.give_slot() and store.give_slot() and store.give_slot()  # 0, 1 snapshotted; 2 dropped (no room)
+    assert (copies, slots, pages) == ([0, 1], [0, 1, 2], [102])
+    assert (store.stats.snapshotted, store.stats.dropped, store.stats.snapshot_bytes) == (2, 1, 20)
+    assert store.num_parked == 3 and store.num_parked_slots == 1 and store.peek(2) is None
+    assert store.peek(0).snapshot == ["state of 0"] and store.peek(0).slot is None
+    assert store.give_way()  # short pages: the oldest parked goes, snapshot and all
+    assert (pages, store.stats.snapshot_bytes, store.stats.dropped) == ([102, 100], 10, 2)
+    p = store.claim(1)  # its snapshot goes with the turn, still counted until restored or freed
+    assert p.snapshot == ["state of 1"] and store.stats.snapshot_bytes == 10
+    store.free(p)  # a stale state: freed, its bytes returned
+    assert (pages[-1], store.stats.snapshot_bytes) == (101, 0)
+    store.close(3)
+    assert (slots[-1], pages[-1], store.num_parked) == (3, 103, 0)
+    assert not store.give_slot() and not store.give_way()
+    store.park(1, Parked(rid=101, slot=1, tokens=[1, 2], versions={0}, lora=None, record=False))
+    assert store.give_slot() and store.stats.snapshot_bytes == 10
+    store.forget_states()  # the pools were released: the snapshot goes with its pages
+    assert store.stats.snapshot_bytes == 0 and store.num_parked == 0 and store.known(1)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["engine.session_snapshot_bytes=-1"], r"must be >= 0 \(0: no snapshots\), got -1$"),
+    (["engine.backend=sglang", "model.hf_path=/ckpt/qwen3", "engine.session_snapshot_bytes=1024"],
+     r"does nothing with backend=sglang .* use backend=native$"),
+])
+def test_bad_snapshot_budgets_are_refused_naming_the_field(overrides, message):
+    from miles_k3.config import ConfigFieldError, compose_config
+
+    with pytest.raises(ConfigFieldError, match=r"^engine.session_snapshot_bytes: " + message):
+        compose_config("train", overrides)
 
 
 def test_a_push_between_turns_recomputes_under_the_new_weights(model):
@@ -224,13 +325,8 @@ def _obs_before(mask: list[int], t: int) -> int:
 GPU_LOGPROB_ATOL = 0.1  # bf16: engine log-probs vs a bf16 teacher-forced forward, at any sampled position
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_kept_state_turns_under_cuda_graph_decode_score_like_a_full_forward():
-    """k3_tiny in bf16 with fla's KDA kernels and CUDA-graph decode: the three-turn conversation on kept state
-    prefills the hand-counted 10 tokens (re-prefill: 33), and every sampled token's engine log-prob matches a
-    teacher-forced forward of the whole final conversation as closely as the re-prefilled conversation's do (bf16
-    samples drift apart between the two modes, so each is checked against its own forward)."""
+def _gpu_model():
+    """k3_tiny in bf16 on CUDA with fla's KDA kernels and a random LoRA."""
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = K3ForCausalLM(K3Config.from_name("k3_tiny"), kda_backend="fla", expert_format="mxfp4")
@@ -240,28 +336,62 @@ def test_kept_state_turns_under_cuda_graph_decode_score_like_a_full_forward():
         for name, p in lora_parameters(model).items():
             if "lora_B" in name:
                 p.normal_(0, 0.2)
+    return model
 
-    def engine():
-        e = RolloutEngine(model, EngineConfig(memory_budget_bytes=64 * 2**20, max_context=64, page_size=16,
-                                              decode="graph", eos_token_ids=[]), lora=LORA)
-        e.load_lora_adapter_from_tensors("policy", lora_state_dict(model), LORA)
-        return e
 
+def _gpu_engine(model, **kw) -> RolloutEngine:
+    e = RolloutEngine(model, EngineConfig(memory_budget_bytes=64 * 2**20, max_context=64, page_size=16,
+                                          decode="graph", eos_token_ids=[], **kw), lora=LORA)
+    e.load_lora_adapter_from_tensors("policy", lora_state_dict(model), LORA)
+    return e
+
+
+def _forward_gaps(model, prompt: list[int], turns: list[dict], ids: list[int]) -> list[float]:
+    """|engine log-prob - teacher-forced bf16 forward| of every sampled token of a conversation `ids` whose turns
+    `turns` followed `prompt`, each turn but the last followed by the observation OBS[k]."""
+    with torch.no_grad():
+        ref = torch.log_softmax(model(torch.tensor([ids], device="cuda")).logits[0].float(), -1)
+    pos, gap = len(prompt), []
+    for k, t in enumerate(turns):
+        for j, (lp, tok) in enumerate(t["meta_info"]["output_token_logprobs"]):
+            assert tok == ids[pos + j]
+            gap.append(abs(lp - ref[pos + j - 1, tok].item()))
+        pos += NEW + (len(OBS[k]) if k < len(turns) - 1 else 0)
+    assert pos == len(ids)
+    return gap
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_kept_state_turns_under_cuda_graph_decode_score_like_a_full_forward():
+    """k3_tiny in bf16 with fla's KDA kernels and CUDA-graph decode: the three-turn conversation on kept state
+    prefills the hand-counted 10 tokens (re-prefill: 33), and every sampled token's engine log-prob matches a
+    teacher-forced forward of the whole final conversation as closely as the re-prefilled conversation's do (bf16
+    samples drift apart between the two modes, so each is checked against its own forward)."""
+    model = _gpu_model()
     gaps = {}
     for keep in (True, False):
-        e = engine()
+        e = _gpu_engine(model)
         turns, ids = _conversation(e, keep=keep)
         assert e.session_stats["prefill_tokens"] == (10 if keep else 33)
-        with torch.no_grad():
-            logits = model(torch.tensor([ids], device="cuda")).logits[0].float()
-        ref = torch.log_softmax(logits, -1)
-        pos, gap = len(PROMPT), []
-        for k, t in enumerate(turns):
-            for j, (lp, tok) in enumerate(t["meta_info"]["output_token_logprobs"]):
-                assert tok == ids[pos + j]
-                gap.append(abs(lp - ref[pos + j - 1, tok].item()))
-            pos += NEW + (len(OBS[k]) if k < len(OBS) else 0)
-        assert pos == len(ids)
-        gaps[keep] = gap
+        gaps[keep] = _forward_gaps(model, PROMPT, turns, ids)
     print(f"max |engine - forward| log-prob: kept {max(gaps[True]):.4f}, re-prefill {max(gaps[False]):.4f}")
     assert max(gaps[True]) < GPU_LOGPROB_ATOL and max(gaps[False]) < GPU_LOGPROB_ATOL
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_snapshotted_sessions_under_cuda_graph_decode_score_like_a_full_forward():
+    """The four-sessions-on-two-slots run (hand counts as in the CPU test: 6 snapshots, 4 restores, turn 2
+    prefilling 4 x 3 positions) in bf16 under CUDA-graph decode: states copied to the host and back into the pools
+    the captured graphs read; every sampled token's log-prob within GPU_LOGPROB_ATOL of a teacher-forced forward of
+    its session's conversation."""
+    model = _gpu_model()
+    e = _gpu_engine(model, num_slots=2, session_snapshot_bytes=64 * 2**20)
+    first, second, _, prefill = _four_sessions(e, keep=True)
+    s = e.session_stats
+    assert (s["snapshotted"], s["restored"], s["dropped"], s["recomputed"], prefill) == (6, 4, 0, 0, 12)
+    gaps = [g for p, a, b in zip(PROMPTS, first, second)
+            for g in _forward_gaps(model, p, [a, b], p + a["output_ids"] + OBS[0] + b["output_ids"])]
+    print(f"max |engine - forward| log-prob over 4 snapshotted sessions: {max(gaps):.4f}")
+    assert max(gaps) < GPU_LOGPROB_ATOL

@@ -214,7 +214,7 @@ def engine_counts(engine) -> dict[str, float]:
     if stats is None:
         return {}
     return {"env_prefill_tokens": float(stats["prefill_tokens"]), "env_kept_tokens": float(stats["kept_tokens"]),
-            "env_recomputed_turns": float(stats["recomputed"])}
+            "env_recomputed_turns": float(stats["recomputed"]), "env_restored_turns": float(stats["restored"])}
 
 
 def env_totals(episodes: list[Episode], before: dict[str, float] | None = None,
@@ -238,5 +238,6 @@ def env_metrics(t: dict[str, float], info: dict[str, float]) -> dict[str, float]
            "env/context_rate": t["env_end_context"] / n}
     if "env_prefill_tokens" in t:
         out |= {"env/prefill_tokens_mean": t["env_prefill_tokens"] / n, "env/kept_tokens_mean": t["env_kept_tokens"] / n,
-                "env/recomputed_turns_mean": t["env_recomputed_turns"] / n}
+                "env/recomputed_turns_mean": t["env_recomputed_turns"] / n,
+                "env/restored_turns_mean": t["env_restored_turns"] / n}
     return out | {f"env/{k}": v / n for k, v in info.items()}
