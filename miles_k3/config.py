@@ -131,10 +131,6 @@ class TrainConfig:
                                 self.engine.backend)
         check_context("rollout.max_new_tokens", self.rollout.max_new_tokens, self.engine, self.sglang)
         check_partial(self.rollout.mode, self.trainer.old_logprobs, self.trainer.loss.tis, self.engine.backend)
-        if self.rollout.mode == "partial" and self.env.name != "single" and self.parallel.world_size > 1:
-            raise ValueError(f"env: multi-turn episodes (env={self.env.name}) in rollout.mode=partial run in one "
-                             f"process only (not tested across ranks yet), got {self.parallel.world_size} ranks; "
-                             "use rollout.mode=sync under torchrun")
         if self.eval.every_n_steps > 0:
             check_context("eval.max_new_tokens", self.eval.max_new_tokens, self.engine, self.sglang)
         if self.trainer.old_logprobs == "rollout" and self.trainer.loss.tis != "none":

@@ -13,6 +13,8 @@
 * rollout.mode=partial (groups carried across pushes) at tp=2 x ep=2 trains the one-process partial adapter; at
   dp=2 x ep=2 each replica finishes its half of every step's groups from its own draws (even, odd) in lockstep,
   and resume=auto from its step-2 checkpoint (groups in flight on both replicas) continues bit-identically;
+* multi-turn episodes (env=guess, 3 turns) in rollout.mode=partial: at tp=2 x ep=2 the one-process adapter and
+  episode figures, at dp=2 x ep=2 a bit-identical resume;
 * config refusals without spawning: a world that is not dp x tp, an ep that does not divide it, a model that a
   mesh does not divide, device=cuda:N on several ranks.
 
@@ -76,6 +78,9 @@ PARTIAL = ["rollout.mode=partial", "trainer.loss.tis=token_truncate", "rollout.d
 """rollout.mode=partial on the tiny run: a third of k3_tiny's 512 token ids end a response (a random base is
 near uniform), so responses of 1 to 5 tokens end at different decode steps and some groups are carried across a
 push; 4 prompts per step (2 per replica under dp=2), 6 groups in flight."""
+MULTI_TURN = [*PARTIAL, "env=guess", "env.max_turns=3"]
+"""Multi-turn episodes in rollout.mode=partial: three-turn guess episodes (a random base's turns are not guesses, so
+each episode plays its 3 turns), sessions kept across turns and across pushes while their groups are in flight."""
 
 
 def _adapter(run) -> dict[str, torch.Tensor]:
@@ -268,6 +273,17 @@ def _train_tp_rank(rank: int, data: str, root: str) -> dict:
     resumed = train(compose_config("train", _overrides(data, f"{root}/p_dp_resumed", "parallel.dp=2",
                                                        "parallel.ep=2", "resume=auto", *PARTIAL)))
     out["p_dp_resumed_adapter"] = _adapter(resumed)
+    # multi-turn episodes in rollout.mode=partial: tp=2 x ep=2, and dp=2 x ep=2 resumed from its step-2 checkpoint
+    train(compose_config("train", _overrides(data, f"{root}/mt_tp", "parallel.tp=2", "parallel.ep=2", *MULTI_TURN)))
+    mt_dp = train(compose_config("train", _overrides(data, f"{root}/mt_dp", "parallel.dp=2", "parallel.ep=2",
+                                                     *MULTI_TURN)))
+    out["mt_dp_adapter"] = _adapter(mt_dp)
+    if rank == 0:
+        shutil.copytree(f"{root}/mt_dp/checkpoints/step_00000002", f"{root}/mt_dp_resumed/checkpoints/step_00000002")
+    dist.barrier()
+    resumed = train(compose_config("train", _overrides(data, f"{root}/mt_dp_resumed", "parallel.dp=2",
+                                                       "parallel.ep=2", "resume=auto", *MULTI_TURN)))
+    out["mt_dp_resumed_adapter"] = _adapter(resumed)
     return out
 
 
@@ -288,8 +304,9 @@ def tp2(dp2):
     data = str(root / "train.jsonl")
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    try:  # the one-process partial run, the reference of the tp=2 one
+    try:  # the one-process partial runs, the references of the tp=2 ones
         train(compose_config("train", _overrides(data, root / "p_single", *PARTIAL)))
+        train(compose_config("train", _overrides(data, root / "mt_single", *MULTI_TURN)))
     finally:
         torch.set_num_threads(threads)
     return run_ranks(2, _train_tp_rank, data, str(root), timeout_s=900)
@@ -357,6 +374,34 @@ def test_partial_at_tp2_trains_the_one_process_adapter_and_at_dp2_each_replica_i
         assert r["p_dp_pool"] and all(g["draw"] % 2 == rank for g in r["p_dp_pool"]), r["p_dp_pool"]
         for name, t in r["p_dp_adapter"].items():
             assert torch.equal(r["p_dp_resumed_adapter"][name], t), name
+
+
+def test_multi_turn_partial_at_tp2_trains_the_one_process_adapter_and_at_dp2_resumes_bit_identically(dp2, tp2):
+    """Three-turn episodes in rollout.mode=partial on 2 ranks. tp=2 x ep=2: the same sessions, turns, carried groups
+    and adapter as one process. dp=2 x ep=2: groups with their sessions are carried across pushes on the replicas;
+    the run resumed from step 2 (groups and their episodes in flight on both replicas) ends with the same adapter
+    bytes and step 3's rollout and episode figures."""
+    _, root, _ = dp2
+
+    def figures(row):
+        return {k: v for k, v in row.items() if k.startswith(("rollout/", "env/")) and k != "rollout/retracted_mib"}
+    single = _jsonl(root / "mt_single/metrics.jsonl")
+    assert all(r["env/turns_mean"] == 3 for r in single)  # every episode played three turns
+    assert any(r["rollout/groups_carried"] > 0 for r in single)  # and some groups crossed a push mid-episode
+    for step in (2, 3):
+        want = _peft(root / f"mt_single/checkpoints/step_{step:08d}/adapter")
+        got = _peft(root / f"mt_tp/checkpoints/step_{step:08d}/adapter")
+        assert got.keys() == want.keys()
+        for key, t in want.items():
+            assert (got[key] - t).norm() <= 5e-4 * t.norm() + 1e-7, key
+    assert [figures(r) for r in _jsonl(root / "mt_tp/metrics.jsonl")] == [figures(r) for r in single]
+    rows = _jsonl(root / "mt_dp/metrics.jsonl")
+    assert len(rows) == 3 and all(r["env/turns_mean"] == 3 for r in rows)
+    assert sum(r["rollout/groups_carried"] for r in rows) > 0
+    assert [figures(r) for r in _jsonl(root / "mt_dp_resumed/metrics.jsonl")] == [figures(rows[2])]
+    for r in tp2:
+        for name, t in r["mt_dp_adapter"].items():
+            assert torch.equal(r["mt_dp_resumed_adapter"][name], t), name
 
 
 # ---- refusals without spawning ----------------------------------------------------------------------------
