@@ -20,9 +20,10 @@ env.max_turns requests per episode; an episode that runs past env.step_timeout_s
 calls the server is left out of the loss (env/timeout_rate, env/error_rate). Concurrent episodes' requests share
 engine calls (the server batches what arrives while the engine is busy).
 
-Not with: data / tensor / expert parallelism (the agents' engine calls are not in lockstep across ranks),
-rollout.mode=partial, routing replay (the server does not record routes), engine.backend=sglang: refused at
-validation. Needs the serve extra (FastAPI, uvicorn) and `openai` for the agents.
+The loop's held-out eval (eval.every_n_steps) plays its problems with the same agent code at the eval's sampling
+settings (trainer/episode_eval.py). Not with: data / tensor / expert parallelism (the agents' engine calls are not in
+lockstep across ranks), rollout.mode=partial, routing replay (the server does not record routes),
+engine.backend=sglang: refused at validation. Needs the serve extra (FastAPI, uvicorn) and `openai` for the agents.
 """
 from __future__ import annotations
 

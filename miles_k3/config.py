@@ -122,7 +122,7 @@ class TrainConfig:
                              "engine.backend=native (SGLang's offline engine has no sessions); set env.keep_state=false")
         if self.env.name == "agent":
             check_agent(self.engine.backend, self.parallel.world_size, self.rollout.mode,
-                        self.rollout.return_routed_experts or self.trainer.routing_replay, self.eval.every_n_steps)
+                        self.rollout.return_routed_experts or self.trainer.routing_replay)
         check_backend(self.model, self.engine.backend, self.sglang, self.lora)
         check_release_tags(self.rollout.release_tags, self.engine.backend, self.sglang)
         check_sync(self.sync, self.engine.backend)

@@ -210,7 +210,7 @@ def check_partial(mode: str, old_logprobs: str, tis: str, backend: str) -> None:
                          "trainer.loss.tis=token_truncate (or seq_mask)")
 
 
-def check_agent(backend: str, world_size: int, mode: str, routes: bool, eval_every: int) -> None:
+def check_agent(backend: str, world_size: int, mode: str, routes: bool) -> None:
     """env=agent (`miles_k3.agent`): agent code drives the engine through an in-process HTTP server, whose engine
     calls are neither in lockstep across ranks nor routed, nor paused across a weight update."""
     if backend != "native":
@@ -225,6 +225,3 @@ def check_agent(backend: str, world_size: int, mode: str, routes: bool, eval_eve
     if routes:
         raise ValueError("env=agent: the server does not record routes; set trainer.routing_replay=false and "
                          "rollout.return_routed_experts=false")
-    if eval_every:
-        raise ValueError("env=agent: the held-out eval plays no agent episodes; set eval.every_n_steps=0 (evaluate "
-                         "the adapter with your agent against python -m miles_k3.serve adapter=DIR)")

@@ -42,6 +42,7 @@ from miles_k3.parallel.mesh import naming_rank, shutdown
 from miles_k3.parallel.reduce import max_over, world_of
 from miles_k3.runtime import resolve_device, resolve_dtype
 from miles_k3.trainer.checkpoint import ADAPTER_DIR, save_checkpoint
+from miles_k3.trainer.episode_eval import EpisodeEvalHook
 from miles_k3.trainer.partial import check_versions
 from miles_k3.trainer.rollouts import check_on_policy, collect_rollouts
 from miles_k3.trainer.step import train_step
@@ -59,6 +60,8 @@ def train(cfg, raw_yaml: str = "") -> Run:
     if cfg.env.name == "agent":  # agent code plays the episodes over an in-process server (miles_k3.agent)
         agents = AgentRollouts(load_agent(cfg.env.agent), run.engine, run.tokenizer, cfg.env, POLICY)
         run.env = (agents, cfg.env)
+        if isinstance(run.eval_hook, EpisodeEvalHook):  # the held-out eval plays agent episodes too
+            run.eval_hook.env = run.env
     try:
         with naming_rank(run.ctx):
             step, evals = run_loop(run, raw_yaml)

@@ -36,3 +36,13 @@ def returns_a_reward(problem: str, base_url: str) -> float:
     client = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=120)
     client.chat.completions.create(model="policy", messages=[{"role": "user", "content": problem}])
     return 0.25
+
+
+ANSWERS = {"2+3=": "5", "15-43=": "-99"}
+"""What `two_turns_then_answers` returns per problem: right for 2+3=, wrong for 15-43= (its gold is -28)."""
+
+
+def two_turns_then_answers(problem: str, base_url: str) -> str:
+    """Plays `two_turns` (its reply is ignored), then answers from a table: a known score per problem."""
+    two_turns(problem, base_url)
+    return ANSWERS[problem]

@@ -3,13 +3,15 @@ server, on the shipped k3_nano base (CPU). The trainer's samples are the exact t
 the engine's own generate with the seeds the trainer derives, the agent's sampling fields replaced by the
 rollout's), the agent's answer is what the reward grades, and an agent that raises, never calls, or runs over is
 left out of the loss. Agents: tests/agent_helpers.py."""
+import json
+
 import pytest
 
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 pytest.importorskip("openai")
 
-from agent_helpers import FOLLOW_UP
+from agent_helpers import ANSWERS, FOLLOW_UP
 
 from miles_k3.agent import AgentRollouts, load_agent
 from miles_k3.config import compose_config
@@ -88,10 +90,47 @@ def test_an_agent_that_raises_never_calls_or_runs_over_is_left_out_and_counted(s
     assert [s.reward for s in samples] == [0.25, 0.25] and graded == [] and metrics["env/turns_mean"] == 1.0
 
 
+def test_the_loops_held_out_eval_plays_agent_episodes(tmp_path):
+    """eval.every_n_steps with env=agent: the held-out problems are played by the agent code. The agent plays two
+    turns and then answers from a table, right for 2+3= and wrong for 15-43=: avg@2 is 0.5, pass@2 0.5, two turns
+    per episode, the graded text the agent's answer. At step 0 the adapter is a no-op, so problem i's episode j is
+    the base engine's turns with seeds (eval.seed + 2i + j) * 1009 and + 1, at the eval's temperature and
+    max_new_tokens, prompt -> turn 1 -> the follow-up -> turn 2."""
+    from miles_k3.train import train
+
+    rows = [{"id": "a", "question": "15-43=", "answer": "-28"}, {"id": "b", "question": "2+3=", "answer": "5"}]
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = compose_config("train", [
+        "env.name=agent", "env.agent=agent_helpers:two_turns_then_answers", "env.max_turns=2", f"data.source={data}",
+        "data.problem_field=null", f"eval.data.source={data}", "eval.data.problem_field=null",
+        "eval.data.split=null", "steps=1", "eval.every_n_steps=1", "eval.samples=2",
+        "eval.max_new_tokens=5", "eval.temperature=1.0", "eval.seed=7", "rollout.prompts_per_step=2",
+        "rollout.group_size=2", "rollout.max_new_tokens=5", "engine.max_context=96", f"run_dir={tmp_path}/run"])
+    run = train(cfg, "")
+    for step in (0, 1):
+        summary = json.loads((tmp_path / f"run/eval/step_{step:06d}/summary.json").read_text())
+        assert summary["avg@2"] == 0.5 and summary["pass@2"] == 0.5 and summary["turns_mean"] == 2.0, summary
+    graded = [json.loads(x) for x in (tmp_path / "run/eval/step_000000/results.jsonl").read_text().splitlines()]
+    wrong = ANSWERS["15-43="]
+    assert [(r["id"], r["sample"], r["extracted"], r["score"]) for r in graded] == [
+        ("a", 0, wrong, 0.0), ("a", 1, wrong, 0.0), ("b", 0, "5", 1.0), ("b", 1, "5", 1.0)]
+    engine, tok = run.engine, run.tokenizer
+    follow = list(f"user: {FOLLOW_UP}\nassistant: ".encode())
+    sp = {"max_new_tokens": 5, "temperature": 1.0, "top_p": 1.0, "top_k": -1}
+    for r in graded:
+        i = "ab".index(r["id"])
+        prompt = list(f"user: {rows[i]['question']}\nassistant: ".encode())
+        seed = (7 + 2 * i + r["sample"]) * 1009
+        (one,) = engine.generate(input_ids=[prompt], sampling_params=sp | {"sampling_seed": seed})
+        (two,) = engine.generate(input_ids=[prompt + one["output_ids"] + follow],
+                                 sampling_params=sp | {"sampling_seed": seed + 1})
+        assert r["response"] == tok.decode(one["output_ids"] + follow + two["output_ids"], skip_special_tokens=False)
+
+
 @pytest.mark.parametrize("overrides, message", [
     (["env.name=agent"], "env.agent: env=agent needs env.agent=MODULE:FUNCTION"),
     (["env.agent=agent_helpers:two_turns"], "env.agent: env.agent is set but env=single runs no agent code"),
-    (["env.name=agent", "env.agent=x:y", "eval.every_n_steps=5"], "env=agent: the held-out eval plays no agent"),
     (["env.name=agent", "env.agent=x:y", "eval.every_n_steps=0", "rollout.mode=partial",
       "trainer.loss.tis=token_truncate"], "rollout.mode=partial"),
     (["env.name=agent", "env.agent=x:y", "eval.every_n_steps=0", "trainer.routing_replay=true"],

@@ -1,4 +1,5 @@
-"""Episode-level evals: the held-out problems played as episodes of the run's environment (env=guess, tools, ...).
+"""Episode-level evals: the held-out problems played as episodes of the run's environment (env=guess, tools, ...),
+or by the run's agent code over the in-process server (env=agent: `_agent_episodes`).
 
 `evaluate_episodes(engine, tokenizer, problems, cfg, env, lora)` runs, for each problem, `cfg.samples` episodes of
 the environment with the eval's sampling settings (cfg.temperature, top_p, top_k, max_new_tokens per turn), through
@@ -24,6 +25,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -76,8 +78,11 @@ def evaluate_episodes(engine, tokenizer, problems: list[Problem], cfg: EvalConfi
     played: list[tuple[int, int, Episode]] = []  # (problem, sample, episode)
     for k in range(calls):
         batch = mine[k * cfg.batch_problems:(k + 1) * cfg.batch_problems]
-        episodes = _first_turns(engine, tokenizer, problems, batch, cfg, factory, env_cfg, lora)
-        run_turns(engine, tokenizer, episodes, cfg, env_cfg, lora, False, ctx)
+        if getattr(factory, "plays_episodes", False):  # env=agent: the agent code plays them (miles_k3.agent)
+            episodes = _agent_episodes(factory, problems, batch, cfg, lora)
+        else:
+            episodes = _first_turns(engine, tokenizer, problems, batch, cfg, factory, env_cfg, lora)
+            run_turns(engine, tokenizer, episodes, cfg, env_cfg, lora, False, ctx)
         played += [(i, j, episodes[b * n + j]) for b, i in enumerate(batch) for j in range(n)]
     rows = [_row(i, problems[i], j, ep, tokenizer) for i, j, ep in played]
     if ctx.dp_size > 1:
@@ -128,13 +133,27 @@ def _first_turns(engine, tokenizer, problems, batch, cfg: EvalConfig, factory, e
     return episodes
 
 
+def _agent_episodes(agents, problems, batch, cfg: EvalConfig, lora) -> list[Episode]:
+    """Each problem's n episodes played by the agent code over the in-process server (`AgentRollouts.play`) at the
+    eval's sampling settings: problem i's episode j samples its turn k with seed (cfg.seed + i * n + j) * 1009 + k.
+    The agent's returned text is what the grader scores (or its float is the episode's score)."""
+    if lora != agents.lora:
+        raise ValueError(f"eval: env=agent serves adapter {agents.lora!r}, the eval asked for {lora!r}")
+    n = cfg.samples
+    settings = SimpleNamespace(group_size=n, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
+                               max_new_tokens=cfg.max_new_tokens)
+    return agents.play([(i, problems[i]) for i in batch], [cfg.seed + i * n for i in batch], settings)
+
+
 def _row(i: int, p: Problem, j: int, ep: Episode, tokenizer) -> dict:
-    """What rank 0 needs of an episode (plain values, gathered across replicas)."""
-    last = response_text(tokenizer, ep.outs[-1])
+    """What rank 0 needs of an episode (plain values, gathered across replicas). The final turn's text, or an
+    agent's returned answer (env=agent, whose `outs` hold all its turns as one record: `ep.turns`)."""
+    last = ep.answer if ep.answer is not None else response_text(tokenizer, ep.outs[-1])
     return {"i": i, "id": p.id, "sample": j, "prompt": tokenizer.decode(ep.prompt, skip_special_tokens=False),
             "response": tokenizer.decode(ep.ids, skip_special_tokens=False), "last": last, "gold": p.answer,
-            "reward": ep.reward, "graded": ep.graded, "end": ep.end, "turns": len(ep.outs), "info": dict(ep.info),
-            "num_tokens": sum(ep.mask), "weight_version": ep.outs[-1]["meta_info"].get("weight_version")}
+            "reward": ep.reward, "graded": ep.graded, "end": ep.end, "turns": ep.turns or len(ep.outs),
+            "info": dict(ep.info), "num_tokens": sum(ep.mask),
+            "weight_version": ep.outs[-1]["meta_info"].get("weight_version")}
 
 
 def _record(r: dict, grade) -> EpisodeRecord:
