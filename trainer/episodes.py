@@ -20,7 +20,10 @@ first turn, so a single-turn rollout makes one call and no collective, as before
 
 An environment step runs in a worker thread with env.step_timeout_s: one that raises or runs over ends its
 episode (`end` "env_error" / "env_timeout": left out of the loss, counted in env/ metrics; a thread that runs over
-is abandoned, not killed).
+is abandoned, not killed). Under tensor parallelism the environments step on the TP group's first rank only and
+the group's other ranks apply its outcomes (`step_episodes`: one broadcast per round), so the ranks of a replica
+see the same observations, ends and rewards even from an environment that is not deterministic across processes
+(a step that runs over on one rank only, a remote tool).
 """
 from __future__ import annotations
 
@@ -35,7 +38,7 @@ from miles_k3.envs.env import EnvConfig, Environment, StepResult
 from miles_k3.evals.problems import Problem
 from miles_k3.evals.templates import render_prompt, response_text
 from miles_k3.parallel.mesh import SINGLE, ParallelContext
-from miles_k3.parallel.reduce import max_over, world_of
+from miles_k3.parallel.reduce import broadcast, max_over, world_of
 
 log = logging.getLogger("miles_k3.train")
 
@@ -138,7 +141,8 @@ def run_turns(engine, tokenizer, episodes: list[Episode], cfg, env_cfg: EnvConfi
     pool = cf.ThreadPoolExecutor(max_workers=4, thread_name_prefix="env-step")
     try:
         for turn in range(1, env_cfg.max_turns + 1):
-            live = [ep for ep in episodes if step_episode(ep, tokenizer, pool, env_cfg, turn, limit)]
+            live = [ep for ep, go in zip(episodes, step_episodes(episodes, tokenizer, pool, env_cfg, turn, limit, ctx))
+                    if go]
             _close(engine, [ep for ep in episodes if ep.end])
             if turn == env_cfg.max_turns:
                 break
@@ -169,22 +173,44 @@ def _close(engine, episodes: list[Episode]) -> None:
         ep.session = None
 
 
-def step_episode(ep: Episode, tokenizer, pool, env_cfg: EnvConfig, turn: int, limit: int) -> bool:
-    """The environment's answer to the episode's last turn; True when the episode goes on to another turn."""
-    if ep.end:
-        return False
+def step_episodes(episodes: list[Episode], tokenizer, pool, env_cfg: EnvConfig, turn: int, limit: int,
+                  ctx: ParallelContext = SINGLE) -> list[bool]:
+    """The environments' answers to the episodes' last turns (`env_outcome`, `apply_outcome`; those already ended
+    stay ended): True for each episode that goes on to another turn. Under tensor parallelism only the TP group's
+    first rank steps the environments; one broadcast gives the group's other ranks its outcomes, which they apply
+    as their own."""
+    tp = ctx.tp_size > 1 and ctx.tp_group is not None
+    outcomes = None
+    if not tp or ctx.tp_rank == 0:
+        outcomes = [None if ep.end else env_outcome(ep, tokenizer, pool, env_cfg) for ep in episodes]
+    if tp:
+        outcomes = broadcast(outcomes, ctx.tp_group)
+    return [not ep.end and apply_outcome(ep, o, tokenizer, env_cfg, turn, limit) for ep, o in zip(episodes, outcomes)]
+
+
+def env_outcome(ep: Episode, tokenizer, pool, env_cfg: EnvConfig) -> StepResult | tuple[str, str]:
+    """The environment's step on the episode's last turn: its StepResult, ("env_timeout", "") when it ran past
+    env.step_timeout_s, or ("env_error", what it raised). Plain values: a TP group broadcasts them."""
     text = response_text(tokenizer, ep.outs[-1])
     try:
-        res: StepResult = pool.submit(ep.env.step, text).result(timeout=env_cfg.step_timeout_s)
+        return pool.submit(ep.env.step, text).result(timeout=env_cfg.step_timeout_s)
     except cf.TimeoutError:
-        log.warning("env=%s: a step ran past env.step_timeout_s=%s; its episode ends (env/timeout_rate)",
-                    env_cfg.name, env_cfg.step_timeout_s)
-        ep.end = "env_timeout"
-        return False
+        return ("env_timeout", "")
     except Exception as e:  # noqa: BLE001 (an environment's bug ends its episode, not the run)
-        log.warning("env=%s: a step raised %s: %s; its episode ends (env/error_rate)", env_cfg.name,
-                    type(e).__name__, e)
-        ep.end = "env_error"
+        return ("env_error", f"{type(e).__name__}: {e}")
+
+
+def apply_outcome(ep: Episode, res: StepResult | tuple[str, str], tokenizer, env_cfg: EnvConfig, turn: int,
+                  limit: int) -> bool:
+    """The episode after its environment's step `res` (`env_outcome`): the observation appended, or its end; True
+    when it goes on to another turn."""
+    if isinstance(res, tuple):
+        ep.end = res[0]
+        if ep.end == "env_timeout":
+            log.warning("env=%s: a step ran past env.step_timeout_s=%s; its episode ends (env/timeout_rate)",
+                        env_cfg.name, env_cfg.step_timeout_s)
+        else:
+            log.warning("env=%s: a step raised %s; its episode ends (env/error_rate)", env_cfg.name, res[1])
         return False
     for k, v in res.info.items():
         ep.info[k] = ep.info.get(k, 0.0) + float(v)

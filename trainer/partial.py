@@ -52,7 +52,7 @@ from miles_k3.trainer.episodes import (
     env_totals,
     first_prompt,
     keeps_state,
-    step_episode,
+    step_episodes,
 )
 from miles_k3.trainer.rollouts import (
     SINGLE_ENV,
@@ -235,7 +235,7 @@ class PartialRollouts:
         """Episode j of group `key` after a turn: its environment's step, then its next turn queued, or its end."""
         ep, cfg = self.groups[key].episodes[j], self.cfg
         turn = len(ep.outs)
-        if not step_episode(ep, self.tokenizer, pool, self.env[1], turn, limit):
+        if not step_episodes([ep], self.tokenizer, pool, self.env[1], turn, limit, self.ctx)[0]:
             if ep.session is not None:
                 self.engine.close_sessions([ep.session])
                 ep.session = None
