@@ -26,7 +26,6 @@ import numpy as np
 import torch
 from omegaconf import OmegaConf
 
-from miles_k3.agent import AgentRollouts, load_agent
 from miles_k3.envs.env import build_env
 from miles_k3.evals.datasets import load_problems
 from miles_k3.evals.harness import EvalHook, check_prompt_lengths, prompt_ids
@@ -104,8 +103,7 @@ class Run:
         return {n: p.detach() for n, p in self.params.items()}
 
     def close(self) -> None:
-        agents = self.env[0] if self.env and getattr(self.env[0], "plays_episodes", False) else None
-        for part in (self.reward, self.channel, agents):  # agents (env=agent): its in-process server
+        for part in (self.reward, self.channel):
             close = getattr(part, "close", None)
             if close is not None:
                 close()
@@ -168,10 +166,7 @@ def build_run(cfg) -> Run:
     tracker = (Tracker(cfg.tracking, run_dir, config=OmegaConf.to_container(OmegaConf.structured(cfg)))
                if ctx.is_main else NullTracker())
     hook = None
-    if cfg.env.name == "agent":  # agent code plays the episodes, the eval's too, over an in-process server
-        env = (AgentRollouts(load_agent(cfg.env.agent), engine, tokenizer, cfg.env, POLICY), cfg.env)
-    else:
-        env = (build_env(cfg.env), cfg.env)  # unknown tools, or a python tool without a sandbox, fail here
+    env = (build_env(cfg.env), cfg.env)  # unknown tools, or a python tool without a sandbox, fail here
     if eval_problems is not None:  # every rank generates its replica's share; rank 0 grades, writes and logs
         hook = build_eval_hook(cfg, engine, tokenizer, eval_problems, run_dir, tracker if ctx.is_main else None,
                                ctx, env)

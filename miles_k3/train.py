@@ -33,6 +33,7 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
+from miles_k3.agent import AgentRollouts, load_agent
 from miles_k3.config import exit_on_user_error, register_schemas, typed_or_exit
 from miles_k3.launch import POLICY, Run, build_run, seed_everything, silence_fla_cpu_warning
 from miles_k3.model.build import build_model
@@ -41,6 +42,7 @@ from miles_k3.parallel.mesh import naming_rank, shutdown
 from miles_k3.parallel.reduce import max_over, world_of
 from miles_k3.runtime import resolve_device, resolve_dtype
 from miles_k3.trainer.checkpoint import ADAPTER_DIR, save_checkpoint
+from miles_k3.trainer.episode_eval import EpisodeEvalHook
 from miles_k3.trainer.partial import check_versions
 from miles_k3.trainer.rollouts import check_on_policy, collect_rollouts
 from miles_k3.trainer.step import train_step
@@ -54,10 +56,18 @@ def train(cfg, raw_yaml: str = "") -> Run:
     t0 = time.perf_counter()
     run = build_run(cfg)
     log_adapter(cfg.lora, run.model, f"; run dir {run.run_dir}")
+    agents = None
+    if cfg.env.name == "agent":  # agent code plays the episodes over an in-process server (miles_k3.agent)
+        agents = AgentRollouts(load_agent(cfg.env.agent), run.engine, run.tokenizer, cfg.env, POLICY)
+        run.env = (agents, cfg.env)
+        if isinstance(run.eval_hook, EpisodeEvalHook):  # the held-out eval plays agent episodes too
+            run.eval_hook.env = run.env
     try:
         with naming_rank(run.ctx):
             step, evals = run_loop(run, raw_yaml)
     finally:
+        if agents is not None:
+            agents.close()
         run.close()
     run.summary = final_summary(run, step, evals, time.perf_counter() - t0)
     if run.ctx.is_main:

@@ -179,10 +179,12 @@ def step_episodes(episodes: list[Episode], tokenizer, pool, env_cfg: EnvConfig, 
     stay ended): True for each episode that goes on to another turn. Under tensor parallelism only the TP group's
     first rank steps the environments; one broadcast gives the group's other ranks its outcomes, which they apply
     as their own."""
+    tp = ctx.tp_size > 1 and ctx.tp_group is not None
     outcomes = None
-    if ctx.tp_rank == 0:
+    if not tp or ctx.tp_rank == 0:
         outcomes = [None if ep.end else env_outcome(ep, tokenizer, pool, env_cfg) for ep in episodes]
-    outcomes = broadcast(outcomes, ctx.tp_group)  # a TP group of one: as it is
+    if tp:
+        outcomes = broadcast(outcomes, ctx.tp_group)
     return [not ep.end and apply_outcome(ep, o, tokenizer, env_cfg, turn, limit) for ep, o in zip(episodes, outcomes)]
 
 
