@@ -36,6 +36,8 @@ from miles_k3.evals.problems import (
 )
 from miles_k3.evals.tasks import TaskError, generate_rows, is_task, task_name
 from miles_k3.evals.textfile import numbered_lines, utf8_text
+from miles_k3.evals.worked import WorkedSourceError, is_worked
+from miles_k3.evals.worked import generate_rows as generate_worked_rows
 
 LOCAL_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 """Local file suffix -> the `datasets` builder that reads it."""
@@ -49,7 +51,9 @@ class DatasetConfig:
     source: str = "HuggingFaceH4/aime_2024"
     """A hub dataset id (owner/name), a local .jsonl / .json / .parquet file, a directory saved by `datasets`
     (save_to_disk), reasoning_gym:<generator> (problems generated offline, e.g. reasoning_gym:chain_sum), or
-    guess (the guess-the-number problems of env=guess, `evals/guess.py`: task_args min_n, max_n)."""
+    guess (the guess-the-number problems of env=guess, `evals/guess.py`: task_args min_n, max_n), or worked_sum
+    (multi-step sums with worked solutions, `evals/worked.py`: task_args min_terms, max_terms, min_value,
+    max_value)."""
     split: str | None = None
     """The split to read; None: the preset's split for a known hub id (e.g. "test" for math-ai/aime25), else
     "train". A local file has only the split "train"; a reasoning_gym source has train and test (disjoint)."""
@@ -151,6 +155,8 @@ def _load_table(cfg: DatasetConfig) -> Table:
         return _load_task(cfg)
     if is_guess(cfg.source):
         return _load_guess(cfg)
+    if is_worked(cfg.source):
+        return _load_worked(cfg)
     path = Path(cfg.source).expanduser()
     if path.exists():
         return _load_local(path, cfg)
@@ -182,6 +188,19 @@ def _load_guess(cfg: DatasetConfig) -> Table:
     except GuessSourceError as e:
         raise DatasetError(str(e)) from None
     return Table(f"guess [{split}, seed {cfg.seed}]", datasets.Dataset.from_list(rows), rows, [None] * len(rows))
+
+
+def _load_worked(cfg: DatasetConfig) -> Table:
+    """data.source=worked_sum: multi-step sums with worked solutions (`evals.worked`), train or test split."""
+    import datasets
+
+    split = cfg.split or "train"
+    try:
+        rows = generate_worked_rows(split, cfg.size, cfg.seed, cfg.task_args, cfg.distinct)
+    except WorkedSourceError as e:
+        raise DatasetError(str(e)) from None
+    return Table(f"worked_sum [{split}, seed {cfg.seed}]", datasets.Dataset.from_list(rows), rows,
+                 [None] * len(rows))
 
 
 def _looks_like_path(source: str) -> bool:

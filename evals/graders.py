@@ -160,6 +160,27 @@ def _compare_integer(value: int, want: int, note: str) -> tuple[float, str]:
     return 1.0, "correct" + note
 
 
+@register_grader("answer_integer")
+def grade_answer_integer(response: str, gold: str, *, channel: str = "auto",
+                         max_chars: int = MAX_RESPONSE_CHARS) -> Grade:
+    """1.0 when the final answer (last box, else the last answer line, "Answer: -3") states the gold integer, of
+    any sign and size (worked solutions that end with an answer line; `aime` also bounds it to 0..999)."""
+    want = _gold_integer(gold)
+    checked = _precheck(response, channel, max_chars)
+    if isinstance(checked, Grade):
+        return checked
+    text, note = checked
+    answer, how = extract_answer(text)
+    if answer is None:
+        return Grade(0.0, "no final answer" + note)
+    value = normalize_integer(answer)
+    if value is None:
+        return Grade(0.0, f"not an integer: {_short(answer)}{note}", answer, None, how)
+    if value != want:
+        return Grade(0.0, f"wrong answer {value} (gold {want}){note}", answer, str(value), how)
+    return Grade(1.0, "correct" + note, answer, str(value), how)
+
+
 # ---- math (math-verify) ----------------------------------------------------------------------------------------
 _MATH_DELIMITERS = ("$", "\\(", "\\[", "\\boxed", "\\fbox")
 

@@ -29,7 +29,7 @@ class RewardConfig:
 
     name: str = "aime"
     """A registered reward: aime (integer answers 0..999), math (math-verify), integer (the response is exactly the
-    gold integer), coin (a control: a fair coin that ignores the answer), remote (a judge server's scores over HTTP:
+    gold integer), answer_integer (the final answer line states the gold integer, any size), coin (a control: a fair coin that ignores the answer), remote (a judge server's scores over HTTP:
     reward.remote.*), or one added by register_reward."""
     format_bonus: float = 0.0
     """Added when the final answer was written in \\boxed{} (correct or not); 0 = off."""
@@ -192,6 +192,11 @@ def math_reward(cfg: RewardConfig) -> RewardFn:
 @register_reward("integer")
 def integer_reward(cfg: RewardConfig) -> RewardFn:
     return GraderReward("integer", cfg)
+
+
+@register_reward("answer_integer")
+def answer_integer_reward(cfg: RewardConfig) -> RewardFn:
+    return GraderReward("answer_integer", cfg)
 
 
 class CoinReward:

@@ -75,6 +75,13 @@ def equation(problem: str, tokenizer: Any = None) -> str:
     return "".join(problem.split()) + "="
 
 
+@register_template("worked")
+def worked(problem: str, tokenizer: Any = None) -> str:
+    """"Compute step by step: {problem}" and a newline, where a worked solution's first line starts
+    (`data.source=worked_sum`)."""
+    return f"Compute step by step: {problem}\n"
+
+
 @register_template("chat")
 def chat(problem: str, tokenizer: Any = None) -> str:
     """The `boxed` text as the user turn of the tokenizer's chat template, ending with the assistant turn

@@ -26,6 +26,7 @@ from miles_k3.config_checks import (
     check_parallel,
     check_partial,
     check_release_tags,
+    check_requires,
     check_routes,
     check_sync,
     check_weights_given,
@@ -59,8 +60,28 @@ class ConfigFieldError(ValueError):
 
 
 @dataclass
+class Requires:
+    """What a recipe needs before it can run, checked before anything else (a recipe sets these; empty: nothing).
+    A recipe sized for a GPU sets `device`; one trained from a base the user builds first sets `base_command`."""
+
+    device: str = ""
+    """cuda: refuse every other device (the recipe's model and lengths are a GPU's work; the message points to
+    the CPU quickstart); "": any device."""
+    base_command: str = ""
+    """The command that builds the recipe's base model; when set, model.path must be given (the refusal prints
+    this command); "": the recipe needs no base of its own."""
+
+    def validate(self) -> None:
+        if self.device not in ("", "cuda"):
+            raise ValueError(f"device: '{self.device}' is not one of '' (any), cuda")
+
+
+@dataclass
 class TrainConfig:
     """`python -m miles_k3.train`: the whole run."""
+
+    requires: Requires = field(default_factory=Requires)
+    """What the recipe needs (a GPU, a base built first), checked before anything else."""
 
     seed: int = 0
     """Seed for torch, python and numpy RNGs."""
@@ -112,6 +133,7 @@ class TrainConfig:
     process). torchrun --nproc-per-node dp*tp -m miles_k3.train parallel.dp=... (docs/concepts/scale-out.md)."""
 
     def validate(self) -> None:
+        check_requires(self.requires.device, self.requires.base_command, self.device, self.model.path)
         check_parallel(self.parallel, self.device, self.engine.backend)
         check_device(self.device)
         check_kernels(self.kernels, self.device, None if self.model.hf_path is None else
@@ -338,14 +360,32 @@ class SFTConfig:
     middle of the numbers the feedback allows half of the time, such a random guess otherwise; guess_passes: as
     guess_noisy_bisect, but 40% of the turns pass (" pass": no number, a lost turn). The loss is on the
     guesses' tokens only (each observation is the environment's text, tokenized on its own, as in rollouts)."""
+    heldout_every: int = 0
+    """Every N steps (and at the last), teacher-forced held-out figures without the engine: `heldout_size` problems
+    of data's test split (data.split=test, data.seed, same fields), one forward each; sft/heldout_exact is the share
+    whose every target token is the model's argmax (exactly the share greedy decoding reproduces), sft/heldout_token
+    the share of target tokens that are. 0: off. Needs a generated data.source (it has a test split)."""
+    heldout_size: int = 256
+    """Held-out problems of heldout_every."""
+    quantize: bool = False
+    """mode=full: also write run_dir/base, the trained model with its routed experts quantized to native MXFP4 (as
+    `python -m miles_k3.quantize` does): the frozen base RL trains from."""
 
     def validate(self) -> None:
         check_device(self.device)
         check_kernels(self.kernels, self.device)
         check_weights_given(self.model)
-        for name in ("steps", "batch_size", "log_every"):
+        for name in ("steps", "batch_size", "log_every", "heldout_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        if self.heldout_every < 0:
+            raise ValueError(f"heldout_every: must be >= 0 (0: off), got {self.heldout_every}")
+        if self.heldout_every and self.data.split not in (None, "train"):
+            raise ValueError(f"heldout_every: the held-out problems are data's test split; train on the train split "
+                             f"(data.split=train or unset), got data.split={self.data.split}")
+        if self.quantize and self.mode != "full":
+            raise ValueError("quantize: writes the fully trained model with MXFP4 experts (mode=full); a LoRA "
+                             "adapter keeps its base as it is: remove quantize=true")
         if self.mode not in SFT_MODES:
             raise ValueError(f"mode: '{self.mode}' is not one of {', '.join(SFT_MODES)}")
         if self.model.hf_path is not None:

@@ -142,6 +142,18 @@ def check_device(device: str) -> None:
                          f"use device=cuda:0..cuda:{count - 1}, device=cuda or device=auto")
 
 
+def check_requires(needs_device: str, base_command: str, device: str, model_path: str | None) -> None:
+    """A recipe's `requires`: one sized for a GPU (needs_device=cuda) refuses another device, and one trained from a
+    base the user builds first (base_command) refuses to start without model.path; each message says what to run."""
+    if needs_device == "cuda" and (device == "cpu" or not torch.cuda.is_available()):
+        why = "device=cpu" if device == "cpu" else "no CUDA device here"
+        raise ValueError(f"device: this recipe (requires.device=cuda) is sized for a CUDA GPU ({why}); on a CPU, run "
+                         "the quickstart instead: python -m miles_k3.train")
+    if base_command and model_path is None:
+        raise ValueError(f"model.path: this recipe trains from a base you build first; build it with\n  "
+                         f"{base_command}\nthen pass model.path=<that run_dir>/base")
+
+
 def check_context(field_name: str, max_new_tokens: int, engine: EngineConfig,
                   sglang: SGLangConfig | None = None) -> None:
     """A request holds its prompt and up to `max_new_tokens` (the field `field_name`) in the engine's context, so

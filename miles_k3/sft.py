@@ -58,6 +58,7 @@ from miles_k3.model.config import ConfigError
 from miles_k3.model.kernel_config import apply_kernels
 from miles_k3.model.lora import lora_parameters
 from miles_k3.model.weight_writer import save_weights
+from miles_k3.quantize import quantize_checkpoint
 from miles_k3.rollout.engine import RolloutEngine
 from miles_k3.rollout.factory import POLICY, build_engine
 from miles_k3.runtime import resolve_device, resolve_dtype
@@ -234,6 +235,7 @@ def train_sft(cfg, raw_yaml: str = "") -> SFTResult:
                                "overwritten)")
     problems = load_problems(cfg.data)  # bad data fails before the model is built
     eval_problems = load_problems(cfg.eval.data) if cfg.eval.every_n_steps > 0 else None
+    heldout = load_problems(heldout_data(cfg.data, cfg.heldout_size)) if cfg.heldout_every else None
     model_cfg = model_config_for(cfg)
     tokenizer, stop_ids = build_tokenizer(model_cfg)  # the model config's: data problems fail before the model
     if not stop_ids:
@@ -249,6 +251,8 @@ def train_sft(cfg, raw_yaml: str = "") -> SFTResult:
                         lora=cfg.lora if cfg.mode == "lora" else None, seed=cfg.seed)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     examples = encode_examples(problems, cfg, tokenizer, stop_ids[0])
+    heldout_examples = None if heldout is None else list(encode_examples(heldout, cfg, tokenizer,
+                                                                         stop_ids[0]).values())
     params = trainable_parameters(model, cfg)
     build = build_full_optimizer if cfg.mode == "full" else build_optimizer
     opt = build(params, cfg.optim)
@@ -266,8 +270,10 @@ def train_sft(cfg, raw_yaml: str = "") -> SFTResult:
             engine, hook = _build_eval(cfg, model, tokenizer, stop_ids, params, eval_problems, run_dir,
                                        tracker)
         losses, evals = _loop(cfg, model, params, opt, sched, stream, examples, pad_id, device, tracker,
-                                     engine, hook)
+                              engine, hook, heldout_examples)
         saved = _save(cfg, model_cfg, model, target)
+        if cfg.quantize:
+            log.info("quantized base (MXFP4 routed experts): %s", quantize_checkpoint(saved, run_dir / "base"))
     finally:
         tracker.finish()
     log.info("saved the %s to %s", "model" if cfg.mode == "full" else "adapter", saved)
@@ -276,7 +282,7 @@ def train_sft(cfg, raw_yaml: str = "") -> SFTResult:
     return result
 
 
-def _loop(cfg, model, params, opt, sched, stream, examples, pad_id, device, tracker, engine, hook):
+def _loop(cfg, model, params, opt, sched, stream, examples, pad_id, device, tracker, engine, hook, heldout=None):
     guard = BadStepGuard(cfg.optim.max_bad_steps)
     losses: list[float] = []
     evals: dict[int, dict[str, float]] = {}
@@ -300,9 +306,41 @@ def _loop(cfg, model, params, opt, sched, stream, examples, pad_id, device, trac
             tracker.log(row, step=step)
             log.info("step %d/%d loss=%.4f lr=%.3g grad_norm=%.3g tok/s=%.0f", step, cfg.steps,
                      row["train/loss"], row["train/lr"], row["train/grad_norm"], row["perf/tokens_per_s"])
+        if heldout is not None and (step % cfg.heldout_every == 0 or step == cfg.steps):
+            row = heldout_figures(model, heldout, pad_id, device)
+            tracker.log(row, step=step)
+            log.info("step %d/%d held-out (teacher-forced): exact=%.4f token=%.4f", step, cfg.steps,
+                     row["sft/heldout_exact"], row["sft/heldout_token"])
         if hook is not None and (hook.due(step) or step == cfg.steps):
             evals[step] = _evaluate(cfg, hook, engine, params, step)
     return losses, evals
+
+
+def heldout_data(data, size: int):
+    """`data` read from its test split, `size` problems (the held-out set of heldout_every)."""
+    return dataclasses.replace(data, split="test", size=size, limit=None)
+
+
+@torch.no_grad()
+def heldout_figures(model: nn.Module, examples: list[Sample], pad_id: int, device: torch.device,
+                    batch_size: int = 64) -> dict[str, float]:
+    """Teacher-forced figures of `examples`: sft/heldout_exact, the share whose every target token is the argmax
+    of the model's logits at its position (what greedy decoding would reproduce, ties aside), and
+    sft/heldout_token, the share of all target tokens that are."""
+    was_training = model.training
+    model.eval()
+    exact = hits = total = 0
+    for i in range(0, len(examples), batch_size):
+        batch = pack(examples[i:i + batch_size], pad_id, model.config.vocab_size).to(device)
+        with _autocast(model):
+            logits = model(batch.input_ids_BT, seq_lens=batch.seq_lens_B).logits
+        mask_BT = batch.mask_BT > 0
+        right_BT = (logits.argmax(-1) == batch.targets_BT) & mask_BT
+        hits += int(right_BT.sum())
+        total += int(mask_BT.sum())
+        exact += int((right_BT.sum(-1) == mask_BT.sum(-1)).sum())
+    model.train(was_training)
+    return {"sft/heldout_exact": exact / len(examples), "sft/heldout_token": hits / max(total, 1)}
 
 
 class _Window:
