@@ -35,6 +35,7 @@ import logging
 import math
 import random
 import re
+import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -289,7 +290,12 @@ def _loop(cfg, model, params, opt, sched, stream, examples, pad_id, device, trac
     if hook is not None and cfg.eval.at_start:
         evals[0] = _evaluate(cfg, hook, engine, params, 0)  # the initial weights (lora: the no-op adapter)
     window = _Window()
+    stop = _Stop()
     for step in range(1, cfg.steps + 1):
+        if stop.signal is not None:
+            log.warning("stopping after step %d of %d on %s: saving the model as it is now", step - 1, cfg.steps,
+                        stop.signal)
+            break
         t = time.perf_counter()
         batch = pack([examples[id(p)] for _, p in stream.take(cfg.batch_size)], pad_id,
                      model.config.vocab_size).to(device)
@@ -313,7 +319,23 @@ def _loop(cfg, model, params, opt, sched, stream, examples, pad_id, device, trac
                      row["sft/heldout_exact"], row["sft/heldout_token"])
         if hook is not None and (hook.due(step) or step == cfg.steps):
             evals[step] = _evaluate(cfg, hook, engine, params, step)
+    stop.restore()
     return losses, evals
+
+
+class _Stop:
+    """SIGINT / SIGTERM during the loop: finish the step, then save what has trained (not lost to a kill)."""
+
+    def __init__(self):
+        self.signal: str | None = None
+        self._old = {s: signal.signal(s, self._set) for s in (signal.SIGINT, signal.SIGTERM)}
+
+    def _set(self, signum, _frame) -> None:
+        self.signal = signal.Signals(signum).name
+
+    def restore(self) -> None:
+        for s, h in self._old.items():
+            signal.signal(s, h)
 
 
 def heldout_data(data, size: int):
