@@ -176,6 +176,7 @@ def format_summary(s: dict) -> str:
 def one_step(run: Run, step: int) -> tuple[dict[str, float], list]:
     cfg, tags = run.cfg, list(run.cfg.rollout.release_tags)
     timer = _Timer()
+    engine_before = engine_timing(run.engine)
     if run.partial is not None:  # groups in flight across weight updates (trainer/partial.py)
         samples, metrics = run.partial.collect(run.version)
         check_versions(samples, run.version, cfg.rollout)
@@ -186,6 +187,8 @@ def one_step(run: Run, step: int) -> tuple[dict[str, float], list]:
                                             env=run.env)
         check_on_policy(samples, run.version)
     timer.lap("rollout")
+    engine_after = engine_timing(run.engine)
+    metrics |= {f"perf/rollout_{k}": engine_after[k] - engine_before[k] for k in engine_before}
     if tags:
         run.engine.release_memory_occupation(tags)
     timer.lap("release")
@@ -209,9 +212,18 @@ def one_step(run: Run, step: int) -> tuple[dict[str, float], list]:
     timer.lap("resume")
     metrics |= report.metrics()
     metrics |= timer.metrics()
+    if "perf/optimizer_s" in metrics:
+        metrics["perf/train_fwd_bwd_s"] = metrics["perf/train_s"] - metrics["perf/optimizer_s"]
     if torch.cuda.is_available() and run.device.type == "cuda":
         metrics["mem/peak_gb"] = torch.cuda.max_memory_allocated(run.device) / 1e9
     return metrics, samples
+
+
+def engine_timing(engine) -> dict[str, float]:
+    """The native engine's prefill / decode / tail seconds and decode steps so far (`RolloutEngine.timing`); {} for
+    an engine that does not keep them (SGLang)."""
+    timing = getattr(engine, "timing", None)
+    return {} if timing is None else timing
 
 
 class _Timer:

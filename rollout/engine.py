@@ -144,6 +144,12 @@ class RolloutEngine(VersionedEngine):
         """Requests preempted (and later recomputed) for lack of latent pages."""
         return self.scheduler.num_preempted
 
+    @property
+    def timing(self) -> dict[str, float]:
+        """Wall seconds spent in prefill, in decode and in the tail of decode (fewer than a quarter of a run's
+        requests unfinished), and the decode steps, over the engine's life (`scheduler.RunTiming`)."""
+        return self.scheduler.timing.as_dict()
+
     # ---- public API --------------------------------------------------------------------------------
     def generate(self, input_ids: list[list[int]] | None = None, prompts: list[str] | None = None,
                  sampling_params: dict | list[dict] | None = None, n: int = 1, return_logprob: bool = True,

@@ -14,10 +14,13 @@ first and recomputes their state from their tokens, as after a preemption.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 log = logging.getLogger("miles_k3.rollout.engine")
@@ -75,6 +78,24 @@ class StepRunner(Protocol):
         ...
 
 
+@dataclass
+class RunTiming:
+    """Wall seconds of the scheduler's calls over the engine's life (a caller takes differences): `prefill_s` in
+    admission (prefill and forks), `decode_s` in decode steps, of which `tail_s` in the steps a run took with fewer
+    than a quarter of its requests unfinished (the long tail of a batch: a few long samples decoding alone). A GPU's
+    work is counted where the scheduler waits for it (a decode step reads its tokens back), so the split is of wall
+    time, not of kernel time."""
+
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    tail_s: float = 0.0
+    decode_steps: int = 0
+    tail_steps: int = 0
+
+    def as_dict(self) -> dict[str, float]:
+        return {k: float(v) for k, v in dataclasses.asdict(self).items()}
+
+
 class Scheduler:
     """Admission, forks, preemption and the run loop over a `StepRunner`. `lock`: held through each step (other
     threads push weights or release memory between steps); `unpaused`: cleared, the loop waits before its next
@@ -88,6 +109,7 @@ class Scheduler:
         if unpaused is None:
             self.unpaused.set()
         self.num_preempted = 0  # requests preempted (and later recomputed) for lack of latent pages
+        self.timing = RunTiming()
 
     def run(self, waiting: deque, done: Callable[[Any], None], stop: Callable[[], bool] | None = None) -> None:
         """Serve every group of `waiting` to the end, calling `done(req)` for each request as it finishes. `stop`:
@@ -96,9 +118,12 @@ class Scheduler:
         (oldest first), and the run ends."""
         running: list = []
         stopped = stop is not None and stop()
+        total = sum(map(len, waiting))  # requests this run serves (the tail: fewer than a quarter still running)
+        clock = self.timing
         while (waiting or running) and not stopped:
             self.unpaused.wait()
             with self.lock:
+                t = time.perf_counter()
                 self.admit(waiting, running)
                 if not running and waiting:  # admitted together, the groups may have starved each other
                     self.admit(waiting, running, max_groups=1)
@@ -106,7 +131,16 @@ class Scheduler:
                     raise RuntimeError("rollout engine: a request cannot be admitted into empty pools "
                                        "(memory too small for one request); raise memory_budget_bytes")
                 self.make_room(running, waiting)
-                for req in self.runner.decode(running):
+                t_decode = time.perf_counter()
+                clock.prefill_s += t_decode - t
+                finished = self.runner.decode(running)
+                dt = time.perf_counter() - t_decode
+                clock.decode_s += dt
+                clock.decode_steps += 1
+                if 4 * (len(running) + sum(map(len, waiting))) < total:
+                    clock.tail_s += dt
+                    clock.tail_steps += 1
+                for req in finished:
                     running.remove(req)
                     self.runner.finish(req)
                     done(req)

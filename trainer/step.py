@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -239,10 +240,19 @@ def _update(model, samples: list[Sample], cfg: TrainerConfig, opt, sched, params
     if not all_ranks(finite, world_of(ctx)):
         opt.zero_grad(set_to_none=True)  # nothing of this update may reach the adapter
         return {"train/skipped": 1.0, "train/loss": float("nan"), **counts}
+    _synchronize(device)  # the backward's kernels finish before the optimizer's clock starts
+    t = time.perf_counter()
     out = optimizer_step(opt, sched, params, cfg.optim, ctx=ctx)
+    _synchronize(device)
+    out["perf/optimizer_s"] = time.perf_counter() - t
     merged = _merge_replicas(_merge(parts, summed=("train/pg_loss",)), loss_total, parts, ctx)
     loss_total = merged.pop("train/loss")
     return {**merged, **out, "train/loss": loss_total, **counts}
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _merge_replicas(metrics: dict[str, float], loss: float, parts: list, ctx: ParallelContext) -> dict[str, float]:
@@ -263,12 +273,14 @@ def _combine(results: list[dict[str, float]]) -> dict[str, float]:
     train/ratio_max the max, train/tis_masked_frac row-weighted; train/lr is the first applied update's, train/num_tokens and train/num_seqs the
     sums over all updates."""
     applied = [r for r in results if r["train/skipped"] == 0.0]
-    counts = {k: sum(r[k] for r in results) for k in ("train/num_tokens", "train/num_seqs")}
+    counts = {k: sum(r.get(k, 0.0) for r in results) for k in ("train/num_tokens", "train/num_seqs",
+                                                               "perf/optimizer_s")}
     if len(results) == 1:
         return {**results[0], "train/updates": float(len(applied))}
     if not applied:
         return {"train/skipped": 1.0, "train/loss": float("nan"), **counts, "train/updates": 0.0}
-    out = _merge([(r, r["train/num_tokens"], r["train/num_seqs"]) for r in applied])
+    out = _merge([({k: v for k, v in r.items() if k != "perf/optimizer_s"}, r["train/num_tokens"],
+                   r["train/num_seqs"]) for r in applied])
     return out | {"train/lr": applied[0]["train/lr"], **counts, "train/skipped": 0.0,
                   "train/updates": float(len(applied))}
 
