@@ -1,0 +1,99 @@
+"""The GPU learning result of `recipe=k3_m2_reasoning`, from its runs' files: held-out accuracy per eval (avg@k with
+its standard error), the gain per seed, the RL minutes to +15 points, where a step's time goes, response lengths.
+
+    python benchmarks/bench_reasoning.py RUN_DIR [RUN_DIR ...] [--sft SFT_RUN_DIR ...] [--out FILE] [--note TEXT]
+
+Each RUN_DIR is one seed's `python -m miles_k3.train recipe=k3_m2_reasoning ...` run directory (metrics.jsonl; a run
+continued over several calls with resume=auto appends to the same file). RL minutes are the sum of the steps'
+perf/step_s and the evals' eval/seconds up to that eval (the work itself: a call's start, model build and CUDA-graph
+capture are not counted, and are reported apart as `wall_overhead_s` where the train.log shows them). The step-time
+breakdown is the median over the run's steps of each perf/ figure (rollout: prefill, decode, of which the tail;
+reward; train: forward/backward, optimizer; sync) and their shares of perf/step_s. `--sft` adds the bases' SFT
+figures (steps, tokens/s, the teacher-forced held-out exact match by step). Writes
+benchmarks/results/bench_reasoning.json (or --out).
+"""
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+from record import write_result
+
+STEP_PARTS = ("perf/rollout_s", "perf/rollout_prefill_s", "perf/rollout_decode_s", "perf/rollout_tail_s",
+              "perf/train_s", "perf/train_fwd_bwd_s", "perf/optimizer_s", "perf/sync_s", "perf/release_s",
+              "perf/resume_s", "perf/step_s")
+GOAL_POINTS = 15.0
+
+
+def read_rows(run_dir: Path) -> list[dict]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    by_key: dict[tuple, dict] = {}
+    for r in rows:  # a step logged twice (a call cut after logging it, resumed from an older checkpoint): the last
+        kind = "eval" if any(k.startswith("eval/") for k in r) else "step"
+        by_key[(r.get("step"), kind)] = by_key.get((r.get("step"), kind), {}) | r
+    return [by_key[k] for k in sorted(by_key, key=lambda k: (k[0] or 0, k[1] == "step"))]
+
+
+def accuracy_key(rows: list[dict]) -> str:
+    return next(k for r in rows for k in r if k.startswith("eval/avg@") and not k.endswith("_se"))
+
+
+def run_figures(run_dir: Path) -> dict:
+    rows = read_rows(run_dir)
+    key = accuracy_key(rows)
+    evals, elapsed = [], 0.0
+    for r in rows:
+        elapsed += r.get("perf/step_s", 0.0) + r.get("eval/seconds", 0.0)
+        if key in r:
+            evals.append({"step": r["step"], "accuracy": r[key], "se": r.get(key + "_se"),
+                          "rl_minutes": round(elapsed / 60, 2)})
+    base = evals[0]["accuracy"]
+    for e in evals:
+        e["gain_points"] = round(100 * (e["accuracy"] - base), 2)
+    reached = next((e["rl_minutes"] for e in evals if e["gain_points"] >= GOAL_POINTS), None)
+    steps = [r for r in rows if "perf/step_s" in r]
+    breakdown = {k.removeprefix("perf/"): round(statistics.median(r[k] for r in steps if k in r), 3)
+                 for k in STEP_PARTS if any(k in r for r in steps)}
+    step_s = breakdown.get("step_s") or 1.0
+    shares = {k: round(v / step_s, 3) for k, v in breakdown.items() if k != "step_s"}
+    lengths = [r["rollout/response_len_mean"] for r in steps if "rollout/response_len_mean" in r]
+    return {"run_dir": str(run_dir), "metric": key.removeprefix("eval/"), "evals": evals,
+            "accuracy_before": base, "accuracy_after": evals[-1]["accuracy"],
+            "gain_points": evals[-1]["gain_points"], "best_gain_points": max(e["gain_points"] for e in evals),
+            "rl_minutes_to_plus_15": reached, "steps": len(steps),
+            "rl_minutes_total": evals[-1]["rl_minutes"] if evals else None,
+            "step_time_median_s": breakdown, "step_time_shares": shares,
+            "response_len_mean_by_step": [round(x, 1) for x in lengths],
+            "truncated_frac_by_step": [r.get("rollout/truncated_frac") for r in steps
+                                       if "rollout/truncated_frac" in r]}
+
+
+def sft_figures(run_dir: Path) -> dict:
+    rows = read_rows(run_dir)
+    held = [{"step": r["step"], "exact": r["sft/heldout_exact"], "token": r["sft/heldout_token"]}
+            for r in rows if "sft/heldout_exact" in r]
+    tps = [r["perf/tokens_per_s"] for r in rows if "perf/tokens_per_s" in r]
+    return {"run_dir": str(run_dir), "heldout_teacher_forced": held,
+            "tokens_per_s_median": round(statistics.median(tps)) if tps else None,
+            "step_s_median": round(statistics.median(r["perf/step_s"] for r in rows if "perf/step_s" in r), 3)
+            if any("perf/step_s" in r for r in rows) else None}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("runs", nargs="+", type=Path)
+    ap.add_argument("--sft", nargs="*", type=Path, default=[])
+    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--note", default="")
+    args = ap.parse_args()
+    runs = [run_figures(r) for r in args.runs]
+    figures = {"model": "k3_m2", "recipe": "k3_m2_reasoning", "runs": runs,
+               "gain_points": [r["gain_points"] for r in runs],
+               "rl_minutes_to_plus_15": [r["rl_minutes_to_plus_15"] for r in runs],
+               "bases": [sft_figures(s) for s in args.sft], "note": args.note}
+    path = write_result("bench_reasoning", figures, out=args.out)
+    print(json.dumps({k: figures[k] for k in ("gain_points", "rl_minutes_to_plus_15")}), path)
+
+
+if __name__ == "__main__":
+    main()
