@@ -339,7 +339,8 @@ def test_every_metric_is_the_same_with_one_or_several_micro_batches(aggregation,
               "train/tis_weight_mean", "train/rollout_logprob_abs_diff", "train/dual_clip_frac"):
         assert k in one, k
     for k, v in one.items():
-        assert several[k] == pytest.approx(v, rel=1e-5, abs=1e-6), k
+        if not k.startswith("perf/"):  # seconds: measured, not computed
+            assert several[k] == pytest.approx(v, rel=1e-5, abs=1e-6), k
     if mode == "rollout":  # ratio r_i = exp(DELTAS[i]): 1.105 0.741 0.741 1.221 0.980 1.350
         # the clip binds for sample 2 (A < 0, r < 0.8; 4 tokens) and 5 (A > 0, r > 1.28; 7 tokens), the dual clip
         # (A < 0, r > 1.05) for sample 0 (2 tokens)
