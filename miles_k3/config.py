@@ -333,7 +333,14 @@ class SFTConfig:
     steps: int = 100
     """Optimizer steps to train; >= 1."""
     batch_size: int = 8
-    """Problems per optimizer step (one padded batch); >= 1."""
+    """Problems per optimizer step; >= 1."""
+    micro_batch_tokens: int = 0
+    """Padded tokens (rows x longest row) per forward/backward; a step's batch is cut into such micro-batches in order
+    and their gradients add up to the whole batch's (the loss is normalised by the batch's target tokens). 0: the
+    whole batch in one forward."""
+    activation_checkpointing: bool = False
+    """Recompute each layer's activations in the backward instead of keeping them (less memory, ~1.4x the step
+    time): full-parameter training of k3_m2 over thousands of tokens per step needs it on an 80 GB GPU."""
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-3))
     """AdamW, LR schedule (warmup_steps, cosine decay to min_lr_ratio at total_steps), grad_clip, betas."""
     engine: EngineConfig = field(default_factory=EngineConfig)
@@ -378,6 +385,9 @@ class SFTConfig:
         for name in ("steps", "batch_size", "log_every", "heldout_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        if self.micro_batch_tokens < 0:
+            raise ValueError(f"micro_batch_tokens: must be >= 0 (0: the whole batch at once), got "
+                             f"{self.micro_batch_tokens}")
         if self.heldout_every < 0:
             raise ValueError(f"heldout_every: must be >= 0 (0: off), got {self.heldout_every}")
         if self.heldout_every and self.data.split not in (None, "train"):

@@ -64,7 +64,7 @@ from miles_k3.rollout.engine import RolloutEngine
 from miles_k3.rollout.factory import POLICY, build_engine
 from miles_k3.runtime import resolve_device, resolve_dtype
 from miles_k3.tracking import Tracker
-from miles_k3.trainer.batch import Sample, TrainBatch, pack
+from miles_k3.trainer.batch import Sample, TrainBatch, micro_batches, pack
 from miles_k3.trainer.episode_eval import EpisodeEvalHook
 from miles_k3.trainer.losses import token_logprobs
 from miles_k3.trainer.optim import BadStepGuard, OptimConfig, build_optimizer, build_scheduler, optimizer_step
@@ -198,12 +198,38 @@ def encode_examples(problems: list[Problem], cfg, tokenizer, eos_id: int) -> dic
     return {id(p): encode_example(p, cfg.template, tokenizer, eos_id) for p in problems}
 
 
-def sft_loss(model: nn.Module, batch: TrainBatch) -> torch.Tensor:
-    """Mean cross-entropy over all target tokens of the batch (`mask_BT`): -mean log p(target | prefix)."""
+def sft_loss(model: nn.Module, batch: TrainBatch, num_targets: float | None = None) -> torch.Tensor:
+    """Cross-entropy summed over the target tokens of the batch (`mask_BT`) divided by `num_targets` (None: the
+    batch's own target tokens, the mean -log p(target | prefix))."""
     with _autocast(model):
         logits = model(batch.input_ids_BT, seq_lens=batch.seq_lens_B).logits
     logp_BT = token_logprobs(logits, batch.targets_BT)
-    return -(logp_BT * batch.mask_BT).sum() / batch.mask_BT.sum()
+    denominator = batch.mask_BT.sum() if num_targets is None else num_targets
+    return -(logp_BT * batch.mask_BT).sum() / denominator
+
+
+def sft_backward(model: nn.Module, examples: list[Sample], pad_id: int, device: torch.device,
+                 micro_batch_tokens: int = 0, checkpointing: bool = False) -> tuple[float, int]:
+    """The step's mean target cross-entropy over `examples`, its gradient accumulated into the parameters one
+    micro-batch (`micro_batch_tokens` padded tokens; 0: all at once) at a time, each micro-batch's loss normalised by
+    the whole step's target tokens so the gradients add up to the one-batch gradient. No backward when the loss is
+    not finite. Returns (the loss, the step's tokens)."""
+    parts = micro_batches(examples, micro_batch_tokens) if micro_batch_tokens else [list(range(len(examples)))]
+    num_targets = float(sum(s.num_loss_tokens for s in examples))
+    batches = [pack([examples[i] for i in idx], pad_id, model.config.vocab_size) for idx in parts]
+    total, was = 0.0, model.activation_checkpointing
+    model.activation_checkpointing = checkpointing
+    try:
+        for batch in batches:
+            loss = sft_loss(model, batch.to(device), num_targets)
+            value = float(loss.detach())
+            total += value
+            if not math.isfinite(total):
+                return total, sum(int(b.seq_lens_B.sum()) for b in batches)
+            loss.backward()
+    finally:
+        model.activation_checkpointing = was
+    return total, sum(int(b.seq_lens_B.sum()) for b in batches)
 
 
 def trainable_parameters(model: nn.Module, cfg) -> dict[str, nn.Parameter]:
@@ -297,16 +323,13 @@ def _loop(cfg, model, params, opt, sched, stream, examples, pad_id, device, trac
                         stop.signal)
             break
         t = time.perf_counter()
-        batch = pack([examples[id(p)] for _, p in stream.take(cfg.batch_size)], pad_id,
-                     model.config.vocab_size).to(device)
-        loss = sft_loss(model, batch)
-        value = float(loss.detach())
-        if math.isfinite(value):
-            loss.backward()
+        step_examples = [examples[id(p)] for _, p in stream.take(cfg.batch_size)]
+        value, num_tokens = sft_backward(model, step_examples, pad_id, device, cfg.micro_batch_tokens,
+                                         cfg.activation_checkpointing)
         metrics = optimizer_step(opt, sched, params, cfg.optim, loss=value)
         guard.record(metrics)
         losses.append(value)
-        window.add(value, metrics, int(batch.seq_lens_B.sum()), time.perf_counter() - t)
+        window.add(value, metrics, num_tokens, time.perf_counter() - t)
         if step % cfg.log_every == 0 or step == cfg.steps:
             row = window.flush() | {"train/epoch": float(stream.epoch)}
             tracker.log(row, step=step)
