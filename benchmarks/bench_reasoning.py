@@ -1,7 +1,8 @@
 """The GPU learning result of `recipe=k3_m2_reasoning`, from its runs' files: held-out accuracy per eval (avg@k with
 its standard error), the gain per seed, the RL minutes to +15 points, where a step's time goes, response lengths.
 
-    python benchmarks/bench_reasoning.py RUN_DIR [RUN_DIR ...] [--sft SFT_RUN_DIR ...] [--out FILE] [--note TEXT]
+    python benchmarks/bench_reasoning.py RUN_DIR [RUN_DIR ...] [--sft SFT_RUN_DIR ...] [--device NAME] [--out FILE]
+                                         [--note TEXT]
 
 Each RUN_DIR is one seed's `python -m miles_k3.train recipe=k3_m2_reasoning ...` run directory (metrics.jsonl; a run
 continued over several calls with resume=auto appends to the same file). RL minutes are the sum of the steps'
@@ -85,9 +86,11 @@ def main() -> None:
     ap.add_argument("--sft", nargs="*", type=Path, default=[])
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--note", default="")
+    ap.add_argument("--device", default=None, help="the GPU the runs ran on, as torch named it there (the files "
+                    "may be read on another machine, whose hardware the record's own block describes)")
     args = ap.parse_args()
     runs = [run_figures(r) for r in args.runs]
-    figures = {"model": "k3_m2", "recipe": "k3_m2_reasoning", "runs": runs,
+    figures = {"model": "k3_m2", "recipe": "k3_m2_reasoning", "gpu": args.device, "runs": runs,
                "gain_points": [r["gain_points"] for r in runs],
                "rl_minutes_to_plus_15": [r["rl_minutes_to_plus_15"] for r in runs],
                "bases": [sft_figures(s) for s in args.sft], "note": args.note}
