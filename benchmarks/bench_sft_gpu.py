@@ -1,0 +1,106 @@
+"""Full-parameter SFT steps of a shipped config on worked sums: tokens per second per setting, and where a step's
+time goes (the top CUDA kernels and CPU ops by time, torch.profiler).
+
+    python benchmarks/bench_sft_gpu.py [--model k3_m2] [--batch 64] [--micro-batch-tokens 6144,16384]
+                                       [--checkpointing off,on] [--steps 6] [--profile-steps 2] [--out FILE]
+
+Builds `--model` from its random init (bf16 weights and routed experts, every parameter trained, as
+`recipe=reasoning_base` trains it), draws `--batch` worked_sum problems per step (the recipe's task_args) and runs,
+for every (micro-batch tokens, checkpointing) setting: one warm-up step (kernel compiles, the allocator), then
+`--steps` timed steps of `miles_k3.sft.sft_backward` + the optimizer step, each synchronised; then `--profile-steps`
+more under torch.profiler for the first setting. Prints and records the median step time, tokens/s and peak memory
+per setting, and the profile's top rows. What `recipe=reasoning_base` needs to know: how fast a base can be built.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+from record import write_result
+
+from miles_k3.evals.datasets import DatasetConfig, load_problems
+from miles_k3.model.build import ModelConfig, build_model, build_tokenizer
+from miles_k3.runtime import resolve_device
+from miles_k3.sft import build_full_optimizer, encode_example, sft_backward
+from miles_k3.trainer.optim import OptimConfig, build_scheduler, optimizer_step
+
+TASK_ARGS = {"min_terms": 8, "max_terms": 40, "min_value": 10, "max_value": 99}
+
+
+def _step(model, params, opt, sched, optim, examples, pad_id, device, micro, ckpt) -> tuple[float, int]:
+    t = time.perf_counter()
+    _, tokens = sft_backward(model, examples, pad_id, device, micro, ckpt)
+    optimizer_step(opt, sched, params, optim)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - t, tokens
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="k3_m2")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--micro-batch-tokens", default="6144,16384")
+    ap.add_argument("--checkpointing", default="off,on")
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--profile-steps", type=int, default=2)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    device = resolve_device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    cfg = ModelConfig(name=args.model, experts="bf16", dtype="bf16" if device.type == "cuda" else "fp32")
+    model = build_model(cfg, device, dtype, seed=0)
+    model.requires_grad_(True)
+    params = dict(model.named_parameters())
+    optim = OptimConfig(lr=1e-3, betas=(0.9, 0.95), weight_decay=0.01, grad_clip=1.0)
+    opt = build_full_optimizer(params, optim)
+    sched = build_scheduler(opt, optim)
+    tokenizer, stop_ids = build_tokenizer(cfg)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    n = args.batch * (args.steps + args.profile_steps + 1)
+    problems = load_problems(DatasetConfig(source="worked_sum", answer_field="solution", size=n, seed=0,
+                                           distinct=False, task_args=TASK_ARGS))
+    examples = [encode_example(p, "worked", tokenizer, stop_ids[0]) for p in problems]
+    batches = [examples[i:i + args.batch] for i in range(0, n, args.batch)]
+    settings = [(int(m), c == "on") for m in args.micro_batch_tokens.split(",") for c in args.checkpointing.split(",")]
+    results = []
+    for micro, ckpt in settings:
+        name = f"micro={micro} checkpointing={'on' if ckpt else 'off'}"
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        try:
+            _step(model, params, opt, sched, optim, batches[0], pad_id, device, micro, ckpt)
+            times, tokens = zip(*(_step(model, params, opt, sched, optim, b, pad_id, device, micro, ckpt)
+                                  for b in batches[1:args.steps + 1]))
+        except torch.OutOfMemoryError:
+            print(f"{name}: out of memory", flush=True)
+            results.append({"setting": name, "oom": True})
+            torch.cuda.empty_cache()
+            continue
+        step_s = statistics.median(times)
+        row = {"setting": name, "step_s": round(step_s, 3), "tokens_per_step": round(statistics.mean(tokens)),
+               "tokens_per_s": round(sum(tokens) / sum(times)),
+               "peak_gb": round(torch.cuda.max_memory_allocated(device) / 1e9, 2) if device.type == "cuda" else None}
+        results.append(row)
+        print(row, flush=True)
+    profile = None
+    ok = next((s for s, r in zip(settings, results) if not r.get("oom")), None)
+    if args.profile_steps and ok is not None:
+        acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA]
+                                                         if device.type == "cuda" else [])
+        with torch.profiler.profile(activities=acts) as prof:
+            for b in batches[args.steps + 1:]:
+                _step(model, params, opt, sched, optim, b, pad_id, device, *ok)
+        key = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
+        profile = prof.key_averages().table(sort_by=key, row_limit=30)
+        print(profile, flush=True)
+    write_result("bench_sft_gpu", {"model": args.model, "batch": args.batch, "settings": results,
+                                   "profile_setting": None if ok is None else f"micro={ok[0]} checkpointing={ok[1]}",
+                                   "profile_top": profile}, out=args.out)
+
+
+if __name__ == "__main__":
+    main()
