@@ -161,7 +161,7 @@ def test_run_tool_call_reports_a_tool_bug():
         name = "broken"
         description = "broken: always fails"
 
-        def __call__(self, arguments: dict) -> str:
+        def __call__(self, arguments: dict, cancel=None) -> str:
             raise KeyError("boom")
 
     observation = run_tool_call(ToolCall("broken", {}), {"broken": Broken()})

@@ -12,8 +12,9 @@ an unknown tool, or a tool refusing its input all become an "error: ..." observa
 Safety rules: nothing the model writes is ever eval'd or exec'd in this process. The calculator parses the
 expression with `ast.parse` and walks the tree itself, accepting only numbers and + - * / // % ** and unary + -,
 with bounds on length, exponents and magnitudes (so "9**9**9" cannot hang the trainer). The python tool runs code
-only through `sandbox.run_python`: a separate process with CPU, wall, memory and output limits, no network and an
-empty environment; it cannot even be constructed where that isolation is unavailable.
+only through `sandbox.run_python`: bubblewrap's namespaces (no processes, network or files of the host in view)
+with CPU, memory, process, file-size, wall and output limits; it cannot even be constructed where that sandbox
+cannot start.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import ast
 import json
 import math
 import operator
+import threading
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -227,8 +229,9 @@ class Tool(Protocol):
     name: str
     description: str
 
-    def __call__(self, arguments: dict) -> str:
-        """The result text for `arguments`; raise ToolFailure on bad arguments."""
+    def __call__(self, arguments: dict, cancel: threading.Event | None = None) -> str:
+        """The result text for `arguments`; raise ToolFailure on bad arguments. `cancel`, once set (from another
+        thread: the step ran past env.step_timeout_s), asks a slow tool to stop at once."""
         ...
 
 
@@ -255,17 +258,17 @@ class Calculator:
         "numbers with + - * / // % ** and parentheses"
     )
 
-    def __call__(self, arguments: dict) -> str:
-        """calculate(arguments["expression"])."""
+    def __call__(self, arguments: dict, cancel: threading.Event | None = None) -> str:
+        """calculate(arguments["expression"]) (quick: `cancel` is not needed)."""
         return calculate(_string_argument(self.name, arguments, "expression"))
 
 
 class PythonTool:
-    """The "python" tool: arguments {"code": str}, run only via `sandbox.run_python` (a separate, limited process).
+    """The "python" tool: arguments {"code": str}, run only via `sandbox.run_python` (bubblewrap, `limits`).
 
     The observation is the program's stdout as printed (not stripped: print(42) gives "42\\n"), followed, when it is
     not empty, by a "stderr: ..." line and, when the run was not ok, by an "exit: <reason>" line; stdout and stderr
-    are each cut at `limits.output_bytes`. Raises SandboxUnavailable at construction without `unshare -rn`."""
+    are each cut at `limits.output_bytes`. Raises SandboxUnavailable at construction where the sandbox cannot start."""
 
     name = "python"
     description = (
@@ -276,14 +279,15 @@ class PythonTool:
     def __init__(self, limits: SandboxLimits | None = None) -> None:
         self.limits = limits if limits is not None else SandboxLimits()
         self.limits.validate()
-        if not sandbox.network_isolation_available():
-            raise SandboxUnavailable(sandbox.UNAVAILABLE_MESSAGE)
+        reason = sandbox.unavailable_reason()
+        if reason is not None:
+            raise SandboxUnavailable(reason)
 
-    def __call__(self, arguments: dict) -> str:
-        """The program's output (see the class docstring)."""
+    def __call__(self, arguments: dict, cancel: threading.Event | None = None) -> str:
+        """The program's output (see the class docstring); `cancel` kills the run (observation "exit: cancelled")."""
         code = _string_argument(self.name, arguments, "code")
         try:
-            result = sandbox.run_python(code, self.limits)
+            result = sandbox.run_python(code, self.limits, cancel)
         except ValueError as error:
             raise ToolFailure(f"python: {error}") from error
         return _python_observation(result)
@@ -310,7 +314,7 @@ _FACTORIES = {"calculator": Calculator, "python": PythonTool}
 def build_tools(names: list[str], limits: SandboxLimits | None = None) -> dict[str, Tool]:
     """The named tools, in order, as {name: tool}; `limits` is the python tool's sandbox.
 
-    ValueError for an unknown or repeated name; SandboxUnavailable for "python" without `unshare -rn`."""
+    ValueError for an unknown or repeated name; SandboxUnavailable for "python" where the sandbox cannot start."""
     tools: dict[str, Tool] = {}
     for name in names:
         if name not in _FACTORIES:
@@ -321,8 +325,11 @@ def build_tools(names: list[str], limits: SandboxLimits | None = None) -> dict[s
     return tools
 
 
-def run_tool_call(call: ToolCall | ToolCallError, tools: dict[str, Tool]) -> str:
-    """The observation text for one call; never raises for anything the model wrote (errors become "error: ...")."""
+def run_tool_call(
+    call: ToolCall | ToolCallError, tools: dict[str, Tool], cancel: threading.Event | None = None
+) -> str:
+    """The observation text for one call; never raises for anything the model wrote (errors become "error: ...").
+    `cancel` is passed on to the tool."""
     if isinstance(call, ToolCallError):
         return f"error: {call.message}"
     tool = tools.get(call.name)
@@ -330,7 +337,7 @@ def run_tool_call(call: ToolCall | ToolCallError, tools: dict[str, Tool]) -> str
         available = ", ".join(tools) or "none"
         return f"error: unknown tool {call.name!r}; available: {available}"
     try:
-        return tool(call.arguments)
+        return tool(call.arguments, cancel)
     except ToolFailure as failure:
         return f"error: {failure}"
     except Exception as error:  # noqa: BLE001 - a tool's own bug must not end the episode
