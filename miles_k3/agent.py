@@ -1,8 +1,9 @@
 """`env=agent env.agent=MODULE:FUNCTION`: rollouts played by agent code written against the OpenAI client.
 
 The trainer serves its own engine over the OpenAI-compatible API of `miles_k3.serve`, in-process, on a loopback port
-(127.0.0.1, a free port, for the run). Every episode gets its own base URL, `http://127.0.0.1:PORT/episodes/ID/v1`,
-and the agent function is called once per episode, in a thread:
+(127.0.0.1, a free port, for the run). Every episode gets its own base URL, `http://127.0.0.1:PORT/episodes/ID/v1`
+(ID: 128 random bits, the episode's credential, valid while it runs; the key an agent passes to its client is
+ignored), and the agent function is called once per episode, in a thread:
 
     def my_agent(problem: str, base_url: str) -> str | float:
         client = openai.OpenAI(base_url=base_url, api_key="unused")
@@ -13,12 +14,17 @@ and the agent function is called once per episode, in a thread:
 So an agent already written against the OpenAI client trains by changing its base_url. All the chat requests of an
 episode are one session of the server (`serve.py`): its messages must extend the previous request's (the replies as
 returned), and the server keeps the exact tokens the engine saw (sampled ids as sampled, each new message's ids
-appended), their log-probs and weight versions, and the loss mask. The trainer's rollout settings replace the
+appended), their log-probs (under top-p / top-k also the unfiltered ones, as the engine reports them: the sample's
+`unfiltered_logprobs`, which the loss takes) and weight versions, and the loss mask. The trainer's rollout settings
+replace the
 request's sampling fields (temperature, top_p, top_k, max_tokens = rollout.max_new_tokens; turn k of episode e
 samples with the seed the trainer derives for e, + k), so the samples are what the loss expects. At most
 env.max_turns requests per episode; an episode that runs past env.step_timeout_s x env.max_turns, raises, or never
 calls the server is left out of the loss (env/timeout_rate, env/error_rate). Concurrent episodes' requests share
-engine calls (the server batches what arrives while the engine is busy).
+engine calls (the server batches what arrives while the engine is busy). Every other endpoint of the in-process
+server (/v1/...) requires the run's random key, which only the trainer holds, so nothing else on the machine makes
+sessions on the training engine; an episode's session is deleted when the episode ends (when its running turn ends,
+for an episode that ran over).
 
 The loop's held-out eval (eval.every_n_steps) plays its problems with the same agent code at the eval's sampling
 settings (trainer/episode_eval.py). Not with: data / tensor / expert parallelism (the agents' engine calls are not in
@@ -30,10 +36,10 @@ from __future__ import annotations
 import concurrent.futures as cf
 import importlib
 import logging
+import secrets
 import socket
 import threading
 import time
-import uuid
 from collections.abc import Callable
 
 from miles_k3.config import ServeConfig
@@ -71,6 +77,7 @@ class AgentRollouts:
         self.fn, self.engine, self.tokenizer, self.env_cfg, self.lora = fn, engine, tokenizer, env_cfg, lora
         self._server = self._uvicorn = self._thread = None
         self.port = 0
+        self.api_key = secrets.token_urlsafe(32)  # the run's key to the server's /v1 endpoints (agents need none)
 
     # ---- the server ----------------------------------------------------------------------------------------
     def _start(self) -> None:
@@ -81,8 +88,8 @@ class AgentRollouts:
         except ModuleNotFoundError as e:
             raise ModuleNotFoundError(f"env=agent serves the engine over HTTP: pip install -e '.[serve]' ({e})") \
                 from None
-        cfg = ServeConfig(max_sessions=1_000_000)  # the episodes' sessions end with their episodes
-        app = build_app(self.engine, self.tokenizer, cfg, self.lora)
+        # Episodes' sessions are one per open episode, ended with it; max_sessions bounds the key holders' others.
+        app = build_app(self.engine, self.tokenizer, ServeConfig(), self.lora, api_key=self.api_key)
         self._server = app.state.server
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))
@@ -117,7 +124,7 @@ class AgentRollouts:
         jobs = []
         for (_, problem), seed in zip(drawn, seeds):
             for j in range(g):
-                eid = uuid.uuid4().hex
+                eid = secrets.token_hex(16)  # the episode's URL is its credential
                 self._server.open_episode(eid, params | {"seed": (seed + j) * 1_009})
                 jobs.append((eid, problem, problem.problem))
         timeout = ec.step_timeout_s * ec.max_turns
@@ -162,8 +169,10 @@ class AgentRollouts:
 def episode_from_session(record: dict, answer: str | None, reward: float, end: str) -> Episode:
     """An `Episode` holding a server session's tokens (`serve.Session.record`): the first prompt's ids, then every
     token after it as one record (sampled tokens with their log-probs and versions; the other tokens log-prob 0 and
-    the version of the token sampled before them), masked by the session's loss mask. `answer`: graded by the run's
-    reward (the episode's `graded`), else `reward` is the episode's."""
+    the version of the token sampled before them), masked by the session's loss mask. When a turn filtered (top-p /
+    top-k) the record carries the unfiltered log-probs too (`output_token_logprobs_unfiltered`, as an engine record
+    does), which the loss takes (`trainer.batch.pack`). `answer`: graded by the run's reward (the episode's
+    `graded`), else `reward` is the episode's."""
     p = len(record["prompt_ids"])
     ids, mask = list(record["ids"][p:]), list(record["loss_mask"][p:])
     versions, last = [], 0
@@ -178,6 +187,8 @@ def episode_from_session(record: dict, answer: str | None, reward: float, end: s
             "output_token_logprobs": [(lp, t) for lp, t in zip(record["logprobs"][p:], ids)],
             "output_token_weight_versions": versions}
     meta["weight_version"] = max(meta["weight_versions"], default=0)
+    if any(t.get("filtered") for t in turns):
+        meta["output_token_logprobs_unfiltered"] = list(record["unfiltered_logprobs"][p:])
     ep = Episode(None, list(record["prompt_ids"]), 0, outs=[{"output_ids": ids, "meta_info": meta}], starts=[p],
                  ids=ids, mask=mask, reward=reward, graded=answer is not None and end == "done", end=end,
                  answer=answer, turns=len(turns))

@@ -183,12 +183,20 @@ def check_weights_given(model: ModelConfig) -> None:
                          "for a run); set model.path=/path/to/checkpoint or model.path=moonshotai/Kimi-K3")
 
 
+REPORTS_UNFILTERED_LOGPROBS = {"native": True, "sglang": False}
+"""engine.backend -> whether, under top-p / top-k, its records carry the sampled tokens' log-probs under the
+unfiltered distribution (`output_token_logprobs_unfiltered`) beside the filtered ones it sampled from. Every env
+carries what its engine reports into the samples: the turn loop's episodes (`Episode.record`) and env=agent's server
+sessions (`serve.Session`, `agent.episode_from_session`), so whether a run can use them depends on the engine only."""
+
+
 def check_filtered_logprobs(top_p: float, top_k: int, old_logprobs: str, tis: str, backend: str) -> None:
     """The engine's log-probs enter the loss (trainer.old_logprobs=rollout, trainer.loss.tis) only as log-probs of
-    the whole vocabulary's distribution, which the trainer's are: under top-p / top-k the native engine reports
-    those beside the filtered ones it sampled from (`trainer.batch.pack` takes them); SGLang reports only the
-    filtered ones, against which the PPO ratio / TIS weight would start below 1 on every token."""
-    if backend != "sglang" or (top_p >= 1.0 and top_k <= 0):
+    the whole vocabulary's distribution, which the trainer's are: under top-p / top-k an engine that reports those
+    beside the filtered ones it sampled from (REPORTS_UNFILTERED_LOGPROBS: native) gives them to the loss
+    (`trainer.batch.pack` takes them), in every env; one that reports only the filtered ones (SGLang) is refused,
+    in every env, since the PPO ratio / TIS weight against them would start below 1 on every token."""
+    if REPORTS_UNFILTERED_LOGPROBS[backend] or (top_p >= 1.0 and top_k <= 0):
         return
     uses = [f for f, on in (("trainer.old_logprobs=rollout", old_logprobs == "rollout"),
                             (f"trainer.loss.tis={tis}", tis != "none")) if on]

@@ -8,14 +8,26 @@ one, returned in the response). A session keeps the exact token sequence the eng
 each turn's output ids as sampled (never re-tokenised from the text the client got), and the ids of each later
 message (chat: the chat template's rendering of just the new messages, tokenised on its own; completions: the new
 prompt text or ids), with a loss mask (1: sampled, 0: prompt and observations), the engine's log-prob of each
-sampled token (0.0 elsewhere) and the weight version that sampled it (null elsewhere). A turn's prompt is the
-session's tokens so far + the new ids, so the engine sees exactly that concatenation.
+sampled token (0.0 elsewhere: of the distribution sampled from, and under top-p / top-k also of the unfiltered
+one, which the trainer's log-probs are comparable with) and the weight version that sampled it (null elsewhere). A
+turn's prompt is the session's tokens so far + the new ids, so the engine sees exactly that concatenation.
+
+Limits, all refused with a 4xx naming the field: a body past max_body_bytes or holding an integer past
+MAX_INT_DIGITS digits, `n` past max_n, and new sessions past max_sessions when too few are idle (a session is
+evicted only when no turn is running on it and it has gone unused for session_idle_s, least recently used first:
+no client's live session gives way to another's request). Tokenising and rendering prompts run on a thread of
+their own, never on the event loop.
 
 `build_app(engine, tokenizer, cfg)` builds the FastAPI app over an engine already built (training may run it
 for agent rollouts); `main` is the Hydra command (uvicorn). Engine calls run one at a time on a single worker
 thread, each through `generate_turn`; requests that arrive while the engine is busy share its next call. On the
 native engine each session's KDA state and latent pages stay in the engine between its turns (an engine session:
 `rollout/sessions.py`), so a turn prefills only its new tokens; a session deleted, evicted or ended frees them.
+
+Agent episodes (training, `miles_k3.agent`): `open_episode` serves one conversation at /episodes/{id}/v1, the id a
+random token that is the episode's credential; the in-training server requires the run's random key (`api_key`)
+on every other endpoint. An episode's session is never evicted, and is deleted when the episode closes (when its
+running turn ends, if one is running then).
 """
 
 import asyncio
@@ -52,6 +64,10 @@ COMMON_FIELDS = frozenset({"model", "n", "max_tokens", "temperature", "top_p", "
                            "stop", "stream", "session_id"})
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs"}
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo"}
+MAX_INT_DIGITS = 64
+"""Digits of a JSON integer a request may hold: every integer field is far below it (n, max_tokens, seed < 2**62,
+token ids). A longer one is refused with 400 naming where it is (Python's int() refuses past 4,300 digits, and
+its time grows with the square of the length)."""
 
 
 class ApiError(Exception):
@@ -63,7 +79,8 @@ class ApiError(Exception):
 
     def body(self) -> dict:
         kind = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-                409: "conflict_error", 413: "request_too_large"}.get(self.status, "server_error")
+                409: "conflict_error", 413: "request_too_large", 429: "rate_limit_error"}.get(self.status,
+                                                                                               "server_error")
         return {"error": {"message": self.message, "type": kind, "param": None, "code": self.code}}
 
 
@@ -176,89 +193,159 @@ class Session:
     messages: list[dict] = field(default_factory=list)  # chat: every message so far, the replies included
     ids: list[int] = field(default_factory=list)
     loss_mask: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)  # of the distribution each token was sampled from
+    unfiltered_logprobs: list[float] = field(default_factory=list)  # the same tokens under the unfiltered one
     weight_versions: list[int | None] = field(default_factory=list)
     turns: list[dict] = field(default_factory=list)
     end: str | None = None  # "truncated": a request ran past the engine's context; the session takes no more
     engine_session: int | None = None  # the engine session holding its state between turns (native engine)
-    busy: bool = False  # a turn is being generated
+    busy: bool = False  # a turn is being generated (or its prompt tokenised)
+    episode: str | None = None  # the agent episode it belongs to: never evicted, not counted in max_sessions
+    drop_when_idle: bool = False  # its episode closed during a turn: deleted when the turn ends
+    last_used: float = 0.0  # Sessions.clock() of its last request
     created: int = field(default_factory=lambda: int(time.time()))
 
     def append_context(self, ids: list[int]) -> None:
         self.ids += ids
         self.loss_mask += [0] * len(ids)
         self.logprobs += [0.0] * len(ids)
+        self.unfiltered_logprobs += [0.0] * len(ids)
         self.weight_versions += [None] * len(ids)
 
     def append_turn(self, context_start: int, out: dict) -> None:
+        """Add a turn's engine record: its output ids, their log-probs (`output_token_logprobs`; a turn that
+        filtered by top-p / top-k also reports `output_token_logprobs_unfiltered`, else the two are the same) and
+        weight versions."""
         meta, ids = out["meta_info"], list(out["output_ids"])
         lps = [float(lp) for lp, _ in meta.get("output_token_logprobs", [])]
+        lps = lps if len(lps) == len(ids) else [0.0] * len(ids)
+        unf = [float(lp) for lp in meta.get("output_token_logprobs_unfiltered", [])]
+        filtered = len(unf) == len(ids) and bool(ids)
         versions = list(meta.get("output_token_weight_versions", []))
         start = len(self.ids)
         self.ids += ids
         self.loss_mask += [1] * len(ids)
-        self.logprobs += lps if len(lps) == len(ids) else [0.0] * len(ids)
+        self.logprobs += lps
+        self.unfiltered_logprobs += unf if filtered else lps
         self.weight_versions += versions if len(versions) == len(ids) else [meta.get("weight_version")] * len(ids)
         self.turns.append({"context_start": context_start, "output_start": start, "output_end": len(self.ids),
-                           "finish_reason": meta["finish_reason"].get("type"),
+                           "finish_reason": meta["finish_reason"].get("type"), "filtered": filtered,
                            "weight_versions": list(meta.get("weight_versions", []))})
 
     def record(self) -> dict:
         return {"id": self.id, "object": "session", "kind": self.kind, "created": self.created,
                 "prompt_ids": list(self.prompt_ids), "ids": list(self.ids), "loss_mask": list(self.loss_mask),
-                "logprobs": list(self.logprobs), "weight_versions": list(self.weight_versions),
-                "turns": [dict(t) for t in self.turns], "messages": [dict(m) for m in self.messages],
-                "end": self.end, "truncated": self.end == "truncated"}
+                "logprobs": list(self.logprobs), "unfiltered_logprobs": list(self.unfiltered_logprobs),
+                "weight_versions": list(self.weight_versions), "turns": [dict(t) for t in self.turns],
+                "messages": [dict(m) for m in self.messages], "end": self.end, "truncated": self.end == "truncated"}
 
 
 class Sessions:
-    """The sessions kept, least recently used first; beyond `limit` the oldest idle one is evicted."""
+    """The sessions kept, least recently used first. At most `limit` of them (those of agent episodes aside: one
+    per open episode, ended with it): a request that starts new ones beyond it evicts idle ones, sessions with no
+    turn running that went unused for `idle_s` seconds, least recently used first; when too few are idle it is
+    refused with 429 and nothing is evicted. So one client's requests never take another's live session."""
 
-    def __init__(self, limit: int, on_drop=lambda session: None):
-        """`on_drop(session)`: called for a session evicted or deleted (its engine state is freed there)."""
-        self.limit, self.on_drop = limit, on_drop
+    def __init__(self, limit: int, idle_s: float, on_drop=lambda session: None, clock=time.monotonic):
+        """`on_drop(session)`: called for a session evicted or deleted (its engine state is freed there);
+        `clock()`: seconds, for idleness (tests pass their own)."""
+        self.limit, self.idle_s, self.on_drop, self.clock = limit, idle_s, on_drop, clock
         self._items: OrderedDict[str, Session] = OrderedDict()
+        self.counted = 0  # sessions that count against `limit` (not an episode's)
+        self.reserved = 0  # sessions that requests now at the engine will start
 
-    def new(self, kind: str, prompt_ids: list[int]) -> Session:
-        s = Session(uuid.uuid4().hex, kind, list(prompt_ids))
+    def __len__(self) -> int:
+        return len(self._items)
+
+    @contextlib.contextmanager
+    def reserve(self, k: int):
+        """Room for the `k` sessions a request will start (`new` inside the block), made by evicting idle ones;
+        ApiError(429) when too few are idle."""
+        over = self.counted + self.reserved + k - self.limit
+        if over > 0:
+            now = self.clock()
+            idle = [s for s in self._items.values()
+                    if s.episode is None and not s.busy and now - s.last_used >= self.idle_s][:over]
+            if len(idle) < over:
+                raise ApiError(429, f"max_sessions={self.limit}: this request needs {k} new session(s), and only "
+                                    f"{len(idle)} of the {self.counted} kept can be evicted; a session is evicted "
+                                    f"only when idle (no turn running, unused for session_idle_s={self.idle_s:g} s), "
+                                    "least recently used first, so no live session is. Retry later, end finished "
+                                    "sessions (DELETE /v1/sessions/{id}), or ask for fewer (n)", "too_many_sessions")
+            for s in idle:
+                self._drop(s)
+                log.info("session %s evicted (idle; max_sessions=%d)", s.id, self.limit)
+        self.reserved += k
+        try:
+            yield
+        finally:
+            self.reserved -= k
+
+    def new(self, kind: str, prompt_ids: list[int], episode: str | None = None) -> Session:
+        s = Session(uuid.uuid4().hex, kind, list(prompt_ids), episode=episode, last_used=self.clock())
         s.append_context(prompt_ids)
         self._items[s.id] = s
-        while len(self._items) > self.limit:
-            old = next((k for k, v in self._items.items() if not v.busy), None)
-            if old is None:
-                break
-            self.on_drop(self._items.pop(old))
-            log.info("session %s evicted (max_sessions=%d)", old, self.limit)
+        self.counted += episode is None
         return s
 
     def get(self, sid: Any) -> Session:
         if not isinstance(sid, str) or sid not in self._items:
-            raise ApiError(404, f"session {sid!r}: unknown or ended (deleted, or evicted beyond max_sessions); "
-                                "leave session_id out to start a new one", "session_not_found")
+            raise ApiError(404, f"session {sid!r}: unknown or ended (deleted, or evicted after session_idle_s idle "
+                                "when max_sessions were kept); leave session_id out to start a new one",
+                           "session_not_found")
         self._items.move_to_end(sid)
-        return self._items[sid]
+        s = self._items[sid]
+        s.last_used = self.clock()
+        return s
+
+    def find(self, sid: str) -> Session | None:
+        """The session `sid`, or None (not a use: its place in the eviction order stays)."""
+        return self._items.get(sid)
+
+    def close(self, s: Session) -> None:
+        """Delete `s` now, or when its running turn ends (its agent episode closed during it)."""
+        if s.busy:
+            s.drop_when_idle = True
+        else:
+            self._drop(s)
+
+    def release(self, s: Session) -> None:
+        """A turn on `s` ended (or was refused): it is idle from now, or deleted if its episode has closed."""
+        s.busy, s.last_used = False, self.clock()
+        if s.drop_when_idle:
+            self._drop(s)
 
     def delete(self, sid: str) -> Session:
         s = self.get(sid)
-        del self._items[sid]
-        self.on_drop(s)
+        self._drop(s)
         return s
+
+    def _drop(self, s: Session) -> None:
+        if self._items.pop(s.id, None) is not None:
+            self.counted -= s.episode is None
+            self.on_drop(s)
 
 
 # ---- the server ---------------------------------------------------------------------------------------------
 class Server:
     """The endpoints' logic over one engine and tokenizer (no HTTP here: `build_app` wraps it)."""
 
-    def __init__(self, engine, tokenizer, cfg: ServeConfig, lora: str | None = None):
+    def __init__(self, engine, tokenizer, cfg: ServeConfig, lora: str | None = None, api_key: str | None = None):
+        """`api_key`: the bearer token every request but an episode's must carry (the in-training server's random
+        one); None: the value of cfg.api_key_env's variable, if set."""
         self.engine, self.tokenizer, self.lora = engine, tokenizer, lora
         self.model_id = cfg.served_model_name or cfg.model.name
         self.max_body_bytes = cfg.max_body_bytes
         self.default_max_tokens = cfg.default_max_tokens
-        self.sessions = Sessions(cfg.max_sessions, self.end_engine_session)
-        self.api_key = os.environ.get(cfg.api_key_env) if cfg.api_key_env else None
+        self.max_n = cfg.max_n
+        self.sessions = Sessions(cfg.max_sessions, cfg.session_idle_s, self.end_engine_session)
+        self.api_key = api_key or (os.environ.get(cfg.api_key_env) if cfg.api_key_env else None)
         if cfg.api_key_env and not self.api_key:
             raise ValueError(f"api_key_env: the environment variable {cfg.api_key_env} is unset or empty")
         self.worker = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="serve-engine")
+        # Rendering and tokenising prompts (a large one takes a while) run here, off the event loop and not queued
+        # behind the engine's calls.
+        self.tokenize_pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="serve-tokenize")
         self.pending: list[tuple[list[int], dict, int, int | None, asyncio.Future]] = []  # waiting for the engine
         self.drainer: asyncio.Task | None = None  # the task feeding them to the engine, while there are any
         self.created = int(time.time())
@@ -285,6 +372,9 @@ class Server:
     def sampling(self, body: dict, max_tokens_key: str) -> tuple[dict, int | None, int]:
         """(sampling params without max_new_tokens, the requested max_tokens or None, n)."""
         n = _int(body, "n", 1, 1)
+        if n > self.max_n:
+            raise ApiError(400, f"n: {n} exceeds max_n={self.max_n}, the samples one request may ask for (each "
+                                "starts a session); ask for fewer", "invalid_value")
         max_tokens = _int(body, max_tokens_key, None, 1)
         if max_tokens_key == "max_completion_tokens" and max_tokens is None:
             max_tokens = _int(body, "max_tokens", None, 1)
@@ -334,6 +424,7 @@ class Server:
         if n != 1:
             raise ApiError(400, f"n: a session continues with one sample (n=1), got {n}; forks (n > 1) start "
                                 "new sessions", "invalid_value")
+        s.busy = True
         return s
 
     def end_engine_session(self, session: Session) -> None:
@@ -383,37 +474,44 @@ class Server:
         finally:
             self.drainer = None
 
-    async def turn(self, body: dict, kind: str, new_ids, max_tokens_key: str, first_ids
+    async def off_loop(self, fn, *args):
+        """fn(*args) on the tokenizing thread (rendering and tokenising a prompt); the event loop serves the other
+        requests meanwhile."""
+        return await asyncio.get_running_loop().run_in_executor(self.tokenize_pool, fn, *args)
+
+    async def turn(self, body: dict, kind: str, new_ids, max_tokens_key: str, first_ids, episode: str | None = None
                    ) -> tuple[list[Session], list[dict]]:
-        """Generate one turn: continue the body's session (new_ids() appended) or start n sessions
-        (first_ids()); returns (the sessions, the engine's records)."""
+        """Generate one turn: continue the body's session (new_ids(session) appended) or start n sessions
+        (first_ids(); room made for them first, `Sessions.reserve`, unless they are agent episode `episode`'s);
+        returns (the sessions, the engine's records). Prompts are tokenised off the event loop."""
         params, max_tokens, n = self.sampling(body, max_tokens_key)
         session = self.open_session(body, kind, n)
         if session is None:
-            prompt = first_ids()
+            prompt = await self.off_loop(first_ids)
             params["max_new_tokens"] = self.room(prompt, max_tokens, None)
-            outs = await self.run_engine(prompt, params, n)
-            sessions = [self.sessions.new(kind, prompt) for _ in outs]
+            with contextlib.nullcontext() if episode is not None else self.sessions.reserve(n):
+                outs = await self.run_engine(prompt, params, n)
+                sessions = [self.sessions.new(kind, prompt, episode) for _ in outs]
             for s, out in zip(sessions, outs):
                 s.engine_session = out["meta_info"].get("session_id")
                 s.append_turn(0, out)
             return sessions, outs
-        added = new_ids(session)
-        prompt = session.ids + added
-        params["max_new_tokens"] = self.room(prompt, max_tokens, session)
-        session.busy = True
         try:
+            added = await self.off_loop(new_ids, session)
+            prompt = session.ids + added
+            params["max_new_tokens"] = self.room(prompt, max_tokens, session)
             outs = await self.run_engine(prompt, params, 1, session.engine_session)
+            session.engine_session = outs[0]["meta_info"].get("session_id")
+            start = len(session.ids)
+            session.append_context(added)
+            session.append_turn(start, outs[0])
         finally:
-            session.busy = False
-        session.engine_session = outs[0]["meta_info"].get("session_id")
-        start = len(session.ids)
-        session.append_context(added)
-        session.append_turn(start, outs[0])
+            self.sessions.release(session)  # deleted here if its episode closed meanwhile
         return [session], outs
 
     # -- the endpoints
-    async def chat(self, body: dict) -> dict:
+    async def chat(self, body: dict, episode: str | None = None) -> dict:
+        """POST /v1/chat/completions (`episode`: the agent episode whose session it starts or continues)."""
         self.check_fields(body, CHAT_FIELDS)
         self.check_model(body)
         messages = normalize_messages(body.get("messages"))
@@ -441,7 +539,7 @@ class Server:
         def first_ids() -> list[int]:
             return encode(self.tokenizer, render_messages(self.tokenizer, messages))
 
-        sessions, outs = await self.turn(body, "chat", new_ids, "max_completion_tokens", first_ids)
+        sessions, outs = await self.turn(body, "chat", new_ids, "max_completion_tokens", first_ids, episode)
         choices = []
         for i, (s, out) in enumerate(zip(sessions, outs)):
             text = response_text(self.tokenizer, out)
@@ -474,14 +572,20 @@ class Server:
         if isinstance(prompt, str):
             if not prompt:
                 raise ApiError(400, "prompt: empty; give text or token ids")
-            ids = encode(self.tokenizer, prompt)
+            text = prompt
+
+            def ids_of(*session) -> list[int]:  # on the tokenizing thread (`turn`)
+                return encode(self.tokenizer, text)
         elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
                                                          for t in prompt):
             ids = list(prompt)
+
+            def ids_of(*session) -> list[int]:
+                return ids
         else:
             raise ApiError(400, "prompt: give one prompt, as text or a list of token ids (batches: one request "
                                 "each)")
-        sessions, outs = await self.turn(body, "completion", lambda s: ids, "max_tokens", lambda: ids)
+        sessions, outs = await self.turn(body, "completion", ids_of, "max_tokens", ids_of)
         choices = []
         for i, (s, out) in enumerate(zip(sessions, outs)):
             choice = {"index": i, "text": response_text(self.tokenizer, out), "finish_reason": self.finish(out),
@@ -498,36 +602,50 @@ class Server:
 
     # -- agent episodes (training: `miles_k3.agent`): one conversation per base URL /episodes/{id}/v1
     def open_episode(self, eid: str, params: dict) -> None:
-        """Serve episode `eid` at /episodes/{eid}/v1: its chat requests continue one session (the first starts it)
-        and take `params` (temperature, top_p, top_k, max_tokens, seed: the trainer's rollout settings, replacing
-        the request's; turn k samples with seed + k) and at most params["max_turns"] turns."""
-        self.episodes[eid] = {"params": dict(params), "session": None, "turns": 0}
+        """Serve episode `eid` at /episodes/{eid}/v1 (`eid`: a random token, the episode's credential): its chat
+        requests, one at a time, continue one session (the first starts it) and take `params` (temperature, top_p,
+        top_k, max_tokens, seed: the trainer's rollout settings, replacing the request's; turn k samples with
+        seed + k) and at most params["max_turns"] turns."""
+        self.episodes[eid] = {"params": dict(params), "session": None, "turns": 0, "busy": False}
 
     def close_episode(self, eid: str) -> dict | None:
-        """End episode `eid`: its session's record (None if it made no request), the session deleted."""
+        """End episode `eid`: its session's record (None if it made no request), the session deleted (when its
+        running turn ends, if one runs: the record is the one before that turn). A first turn still running makes
+        no session (`episode_chat` deletes it)."""
         ep = self.episodes.pop(eid, None)
         if ep is None or ep["session"] is None:
             return None
-        s = self.sessions.get(ep["session"])
+        s = self.sessions.find(ep["session"])
+        if s is None:  # deleted by a key holder (DELETE /v1/sessions/{id})
+            return None
         record = s.record()
-        if not s.busy:
-            self.sessions.delete(s.id)
+        self.sessions.close(s)
         return record
 
     async def episode_chat(self, body: dict, eid: str) -> dict:
         ep = self.episodes.get(eid)
         if ep is None:
-            raise ApiError(404, f"episode {eid!r} is not open (it ended, or was never started)", "episode_not_found")
+            raise ApiError(404, "this episode is not open (it ended, or was never started)", "episode_not_found")
+        if ep["busy"]:
+            raise ApiError(409, "this episode is generating a turn; send its next request after the reply")
         p = ep["params"]
         if ep["turns"] >= p["max_turns"]:
-            raise ApiError(400, f"episode {eid!r} has had its {p['max_turns']} turns (env.max_turns)", "max_turns")
+            raise ApiError(400, f"this episode has had its {p['max_turns']} turns (env.max_turns)", "max_turns")
         body = {k: v for k, v in body.items() if k not in ("max_completion_tokens", "session_id")}
         body |= {"temperature": p["temperature"], "top_p": p["top_p"], "top_k": p["top_k"],
                  "max_tokens": p["max_tokens"], "seed": p["seed"] + ep["turns"], "n": 1,
                  "model": self.model_id}  # an agent names its own model: the episode's is the policy
         if ep["session"] is not None:
             body["session_id"] = ep["session"]
-        result = await self.chat(body)
+        ep["busy"] = True
+        try:
+            result = await self.chat(body, eid)
+        finally:
+            ep["busy"] = False
+        if self.episodes.get(eid) is not ep:  # it closed during its first turn: nobody will read this session
+            s = self.sessions.find(result["session_id"])
+            if s is not None:
+                self.sessions.close(s)
         ep["session"], ep["turns"] = result["session_id"], ep["turns"] + 1
         return result
 
@@ -567,7 +685,7 @@ class Server:
 
     async def read_json(self, request) -> dict:
         """The request body as a JSON object: 413 over max_body_bytes (by its Content-Length, else as read),
-        400 for anything but a JSON object."""
+        400 for anything but a JSON object, or for one holding an integer past MAX_INT_DIGITS digits."""
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
             raise ApiError(413, f"request body of {declared} bytes exceeds max_body_bytes={self.max_body_bytes}")
@@ -577,19 +695,48 @@ class Server:
             if size > self.max_body_bytes:
                 raise ApiError(413, f"request body exceeds max_body_bytes={self.max_body_bytes}")
             chunks.append(chunk)
-        try:
-            body = json.loads(b"".join(chunks))
-        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
-            raise ApiError(400, f"the body is not JSON: {e}", "invalid_json") from None
-        if not isinstance(body, dict):
-            raise ApiError(400, "the body must be a JSON object", "invalid_json")
-        return body
+        return parse_body(b"".join(chunks))
 
 
-def build_app(engine, tokenizer, cfg: ServeConfig, lora: str | None = None):
+class LongInt(str):
+    """A JSON integer literal past MAX_INT_DIGITS digits, kept as its text until `parse_body` says where it is."""
+
+
+def parse_body(raw: bytes) -> dict:
+    """A request body as a JSON object; ApiError(400) for anything else: not JSON, nested too deep, not an object,
+    or holding an integer of more than MAX_INT_DIGITS digits (naming where it is: `n`, `prompt[3]`, ...)."""
+    long: list[LongInt] = []
+
+    def parse_int(text: str) -> int | LongInt:
+        if len(text) - text.startswith("-") <= MAX_INT_DIGITS:
+            return int(text)
+        long.append(LongInt(text))
+        return long[-1]
+
+    try:
+        body = json.loads(raw, parse_int=parse_int)
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise ApiError(400, f"the body is not JSON: {e}", "invalid_json") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "the body must be a JSON object", "invalid_json")
+    stack: list[tuple[str, Any]] = [(k, v) for k, v in body.items()] if long else []
+    while stack:  # where the long integer is (no recursion: a body may nest as deep as json.loads allows)
+        where, v = stack.pop()
+        if isinstance(v, LongInt):
+            raise ApiError(400, f"{where}: an integer of {len(v) - v.startswith('-')} digits; this server reads "
+                                f"integers of up to {MAX_INT_DIGITS} digits", "invalid_value")
+        if isinstance(v, dict):
+            stack += [(f"{where}.{k}", x) for k, x in v.items()]
+        elif isinstance(v, list):
+            stack += [(f"{where}[{i}]", x) for i, x in enumerate(v)]
+    return body
+
+
+def build_app(engine, tokenizer, cfg: ServeConfig, lora: str | None = None, api_key: str | None = None):
     """The FastAPI app serving `engine` (a native `RolloutEngine`, or anything with its `generate` and
     `max_context`) and `tokenizer` under `cfg`'s limits; `lora`: the engine's adapter name to generate with (None:
-    the base). `app.state.server` is the `Server` (its sessions)."""
+    the base); `api_key`: the bearer token required (None: cfg.api_key_env's, if set), except on the agent
+    episodes' URLs, whose random ids are their credentials. `app.state.server` is the `Server` (its sessions)."""
     try:
         from fastapi import FastAPI, Request
         from fastapi.responses import JSONResponse
@@ -597,19 +744,21 @@ def build_app(engine, tokenizer, cfg: ServeConfig, lora: str | None = None):
         raise ModuleNotFoundError(f"python -m miles_k3.serve needs FastAPI and uvicorn: pip install -e '.[serve]' "
                                   f"({e})") from None
 
-    server = Server(engine, tokenizer, cfg, lora)
+    server = Server(engine, tokenizer, cfg, lora, api_key)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
         yield
         server.worker.shutdown(wait=True)
+        server.tokenize_pool.shutdown(wait=True)
 
     app = FastAPI(title="miles_k3.serve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = server
 
-    async def answer(request: Request, handler, *args, body: bool = False):
+    async def answer(request: Request, handler, *args, body: bool = False, auth: bool = True):
         try:
-            server.check_auth(request.headers.get("authorization"))
+            if auth:  # an episode's URL is its credential (`Server.open_episode`)
+                server.check_auth(request.headers.get("authorization"))
             result = handler(await server.read_json(request), *args) if body else handler(*args)
             if asyncio.iscoroutine(result):
                 result = await result
@@ -630,7 +779,7 @@ def build_app(engine, tokenizer, cfg: ServeConfig, lora: str | None = None):
 
     @app.post("/episodes/{eid}/v1/chat/completions")
     async def episode_chat(request: Request, eid: str):
-        return await answer(request, server.episode_chat, eid, body=True)
+        return await answer(request, server.episode_chat, eid, body=True, auth=False)
 
     @app.get("/v1/models")
     async def models(request: Request):

@@ -31,7 +31,7 @@ def served():
     return engine, tokenizer
 
 
-def _collect(served, agent: str, problems, timeout_s=60.0, group_size=2):
+def _collect(served, agent: str, problems, timeout_s=60.0, group_size=2, **sampling):
     engine, tok = served
     env_cfg = EnvConfig(name="agent", agent=f"agent_helpers:{agent}", max_turns=2, step_timeout_s=timeout_s)
     env_cfg.validate()
@@ -43,7 +43,7 @@ def _collect(served, agent: str, problems, timeout_s=60.0, group_size=2):
         return [RewardResult(float(r.strip() == g), r.strip() == g, {}) for r, g in zip(responses, golds)]
 
     rcfg = RolloutConfig(prompts_per_step=len(problems), group_size=group_size, template="plain",
-                         dynamic_sampling=False, max_new_tokens=NEW, temperature=1.0)
+                         dynamic_sampling=False, max_new_tokens=NEW, **{"temperature": 1.0} | sampling)
     try:
         samples, metrics = collect_rollouts(engine, tok, PromptStream(problems, 0), reward, rcfg, None,
                                             env=(agents, env_cfg))
@@ -128,6 +128,31 @@ def test_the_loops_held_out_eval_plays_agent_episodes(tmp_path):
         assert r["response"] == tok.decode(one["output_ids"] + follow + two["output_ids"], skip_special_tokens=False)
 
 
+def test_agent_samples_carry_the_unfiltered_logprobs_the_loss_takes(served):
+    """rollout.top_k=1 at temperature 1 keeps one token: the engine samples the argmax, its filtered log-prob is
+    log 1 = 0 and its unfiltered one the log-softmax of the logits, which greedy decoding reports for the same token.
+    So each turn of the two-turn agent is the greedy one, the sample's rollout_logprobs are 0 on its sampled tokens
+    and its unfiltered_logprobs are greedy's log-probs (the server used to keep only the filtered ones), which pack
+    gives the loss (old_logprobs=rollout, TIS)."""
+    from miles_k3.trainer.batch import pack
+
+    engine, _ = served
+    problems = [Problem("a", "15-43=", "-28")]
+    (s,), *_ = _collect(served, "two_turns", problems, group_size=1, top_k=1)
+    prompt, follow = list(b"user: 15-43=\nassistant: "), list(f"user: {FOLLOW_UP}\nassistant: ".encode())
+    greedy = {"max_new_tokens": NEW, "temperature": 0.0}
+    (one,) = engine.generate(input_ids=[prompt], sampling_params=greedy)
+    (two,) = engine.generate(input_ids=[prompt + one["output_ids"] + follow], sampling_params=greedy)
+    assert s.response_ids == one["output_ids"] + follow + two["output_ids"]
+    sampled = [k for k, m in enumerate(s.loss_mask) if m]
+    full = [lp for lp, _ in one["meta_info"]["output_token_logprobs"] + two["meta_info"]["output_token_logprobs"]]
+    assert [s.rollout_logprobs[k] for k in sampled] == [0.0] * len(full) and all(lp < 0 for lp in full)
+    assert [s.unfiltered_logprobs[k] for k in sampled] == pytest.approx(full, abs=1e-5)
+    batch = pack([s], 0, 512)
+    p = len(s.prompt_ids)
+    assert batch.rollout_logp_BT[0, p - 1:].tolist() == pytest.approx(s.unfiltered_logprobs, abs=1e-6)
+
+
 @pytest.mark.parametrize("overrides, message", [
     (["env.name=agent"], "env.agent: env=agent needs env.agent=MODULE:FUNCTION"),
     (["env.agent=agent_helpers:two_turns"], "env.agent: env.agent is set but env=single runs no agent code"),
@@ -148,3 +173,119 @@ def test_agent_spec_errors_name_what_is_missing():
         load_agent("no_such_agents:f")
     with pytest.raises(ValueError, match="has no function 'nope'"):
         load_agent("agent_helpers:nope")
+
+
+# ---- the in-training server: its key, its episodes' sessions --------------------------------------------------------
+class HeldEngine:
+    """An engine double: every reply is "!" [EOS]; while `hold` is clear a call waits for it (on the engine's
+    worker thread), so a test can close an episode while its turn runs."""
+
+    max_context = 96
+
+    def __init__(self):
+        self.hold, self.calls = __import__("threading").Event(), 0
+
+    def generate(self, input_ids, sampling_params, n, return_logprob, lora):
+        self.calls += 1
+        self.hold.wait(timeout=30)
+        meta = {"finish_reason": {"type": "stop", "matched": 257}, "weight_version": 0, "weight_versions": [0],
+                "output_token_logprobs": [(-0.5, 33), (-0.25, 257)]}
+        return [{"output_ids": [33, 257], "meta_info": meta} for _ in input_ids for _ in range(n)]
+
+    def close_sessions(self, ids):
+        pass
+
+
+def test_the_in_training_server_needs_its_key_and_deletes_each_episodes_session_when_it_ends():
+    """The /v1 endpoints need the run's key; an episode's URL needs none (its random id is its credential). An
+    episode closed while its turn runs gives the record before that turn, and its session is deleted when the turn
+    ends; one closed during its first turn leaves no session either (it used to stay forever)."""
+    import asyncio
+
+    from fastapi.testclient import TestClient
+
+    from miles_k3.config import ServeConfig
+    from miles_k3.model.tokenizer import small_tokenizer
+    from miles_k3.serve import Server, build_app
+
+    engine = HeldEngine()
+    engine.hold.set()
+    app = build_app(engine, small_tokenizer(512), ServeConfig(), api_key="run-key")
+    server = app.state.server
+    params = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "max_tokens": 4, "seed": 0, "max_turns": 3}
+    user = [{"role": "user", "content": "hi"}]
+    with TestClient(app) as c:
+        assert c.get("/v1/models").status_code == 401
+        assert c.get("/v1/models", headers={"authorization": "Bearer run-key"}).status_code == 200
+        assert c.post("/v1/chat/completions", json={"messages": user}).status_code == 401
+        server.open_episode("e0", params)
+        r = c.post("/episodes/e0/v1/chat/completions", json={"messages": user},
+                   headers={"authorization": "Bearer unused"})
+        assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "!"
+        assert server.close_episode("e0")["ids"] == list(b"user: hi\nassistant: ") + [33, 257]
+        assert len(server.sessions) == 0
+        assert c.post("/episodes/e0/v1/chat/completions", json={"messages": user}).status_code == 404
+
+    server = Server(engine, small_tokenizer(512), ServeConfig())  # the same logic, driven without HTTP
+
+    async def close_during_turns():
+        engine.hold.set()
+        calls = engine.calls
+        server.open_episode("e1", params)
+        first = await server.episode_chat({"messages": user}, "e1")
+        engine.hold.clear()
+        more = [*user, first["choices"][0]["message"], {"role": "user", "content": "?"}]
+        turn = asyncio.ensure_future(server.episode_chat({"messages": more}, "e1"))
+        while engine.calls < calls + 2:  # e1's turn 2 holds the engine
+            await asyncio.sleep(0.01)
+        server.open_episode("e2", params)
+        opening = asyncio.ensure_future(server.episode_chat({"messages": user}, "e2"))
+        while not server.pending:  # e2's turn 1 waits for the engine
+            await asyncio.sleep(0.01)
+        rec = server.close_episode("e1")
+        assert server.close_episode("e2") is None and len(rec["turns"]) == 1 and len(server.sessions) == 1
+        engine.hold.set()
+        await turn
+        await opening
+        return len(server.sessions)
+
+    try:
+        assert asyncio.run(close_during_turns()) == 0
+    finally:
+        engine.hold.set()
+        server.worker.shutdown()
+        server.tokenize_pool.shutdown()
+
+
+def test_the_docs_env_agent_commands_compose():
+    """`python -m miles_k3.train env=agent env.agent=...` as agents.md and serve.md write it composes (env=agent is
+    a group file, recipes/env/agent.yaml; it failed with "Could not find 'env/agent'")."""
+    import re
+    import shlex
+    from pathlib import Path
+
+    docs = Path(__file__).resolve().parents[1] / "docs/concepts"
+    commands = [c for doc in ("agents.md", "serve.md")
+                for c in re.findall(r"python -m miles_k3\.train (env=agent [^`\n#]*)", (docs / doc).read_text())]
+    assert len(commands) >= 2, commands
+    for line in commands:
+        cfg = compose_config("train", [a for a in shlex.split(line) if a != "..."])
+        assert cfg.env.name == "agent" and cfg.env.agent in ("my_agents:solve", "MODULE:FUNCTION"), line
+        assert cfg.env.max_turns == 4
+
+
+@pytest.mark.parametrize("env", [["env=single"], ["env=guess"], ["env=agent", "env.agent=my_agents:solve"]])
+def test_the_filtered_logprobs_config_check_is_the_engines_in_every_env(env):
+    """Under top-k the loss takes the engine's unfiltered log-probs (old_logprobs=rollout here): the native engine
+    reports them and every env carries them into its samples (env=agent through the server's session record), so
+    each env is accepted on it; SGLang reports only the filtered ones, refused in each env (env=agent refuses SGLang
+    outright)."""
+    from miles_k3.config import ConfigFieldError
+
+    filtered = ["rollout.top_k=3", "trainer.old_logprobs=rollout"]
+    compose_config("train", env + filtered)
+    message = ("env=agent: the in-process OpenAI-compatible server runs over the native engine" if "env=agent" in env
+               else "trainer.old_logprobs=rollout: with engine.backend=sglang and rollout.top_p=1.0 rollout.top_k=3")
+    with pytest.raises(ConfigFieldError, match=message):
+        compose_config("train", env + filtered + ["engine.backend=sglang", "model.hf_path=/ckpt/qwen3",
+                                                  "env.keep_state=false"])

@@ -417,3 +417,126 @@ def test_api_key_is_required_when_configured(monkeypatch):
         assert c.get("/v1/models", headers={"authorization": "Bearer wrong"}).status_code == 401
         ok = c.get("/v1/models", headers={"authorization": "Bearer s3cret"})
         assert ok.status_code == 200 and "s3cret" not in json.dumps(ok.json())
+
+
+# ---- limits: integers, n, sessions, the event loop ---------------------------------------------------------------
+def _app(overrides=(), script=lambda prompt: [33, END_OF_MSG], **kw):
+    """A TestClient app over a scripted engine double (every reply "!") and the small byte tokenizer."""
+    from types import SimpleNamespace
+
+    from fastapi.testclient import TestClient
+
+    from miles_k3.model.tokenizer import small_tokenizer
+
+    engine = ScriptedEngine(SimpleNamespace(max_context=MAX_CONTEXT, close_sessions=lambda ids: None))
+    engine.script = script
+    app = build_app(engine, small_tokenizer(512), compose_config("serve", list(overrides)), **kw)
+    return TestClient(app), app.state.server
+
+
+def test_an_integer_of_5000_digits_is_400_naming_where_it_is():
+    """Python's int() refuses a 5,000-digit literal inside json.loads (a ValueError: it answered 500); the body is
+    refused with 400 naming the field, and a 64-digit one still parses (and is refused by n's own check)."""
+    c, _ = _app()
+    with c:
+        r = c.post("/v1/chat/completions", content=b'{"model": "k3_nano", "messages": [{"role": "user", "content": '
+                   b'"hi"}], "n": ' + b"9" * 5000 + b"}", headers={"content-type": "application/json"})
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["message"] == ("n: an integer of 5000 digits; this server reads integers of up to 64 "
+                                                "digits")
+        r = c.post("/v1/completions", content=b'{"prompt": [1, 2, -' + b"1" * 5000 + b"]}")
+        assert r.status_code == 400 and r.json()["error"]["message"].startswith("prompt[2]: an integer of 5000 digits")
+        r = c.post("/v1/completions", json={"prompt": [1, 2], "n": 10**63})
+        assert r.status_code == 400 and r.json()["error"]["message"].startswith(f"n: {10**63} exceeds max_n=64")
+
+
+def test_n_is_capped_and_new_sessions_evict_only_idle_ones_never_a_live_one():
+    """max_sessions=4, max_n=3, session_idle_s=60, on a clock the test sets. A starts a session at t=0, B three at
+    t=1: 4 kept. C asks for three at t=2: every session is live (used in the last 60 s), so C gets 429 and nothing
+    is evicted; A goes on at t=3. At t=62 B's three (last used t=1) have been idle 61 s, A's (t=3) 59 s: C's three
+    evict B's, and A goes on. At t=200 all are idle; one new session evicts the least recently used: C's first
+    (t=62; A was used at t=63). n=4 is past max_n: 400."""
+    c, server = _app(["max_sessions=4", "max_n=3", "session_idle_s=60"])
+    now = [0.0]
+    server.sessions.clock = lambda: now[0]
+
+    def start(n):
+        return c.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 2, "n": n})
+
+    def go_on(sid):
+        return c.post("/v1/completions", json={"prompt": [3], "max_tokens": 2, "session_id": sid})
+
+    with c:
+        r = start(4)
+        assert r.status_code == 400 and r.json()["error"]["message"].startswith("n: 4 exceeds max_n=3")
+        a = start(1).json()["session_id"]
+        now[0] = 1
+        b = [ch["session_id"] for ch in start(3).json()["choices"]]
+        now[0] = 2
+        r = start(3)
+        assert r.status_code == 429, r.text
+        msg = r.json()["error"]["message"]
+        assert msg.startswith("max_sessions=4: this request needs 3 new session(s), and only 0 of the 4 kept can be "
+                              "evicted; a session is evicted only when idle (no turn running, unused for "
+                              "session_idle_s=60 s)"), msg
+        assert len(server.sessions) == 4
+        now[0] = 3
+        assert go_on(a).status_code == 200
+        now[0] = 62
+        cs = [ch["session_id"] for ch in start(3).json()["choices"]]
+        assert [c.get(f"/v1/sessions/{s}").status_code for s in b] == [404] * 3
+        now[0] = 63
+        assert go_on(a).status_code == 200
+        now[0] = 200
+        assert start(1).status_code == 200
+        assert [c.get(f"/v1/sessions/{s}").status_code for s in cs] == [404, 200, 200]
+        assert c.get(f"/v1/sessions/{a}").json()["ids"] == [1, 2, 33, END_OF_MSG, 3, 33, END_OF_MSG] + [
+            3, 33, END_OF_MSG]
+    with pytest.raises(ConfigFieldError, match="max_n: 5 exceeds max_sessions=4"):
+        compose_config("serve", ["max_sessions=4", "max_n=5"])
+
+
+def test_tokenising_a_prompt_leaves_the_event_loop_serving(served, monkeypatch):
+    """While a prompt is tokenised (held here by an event, as a very large prompt would hold it) the server answers
+    other requests: tokenising runs on its own thread, not on the event loop."""
+    from miles_k3 import serve
+
+    client, _, scripted, _, _ = served
+    scripted.script = [[50, EOS]]
+    gate, threads, real = threading.Event(), [], serve.encode
+
+    def held_encode(tokenizer, text):
+        threads.append(threading.current_thread().name)
+        gate.wait(timeout=30)
+        return real(tokenizer, text)
+
+    monkeypatch.setattr(serve, "encode", held_encode)
+    with cf.ThreadPoolExecutor(1) as pool:
+        reply = pool.submit(client.completions.create, model="k3_nano", prompt="1+1=", max_tokens=2)
+        deadline = time.time() + 20
+        while not threads and time.time() < deadline:
+            time.sleep(0.01)
+        assert threads == ["serve-tokenize_0"]
+        t0 = time.time()
+        assert [m.id for m in client.models.list().data] == ["k3_nano"]  # answered while the prompt is held
+        assert time.time() - t0 < 10 and not reply.done()
+        gate.set()
+        assert reply.result().choices[0].text == "2"
+
+
+def test_the_session_keeps_the_unfiltered_logprobs_of_a_filtered_turn(served):
+    """top_k=1 keeps one token, so the engine samples the argmax and its filtered log-prob is log 1 = 0; the
+    unfiltered one, log-softmax of the logits at temperature 1, is what greedy decoding reports for the same token.
+    The session's record keeps both, the turn marked filtered."""
+    client, base, _, engine, _ = served
+    prompt = list(b"15-43-75=")
+    r = client.completions.create(model="k3_nano", prompt=prompt, max_tokens=6, seed=3, extra_body={"top_k": 1})
+    greedy = engine.generate(input_ids=[prompt], sampling_params={"max_new_tokens": 6, "temperature": 0.0})[0]
+    rec = record(base, r.session_id)
+    out = rec["ids"][len(prompt):]
+    assert out == greedy["output_ids"] and rec["turns"][0]["filtered"] is True
+    assert rec["logprobs"] == [0.0] * len(rec["ids"])
+    full = [lp for lp, _ in greedy["meta_info"]["output_token_logprobs"]]
+    assert all(lp < 0 for lp in full)
+    assert rec["unfiltered_logprobs"][:len(prompt)] == [0.0] * len(prompt)
+    assert rec["unfiltered_logprobs"][len(prompt):] == pytest.approx(full, abs=1e-5)
