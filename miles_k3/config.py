@@ -270,7 +270,14 @@ class ServeConfig:
     default_max_tokens: int = 256
     """max_tokens of a request that gives none (capped by the room left in engine.max_context)."""
     max_sessions: int = 1024
-    """Sessions kept; a new one beyond this evicts the least recently used (its id then answers 404)."""
+    """Sessions kept. A request that starts new ones beyond this evicts idle ones (none generating, none used for
+    session_idle_s), least recently used first (their ids then answer 404); when too few are idle it is refused
+    with 429, and no live session is evicted."""
+    session_idle_s: float = 300.0
+    """Seconds a session must go unused before a new session may evict it (an agent between turns, calling its
+    tools, keeps its session this long); 0: any session that is not generating may be evicted."""
+    max_n: int = 64
+    """Samples (`n`) one request may ask for, each a new session: a larger n is refused with 400."""
     served_model_name: str | None = None
     """The model id /v1/models lists and requests must name; None: model.name."""
     api_key_env: str | None = None
@@ -291,9 +298,14 @@ class ServeConfig:
             raise ValueError("host: give an address to bind (127.0.0.1: this machine only)")
         if not 1 <= self.port <= 65535:
             raise ValueError(f"port: must be in 1..65535, got {self.port}")
-        for name in ("max_body_bytes", "default_max_tokens", "max_sessions"):
+        for name in ("max_body_bytes", "default_max_tokens", "max_sessions", "max_n"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        if self.max_n > self.max_sessions:
+            raise ValueError(f"max_n: {self.max_n} exceeds max_sessions={self.max_sessions} (each sample of a request "
+                             "starts a session); lower max_n or raise max_sessions")
+        if not self.session_idle_s >= 0:
+            raise ValueError(f"session_idle_s: must be >= 0 seconds, got {self.session_idle_s}")
         if self.served_model_name is not None and not self.served_model_name:
             raise ValueError("served_model_name: must be non-empty or null (model.name)")
         if self.api_key_env is not None and not os.environ.get(self.api_key_env):

@@ -2,13 +2,14 @@
 scripted engine (a test double of `RolloutEngine.generate`: each call's outputs are scripted, so every token is
 known) and a tokenizer whose text round trip changes token ids ("a" "b" sampled as two tokens re-tokenise as one
 "ab"): the trainer's batch holds the tokens the engine saw, observations masked out of the loss."""
+import threading
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from miles_k3.envs.env import EnvConfig, StepResult, build_env, register_env
+from miles_k3.envs.env import EnvConfig, Environment, StepResult, build_env, register_env
 from miles_k3.evals.problems import Problem
 from miles_k3.evals.rewards import RewardResult
 from miles_k3.trainer.batch import pack
@@ -43,12 +44,13 @@ A, B = 100 + ord("a"), 100 + ord("b")
 
 class Engine:
     """Answers call k's request r with `script[k][r]` (token ids + EOS); log-prob -0.5 per token; weight version 4;
-    routes [P + R - 1, 1, 1] holding 10 * (call + 1) when asked."""
+    routes [P + R - 1, 1, 1] holding 10 * (call + 1) when asked. `cut`: an answer longer than the request's
+    max_new_tokens is cut there, finish reason "length" (as the engine does)."""
 
     max_context = 256
 
-    def __init__(self, script):
-        self.script, self.calls = script, []
+    def __init__(self, script, cut=False):
+        self.script, self.calls, self.cut = script, [], cut
 
     def generate(self, input_ids, sampling_params=None, n=1, return_logprob=True, lora=None,
                  return_routed_experts=False):
@@ -58,7 +60,10 @@ class Engine:
         for i, ids in enumerate(input_ids):
             for j in range(n):
                 toks = list(self.script[k][i * n + j]) + [TOK.EOS]
-                meta = {"finish_reason": {"type": "stop", "matched": TOK.EOS}, "weight_version": 4,
+                cap = sampling_params[i]["max_new_tokens"] if self.cut else len(toks)
+                finish = {"type": "stop", "matched": TOK.EOS} if len(toks) <= cap else {"type": "length", "length": cap}
+                toks = toks[:cap]
+                meta = {"finish_reason": finish, "weight_version": 4,
                         "weight_versions": [4], "output_token_logprobs": [(-0.5, t) for t in toks],
                         "output_token_weight_versions": [4] * len(toks)}
                 if return_routed_experts:
@@ -72,8 +77,8 @@ def _digits(s):
     return [100 + ord(c) for c in s]
 
 
-def _run(env_cfg, script, problems, reward=None, group_size=1, routes=False, **cfg):
-    engine = Engine(script)
+def _run(env_cfg, script, problems, reward=None, group_size=1, routes=False, cut=False, **cfg):
+    engine = Engine(script, cut)
     rcfg = RolloutConfig(prompts_per_step=len(problems), group_size=group_size, template="plain",
                          dynamic_sampling=False, max_new_tokens=8, **cfg)
     reward = reward or (lambda rs, gs: [RewardResult(float(r == g), r == g, {}) for r, g in zip(rs, gs)])
@@ -128,7 +133,7 @@ def test_tools_episode_answers_a_calculator_call_and_grades_the_final_turn():
 
 @register_env("test_raises")
 def _raises(cfg):
-    class Env:
+    class Env(Environment):
         def reset(self, problem, rng):
             return None
 
@@ -139,7 +144,7 @@ def _raises(cfg):
 
 @register_env("test_slow")
 def _slow(cfg):
-    class Env:
+    class Env(Environment):
         def reset(self, problem, rng):
             return None
 
@@ -165,6 +170,86 @@ def test_an_episode_at_the_context_limit_ends_truncated():
                               [Problem("g", "guess:", "7")])
     assert samples[0].truncated and samples[0].response_ids == [*_digits("1"), TOK.EOS]
     assert m["env/context_rate"] == 1.0 and len(engine.calls) == 1
+
+
+def test_overlong_penalty_counts_each_policy_turn_against_the_per_turn_cap():
+    """max_new_tokens 8, secret 7, a group of three (turn lengths include the stop token; observations never count):
+    e0: "123" (4) -> lower, "9" (2) -> lower, "7" (2) found: longest turn 4 < 8, reward 1 + 0 = 1 (the whole
+        response, 4 + 7 + 2 + 7 + 2 = 22 tokens, used to cost -1);
+    e1: "1" (2) -> higher, "7xxxxxxxx" cut at 8 tokens "7xxxxxxx", found: reward 1 - 1 = 0;
+    e2: "123456789" cut at 8 -> lower (a cut turn is answered as any other), "7" (2) found: 1 - 1 = 0.
+    Both are truncated, so under mask they are left out; with overlong_buffer 4 a longest turn of 6 costs
+    (8 - 4 - 6) / 4 = -0.5."""
+    script = [[_digits("123"), _digits("1"), _digits("123456789")], [_digits("9"), _digits("7xxxxxxxx"), _digits("7")],
+              [_digits("7")]]
+    env = EnvConfig(name="guess", max_turns=4)
+    samples, m, engine = _run(env, script, [Problem("g", "guess:", "7")], group_size=3, cut=True, overlong="penalty")
+    assert [s.reward for s in samples] == [1.0, 0.0, 0.0] and [s.truncated for s in samples] == [False, True, True]
+    assert samples[2].response_ids[:8] == _digits("12345678") and len(engine.calls) == 3
+    assert m["env/turns_mean"] == pytest.approx(7 / 3) and m["rollout/truncated_frac"] == pytest.approx(2 / 3)
+    masked, _, _ = _run(env, script, [Problem("g", "guess:", "7")], group_size=3, cut=True, overlong="mask")
+    assert [s.in_loss for s in masked] == [True, False, False] and [s.reward for s in masked] == [1.0] * 3
+    ramp, _, _ = _run(env, [[_digits("12345")], [_digits("7")]], [Problem("g", "guess:", "7")], cut=True,
+                      overlong="penalty", overlong_buffer=4)
+    assert ramp[0].reward == 0.5 and not ramp[0].truncated
+
+
+CANCELLED: list[str] = []
+
+
+@register_env("test_sleepy")
+def _sleepy(cfg):
+    class Env(Environment):
+        """A turn "s..." sleeps 0.5 s; "h..." hangs until cancelled (10 s at most); any other answers at once."""
+
+        def reset(self, problem, rng):
+            self.stop = threading.Event()
+
+        def step(self, turn):
+            if turn.startswith("s"):
+                time.sleep(0.5)
+            elif turn.startswith("h"):
+                self.stop.wait(10.0)
+            return StepResult(done=True, reward=1.0)
+
+        def cancel(self):
+            CANCELLED.append(threading.current_thread().name)
+            self.stop.set()
+    return Env
+
+
+def test_the_steps_of_a_round_run_at_once_each_on_its_own_clock():
+    """Six episodes whose steps each take 0.5 s, step_timeout_s 1: they run at once (about 0.5 s in all, not 3 s
+    one after another), and none times out."""
+    t0 = time.perf_counter()
+    samples, m, _ = _run(EnvConfig(name="test_sleepy", max_turns=2, step_timeout_s=1.0), [[_digits("s")] * 6],
+                         [Problem("e", "q", "1")], group_size=6)
+    assert time.perf_counter() - t0 < 2.0
+    assert m["env/timeout_rate"] == 0.0 and [s.reward for s in samples] == [1.0] * 6
+
+
+def test_a_step_past_its_deadline_is_cancelled_and_holds_up_no_other_episode():
+    """Five episodes whose steps hang and two that answer at once, step_timeout_s 0.3: each hanging step is
+    cancelled (its environment's cancel() called, from the waiting thread) and its episode ends env_timeout, out of
+    the loss; the two others are scored (with steps queued on a pool of 4 workers, the hung steps held every worker
+    and timed them out too)."""
+    CANCELLED.clear()
+    samples, m, _ = _run(EnvConfig(name="test_sleepy", max_turns=2, step_timeout_s=0.3),
+                         [[_digits("h")] * 5 + [_digits("a")] * 2], [Problem("e", "q", "1")], group_size=7)
+    assert len(CANCELLED) == 5 and threading.current_thread().name in CANCELLED
+    assert [s.in_loss for s in samples] == [False] * 5 + [True] * 2 and [s.reward for s in samples[5:]] == [1.0] * 2
+    assert m["env/timeout_rate"] == pytest.approx(5 / 7)
+
+
+def test_a_replayed_guess_env_remembers_the_guesses_without_stepping():
+    """Secret 7: "5" -> higher. A fresh env told that answer (resume: `replay`) counts "5" again as a repeat."""
+    played, resumed = build_env(EnvConfig(name="guess", max_turns=3))(), build_env(EnvConfig(name="guess"))()
+    for env in (played, resumed):
+        env.reset(Problem("g", "guess:", "7"), None)
+    res = played.step("5")
+    resumed.replay("5", res)
+    assert res.observation == " higher\n" and resumed.step("5") == played.step("5") == StepResult(
+        " higher\n", 0.0, info={"repeats": 1.0})
 
 
 def test_routes_of_each_turn_come_from_that_turns_call():

@@ -2,14 +2,15 @@
 CPU): a turn that finishes is handed to its environment within the engine's run and the episode's next turn joins
 the queue; a step trains on the groups whose episodes have all ended, the others carry across the push (their tokens
 spanning weight versions, every token's version recorded); the pool saved after a step and loaded into a fresh
-engine continues exactly (environments rebuilt by replaying their turns); `drop` cancels a late group's turns and
-sessions."""
+engine continues exactly (environments rebuilt from the answers they gave, recorded in the checkpoint: no step runs
+twice); `drop` cancels a late group's turns and sessions; a step past its deadline is cancelled within the run."""
 import io
+import threading
 
 import pytest
 import torch
 
-from miles_k3.envs.env import EnvConfig, build_env
+from miles_k3.envs.env import EnvConfig, Guess, build_env
 from miles_k3.evals.problems import Problem
 from miles_k3.evals.rewards import RewardResult
 from miles_k3.model import K3Config, K3ForCausalLM
@@ -46,14 +47,50 @@ def _engine(model) -> RolloutEngine:
     return engine
 
 
-def _pool(engine, policy="wait", inflight=4):
+def _pool(engine, policy="wait", inflight=4, factory=None, timeout_s=10.0):
     cfg = RolloutConfig(prompts_per_step=2, group_size=2, template="plain", mode="partial", max_new_tokens=NEW,
                         dynamic_sampling=False,
                         partial=PartialConfig(inflight_groups=inflight, max_staleness=1, policy=policy))
     cfg.validate()
-    env_cfg = EnvConfig(name="guess", max_turns=3)
+    env_cfg = EnvConfig(name="guess", max_turns=3, step_timeout_s=timeout_s)
     return PartialRollouts(engine, TOK, PromptStream(PROBLEMS, 0), lambda r, g: [
-        RewardResult(0.0, False, {}) for _ in r], cfg, "policy", env=(build_env(env_cfg), env_cfg))
+        RewardResult(0.0, False, {}) for _ in r], cfg, "policy", env=(factory or build_env(env_cfg), env_cfg))
+
+
+class Counting(Guess):
+    """env=guess whose every step appends a line to a file, as a tool with an effect outside the trainer would: the
+    file counts the steps that ran."""
+
+    lock = threading.Lock()
+
+    def __init__(self, path):
+        self.path, self.seen = path, []
+
+    def step(self, turn):
+        with self.lock, open(self.path, "a") as f:
+            f.write("step\n")
+        res = super().step(turn)
+        self.seen.append((turn, res))
+        return res
+
+    def replay(self, turn, result):
+        super().replay(turn, result)
+        self.seen.append((turn, result))
+
+
+def _lines(path):
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def _seen(pool):
+    """What each live episode's environment was told (turns and answers) and the guesses it remembers."""
+    return {(k, j): (list(ep.env.seen), set(ep.env.guessed)) for k, g in pool.groups.items() if g.episodes
+            for j, ep in enumerate(g.episodes) if not ep.end}
+
+
+def _stepped(pool):
+    """The turns of the episodes in the pool (each finished turn was stepped once)."""
+    return sum(len(ep.outs) for g in pool.groups.values() if g.episodes for ep in g.episodes)
 
 
 def _push(engine, model, version):
@@ -67,12 +104,18 @@ def _key(s):
 
 
 def _turn_starts(s):
-    return [i for i, m in enumerate(s.loss_mask) if m and (i == 0 or not s.loss_mask[i - 1])]
+    mask = s.loss_mask or [1] * len(s.response_ids)  # a one-turn episode's mask is left implicit
+    return [i for i, m in enumerate(mask) if m and (i == 0 or not mask[i - 1])]
 
 
-def test_episodes_carry_across_pushes_and_resume_exactly(model):
+def test_episodes_carry_across_pushes_and_resume_exactly(model, tmp_path):
+    """Three steps; the pool saved after the first, with episodes in flight whose turns were stepped, and resumed in a
+    fresh engine gives the same samples. Every environment step appends a line to a file: the uninterrupted run's
+    count is its episodes' turns (those trained, and those still in the pool), and the resumed run's steps added to
+    those that ran before the save make the same count: the resume replayed the recorded answers and ran no step
+    again (it used to step every turn of the episodes in flight once more)."""
     engine = _engine(model)
-    pool = _pool(engine)
+    pool = _pool(engine, factory=lambda: Counting(tmp_path / "run.log"))
     steps, saved = [], None
     for version in range(3):
         if version:
@@ -84,27 +127,39 @@ def test_episodes_carry_across_pushes_and_resume_exactly(model):
             buf = io.BytesIO()
             torch.save(pool.state(), buf)
             saved = buf.getvalue()
+            before = _lines(tmp_path / "run.log")
+            inflight = sum(len(ep.outs) for g in pool.groups.values() if g.episodes for ep in g.episodes if not ep.end)
+            seen = _seen(pool)
     every = [s for samples, _ in steps for s in samples]
     assert all(len(samples) >= 4 and len(samples) % 2 == 0 for samples, _ in steps)  # >= 2 groups of 2 episodes
     for s in every:  # token in, token out: turns of 1 .. NEW sampled tokens, each but the last ended by a stop id
         starts = _turn_starts(s)
-        assert 1 <= len(starts) <= 3 and s.loss_mask[0] == 1
-        for a, b in zip(starts, starts[1:] + [len(s.loss_mask) + 1]):
-            turn = s.response_ids[a:a + sum(s.loss_mask[a:b])]
+        mask = s.loss_mask or [1] * len(s.response_ids)
+        assert 1 <= len(starts) <= 3 and starts[0] == 0
+        for a, b in zip(starts, starts[1:] + [len(mask) + 1]):
+            turn = s.response_ids[a:a + sum(mask[a:b])]
             assert 1 <= len(turn) <= NEW and all(t not in STOPS for t in turn[:-1])
     spanning = [s for s in every if len(set(s.token_versions)) > 1]
     assert spanning and sum(m["rollout/groups_carried"] for _, m in steps[1:]) > 0
     assert any(m["env/turns_mean"] > 1 for _, m in steps)
 
+    total = sum(len(_turn_starts(s)) for s in every) + _stepped(pool)
+    assert _lines(tmp_path / "run.log") == total and inflight > 0
+
     # the pool saved after step 1, loaded into a fresh engine (its first weights, then the same pushes)
     fresh = _engine(model)
-    again = _pool(fresh)
+    again = _pool(fresh, factory=lambda: Counting(tmp_path / "resumed.log"))
     again.load_state(torch.load(io.BytesIO(saved), weights_only=True))
+    assert _lines(tmp_path / "resumed.log") == 0  # the episodes in flight were rebuilt without a step
+    assert _seen(again) == seen and any(seen.values())  # each live episode's turns and answers, replayed in order
     for version in (1, 2):
         _push(fresh, model, version)
         samples, m = again.collect(version)
         assert [_key(s) for s in samples] == [_key(s) for s in steps[version][0]]
         assert m["rollout/staleness_mean"] == steps[version][1]["rollout/staleness_mean"]
+        assert {k: v for k, v in m.items() if k.startswith("env/")} == \
+            {k: v for k, v in steps[version][1].items() if k.startswith("env/")}
+    assert before + _lines(tmp_path / "resumed.log") == total
 
 
 def test_drop_cancels_a_late_groups_turns_and_sessions(model):
@@ -125,3 +180,38 @@ def test_drop_cancels_a_late_groups_turns_and_sessions(model):
     assert {k for k, _ in pool.turns.values()} <= set(pool.groups) and set(pool.turns) <= queued
     assert engine.runner.sessions.num_parked == 0
     assert dropped > 0
+
+
+CANCELLED: list[int] = []
+
+
+class Hangs(Guess):
+    """env=guess whose second step hangs until it is cancelled, on the problems of even number (CANCELLED: the step
+    each cancel came in)."""
+
+    def reset(self, problem, rng):
+        self.num_steps, self.stop, self.hangs = 0, threading.Event(), int(problem.id[1:]) % 2 == 0
+        return super().reset(problem, rng)
+
+    def step(self, turn):
+        self.num_steps += 1
+        if self.hangs and self.num_steps == 2:
+            self.stop.wait(10.0)
+        return super().step(turn)
+
+    def cancel(self):
+        CANCELLED.append(self.num_steps)
+        self.stop.set()
+
+
+def test_a_step_past_its_deadline_within_the_engines_run_is_cancelled(model):
+    """Partial mode steps an environment within the engine's run: a second step hangs past step_timeout_s 0.2, is
+    cancelled, and its episode ends env_timeout, out of the loss and counted in env/timeout_rate; the other episodes
+    are scored."""
+    CANCELLED.clear()
+    pool = _pool(_engine(model), factory=Hangs, timeout_s=0.2)
+    samples, m = pool.collect(0)
+    out = [s for s in samples if not s.in_loss]
+    waiting = [ep for g in pool.groups.values() if g.episodes for ep in g.episodes if ep.end == "env_timeout"]
+    assert out and len(CANCELLED) == len(out) + len(waiting) and set(CANCELLED) == {2}
+    assert m["env/timeout_rate"] == len(out) / len(samples) and len(out) < len(samples)

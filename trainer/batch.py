@@ -48,6 +48,8 @@ class Sample:
     # (native engine; rollout.mode=partial samples may span versions)
     loss_mask: list[int] = field(default_factory=list)  # per response token, 1: sampled by the policy, 0: an
     # environment's observation in a multi-turn episode (context only, not trained); empty: all 1
+    reward_failed: bool = False  # no reward could be computed (a remote judge's failure): out of the loss, and
+    # out of rollout/reward_mean (counted in rollout/reward_failed)
 
     @property
     def length(self) -> int:

@@ -18,18 +18,24 @@ calls (a max over the ranks of the live episodes decides whether another round r
 `generate` with no prompts), as lockstep needs. The default `single` environment ends every episode after its
 first turn, so a single-turn rollout makes one call and no collective, as before.
 
-An environment step runs in a worker thread with env.step_timeout_s: one that raises or runs over ends its
-episode (`end` "env_error" / "env_timeout": left out of the loss, counted in env/ metrics; a thread that runs over
-is abandoned, not killed). Under tensor parallelism the environments step on the TP group's first rank only and
-the group's other ranks apply its outcomes (`step_episodes`: one broadcast per round), so the ranks of a replica
-see the same observations, ends and rewards even from an environment that is not deterministic across processes
-(a step that runs over on one rank only, a remote tool).
+The environments of the episodes that step together (a round; in partial mode, the turns that finished in one
+decode step) step at once, each in a daemon thread of its own (`EnvStep`), its env.step_timeout_s counted from
+when its own step starts running: a slow step never delays another's. One that raises or runs over ends its
+episode (`end` "env_error" / "env_timeout": left out of the loss, counted in env/ metrics); one that runs over is
+cancelled (`Environment.cancel`, from the waiting thread) and its result, if it still comes, discarded. A turn cut
+by rollout.max_new_tokens is answered as any other (rollout.overlong judges each turn against that cap). Each
+step's result is kept (`Episode.steps`) so that a resumed run rebuilds an environment by replaying the answers it
+gave (`Environment.replay`), never by running its steps again. Under tensor parallelism the environments step on
+the TP group's first rank only and the group's other ranks apply its outcomes (`step_episodes`: one broadcast per
+round), so the ranks of a replica see the same observations, ends and rewards even from an environment that is not
+deterministic across processes (a step that runs over on one rank only, a remote tool).
 """
 from __future__ import annotations
 
-import concurrent.futures as cf
 import logging
 import random
+import threading
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -61,6 +67,7 @@ class Episode:
     session: int | None = None  # the engine session its turns continue (env.keep_state), None: recomputed
     answer: str | None = None  # graded instead of the final turn's text (an agent's returned answer, env=agent)
     turns: int = 0  # policy turns when `outs` holds them as one record (env=agent); 0: one record per turn
+    steps: list[StepResult] = field(default_factory=list)  # the environment's answer to each turn it stepped
 
     @property
     def length(self) -> int:
@@ -72,6 +79,19 @@ class Episode:
         self.outs.append(out)
         self.ids += list(out["output_ids"])
         self.mask += [1] * len(out["output_ids"])
+
+    def turn_lengths(self) -> list[int]:
+        """The policy's tokens in each of its turns (its stop token included; observations not counted)."""
+        if not self.turns:
+            return [len(o["output_ids"]) for o in self.outs]
+        runs, prev = [], 0  # env=agent: the turns are one record; each is a run of loss-mask 1s
+        for m in self.mask:
+            if m and prev:
+                runs[-1] += 1
+            elif m:
+                runs.append(1)
+            prev = m
+        return runs
 
     def record(self) -> dict:
         """The episode as one engine record (`output_ids`, `meta_info`): a one-turn episode's own record."""
@@ -114,7 +134,12 @@ class Episode:
 
 def first_prompt(env: Environment, problem: Problem, draw: int, seed: int, template: str, tokenizer) -> str:
     """The episode's first prompt text: the environment's, else the rollout template's rendering of the problem.
-    Every member of a group resets with the same rng seed (the draw's), so a group shares its prompt."""
+    Every member of a group resets with the same rng seed (the draw's), so a group shares its prompt. An environment
+    that is not an `Environment` is refused here, where every episode's environment starts."""
+    if not isinstance(env, Environment):
+        raise TypeError(f"env: {type(env).__name__} is not a miles_k3.envs.env.Environment; subclass it (its "
+                        "cancel() and replay() have defaults: an environment overrides them to stop a step that runs "
+                        "past env.step_timeout_s, and to resume without running its steps again)")
     text = env.reset(problem, random.Random(seed * 1_000_003 + draw))
     return render_prompt(template, problem.problem, tokenizer) if text is None else text
 
@@ -129,20 +154,24 @@ def session_args(engine, env_cfg: EnvConfig) -> dict:
     return {"keep_state": True} if keeps_state(engine, env_cfg) else {}
 
 
+def context_limit(engine, env_cfg: EnvConfig) -> int:
+    """An episode's tokens at most: env.max_total_tokens within the engine's context (0 for one turn: the first
+    turn's request was checked by the engine)."""
+    if env_cfg.max_turns == 1:
+        return 0
+    return min(env_cfg.max_total_tokens or engine.max_context, engine.max_context)
+
+
 def run_turns(engine, tokenizer, episodes: list[Episode], cfg, env_cfg: EnvConfig, lora, routes: bool,
               ctx: ParallelContext = SINGLE) -> None:
     """Steps every episode's environment after its first turn (already added) and runs further turns until every
     episode has ended, on every rank (see the module docstring). Every episode's engine session is closed when it
     ends (and all of them if this raises)."""
-    limit = 0  # one turn: no context limit to check (the first turn's request was checked by the engine)
-    if env_cfg.max_turns > 1:
-        limit = min(env_cfg.max_total_tokens or engine.max_context, engine.max_context)
+    limit = context_limit(engine, env_cfg)
     keep = keeps_state(engine, env_cfg)
-    pool = cf.ThreadPoolExecutor(max_workers=4, thread_name_prefix="env-step")
     try:
         for turn in range(1, env_cfg.max_turns + 1):
-            live = [ep for ep, go in zip(episodes, step_episodes(episodes, tokenizer, pool, env_cfg, turn, limit, ctx))
-                    if go]
+            live = [ep for ep, go in zip(episodes, step_episodes(episodes, tokenizer, env_cfg, limit, ctx)) if go]
             _close(engine, [ep for ep in episodes if ep.end])
             if turn == env_cfg.max_turns:
                 break
@@ -160,7 +189,6 @@ def run_turns(engine, tokenizer, episodes: list[Episode], cfg, env_cfg: EnvConfi
             for ep, out in zip(live, outs):
                 ep.add_turn(out)
     finally:
-        pool.shutdown(wait=False, cancel_futures=True)
         _close(engine, episodes)
 
 
@@ -173,37 +201,73 @@ def _close(engine, episodes: list[Episode]) -> None:
         ep.session = None
 
 
-def step_episodes(episodes: list[Episode], tokenizer, pool, env_cfg: EnvConfig, turn: int, limit: int,
-                  ctx: ParallelContext = SINGLE) -> list[bool]:
-    """The environments' answers to the episodes' last turns (`env_outcome`, `apply_outcome`; those already ended
-    stay ended): True for each episode that goes on to another turn. Under tensor parallelism only the TP group's
-    first rank steps the environments; one broadcast gives the group's other ranks its outcomes, which they apply
-    as their own."""
+class EnvStep:
+    """One environment step, running from the moment it is made in a daemon thread of its own (a step that never
+    returns holds no worker another step waits for, and does not keep the process alive). `outcome` waits for it
+    until env.step_timeout_s after it started running."""
+
+    def __init__(self, env: Environment, turn: str):
+        self.env = env
+        self._started, self._ended = threading.Event(), threading.Event()
+        self._t0 = 0.0
+        self._result: StepResult | tuple[str, str] = ("env_error", "no result")
+        threading.Thread(target=self._run, args=(turn,), name="env-step", daemon=True).start()
+
+    def _run(self, turn: str) -> None:
+        self._t0 = time.monotonic()
+        self._started.set()
+        try:
+            self._result = self.env.step(turn)
+        except Exception as e:  # noqa: BLE001 (an environment's bug ends its episode, not the run)
+            self._result = ("env_error", f"{type(e).__name__}: {e}")
+        self._ended.set()
+
+    def outcome(self, timeout_s: float) -> StepResult | tuple[str, str]:
+        """The step's StepResult, ("env_error", what it raised), or ("env_timeout", "") when it has not ended
+        `timeout_s` seconds after it started; then it is cancelled (`Environment.cancel`) and whatever it returns
+        later is discarded. Plain values: a TP group broadcasts them."""
+        self._started.wait()
+        if self._ended.wait(max(0.0, self._t0 + timeout_s - time.monotonic())):
+            return self._result
+        try:
+            self.env.cancel()
+        except Exception as e:  # noqa: BLE001 (the episode ends either way)
+            log.warning("env: cancelling a step that ran past env.step_timeout_s raised %s: %s", type(e).__name__, e)
+        return ("env_timeout", "")
+
+
+def steps_envs(ctx: ParallelContext) -> bool:
+    """Whether this rank steps the environments: under tensor parallelism the TP group's first rank only."""
+    return ctx.tp_size == 1 or ctx.tp_group is None or ctx.tp_rank == 0
+
+
+def start_steps(episodes: list[Episode], tokenizer, ctx: ParallelContext = SINGLE) -> list[EnvStep | None]:
+    """Each live episode's environment step on its last turn, started at once (None for an ended episode, and for
+    every episode on a rank that does not step the environments)."""
+    here = steps_envs(ctx)
+    return [EnvStep(ep.env, response_text(tokenizer, ep.outs[-1])) if here and not ep.end else None
+            for ep in episodes]
+
+
+def step_episodes(episodes: list[Episode], tokenizer, env_cfg: EnvConfig, limit: int, ctx: ParallelContext = SINGLE,
+                  steps: list[EnvStep | None] | None = None) -> list[bool]:
+    """The environments' answers to the episodes' last turns (`steps`, as `start_steps` started them; None: started
+    here), applied (`apply_outcome`; those already ended stay ended): True for each episode that goes on to another
+    turn. Under tensor parallelism only the TP group's first rank steps the environments; one broadcast gives the
+    group's other ranks its outcomes, which they apply as their own."""
     tp = ctx.tp_size > 1 and ctx.tp_group is not None
     outcomes = None
-    if not tp or ctx.tp_rank == 0:
-        outcomes = [None if ep.end else env_outcome(ep, tokenizer, pool, env_cfg) for ep in episodes]
+    if steps_envs(ctx):
+        steps = start_steps(episodes, tokenizer, ctx) if steps is None else steps
+        outcomes = [None if st is None else st.outcome(env_cfg.step_timeout_s) for st in steps]
     if tp:
         outcomes = broadcast(outcomes, ctx.tp_group)
-    return [not ep.end and apply_outcome(ep, o, tokenizer, env_cfg, turn, limit) for ep, o in zip(episodes, outcomes)]
+    return [not ep.end and apply_outcome(ep, o, tokenizer, env_cfg, limit) for ep, o in zip(episodes, outcomes)]
 
 
-def env_outcome(ep: Episode, tokenizer, pool, env_cfg: EnvConfig) -> StepResult | tuple[str, str]:
-    """The environment's step on the episode's last turn: its StepResult, ("env_timeout", "") when it ran past
-    env.step_timeout_s, or ("env_error", what it raised). Plain values: a TP group broadcasts them."""
-    text = response_text(tokenizer, ep.outs[-1])
-    try:
-        return pool.submit(ep.env.step, text).result(timeout=env_cfg.step_timeout_s)
-    except cf.TimeoutError:
-        return ("env_timeout", "")
-    except Exception as e:  # noqa: BLE001 (an environment's bug ends its episode, not the run)
-        return ("env_error", f"{type(e).__name__}: {e}")
-
-
-def apply_outcome(ep: Episode, res: StepResult | tuple[str, str], tokenizer, env_cfg: EnvConfig, turn: int,
-                  limit: int) -> bool:
-    """The episode after its environment's step `res` (`env_outcome`): the observation appended, or its end; True
-    when it goes on to another turn."""
+def apply_outcome(ep: Episode, res: StepResult | tuple[str, str], tokenizer, env_cfg: EnvConfig, limit: int) -> bool:
+    """The episode after its environment's step `res` on its last turn (`EnvStep.outcome`): the observation
+    appended, or its end; True when it goes on to another turn."""
     if isinstance(res, tuple):
         ep.end = res[0]
         if ep.end == "env_timeout":
@@ -212,6 +276,7 @@ def apply_outcome(ep: Episode, res: StepResult | tuple[str, str], tokenizer, env
         else:
             log.warning("env=%s: a step raised %s; its episode ends (env/error_rate)", env_cfg.name, res[1])
         return False
+    ep.steps.append(res)
     for k, v in res.info.items():
         ep.info[k] = ep.info.get(k, 0.0) + float(v)
     if res.done:
@@ -220,7 +285,7 @@ def apply_outcome(ep: Episode, res: StepResult | tuple[str, str], tokenizer, env
         ep.end = "done"
         return False
     ep.reward += float(res.reward or 0.0)
-    if turn == env_cfg.max_turns:
+    if len(ep.outs) == env_cfg.max_turns:
         ep.end = "max_turns"
         return False
     obs = res.observation

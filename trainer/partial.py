@@ -29,16 +29,18 @@ decode step by construction; under expert parallelism across replicas a replica 
 idle forwards for the others (`parallel.lockstep`) until every replica's run ends. The kept groups' indices
 (`Sample.group`) and the rollout/ metrics are global, as in the synchronous loop.
 
-`state()` / `load_state()`: the pool (each group's prompt, draw index and problem, the version it was queued at),
-this replica's prompt stream and the engine's queue (tokens so far, their log-probs, versions and routes, sampling
-keys), for a checkpoint from which `resume=auto` continues the run exactly.
+`state()` / `load_state()`: the pool (each group's prompt, draw index and problem, the version it was queued at;
+multi-turn: each episode in flight with its environment's answers so far), this replica's prompt stream and the
+engine's queue (tokens so far, their log-probs, versions and routes, sampling keys), for a checkpoint from which
+`resume=auto` continues the run exactly. A resumed episode's environment is reset and told its recorded answers
+(`Environment.replay`); none of its steps runs twice.
 """
 from __future__ import annotations
 
-import concurrent.futures as cf
 import math
 from dataclasses import dataclass, field
 
+from miles_k3.envs.env import StepResult
 from miles_k3.evals.problems import Problem
 from miles_k3.evals.rewards import grade_outcome
 from miles_k3.evals.templates import render_prompt, response_text
@@ -46,12 +48,15 @@ from miles_k3.parallel.mesh import SINGLE, ParallelContext
 from miles_k3.parallel.reduce import gather, max_over, sum_over, world_of
 from miles_k3.trainer.batch import Sample
 from miles_k3.trainer.episodes import (
+    EnvStep,
     Episode,
+    context_limit,
     engine_counts,
     env_metrics,
     env_totals,
     first_prompt,
     keeps_state,
+    start_steps,
     step_episodes,
 )
 from miles_k3.trainer.rollouts import (
@@ -195,13 +200,21 @@ class PartialRollouts:
     def _run_episodes(self, share: int, due: list[int]) -> list[tuple[_Group, list]]:
         """Serve the pool until `share` groups have finished every episode (and every group of `due` has): a turn
         that finishes is handed to its environment at once, and the episode's next turn joins the queue being
-        served. The groups finished, in order."""
+        served. The groups finished, in order.
+
+        The environments of the turns that finish in one decode step step together (each in its own thread, its
+        time its own: `EnvStep`), started as the turns finish (`on_finished`) and applied, in the order they
+        finished, after the decode step's last one (the engine checks `until` then, before it admits anything), so
+        the next turns join the queue in the same order whatever the steps' timing."""
         env_cfg = self.env[1]
-        limit = min(env_cfg.max_total_tokens or self.engine.max_context, self.engine.max_context)
+        limit = context_limit(self.engine, env_cfg)
         done: list[int] = []
-        pool = cf.ThreadPoolExecutor(max_workers=4, thread_name_prefix="env-step")
+        pending: list[tuple[int, int, EnvStep | None]] = []  # (group, episode, its step) in the order they finished
 
         def until() -> bool:
+            if pending:
+                self._advance(pending, limit, done)
+                pending.clear()
             return len(done) >= share and all(k in done for k in due)
 
         def on_finished(gid: int, records: list[dict]) -> None:
@@ -211,41 +224,40 @@ class PartialRollouts:
             if gid in self.turns:
                 key, j = self.turns.pop(gid)
                 self.groups[key].episodes[j].add_turn(records[0])
-                steps = [(key, j)]
+                js = [j]
             else:  # a group's first turn: its episodes begin
                 g, key = self.groups[gid], gid
                 base = self.cfg.seed * 1_000_003 + g.draw * self.cfg.group_size
                 g.episodes = [Episode(env, g.prompt, base + j) for j, env in enumerate(g.envs)]
                 for ep, record in zip(g.episodes, records):
                     ep.add_turn(record)
-                steps = [(key, j) for j in range(len(records))]
-            for key, j in steps:
-                self._advance(key, j, pool, limit)
-            g = self.groups[key]
-            if key not in done and all(ep.end for ep in g.episodes):
-                done.append(key)
+                js = list(range(len(records)))
+            eps = [self.groups[key].episodes[j] for j in js]
+            pending.extend((key, j, st) for j, st in zip(js, start_steps(eps, self.tokenizer, self.ctx)))
 
-        try:
-            self.engine.run(until=until, on_finished=on_finished)
-        finally:
-            pool.shutdown(wait=False, cancel_futures=True)
+        self.engine.run(until=until, on_finished=on_finished)
         return [(self.groups.pop(k), []) for k in done]
 
-    def _advance(self, key: int, j: int, pool, limit: int) -> None:
-        """Episode j of group `key` after a turn: its environment's step, then its next turn queued, or its end."""
-        ep, cfg = self.groups[key].episodes[j], self.cfg
-        turn = len(ep.outs)
-        if not step_episodes([ep], self.tokenizer, pool, self.env[1], turn, limit, self.ctx)[0]:
-            if ep.session is not None:
-                self.engine.close_sessions([ep.session])
-                ep.session = None
-            return
-        params = {"max_new_tokens": min(cfg.max_new_tokens, limit - ep.length), "temperature": cfg.temperature,
-                  "top_p": cfg.top_p, "top_k": cfg.top_k, "sampling_seed": ep.seed * 1_009 + turn}
-        more = {"keep_state": True, "sessions": [ep.session]} if keeps_state(self.engine, self.env[1]) else {}
-        (gid,) = self.engine.submit([ep.prompt + ep.ids], params, n=1, lora=self.lora,
-                                    return_routed_experts=self.routes, **more)
-        self.turns[gid] = (key, j)
+    def _advance(self, pending: list[tuple[int, int, EnvStep | None]], limit: int, done: list[int]) -> None:
+        """The episodes of `pending` after a turn: their environments' steps applied, then each one's next turn
+        queued, or its end; a group whose episodes have all ended joins `done`."""
+        cfg, eps = self.cfg, [self.groups[key].episodes[j] for key, j, _ in pending]
+        go = step_episodes(eps, self.tokenizer, self.env[1], limit, self.ctx, [st for _, _, st in pending])
+        for (key, j, _), ep, more_turns in zip(pending, eps, go):
+            if not more_turns:
+                if ep.session is not None:
+                    self.engine.close_sessions([ep.session])
+                    ep.session = None
+            else:
+                turn = len(ep.outs)
+                params = {"max_new_tokens": min(cfg.max_new_tokens, limit - ep.length), "temperature": cfg.temperature,
+                          "top_p": cfg.top_p, "top_k": cfg.top_k, "sampling_seed": ep.seed * 1_009 + turn}
+                more = {"keep_state": True, "sessions": [ep.session]} if keeps_state(self.engine, self.env[1]) else {}
+                (gid,) = self.engine.submit([ep.prompt + ep.ids], params, n=1, lora=self.lora,
+                                            return_routed_experts=self.routes, **more)
+                self.turns[gid] = (key, j)
+            if key not in done and all(e.end for e in self.groups[key].episodes):
+                done.append(key)
 
     def _episode_samples(self, finished, dropped, version: int, before: dict) -> tuple[list[Sample], dict]:
         episodes = [ep for g, _ in finished for ep in g.episodes]
@@ -382,9 +394,9 @@ class PartialRollouts:
         self.engine.load_queue_state(state["engine"])
 
     def _restore_episodes(self, g: _Group, saved: list[dict] | None) -> None:
-        """A multi-turn group's environments rebuilt: reset as at its draw, then (each live episode) stepped with
-        its turns so far, which brings a deterministic environment back to where it was (its answers are in the
-        episode's tokens already)."""
+        """A multi-turn group's environments rebuilt: reset as at its draw, then (each live episode) told the answers
+        it gave to its turns so far (`Environment.replay`, from the checkpoint): no step runs again, so no tool call
+        or program a turn wrote is repeated."""
         g.envs = self._envs(g.draw, g.problem)
         prompt = self._first_prompt(g.draw, g.problem, g.envs)
         if prompt != g.prompt:
@@ -395,20 +407,27 @@ class PartialRollouts:
         g.episodes = [_episode_from_state(d, env) for d, env in zip(saved, g.envs)]
         for ep in g.episodes:
             if not ep.end:
-                for out in ep.outs:
-                    ep.env.step(response_text(self.tokenizer, out))
+                for out, res in zip(ep.outs, ep.steps, strict=True):
+                    ep.env.replay(response_text(self.tokenizer, out), res)
 
 
 _EPISODE_FIELDS = ("prompt", "seed", "outs", "starts", "ids", "mask", "reward", "graded", "end", "info", "session")
 
 
 def _episode_state(ep: Episode) -> dict:
-    """An episode in flight as plain data and host tensors (its engine records as they are)."""
-    return {k: getattr(ep, k) for k in _EPISODE_FIELDS}
+    """An episode in flight as plain data and host tensors (its engine records as they are, and its environment's
+    answers: `steps`)."""
+    return {k: getattr(ep, k) for k in _EPISODE_FIELDS} | {"steps": [
+        {"observation": r.observation, "reward": r.reward, "done": r.done, "info": dict(r.info)} for r in ep.steps]}
 
 
 def _episode_from_state(d: dict, env) -> Episode:
-    return Episode(env, **{k: d[k] for k in _EPISODE_FIELDS})
+    if "steps" not in d:
+        raise ValueError("rollout state: a multi-turn episode in flight was saved without its environment's answers "
+                         "(a checkpoint of before they were kept); resuming it would run its environment's steps "
+                         "again: start a new run (resume=none, or another run_dir) from its adapter")
+    steps = [StepResult(r["observation"], r["reward"], r["done"], dict(r["info"])) for r in d["steps"]]
+    return Episode(env, **{k: d[k] for k in _EPISODE_FIELDS}, steps=steps)
 
 
 def interleaved_index(counts: list[int], r: int) -> list[int]:

@@ -13,16 +13,23 @@ max_new_tokens out of training altogether: they contribute nothing to the loss, 
 baseline (the group's advantages and its zero-variance test are computed over the members that ended on their
 own; a group with fewer than two such members has no signal); `penalty` is DAPO's soft overlong penalty, applied
 by length to EVERY completion, truncated or not: 0 up to L_max - L_buf tokens (L_max = max_new_tokens, L_buf =
-overlong_buffer), then (L_max - L_buf - L) / L_buf, falling linearly to -1 at L_max.
+overlong_buffer), then (L_max - L_buf - L) / L_buf, falling linearly to -1 at L_max. In a multi-turn episode
+max_new_tokens caps each policy turn, so L is the episode's longest turn (its own sampled tokens; observations never
+count), and the episode takes that one turn's penalty, once: a turn cut at max_new_tokens costs -1, as a response
+cut there does, and an episode of short turns costs nothing however long it grows. Likewise an episode is truncated
+(and `mask` leaves it out) when any of its turns was cut, or it filled the context.
 
 Grading outcomes are counted per step: `rollout/grader_timeout_rate` and `rollout/grader_error_rate` (grader
 timeouts and failures, both scored 0: a silent zero reward otherwise) and `rollout/accuracy` (the share of
 correct answers: the reward without its format bonus or penalties); a step whose grading failures exceed
-GRADER_FAILURE_WARN of its samples logs a warning.
+GRADER_FAILURE_WARN of its samples logs a warning. A sample whose reward could not be computed at all
+(`RewardResult.failed`: the remote judge failed it) is no 0: it is left out of the loss, its group's baseline,
+`rollout/reward_mean` and `rollout/accuracy`, and counted in `rollout/reward_failed`.
 """
 from __future__ import annotations
 
 import logging
+import math
 import random
 from dataclasses import dataclass, field
 
@@ -117,11 +124,13 @@ class RolloutConfig:
     """Draw rounds per step with dynamic_sampling; after them the step trains on the groups it has."""
     overlong: str = "none"
     """none (every sample kept as it is), mask (samples stopped by max_new_tokens are left out of the loss, its
-    normalisers and their group's baseline) or penalty (DAPO's soft penalty by length on every sample)."""
+    normalisers and their group's baseline; multi-turn: an episode with a turn cut there, or that filled the
+    context) or penalty (DAPO's soft penalty by length on every sample; multi-turn: by the episode's longest
+    policy turn against the per-turn max_new_tokens, once per episode; observations never count)."""
     overlong_buffer: int = 0
     """The penalty's ramp length L_buf in tokens (penalty mode): a response of L > max_new_tokens - L_buf tokens
-    gets (max_new_tokens - L_buf - L) / L_buf added to its reward (-1 at max_new_tokens); 0: -1 for a response
-    of max_new_tokens tokens, nothing below."""
+    gets (max_new_tokens - L_buf - L) / L_buf added to its reward (-1 at max_new_tokens; multi-turn: L is the
+    episode's longest policy turn); 0: -1 for L = max_new_tokens, nothing below."""
     seed: int = 0
     """Prompt order and sampling seeds."""
     mode: str = "sync"
@@ -286,9 +295,10 @@ def reward_metrics(reward_fn, ctx: ParallelContext = SINGLE) -> dict[str, float]
     if pop is None:
         return {}
     counts = pop()
-    samples, failed, retries = sum_over([counts["samples"], counts["failed"], counts["retries"]], ctx.dp_group)
+    keys = [k for k in counts if k != "seconds"]
+    summed = dict(zip(keys, sum_over([counts[k] for k in keys], ctx.dp_group)))
     (seconds,) = max_over([counts["seconds"]], ctx.dp_group)
-    return remote_metrics({"samples": samples, "failed": failed, "retries": retries, "seconds": seconds})
+    return remote_metrics(summed | {"seconds": seconds})
 
 
 def _global_flags(flags: list[bool], n: int, ctx: ParallelContext) -> list[bool]:
@@ -364,16 +374,18 @@ def score_episodes(episodes: list[Episode], golds: list[str], reward_fn, cfg: Ro
     for i, ep in enumerate(episodes):
         r = by_episode.get(i)
         reward = ep.reward if r is None else (ep.reward + r.score if ep.reward else r.score)
-        s = _sample(ep.prompt, ep.record(), reward, cfg)
+        s = _sample(ep.prompt, ep.record(), reward, cfg, ep.turn_lengths())
         if 0 in ep.mask:
             s.loss_mask = list(ep.mask)
-        if ep.end == "context":
+        cut = any((o["meta_info"].get("finish_reason") or {}).get("type") == "length" for o in ep.outs)
+        if ep.end == "context" or cut:  # a turn cut at its max_new_tokens, or the context full: truncated
             s.truncated = True
             s.in_loss = s.in_loss and cfg.overlong != "mask"
-        if ep.end in ("env_error", "env_timeout") or (r is not None and r.failed):
+        s.reward_failed = r is not None and r.failed
+        if ep.end in ("env_error", "env_timeout") or s.reward_failed:
             s.in_loss = False  # no trustworthy reward: out of the loss and its group's baseline
         samples.append(s)
-    return samples, [(grade_outcome(r), bool(r.correct)) for r in results]
+    return samples, [("failed" if r.failed else grade_outcome(r), bool(r.correct)) for r in results]
 
 
 def _first_turns(engine, tokenizer, drawn, seeds, cfg: RolloutConfig, lora, routes: bool, factory,
@@ -408,12 +420,16 @@ SINGLE_ENV = (Single, EnvConfig())
 """The default environment: one turn per rollout, graded by the run's reward."""
 
 
-def _sample(prompt: list[int], out: dict, reward: float, cfg: RolloutConfig) -> Sample:
+def _sample(prompt: list[int], out: dict, reward: float, cfg: RolloutConfig,
+            turn_lengths: list[int] | None = None) -> Sample:
+    """The engine's record `out` as a Sample; `turn_lengths`: the policy's tokens in each turn of a multi-turn
+    episode (None: one turn, all of `out`), whose longest takes the overlong penalty."""
     meta = out["meta_info"]
     truncated = (meta.get("finish_reason") or {}).get("type") == "length"
     ids = list(out["output_ids"])
     if cfg.overlong == "penalty":
-        reward += overlong_penalty(len(ids), cfg.max_new_tokens, cfg.overlong_buffer)
+        longest = len(ids) if turn_lengths is None else max(turn_lengths, default=0)
+        reward += overlong_penalty(longest, cfg.max_new_tokens, cfg.overlong_buffer)
     versions = meta.get("weight_versions") or [meta.get("weight_version", 0)]
     return Sample(list(prompt), ids, [lp for lp, _ in meta.get("output_token_logprobs", [])], reward,
                   weight_version=min(versions), weight_version_max=max(versions), truncated=truncated,
@@ -438,7 +454,8 @@ def _totals(seen: list[list[Sample]], outcomes: list[tuple[str, bool]]) -> dict[
     flat = [s for g in seen for s in g]
     gaps = [u - f for s in flat if s.unfiltered_logprobs
             for f, u in zip(s.rollout_logprobs, s.unfiltered_logprobs)]
-    return {"samples": len(flat), "reward": sum(s.reward for s in flat),
+    return {"samples": len(flat), "reward": sum(s.reward for s in flat if not s.reward_failed),
+            "reward_failed": sum(s.reward_failed for s in flat),
             "response_len": sum(len(s.response_ids) for s in flat), "truncated": sum(s.truncated for s in flat),
             "gaps": len(gaps), "gap": sum(gaps), "graded": len(outcomes),
             "timeouts": sum(o == "timeout" for o, _ in outcomes), "errors": sum(o == "error" for o, _ in outcomes),
@@ -449,7 +466,9 @@ def _metrics(t: dict[str, float], counts: dict[str, int]) -> dict[str, float]:
     """The step's rollout/ metrics from the (global) sums `t` and group counts; shares of grader timeouts, grader
     errors and correct answers among the graded samples; warns when timeouts + errors exceed
     GRADER_FAILURE_WARN."""
-    out = {"rollout/reward_mean": t["reward"] / t["samples"],
+    scored = t["samples"] - t["reward_failed"]  # a sample whose reward failed has none: not a 0 in the mean
+    out = {"rollout/reward_mean": t["reward"] / scored if scored else math.nan,
+           "rollout/reward_failed": float(t["reward_failed"]),
            "rollout/response_len_mean": t["response_len"] / t["samples"],
            "rollout/truncated_frac": t["truncated"] / t["samples"],
            "rollout/groups_kept": float(counts["groups_kept"]), "rollout/groups_drawn": float(counts["groups_drawn"]),
@@ -457,11 +476,12 @@ def _metrics(t: dict[str, float], counts: dict[str, int]) -> dict[str, float]:
     if t["gaps"]:  # top-p / top-k: the sampled tokens' log-probs under the filtered vs the full distribution
         out["rollout/logprob_filter_gap"] = -t["gap"] / t["gaps"]
     n = max(t["graded"], 1)
-    timeouts, errors = t["timeouts"] / n, t["errors"] / n
+    timeouts, errors = t["timeouts"] / n, t["errors"] / n  # a failed reward is neither (rollout/reward_failed)
     if timeouts + errors > GRADER_FAILURE_WARN:
         log.warning("rollout: %.0f%% of this step's samples were not graded (%.0f%% timeouts, %.0f%% grader errors) "
                     "and scored 0: raise reward.timeout_s or reward.workers, or check the gold answers (a "
                     "grader error on the gold is a dataset problem)", 100 * (timeouts + errors), 100 * timeouts,
                     100 * errors)
     return {**out, "rollout/grader_timeout_rate": timeouts, "rollout/grader_error_rate": errors,
-            "rollout/accuracy": t["correct"] / n, "rollout/frac_zero_std": counts["flat"] / counts["groups_drawn"]}
+            "rollout/accuracy": t["correct"] / max(t["graded"] - t["reward_failed"], 1),
+            "rollout/frac_zero_std": counts["flat"] / counts["groups_drawn"]}

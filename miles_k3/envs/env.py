@@ -1,19 +1,29 @@
 """Environments: a rollout is an episode of turns between the policy and an environment, registered by name.
 
-An environment is made fresh for every episode (`build_env(cfg)` returns its factory) and answers two calls:
+An environment subclasses `Environment`; one is made fresh for every episode (`build_env(cfg)` returns its
+factory). The trainer calls:
 
     reset(problem, rng) -> str | None     the episode's first prompt text (None: the rollout template's rendering
                                           of the problem, as a single-turn rollout has it)
     step(turn) -> StepResult              the policy's turn (its text); the observation to append, a reward, done
+    cancel()                              from another thread, when a step runs past env.step_timeout_s: make it
+                                          return or raise promptly (default: nothing; the step is left to finish
+                                          and its result is discarded)
+    replay(turn, result)                  on resume (rollout.mode=partial): the environment, reset as at its draw,
+                                          is told each turn it answered before the checkpoint and the answer it
+                                          gave (recorded then); `step` is never run again for a turn (default:
+                                          nothing, for an environment whose answers do not depend on earlier turns)
 
 `StepResult.observation` is text (tokenised on its own and appended as ids after the policy's tokens: the policy's
 tokens are never re-tokenised) or token ids. `StepResult.reward` is added to the episode's reward; on the final
 step None means "grade the final turn with the run's reward (reward.name) against the problem's answer", which is
 what the one-step `single` environment (the default: one prompt, one response) returns. An episode ends when a
 step says done, at env.max_turns policy turns, when its tokens reach env.max_total_tokens (or the engine's
-context), when a turn is cut by rollout.max_new_tokens, or when the environment raises or runs past
-env.step_timeout_s (the episode is then left out of the loss and counted in env/error_rate or env/timeout_rate;
-the run goes on).
+context), or when the environment raises or runs past env.step_timeout_s (the episode is then left out of the loss
+and counted in env/error_rate or env/timeout_rate; the run goes on). A turn cut by rollout.max_new_tokens does not
+end its episode: the environment answers it as any other (rollout.overlong judges each turn against that cap). The
+environments of a round's episodes step at once, each in a thread of its own, its time counted from when its own
+step starts.
 
 Built in:
 * single: one turn, graded by the reward (the default);
@@ -30,10 +40,12 @@ from __future__ import annotations
 
 import random
 import re
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
 
+from miles_k3.envs import sandbox
+from miles_k3.envs.sandbox import SandboxLimits
 from miles_k3.envs.tools import TOOL_NAMES, ToolCallError, build_tools, parse_tool_calls, run_tool_call
 from miles_k3.evals.problems import Problem
 
@@ -51,10 +63,30 @@ class StepResult:
     """Numbers summed over the episode and logged as env/<key> (per-episode means), e.g. tool_calls."""
 
 
-class Environment(Protocol):
-    def reset(self, problem: Problem, rng: random.Random) -> str | None: ...
+class Environment:
+    """What an episode's environment answers (subclass it; see the module docstring). `reset` and `step` run in a
+    thread of the trainer's (a step in one of its own); `cancel` is called from another thread."""
 
-    def step(self, turn: str) -> StepResult: ...
+    def reset(self, problem: Problem, rng: random.Random) -> str | None:
+        """The episode's first prompt text, or None for the rollout template's rendering of the problem. Every member
+        of a GRPO group gets the same rng seed and must give the same prompt."""
+        raise NotImplementedError
+
+    def step(self, turn: str) -> StepResult:
+        """The answer to the policy's turn (its text, decoded from the tokens it sampled)."""
+        raise NotImplementedError
+
+    def cancel(self) -> None:
+        """Called from another thread while `step` runs past env.step_timeout_s: make that step return or raise
+        promptly (kill the process it waits on, close its connection). Its result is discarded either way and the
+        episode ends (env/timeout_rate). Default: nothing; the step runs on in its thread until it ends by itself."""
+
+    def replay(self, turn: str, result: StepResult) -> None:
+        """Resume: bring this environment, just reset as at the episode's draw, to where it was after answering
+        `turn` with `result` (recorded when `step` ran), without running the step again (its tool calls, programs
+        or requests are not repeated). Called for each turn of an episode in flight at a checkpoint, in order.
+        Default: nothing, right for an environment whose answers do not depend on its earlier turns; one that keeps
+        state across turns overrides it (`Guess` remembers the guess)."""
 
 
 @dataclass
@@ -79,8 +111,11 @@ class EnvConfig:
     (problem text, base_url) and returning its answer text (graded by the reward) or a float reward
     (`miles_k3.agent`)."""
     tools: list[str] = field(default_factory=list)
-    """env=tools: the tools the policy may call (calculator; python runs code in a separate, limited process with
-    no network, and is off unless listed)."""
+    """env=tools: the tools the policy may call (calculator; python runs model-written code in a bubblewrap
+    sandbox, env.sandbox, and is off unless listed)."""
+    sandbox: SandboxLimits = field(default_factory=SandboxLimits)
+    """env.tools=[python]: the limits of each call's sandbox (CPU, memory, processes, file size, scratch space,
+    wall time, output); with the python tool, env.step_timeout_s must be at least 3 x env.sandbox.wall_s."""
 
     def validate(self) -> None:
         if self.name not in _ENVS:
@@ -107,6 +142,24 @@ class EnvConfig:
             for t in self.tools:
                 if t not in TOOL_NAMES:
                     raise ValueError(f"tools: '{t}' is not a tool; known: {', '.join(TOOL_NAMES)}")
+        if "python" in self.tools:
+            self._check_python_tool()
+
+    def _check_python_tool(self) -> None:
+        """The step timeout holds PYTHON_CALLS_PER_STEP sandboxed calls, and the sandbox starts on this machine."""
+        need = PYTHON_CALLS_PER_STEP * self.sandbox.wall_s
+        if self.step_timeout_s < need:
+            raise ValueError(f"step_timeout_s: {self.step_timeout_s:g} s holds fewer than {PYTHON_CALLS_PER_STEP} "
+                             f"python calls of env.sandbox.wall_s={self.sandbox.wall_s:g} s (a turn's calls run one "
+                             f"after another in one step); set env.step_timeout_s >= {need:g} or lower "
+                             "env.sandbox.wall_s")
+        reason = sandbox.unavailable_reason()
+        if reason is not None:
+            raise ValueError(f"tools: python: {reason}")
+
+
+PYTHON_CALLS_PER_STEP = 3
+"""With the python tool, env.step_timeout_s must be at least this many env.sandbox.wall_s: room for several calls."""
 
 
 EnvFactory = Callable[[], Environment]
@@ -134,7 +187,7 @@ def build_env(cfg: EnvConfig) -> EnvFactory:
     return _ENVS[cfg.name](cfg)
 
 
-class Single:
+class Single(Environment):
     """One prompt (the rollout template's), one response, graded by the run's reward."""
 
     def reset(self, problem: Problem, rng: random.Random) -> str | None:
@@ -152,7 +205,7 @@ def _single(cfg: EnvConfig) -> EnvFactory:
 _INT = re.compile(r"-?\d+")
 
 
-class Guess:
+class Guess(Environment):
     """Guess the number: the problem's answer (an integer) is the secret; the problem's text is the prompt. Each
     turn's first integer is the guess: "higher" or "lower" comes back after a wrong one, "not a number" after a
     turn with none; reward 1 when found (0 if the turns run out). Info: `invalid` (a turn with no number) and
@@ -177,18 +230,24 @@ class Guess:
         self.guessed.add(guess)
         return StepResult(" higher\n" if guess < self.secret else " lower\n", 0.0, info=info)
 
+    def replay(self, turn: str, result: StepResult) -> None:
+        m = _INT.search(turn)
+        if m is not None:  # the only state a step keeps: the guesses made
+            self.guessed.add(int(m.group()))
+
 
 @register_env("guess")
 def _guess(cfg: EnvConfig) -> EnvFactory:
     return Guess
 
 
-class Tools:
+class Tools(Environment):
     """Tool calls in a turn are answered, each as `<tool_response>...</tool_response>`; a turn with no call is the
     final answer, graded by the run's reward."""
 
     def __init__(self, tools: dict):
         self.tools = tools
+        self._cancel = threading.Event()
 
     def reset(self, problem: Problem, rng: random.Random) -> str | None:
         return None
@@ -198,13 +257,18 @@ class Tools:
         if not calls:
             return StepResult(reward=None, done=True)
         bad = sum(isinstance(c, ToolCallError) for c in calls)
-        text = "".join(f"<tool_response>{run_tool_call(c, self.tools)}</tool_response>" for c in calls)
+        text = "".join(f"<tool_response>{run_tool_call(c, self.tools, self._cancel)}</tool_response>" for c in calls)
         return StepResult("\n" + text + "\n", 0.0, info={"tool_calls": float(len(calls)), "tool_call_errors": float(bad)})
+
+    def cancel(self) -> None:
+        """End this episode's tool calls: the python call running now is killed at once (every process of its
+        sandbox dead) and later python calls do not start ("exit: cancelled"), so the step returns promptly."""
+        self._cancel.set()
 
 
 @register_env("tools")
 def _tools(cfg: EnvConfig) -> EnvFactory:
-    tools = build_tools(list(cfg.tools))  # unknown names and an unavailable sandbox fail here, before any work
+    tools = build_tools(list(cfg.tools), cfg.sandbox)  # unknown names and an unavailable sandbox fail here
     return lambda: Tools(tools)
 
 
