@@ -42,8 +42,8 @@ class RewardConfig:
     max_chars: int = MAX_RESPONSE_CHARS
     """A longer final segment is graded on its last max_chars characters."""
     remote: RemoteRewardConfig = field(default_factory=RemoteRewardConfig)
-    """reward.name=remote only: the judge server (remote.url, required), batching, per-request time limit,
-    retries with backoff, the share of failed samples a call tolerates, and the bearer token's environment
+    """reward.name=remote only: the judge server (remote.url, required), batching, a total deadline per
+    attempt, bounded responses, retries with backoff, a circuit breaker, the share of failed samples a call tolerates, and the bearer token's environment
     variable; format_bonus, timeout_s, workers, channel and max_chars do nothing for it."""
 
     def validate(self) -> None:

@@ -101,7 +101,8 @@ class EnvConfig:
     max_total_tokens: int = 0
     """Prompt + all turns + observations at most; 0: the engine's max_context."""
     step_timeout_s: float = 10.0
-    """Seconds one environment step may take; past it the episode ends (env/timeout_rate), the run goes on."""
+    """Seconds one environment step may take, counted from when that step starts; past it the step is cancelled
+    (`Environment.cancel`: a running sandbox is killed) and its episode ends (env/timeout_rate), the run goes on."""
     keep_state: bool = True
     """Multi-turn episodes keep each episode's KDA state and MLA latent pages in the engine between its turns, so a
     turn prefills only its new tokens (engine.backend=native; false: every turn recomputes the whole conversation,
