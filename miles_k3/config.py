@@ -82,6 +82,9 @@ class TrainConfig:
 
     requires: Requires = field(default_factory=Requires)
     """What the recipe needs (a GPU, a base built first), checked before anything else."""
+    threads: int = 0
+    """CPU threads torch computes with (torch.set_num_threads); 0: torch's default (one per core, or
+    OMP_NUM_THREADS)."""
 
     seed: int = 0
     """Seed for torch, python and numpy RNGs."""
@@ -163,6 +166,8 @@ class TrainConfig:
         for name in ("steps", "checkpoint_every"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}")
+        if self.threads < 0:
+            raise ValueError(f"threads: must be >= 0 (0: torch's default), got {self.threads}")
         if self.keep_checkpoints < 1:
             raise ValueError(f"keep_checkpoints: must be >= 1, got {self.keep_checkpoints}")
 

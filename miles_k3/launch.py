@@ -39,7 +39,7 @@ from miles_k3.parallel.reduce import broadcast, world_of
 from miles_k3.rollout.api import Engine
 from miles_k3.rollout.factory import POLICY, build_engine
 from miles_k3.rollout.sglang_backend import checkpoint_context
-from miles_k3.runtime import resolve_device, resolve_dtype
+from miles_k3.runtime import resolve_device, resolve_dtype, set_threads
 from miles_k3.tracking import NullTracker, Tracker, truncate_after
 from miles_k3.trainer.checkpoint import (
     STATE_FILE,
@@ -124,6 +124,7 @@ def build_run(cfg) -> Run:
     and the mesh is checked against the model's shapes before any weight is built."""
     seed_everything(cfg.seed)
     quiet_other_ranks()
+    set_threads(cfg.threads)
     check_mesh_fits_model(cfg)
     device = resolve_device(cfg.device)
     ctx = init_parallel(cfg.parallel, device.type)

@@ -15,6 +15,18 @@ NVIDIA, ~1e-3 relative per product), or whatever TRITON_F32_DEFAULT already says
 FP32_DOTS_ENV = "TRITON_F32_DEFAULT"
 
 
+def set_threads(threads: int) -> None:
+    """`threads`: torch's CPU threads for this process (intra-op; torch.set_num_threads), logged; 0 leaves torch's
+    own default (one per core, or OMP_NUM_THREADS when set)."""
+    if threads < 0:
+        raise ValueError(f"threads: must be >= 0 (0: torch's default), got {threads}")
+    if threads:
+        torch.set_num_threads(threads)
+    log.info("cpu threads=%d (%s)", torch.get_num_threads(), "as configured" if threads else
+             "torch's default" + (f", OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}"
+                                  if "OMP_NUM_THREADS" in os.environ else ""))
+
+
 def set_fp32_dots(value: str) -> None:
     """Make Triton compile fp32 dots at `value` in this process (sets TRITON_F32_DEFAULT, which Triton reads when it
     compiles a kernel and keys its on-disk cache by). "auto" changes nothing.
