@@ -10,7 +10,8 @@ perf/step_s and the evals' eval/seconds up to that eval (the work itself: a call
 capture are not counted, and are reported apart as `wall_overhead_s` where the train.log shows them). The step-time
 breakdown is the median over the run's steps of each perf/ figure (rollout: prefill, decode, of which the tail;
 reward; train: forward/backward, optimizer; sync) and their shares of perf/step_s. `--sft` adds the bases' SFT
-figures (steps, tokens/s, the teacher-forced held-out exact match by step). Writes
+figures (tokens/s and step time per log window, and their medians after the first window, which holds the kernels'
+compiles; the teacher-forced held-out exact match by step). Writes
 benchmarks/results/bench_reasoning.json (or --out).
 """
 import argparse
@@ -73,11 +74,13 @@ def sft_figures(run_dir: Path) -> dict:
     rows = read_rows(run_dir)
     held = [{"step": r["step"], "exact": r["sft/heldout_exact"], "token": r["sft/heldout_token"]}
             for r in rows if "sft/heldout_exact" in r]
-    tps = [r["perf/tokens_per_s"] for r in rows if "perf/tokens_per_s" in r]
-    return {"run_dir": str(run_dir), "heldout_teacher_forced": held,
-            "tokens_per_s_median": round(statistics.median(tps)) if tps else None,
-            "step_s_median": round(statistics.median(r["perf/step_s"] for r in rows if "perf/step_s" in r), 3)
-            if any("perf/step_s" in r for r in rows) else None}
+    windows = [{"step": r["step"], "tokens_per_s": round(r["perf/tokens_per_s"]), "step_s": round(r["perf/step_s"], 3)}
+               for r in rows if "perf/tokens_per_s" in r]
+    warm = windows[1:] or windows  # the first log window holds the kernels' compiles and the allocator's growth
+    return {"run_dir": str(run_dir), "heldout_teacher_forced": held, "log_windows": windows,
+            "tokens_per_s_after_first_window": round(statistics.median(w["tokens_per_s"] for w in warm))
+            if warm else None,
+            "step_s_after_first_window": round(statistics.median(w["step_s"] for w in warm), 3) if warm else None}
 
 
 def main() -> None:
