@@ -259,22 +259,75 @@ def _load_saved(path: Path, cfg: DatasetConfig) -> Table:
 
 
 def _load_hub(cfg: DatasetConfig) -> Table:
+    """A hub dataset's split. When the hub cannot be reached (`hub_unreachable`: a probe of a few seconds) it is
+    read from the local datasets cache in offline mode, or refused at once: `datasets` would otherwise retry the
+    hub for about 30 s before failing."""
     import datasets
 
     split = cfg.split or default_split(cfg.source)
     rev = f" at revision {cfg.revision!r}" if cfg.revision else ""
+    unreachable = None if datasets.config.HF_HUB_OFFLINE else hub_unreachable()
     try:
-        ds = datasets.load_dataset(cfg.source, split=split, revision=cfg.revision)
+        with _offline(unreachable is not None):
+            ds = datasets.load_dataset(cfg.source, split=split, revision=cfg.revision)
     except Exception as e:
         if isinstance(e, ValueError) and ("Unknown split" in str(e) or "Bad split" in str(e)):
             raise DatasetError(f"data.split: hub dataset {cfg.source!r}{rev} has no split {split!r} ({e}); set "
                                "data.split to one of its splits") from e
+        if unreachable is not None:
+            raise DatasetError(
+                f"data.source: hub dataset {cfg.source!r} split {split!r}{rev} is not in the local datasets cache "
+                f"and the Hugging Face hub cannot be reached ({unreachable}); point the source at a local .jsonl, "
+                ".json or .parquet file instead (data.source=/path/file.jsonl; for python -m miles_k3.eval, "
+                "eval.data.source=/path/file.jsonl)") from None
         raise DatasetError(
             f"data.source: could not load hub dataset {cfg.source!r} split {split!r}{rev}: {_cause(e)}. Reading "
             "it needs network access to the Hugging Face hub (or a copy in the local datasets cache); without "
             "it, copy the data here and use a local copy: data.source=/path/file.jsonl (no local file named "
             f"{cfg.source!r} exists either)") from e
     return Table(f"hub dataset {cfg.source} [{split}]", ds)
+
+
+HUB_PROBE_TIMEOUT_S = 3.0
+"""How long `hub_unreachable` waits for the hub to answer before taking it as unreachable."""
+
+
+def hub_unreachable(timeout_s: float = HUB_PROBE_TIMEOUT_S) -> str | None:
+    """Why the Hugging Face hub (huggingface_hub's endpoint: HF_ENDPOINT, else https://huggingface.co) cannot be
+    reached, from one HEAD request through the environment's proxies, or None when it answers (with any status) or
+    fails in a way that is not about reaching it (TLS: a proxy of one's own may need its certificate)."""
+    import ssl
+    import urllib.error
+    import urllib.request
+
+    from huggingface_hub import constants
+
+    try:
+        urllib.request.urlopen(urllib.request.Request(constants.ENDPOINT, method="HEAD"), timeout=timeout_s).close()
+    except urllib.error.HTTPError:
+        return None  # it answered
+    except urllib.error.URLError as e:
+        reason = e.reason
+        return None if isinstance(reason, ssl.SSLError) else f"{constants.ENDPOINT}: {reason}"
+    except (TimeoutError, OSError) as e:
+        return f"{constants.ENDPOINT}: {e or type(e).__name__}"
+    return None
+
+
+@contextmanager
+def _offline(on: bool):
+    """`datasets` and huggingface_hub in offline mode (HF_HUB_OFFLINE: the local cache only, no retries) while
+    `on`; their previous mode is restored."""
+    import datasets
+    from huggingface_hub import constants
+
+    before = datasets.config.HF_HUB_OFFLINE, constants.HF_HUB_OFFLINE
+    if on:
+        datasets.config.HF_HUB_OFFLINE = constants.HF_HUB_OFFLINE = True
+    try:
+        yield
+    finally:
+        datasets.config.HF_HUB_OFFLINE, constants.HF_HUB_OFFLINE = before
 
 
 def _cause(e: BaseException) -> str:

@@ -16,6 +16,7 @@ from hydra.core.config_store import ConfigStore
 from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 
+from miles_k3.cli import RECIPES_MODULE, check_overrides, closest_fields, did_you_mean
 from miles_k3.config_checks import (
     check_agent,
     check_backend,
@@ -30,6 +31,7 @@ from miles_k3.config_checks import (
     check_routes,
     check_sync,
     check_weights_given,
+    tis_for_mode,
 )
 from miles_k3.envs.env import EnvConfig
 from miles_k3.evals.datasets import DatasetConfig
@@ -47,12 +49,11 @@ from miles_k3.rollout.engine_config import EngineConfig
 from miles_k3.rollout.sglang_config import SGLangConfig
 from miles_k3.tracking import TrackingConfig
 from miles_k3.trainer.checkpoint import ResumeError
+from miles_k3.trainer.losses import LossConfig
 from miles_k3.trainer.optim import OptimConfig
 from miles_k3.trainer.rollouts import RolloutConfig
 from miles_k3.trainer.step import TrainerConfig
 from miles_k3.weight_sync.config import WeightSyncConfig
-
-RECIPES_MODULE = "miles_k3.recipes"
 
 
 class ConfigFieldError(ValueError):
@@ -111,8 +112,11 @@ class TrainConfig:
     """The training problems (prompt + gold answer): a hub id or a local jsonl/json/parquet file."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     """Prompts and samples per step, sampling, advantages, dynamic sampling, overlong handling."""
-    trainer: TrainerConfig = field(default_factory=TrainerConfig)
-    """Policy loss, optimizer and LR schedule, micro-batching, precision."""
+    trainer: TrainerConfig = field(default_factory=lambda: TrainerConfig(loss=LossConfig(tis="auto")))
+    """Policy loss, optimizer and LR schedule, micro-batching, precision. Here trainer.loss.tis defaults to auto, made
+    the rollout mode's setting when the config is built (`tis_for_mode`): token_truncate under rollout.mode=partial
+    (the importance weight its off-policy tokens need: docs/concepts/off-policy.md), none under sync; an explicit
+    setting is kept (and checked)."""
     engine: EngineConfig = field(default_factory=EngineConfig)
     """The colocated rollout engine: engine.backend (native | sglang) and the native engine's sizes (max_context
     must hold every training prompt + rollout.max_new_tokens: checked when the data loads)."""
@@ -135,6 +139,10 @@ class TrainConfig:
     """Scale-out over torchrun's processes: dp replicas x tp ranks each, ep expert ranks over them (all 1: one
     process). torchrun --nproc-per-node dp*tp -m miles_k3.train parallel.dp=... (docs/concepts/scale-out.md)."""
 
+    def __post_init__(self) -> None:
+        if self.trainer.loss.tis == "auto":
+            self.trainer.loss.tis = tis_for_mode(self.rollout.mode)
+
     def validate(self) -> None:
         check_requires(self.requires.device, self.requires.base_command, self.device, self.model.path)
         check_parallel(self.parallel, self.device, self.engine.backend)
@@ -152,10 +160,10 @@ class TrainConfig:
         check_release_tags(self.rollout.release_tags, self.engine.backend, self.sglang)
         check_sync(self.sync, self.engine.backend)
         check_routes(self.rollout.return_routed_experts, self.trainer.routing_replay, self.engine.backend)
+        check_partial(self.rollout.mode, self.trainer.old_logprobs, self.trainer.loss.tis, self.engine.backend)
         check_filtered_logprobs(self.rollout.top_p, self.rollout.top_k, self.trainer.old_logprobs, self.trainer.loss.tis,
                                 self.engine.backend)
         check_context("rollout.max_new_tokens", self.rollout.max_new_tokens, self.engine, self.sglang)
-        check_partial(self.rollout.mode, self.trainer.old_logprobs, self.trainer.loss.tis, self.engine.backend)
         if self.eval.every_n_steps > 0:
             check_context("eval.max_new_tokens", self.eval.max_new_tokens, self.engine, self.sglang)
         if self.trainer.old_logprobs == "rollout" and self.trainer.loss.tis != "none":
@@ -288,6 +296,14 @@ class ServeConfig:
     api_key_env: str | None = None
     """Name of an environment variable holding a bearer token every request must carry (Authorization: Bearer
     ...); None: no authentication (the loopback default). The token is never logged."""
+    chat_format: str = "auto"
+    """How a chat request's messages become the prompt: tokenizer (the tokenizer's chat template), role_lines
+    (`role: content` lines, then `assistant: `), or a prompt template's name (equation, plain, boxed, ...: each
+    user message rendered as training rendered a problem, other messages as their text); auto: the tokenizer's
+    chat template if it has one, else the template a single-turn model was trained with (its adapter's run
+    config, or the recipe of a shipped base: equation for k3_nano), else role_lines. An app built over an engine
+    of its own (`serve.build_app`: training's agent server) knows no trained template: auto is then the chat
+    template or role_lines."""
 
     def validate(self) -> None:
         check_device(self.device)
@@ -316,6 +332,9 @@ class ServeConfig:
         if self.api_key_env is not None and not os.environ.get(self.api_key_env):
             raise ValueError(f"api_key_env: the environment variable {self.api_key_env} is unset or empty; set it "
                              "to the bearer token clients send, or leave api_key_env null")
+        formats = ("auto", "tokenizer", "role_lines", *template_names())
+        if self.chat_format not in formats:
+            raise ValueError(f"chat_format: '{self.chat_format}' is not one of {', '.join(formats)}")
 
 
 SFT_MODES = ("full", "lora")
@@ -513,8 +532,9 @@ def _check_added_keys(node: DictConfig, path: str) -> None:
     names = {f.name for f in dataclasses.fields(schema)} if dataclasses.is_dataclass(schema) else None
     for key, value in node.items_ex(resolve=False):
         if names is not None and key not in names:
+            hint = did_you_mean([path + name for name in closest_fields(schema, key)])
             raise ConfigFieldError(f"{path}{key}: not a field of {schema.__name__}, so it would do nothing; remove "
-                                   f"the +{path}{key} override (--cfg job prints the fields and their values)")
+                                   f"the +{path}{key} override{hint} (--cfg job prints the fields and their values)")
         if isinstance(value, DictConfig):
             _check_added_keys(value, f"{path}{key}.")
 
@@ -565,8 +585,9 @@ def exit_on_user_error(prog: str):
 
 def compose_cli(config_name: str, argv: list[str], prog: str, usage: str) -> Any:
     """The config of a `python -m <prog> key=value ...` command that is not a Hydra app (model_info,
-    init_checkpoint): --help / -h prints `usage` and exits 0; another --flag, a bad override (Hydra's message) or
-    an invalid field exits with one line naming it; else `compose_config(config_name, argv)`."""
+    init_checkpoint): --help / -h prints `usage` and exits 0; another --flag, a key that is not a field (with the
+    closest names: `cli.check_overrides`), a bad override (Hydra's message) or an invalid field exits with one line
+    naming it; else `compose_config(config_name, argv)`."""
     if any(a in ("-h", "--help") for a in argv):
         print(usage.strip("\n"))
         raise SystemExit(0)
@@ -574,6 +595,8 @@ def compose_cli(config_name: str, argv: list[str], prog: str, usage: str) -> Any
     if flag is not None:
         raise SystemExit(f"{prog}: {flag}: not an option; arguments are key=value overrides (python -m {prog} "
                          "--help)")
+    register_schemas()
+    check_overrides(prog, config_name, argv, f" (python -m {prog} --help)")
     try:
         with exit_on_user_error(prog):
             return compose_config(config_name, argv)

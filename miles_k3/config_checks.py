@@ -208,6 +208,14 @@ def check_filtered_logprobs(top_p: float, top_k: int, old_logprobs: str, tis: st
                          "trainer.old_logprobs=recompute trainer.loss.tis=none")
 
 
+def tis_for_mode(mode: str) -> str:
+    """trainer.loss.tis=auto (python -m miles_k3.train's default) for rollout mode `mode`: token_truncate under
+    partial, whose tokens were sampled under up to max_staleness older adapters and are importance weighted against
+    the engine's log-probs (docs/concepts/off-policy.md); none under sync (the trainer's adapter sampled every
+    token)."""
+    return "token_truncate" if mode == "partial" else "none"
+
+
 def check_partial(mode: str, old_logprobs: str, tis: str, backend: str) -> None:
     """rollout.mode=partial trains samples whose tokens span weight versions: the PPO ratio is taken against the
     trainer's own log-probs at the start of the step (old_logprobs=recompute, decoupled PPO) and the tokens the
@@ -227,7 +235,8 @@ def check_partial(mode: str, old_logprobs: str, tis: str, backend: str) -> None:
     if tis == "none":
         raise ValueError("trainer.loss.tis: rollout.mode=partial trains tokens sampled under older adapters, which "
                          "need an importance weight against the engine's log-probs; set "
-                         "trainer.loss.tis=token_truncate (or seq_mask)")
+                         "trainer.loss.tis=token_truncate (or seq_mask), or leave it unset (auto: token_truncate in "
+                         "partial mode)")
 
 
 def check_agent(backend: str, world_size: int, mode: str, routes: bool) -> None:

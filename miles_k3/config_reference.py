@@ -84,13 +84,18 @@ def default_text(f: dataclasses.Field) -> str:
 
 
 def _changed(value) -> list[str]:
-    """`name=value` of each field of a dataclass instance that differs from its class's own default."""
+    """`name=value` of each field of a dataclass instance that differs from its class's own default (a section's
+    own changed fields: `loss=LossConfig(tis='auto')`)."""
     try:
         plain = type(value)()
     except TypeError:
         return []
-    return [f"{f.name}={getattr(value, f.name)!r}" for f in dataclasses.fields(value)
+    return [f"{f.name}={_text(getattr(value, f.name))}" for f in dataclasses.fields(value)
             if getattr(value, f.name) != getattr(plain, f.name)]
+
+
+def _text(value) -> str:
+    return f"{type(value).__name__}({', '.join(_changed(value))})" if dataclasses.is_dataclass(value) else repr(value)
 
 
 def class_doc(cls: type) -> str:

@@ -41,12 +41,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from miles_k3.atomic import atomic_write_text
+from miles_k3.cli import hydra_app
 from miles_k3.config import ConfigFieldError, exit_on_user_error, register_schemas, typed_or_exit
 from miles_k3.envs.env import Guess, build_env
 from miles_k3.evals.datasets import load_problems
@@ -464,7 +464,7 @@ def _autocast(model: nn.Module):
     return contextlib.nullcontext()
 
 
-@hydra.main(version_base=None, config_path="pkg://miles_k3.recipes", config_name="sft")
+@hydra_app("miles_k3.sft", "sft")
 def main(raw: DictConfig) -> None:
     silence_fla_cpu_warning()
     cfg = typed_or_exit(raw, "miles_k3.sft")

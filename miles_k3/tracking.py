@@ -136,6 +136,28 @@ def truncate_after(run_dir: str | os.PathLike, step: int) -> int:
     return dropped
 
 
+def logged_evals(run_dir: str | os.PathLike, up_to: int) -> dict[int, dict[str, float]]:
+    """The eval/ metrics that `run_dir`'s metrics.jsonl holds for steps <= `up_to`, by step: what a resumed run
+    evaluated before its checkpoint (step 0's eval of the base included). Unreadable lines and non-numbers (a NaN
+    is logged as "nan") are left out."""
+    path = Path(run_dir) / "metrics.jsonl"
+    evals: dict[int, dict[str, float]] = {}
+    if not path.is_file():
+        return evals
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        step = row.get("step") if isinstance(row, dict) else None
+        if not isinstance(step, int) or step > up_to:
+            continue
+        found = {k: v for k, v in row.items() if k.startswith("eval/") and isinstance(v, (int, float))}
+        if found:
+            evals.setdefault(step, {}).update(found)
+    return evals
+
+
 def _at_or_before(line: str, step: int, last: bool) -> bool:
     try:
         row = json.loads(line)

@@ -27,13 +27,13 @@ import time
 from pathlib import Path
 from typing import NoReturn
 
-import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from miles_k3.agent import AgentRollouts, load_agent
+from miles_k3.cli import hydra_app
 from miles_k3.config import exit_on_user_error, register_schemas, typed_or_exit
 from miles_k3.launch import POLICY, Run, build_run, seed_everything, silence_fla_cpu_warning
 from miles_k3.model.build import build_model
@@ -41,6 +41,7 @@ from miles_k3.model.lora import adapter_num_params, apply_lora
 from miles_k3.parallel.mesh import naming_rank, shutdown
 from miles_k3.parallel.reduce import max_over, world_of
 from miles_k3.runtime import resolve_device, resolve_dtype
+from miles_k3.tracking import logged_evals
 from miles_k3.trainer.checkpoint import ADAPTER_DIR, save_checkpoint
 from miles_k3.trainer.episode_eval import EpisodeEvalHook
 from miles_k3.trainer.partial import check_versions
@@ -77,8 +78,10 @@ def train(cfg, raw_yaml: str = "") -> Run:
 
 def run_loop(run: Run, raw_yaml: str) -> tuple[int, dict[int, dict]]:
     """The steps after run.start_step up to cfg.steps (fewer on SIGINT / SIGTERM); returns (last step, eval
-    metrics by step)."""
-    cfg, evals = run.cfg, {}
+    metrics by step: a resumed run's include those its metrics.jsonl holds from before the checkpoint, step 0's
+    eval of the base among them)."""
+    cfg = run.cfg
+    evals = logged_evals(run.run_dir, run.start_step) if run.start_step > 0 and run.ctx.is_main else {}
     if run.eval_hook is not None and cfg.eval.at_start and run.start_step == 0:
         result = run.eval_hook.maybe_run(0, POLICY, force=True)  # the adapter starts as a no-op: the base
         if result is not None:  # None: a rank other than 0 (it reports nothing)
@@ -138,15 +141,17 @@ def _save_and_stop(run: Run, step: int, raw_yaml: str, error: SyncError) -> NoRe
 
 def final_summary(run: Run, step: int, evals: dict[int, dict], wall_s: float) -> dict:
     """What this call did (steps: those run now, first_step..last_step; a resumed run starts after its checkpoint)
-    and where its outputs are; with evals, the accuracy (avg@n) at the first and the last."""
+    and where its outputs are; with evals, the accuracy (avg@n) at the first and the last eval of the run (a resumed
+    run's first is from before it resumed: step 0's, the base)."""
     out = {"steps": step - run.start_step, "first_step": run.start_step + 1, "last_step": step,
            "wall_s": round(wall_s, 1), "run_dir": str(run.run_dir),
            "metrics": str(run.run_dir / "metrics.jsonl"), "curves": str(run.run_dir / "curves.png")}
     if run.last_checkpoint is not None:
         out["adapter"] = str(run.last_checkpoint / ADAPTER_DIR)
     if evals:
-        first, last = min(evals), max(evals)
+        last = max(evals)
         key = next(k for k in evals[last] if k.startswith("eval/avg@") and not k.endswith("_se"))
+        first = min(s for s in evals if key in evals[s])  # the same avg@n (eval.samples may differ across resumes)
         out |= {"accuracy_metric": key.removeprefix("eval/"), "accuracy_before": evals[first][key],
                 "accuracy_before_step": first, "accuracy_after": evals[last][key], "accuracy_after_step": last}
         fmt = "eval/answer_rate"
@@ -320,7 +325,7 @@ class _StopFlag:
             signal.signal(s, h)
 
 
-@hydra.main(version_base=None, config_path="pkg://miles_k3.recipes", config_name="train")
+@hydra_app("miles_k3.train", "train")
 def main(raw: DictConfig) -> None:
     silence_fla_cpu_warning()
     cfg = typed_or_exit(raw, "miles_k3.train")

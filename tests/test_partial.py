@@ -234,7 +234,8 @@ PARTIAL = ["rollout.mode=partial", "trainer.loss.tis=token_truncate"]
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["rollout.mode=partial"], "trainer.loss.tis: rollout.mode=partial trains tokens sampled under older adapters"),
+    (["rollout.mode=partial", "trainer.loss.tis=none"],  # alone, rollout.mode=partial takes token_truncate (auto)
+     "trainer.loss.tis: rollout.mode=partial trains tokens sampled under older adapters"),
     ([*PARTIAL, "trainer.old_logprobs=rollout"], "trainer.old_logprobs: rollout.mode=partial takes the PPO ratio"),
     ([*PARTIAL, "rollout.partial.max_staleness=-1"], "rollout.partial.max_staleness: must be an integer >= 0"),
     ([*PARTIAL, "rollout.partial.policy=discard"], "rollout.partial.policy: 'discard' is not one of wait, drop, keep"),

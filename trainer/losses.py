@@ -65,7 +65,9 @@ class LossConfig:
     tis: str = "none"
     """Rollout-mismatch correction (needs rollout_logp_BT), a constant weight on the policy term only: none;
     token_truncate: w_it = min(exp(old_logp - rollout_logp), tis_clip); seq_mask: w_i = 1 when the sequence
-    ratio exp(sum_t (old_logp - rollout_logp)) is in [1 / tis_clip, tis_clip], else 0."""
+    ratio exp(sum_t (old_logp - rollout_logp)) is in [1 / tis_clip, tis_clip], else 0. python -m miles_k3.train
+    defaults it to auto, which its config resolves by rollout.mode before validation: token_truncate under partial,
+    none under sync (`config_checks.tis_for_mode`)."""
     tis_clip: float = 2.0
     """The truncation bound of token_truncate and the range bound of seq_mask; >= 1."""
     dual_clip_c: float | None = None

@@ -21,7 +21,8 @@ cut there does, and an episode of short turns costs nothing however long it grow
 
 Grading outcomes are counted per step: `rollout/grader_timeout_rate` and `rollout/grader_error_rate` (grader
 timeouts and failures, both scored 0: a silent zero reward otherwise) and `rollout/accuracy` (the share of
-correct answers: the reward without its format bonus or penalties); a step whose grading failures exceed
+correct answers: the reward without its format bonus or penalties; not logged when the reward graded no sample, as
+in multi-turn episodes that their environment scores); a step whose grading failures exceed
 GRADER_FAILURE_WARN of its samples logs a warning. A sample whose reward could not be computed at all
 (`RewardResult.failed`: the remote judge failed it) is no 0: it is left out of the loss, its group's baseline,
 `rollout/reward_mean` and `rollout/accuracy`, and counted in `rollout/reward_failed`.
@@ -139,7 +140,8 @@ class RolloutConfig:
     prompts_per_step groups to finish, and the others are paused, kept across the weight update and continued
     under the new adapter (each token records the version that sampled it; off-policy tokens are importance
     weighted). Native engine; under parallel.dp > 1 each replica keeps and finishes its share of the groups.
-    Needs trainer.loss.tis on and trainer.old_logprobs=recompute."""
+    Needs trainer.old_logprobs=recompute (the default) and trainer.loss.tis on: its default, auto, is token_truncate
+    under partial."""
     partial: PartialConfig = field(default_factory=PartialConfig)
     """rollout.mode=partial only."""
     log_samples: int = 4
@@ -482,6 +484,8 @@ def _metrics(t: dict[str, float], counts: dict[str, int]) -> dict[str, float]:
                     "and scored 0: raise reward.timeout_s or reward.workers, or check the gold answers (a "
                     "grader error on the gold is a dataset problem)", 100 * (timeouts + errors), 100 * timeouts,
                     100 * errors)
+    judged = t["graded"] - t["reward_failed"]
+    if judged > 0:  # none when every episode's reward came from its environment (guess): no accuracy, not 0
+        out["rollout/accuracy"] = t["correct"] / judged
     return {**out, "rollout/grader_timeout_rate": timeouts, "rollout/grader_error_rate": errors,
-            "rollout/accuracy": t["correct"] / max(t["graded"] - t["reward_failed"], 1),
             "rollout/frac_zero_std": counts["flat"] / counts["groups_drawn"]}
