@@ -6,20 +6,42 @@ It composes `recipes/eval.yaml`, validates every field, builds the model, its to
 the adapter into the engine, runs `miles_k3.evals.harness.evaluate` and writes `results.jsonl` and `summary.json`
 into `run_dir` (default `runs/eval-<time>`, beside Hydra's record), logs `eval/*` metrics and a table of
 completions to the tracker (`tracking.logger=wandb`), and prints the summary as JSON.
+
+A model is evaluated as it was trained: `eval.template`, `eval.grader` and `eval.data` that the command line
+(overrides and recipe) leaves unset come from the config it was trained with (`trained_config`): an adapter's
+run (the `config.yaml` beside the adapter directory: a training checkpoint's `step_N/`, an sft run's directory),
+else the recipe that made the shipped base (`SHIPPED_RECIPES`). A PEFT adapter from elsewhere, or another base,
+keeps the defaults. One INFO line says what was taken from where.
 """
 import json
 import logging
 import time
+from collections.abc import Sequence
+from importlib import resources
 from pathlib import Path
+from typing import Any
 
-import hydra
 import torch
-from omegaconf import DictConfig
+from hydra import compose, initialize_config_module
+from hydra.core.hydra_config import HydraConfig
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from omegaconf import DictConfig, OmegaConf
 
-from miles_k3.adapter import load_adapter
-from miles_k3.config import exit_on_user_error, register_schemas, typed_or_exit
-from miles_k3.evals.datasets import load_problems
+from miles_k3.adapter import CONFIG_FILE, load_adapter
+from miles_k3.cli import hydra_app
+from miles_k3.config import (
+    RECIPES_MODULE,
+    ConfigFieldError,
+    exit_on_user_error,
+    register_schemas,
+    to_typed,
+    typed_or_exit,
+)
+from miles_k3.evals.datasets import DatasetConfig, load_problems
+from miles_k3.evals.graders import grader_names
 from miles_k3.evals.harness import evaluate, log_eval, write_reports
+from miles_k3.evals.tasks import is_task
+from miles_k3.evals.worked import is_worked
 from miles_k3.launch import silence_fla_cpu_warning
 from miles_k3.model.build import build_model, build_tokenizer
 from miles_k3.model.kernel_config import apply_kernels
@@ -40,12 +62,169 @@ def warn_random_weights(model) -> None:
                     "id, or builtin:k3_nano_chain_sum, the shipped quickstart base)", model.name)
 
 
+RUN_CONFIG = "config.yaml"
+"""A training run's composed config, beside the adapter it saved (`checkpoints/step_N/config.yaml`; an sft run's
+`run_dir/config.yaml`)."""
+SHIPPED_RECIPES = {"builtin:k3_nano_chain_sum": "chain_sum_base", "builtin:k3_nano_guess": "guess_base"}
+"""The recipe that made each shipped base (`python -m miles_k3.sft recipe=NAME`): what it was trained with."""
+TRAINED_FIELDS = ("template", "grader", "data")
+"""The eval fields a model brings from its training config when the command line leaves them unset."""
+ADAPTER_HINT = ("give a PEFT adapter directory (it holds adapter_config.json), e.g. a training run's "
+                "<run_dir>/checkpoints/step_N/adapter, or no adapter for the base alone")
+
+
+def check_adapter(path: str | None) -> None:
+    """`adapter=PATH` names a PEFT adapter directory; else ConfigFieldError naming the path and the fix, before
+    any model is built (the directory's files are checked when it loads)."""
+    if path is None:
+        return
+    where = Path(path)
+    if not where.exists():
+        raise ConfigFieldError(f"adapter: {path} does not exist; {ADAPTER_HINT}")
+    if not (where / CONFIG_FILE).is_file():
+        inside = [d for d in (where / "adapter", _latest_adapter(where)) if d and (d / CONFIG_FILE).is_file()]
+        fix = f"did you mean adapter={inside[0]}?" if inside else ADAPTER_HINT
+        raise ConfigFieldError(f"adapter: {path} holds no {CONFIG_FILE}, so it is not an adapter directory; {fix}")
+
+
+def _latest_adapter(run_dir: Path) -> Path | None:
+    """The adapter of a run directory's newest complete checkpoint (checkpoints/latest), if it has one."""
+    latest = run_dir / "checkpoints" / "latest"
+    return run_dir / "checkpoints" / latest.read_text().strip() / "adapter" if latest.is_file() else None
+
+
+def trained_config(adapter: str | None, model_path: str | None) -> tuple[DictConfig, str] | None:
+    """(the config a model was trained with, where it was found): with an adapter, its run's `config.yaml` beside
+    the adapter directory (None: an adapter from elsewhere); without one, the recipe that made a shipped base
+    (None: any other base)."""
+    if adapter is not None:
+        file = Path(adapter).parent / RUN_CONFIG
+        if not file.is_file():
+            return None
+        try:
+            run = OmegaConf.load(file)
+        except Exception as e:  # noqa: BLE001 (YAML and OmegaConf errors alike: the file is the user's)
+            raise ConfigFieldError(f"adapter: {file} (its run's config) is unreadable: {type(e).__name__}: {e}; "
+                                   "set eval.template, eval.grader and eval.data yourself, or move the file") from None
+        return run, f"the adapter's run config {file}"
+    recipe = SHIPPED_RECIPES.get(model_path)
+    if recipe is None:
+        return None
+    text = (resources.files(RECIPES_MODULE) / "recipe" / f"{recipe}.yaml").read_text(encoding="utf-8")
+    return OmegaConf.create(text), f"recipe={recipe} (the recipe that made {model_path})"
+
+
+def prompt_template(run: DictConfig) -> tuple[str, str] | None:
+    """(the prompt template a single-turn run trained with, its key): rollout.template (train) or template (sft);
+    None for multi-turn runs (env=guess|tools|agent render their own turns)."""
+    if OmegaConf.select(run, "env.name", default="single") != "single":
+        return None
+    for key in ("rollout.template", "template"):
+        if OmegaConf.select(run, key) is not None:
+            return OmegaConf.select(run, key), key
+    return None
+
+
+def trained_settings(run: DictConfig) -> dict[str, tuple[Any, str]]:
+    """{eval field: (value, the run's key it comes from)} for TRAINED_FIELDS: a run that evaluated
+    (eval.every_n_steps > 0) was scored by its eval section; otherwise its prompt template, its reward as the
+    grader (when a grader has its name) and, for a generated task, the task's held-out split. A multi-turn run
+    gives nothing."""
+    template = prompt_template(run)
+    if template is None:
+        return {}
+    section = run.get("eval")
+    if section is not None and (section.get("every_n_steps") or 0) > 0:
+        return {name: (section[name], f"eval.{name}") for name in TRAINED_FIELDS if name in section}
+    found: dict[str, tuple[Any, str]] = {"template": template}
+    if OmegaConf.select(run, "reward.name") in grader_names():
+        found["grader"] = (run.reward.name, "reward.name")
+    source = OmegaConf.select(run, "data.source")
+    if is_task(source) or is_worked(source):
+        found["data"] = (OmegaConf.merge(run.data, {"split": "test"}), "data, split test")
+    return found
+
+
+def explicit_keys(overrides: Sequence[str]) -> set[str]:
+    """The config keys a command line sets: each override's key, and with `recipe=NAME` every key the recipe's
+    file sets."""
+    keys: set[str] = set()
+    for override in OverridesParser.create().parse_overrides(list(overrides)):
+        keys.add(override.key_or_group)
+        if override.key_or_group == "recipe" and isinstance(override.value(), str):
+            text = (resources.files(RECIPES_MODULE) / "recipe" / f"{override.value()}.yaml").read_text("utf-8")
+            keys |= _dotted_keys(OmegaConf.to_container(OmegaConf.create(text)))
+    return keys
+
+
+def _dotted_keys(tree: dict, prefix: str = "") -> set[str]:
+    keys = set()
+    for key, value in tree.items():
+        if key == "defaults" and not prefix:
+            continue
+        keys.add(prefix + key)
+        if isinstance(value, dict):
+            keys |= _dotted_keys(value, f"{prefix}{key}.")
+    return keys
+
+
+def _is_set(field: str, explicit: set[str]) -> bool:
+    """`field` (dotted) is set by the command line: named, or one of its parents or children named."""
+    return any(k == field or k.startswith(field + ".") or field.startswith(k + ".") for k in explicit)
+
+
+def adopt_trained_settings(raw: DictConfig, overrides: Sequence[str]) -> None:
+    """Fill raw's `eval.template`, `eval.grader` and `eval.data` that `overrides` (and their recipe) leave unset
+    from the config the model was trained with (`trained_config`), and log one line saying what came from where.
+    eval.data is taken whole unless eval.data.source is set; other eval.data.* overrides apply on top of it."""
+    check_adapter(raw.adapter)
+    found = trained_config(raw.adapter, raw.model.path)
+    if found is None:
+        return
+    run, where = found
+    explicit = explicit_keys(overrides)
+    taken = []
+    for name, (value, key) in trained_settings(run).items():
+        if name == "data":
+            if _is_set("eval.data.source", explicit):
+                continue
+            _replace_data(raw, value, explicit, where)
+            taken.append(f"eval.data.source={value.source} split={value.split} (its {key})")
+        elif not _is_set(f"eval.{name}", explicit):
+            OmegaConf.update(raw, f"eval.{name}", value)
+            taken.append(f"eval.{name}={value} (its {key})")
+    if taken:
+        log.info("evaluated as trained, from %s: %s; an override of any of them wins", where, ", ".join(taken))
+
+
+def _replace_data(raw: DictConfig, data: DictConfig, explicit: set[str], where: str) -> None:
+    keep = {k: OmegaConf.select(raw, k) for k in explicit if k.startswith("eval.data.")}
+    try:
+        raw.eval.data = OmegaConf.merge(OmegaConf.structured(DatasetConfig), data)
+    except Exception as e:  # noqa: BLE001 (OmegaConf's validation errors: a config of another version)
+        raise ConfigFieldError(f"eval.data: {where} has a data section this version cannot read ({e}); give "
+                               "eval.data.source=... (and its fields) yourself") from None
+    for key, value in keep.items():
+        OmegaConf.update(raw, key, value, force_add=True)
+
+
+def compose_eval(overrides: Sequence[str] = ()) -> Any:
+    """The EvalRunConfig `python -m miles_k3.eval OVERRIDES` runs: recipes/eval.yaml composed with the overrides,
+    the model's trained settings adopted where they leave them (`adopt_trained_settings`), every field validated."""
+    register_schemas()
+    with initialize_config_module(config_module=RECIPES_MODULE, version_base=None):
+        raw = compose(config_name="eval", overrides=list(overrides))
+    adopt_trained_settings(raw, overrides)
+    return to_typed(raw)
+
+
 def eval_engine(cfg):
     """(engine, tokenizer, adapter name or None) for an EvalRunConfig. Native: the model is built here and the
     adapter directory applied to it; sglang: SGLang serves the checkpoint directory, and the adapter directory
     (checked by `read_adapter`; no model is built in this process) is pushed as sglang.push resolves for its targets:
     as a LoRA adapter, its PEFT tensors as they are, or merged (a K3 adapter SGLang's K3 LoRA cannot serve):
     W0 + s * B @ A from the checkpoint's own W0, written once before the first request."""
+    check_adapter(cfg.adapter)
     if cfg.engine.backend == "sglang":
         from miles_k3.adapter import read_adapter
         from miles_k3.weight_sync.sglang import merged_from_checkpoint
@@ -68,6 +247,7 @@ def eval_engine(cfg):
 def run(cfg) -> dict:
     """The whole evaluation of an EvalRunConfig; returns the summary (with the output paths)."""
     torch.manual_seed(cfg.seed)
+    check_adapter(cfg.adapter)
     warn_random_weights(cfg.model)
     problems = load_problems(cfg.eval.data)  # a bad dataset fails before the model is built
     engine, tokenizer, lora = eval_engine(cfg)
@@ -84,9 +264,11 @@ def run(cfg) -> dict:
     return {**result.summary, **extra, "summary": str(run_dir / "summary.json")}
 
 
-@hydra.main(version_base=None, config_path="pkg://miles_k3.recipes", config_name="eval")
+@hydra_app("miles_k3.eval", "eval")
 def main(raw: DictConfig) -> None:
     silence_fla_cpu_warning()
+    with exit_on_user_error("miles_k3.eval"):
+        adopt_trained_settings(raw, HydraConfig.get().overrides.task)
     cfg = typed_or_exit(raw, "miles_k3.eval")
     with exit_on_user_error("miles_k3.eval"):
         summary = run(cfg)

@@ -18,8 +18,14 @@ evicted only when no turn is running on it and it has gone unused for session_id
 no client's live session gives way to another's request). Tokenising and rendering prompts run on a thread of
 their own, never on the event loop.
 
+Chat messages become the prompt by `chat_format` (`render_messages`): the tokenizer's chat template, `role: content`
+lines, or a prompt template applied to each user message. The command resolves `auto` once at start to the template
+the model was trained with when its tokenizer has no chat template (`resolve_chat_format`), so the shipped base is
+asked "15-43-75=" as in training, not "user: 15-43-75\nassistant: ", after which it stops at once.
+
 `build_app(engine, tokenizer, cfg)` builds the FastAPI app over an engine already built (training may run it
-for agent rollouts); `main` is the Hydra command (uvicorn). Engine calls run one at a time on a single worker
+for agent rollouts); `serving_app(cfg)` is the command's app (engine, adapter, chat format); `main` is the Hydra
+command (uvicorn). Engine calls run one at a time on a single worker
 thread, each through `generate_turn`; requests that arrive while the engine is busy share its next call. On the
 native engine each session's KDA state and latent pages stay in the engine between its turns (an engine session:
 `rollout/sessions.py`), so a turn prefills only its new tokens; a session deleted, evicted or ended frees them.
@@ -33,6 +39,7 @@ running turn ends, if one is running then).
 import asyncio
 import concurrent.futures as cf
 import contextlib
+import dataclasses
 import hmac
 import ipaddress
 import json
@@ -44,13 +51,13 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-import hydra
 import torch
 from omegaconf import DictConfig
 
-from miles_k3.config import ServeConfig, exit_on_user_error, register_schemas, typed_or_exit
-from miles_k3.eval import eval_engine, warn_random_weights
-from miles_k3.evals.templates import response_text
+from miles_k3.cli import hydra_app
+from miles_k3.config import ConfigFieldError, ServeConfig, exit_on_user_error, register_schemas, typed_or_exit
+from miles_k3.eval import check_adapter, eval_engine, prompt_template, trained_config, warn_random_weights
+from miles_k3.evals.templates import render_prompt, response_text
 from miles_k3.launch import silence_fla_cpu_warning
 
 log = logging.getLogger("miles_k3.serve")
@@ -99,11 +106,19 @@ def generate_turn(engine, prompts: list[list[int]], params: list[dict], n: int, 
 
 
 # ---- prompts ------------------------------------------------------------------------------------------------
-def render_messages(tokenizer, messages: list[dict]) -> str:
-    """The prompt text of `messages`, ending with the assistant turn opened: the tokenizer's chat template
-    (add_generation_prompt=True) when it has one, else the fallback format: each message as `role: content\\n`
-    (`role (name): ` with a name), then `assistant: `."""
-    if getattr(tokenizer, "chat_template", None):
+def render_messages(tokenizer, messages: list[dict], chat_format: str = "auto") -> str:
+    """The prompt text of `messages` under `chat_format` (ServeConfig.chat_format), ending where the reply starts:
+    tokenizer: the chat template (add_generation_prompt=True); role_lines: each message as `role: content\\n`
+    (`role (name): ` with a name), then `assistant: `; a prompt template's name: each user message's content
+    through that template (as training rendered a problem: equation makes "15-43-75" "15-43-75="), the other
+    messages' content as it is, concatenated; auto: the chat template when the tokenizer has one, else
+    role_lines."""
+    if chat_format == "auto":
+        chat_format = "tokenizer" if getattr(tokenizer, "chat_template", None) else "role_lines"
+    if chat_format not in ("tokenizer", "role_lines"):
+        return "".join(render_prompt(chat_format, m["content"], tokenizer) if m["role"] == "user" else m["content"]
+                       for m in messages)
+    if chat_format == "tokenizer":
         try:
             return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         except Exception as e:  # noqa: BLE001 (a template that refuses the messages: e.g. roles must alternate)
@@ -335,6 +350,11 @@ class Server:
         one); None: the value of cfg.api_key_env's variable, if set."""
         self.engine, self.tokenizer, self.lora = engine, tokenizer, lora
         self.model_id = cfg.served_model_name or cfg.model.name
+        self.chat_format = cfg.chat_format
+        if cfg.chat_format in ("tokenizer", "chat", "chat_plain") and not getattr(tokenizer, "chat_template", None):
+            raise ConfigFieldError(f"chat_format: {cfg.chat_format} needs a tokenizer with a chat template, and this "
+                                   "one has none; use chat_format=auto, role_lines or a prompt template (equation, "
+                                   "plain, ...)")
         self.max_body_bytes = cfg.max_body_bytes
         self.default_max_tokens = cfg.default_max_tokens
         self.max_n = cfg.max_n
@@ -534,10 +554,10 @@ class Server:
                                     "so it adds none: append the new messages after the last reply",
                                "session_mismatch")
             holder["new"] = messages[len(old):]
-            return encode(self.tokenizer, render_messages(self.tokenizer, holder["new"]))
+            return encode(self.tokenizer, render_messages(self.tokenizer, holder["new"], self.chat_format))
 
         def first_ids() -> list[int]:
-            return encode(self.tokenizer, render_messages(self.tokenizer, messages))
+            return encode(self.tokenizer, render_messages(self.tokenizer, messages, self.chat_format))
 
         sessions, outs = await self.turn(body, "chat", new_ids, "max_completion_tokens", first_ids, episode)
         choices = []
@@ -805,17 +825,49 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def resolve_chat_format(cfg: ServeConfig, tokenizer) -> str:
+    """cfg.chat_format, with auto resolved once at start and logged with the reason: the tokenizer's chat template
+    when it has one; else the prompt template a single-turn model was trained with (`eval.trained_config`: the
+    adapter's run config, or the recipe that made a shipped base); else role_lines."""
+    if cfg.chat_format != "auto":
+        return cfg.chat_format
+    if getattr(tokenizer, "chat_template", None):
+        log.info("chat_format=tokenizer (auto: the tokenizer has a chat template)")
+        return "tokenizer"
+    found = trained_config(cfg.adapter, cfg.model.path)
+    template = None if found is None else prompt_template(found[0])
+    if template is None:
+        log.info("chat_format=role_lines (auto: the tokenizer has no chat template and no single-turn prompt "
+                 "template is known for this model)")
+        return "role_lines"
+    log.info("chat_format=%s (auto: the prompt template of %s, its %s): a user message is a problem as training "
+             "saw it; chat_format=role_lines for 'role: content' lines", template[0], found[1], template[1])
+    return template[0]
+
+
+def serving_app(cfg: ServeConfig):
+    """(the FastAPI app, its engine) that `python -m miles_k3.serve` serves for `cfg`: the adapter checked, the
+    engine built with it, chat_format resolved (`resolve_chat_format`). The caller closes the engine."""
+    torch.manual_seed(cfg.seed)
+    check_adapter(cfg.adapter)
+    warn_random_weights(cfg.model)
+    engine, tokenizer, lora = eval_engine(cfg)
+    try:
+        cfg = dataclasses.replace(cfg, chat_format=resolve_chat_format(cfg, tokenizer))
+        return build_app(engine, tokenizer, cfg, lora), engine
+    except BaseException:
+        engine.close()
+        raise
+
+
 def serve(cfg: ServeConfig) -> None:
     """Build the engine (and adapter) of `cfg` and serve it until interrupted."""
     try:
         import uvicorn
     except ModuleNotFoundError as e:
         raise SystemExit(f"miles_k3.serve: needs FastAPI and uvicorn: pip install -e '.[serve]' ({e})") from None
-    torch.manual_seed(cfg.seed)
-    warn_random_weights(cfg.model)
-    engine, tokenizer, lora = eval_engine(cfg)
+    app, engine = serving_app(cfg)
     try:
-        app = build_app(engine, tokenizer, cfg, lora)
         if not is_loopback(cfg.host):
             log.warning("serving on %s, reachable from other machines%s", cfg.host,
                         "" if cfg.api_key_env else "; no api_key_env is set, so anyone who reaches it can use it")
@@ -826,7 +878,7 @@ def serve(cfg: ServeConfig) -> None:
         engine.close()
 
 
-@hydra.main(version_base=None, config_path="pkg://miles_k3.recipes", config_name="serve")
+@hydra_app("miles_k3.serve", "serve")
 def main(raw: DictConfig) -> None:
     silence_fla_cpu_warning()
     cfg = typed_or_exit(raw, "miles_k3.serve")

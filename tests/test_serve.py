@@ -8,6 +8,7 @@ ids (hand-picked: a reply whose bytes are invalid UTF-8) instead of sampling; it
 sent, so a test checks exactly what the engine saw."""
 import concurrent.futures as cf
 import json
+import re
 import socket
 import sys
 import threading
@@ -540,3 +541,64 @@ def test_the_session_keeps_the_unfiltered_logprobs_of_a_filtered_turn(served):
     assert all(lp < 0 for lp in full)
     assert rec["unfiltered_logprobs"][:len(prompt)] == [0.0] * len(prompt)
     assert rec["unfiltered_logprobs"][len(prompt):] == pytest.approx(full, abs=1e-5)
+
+
+def test_chat_formats_render_the_messages():
+    """chat_format: role_lines, the tokenizer's template, or a prompt template applied to each user message (other
+    messages as their text); auto without a chat template is role_lines."""
+    from miles_k3.model.tokenizer import small_tokenizer
+
+    tok = small_tokenizer(512)
+    msgs = [{"role": "user", "content": "15 - 43 - 75"}, {"role": "assistant", "content": "-103"},
+            {"role": "user", "content": "12+5"}]
+    assert render_messages(tok, msgs, "equation") == "15-43-75=-10312+5="
+    assert render_messages(tok, msgs[:1], "plain") == "15 - 43 - 75"
+    assert render_messages(tok, msgs[:1], "role_lines") == render_messages(tok, msgs[:1]) == \
+        "user: 15 - 43 - 75\nassistant: "
+    with pytest.raises(ConfigFieldError, match="^chat_format: tokenizer needs a tokenizer with a chat template"):
+        build_app(ScriptedEngine(None), tok, compose_config("serve", ["chat_format=tokenizer"]))
+    with pytest.raises(ConfigFieldError, match="^chat_format: 'lines' is not one of auto, tokenizer, role_lines, "):
+        compose_config("serve", ["chat_format=lines"])
+
+
+def test_auto_chat_format_is_the_template_the_model_was_trained_with(tmp_path):
+    """auto: the shipped chain_sum base's recipe (equation), an adapter's run config beside it (rollout.template),
+    role_lines for the multi-turn guess base, an adapter from elsewhere or a random init; the tokenizer's own chat
+    template first; an explicit chat_format as given."""
+    from trained_run_helpers import train_yaml
+
+    from miles_k3.model.tokenizer import small_tokenizer
+    from miles_k3.serve import resolve_chat_format
+
+    tok = small_tokenizer(512)
+    step = tmp_path / "run/checkpoints/step_00000001"
+    (step / "adapter").mkdir(parents=True)
+    (step / "config.yaml").write_text(train_yaml("steps=1", "rollout.template=plain"))
+    (tmp_path / "elsewhere").mkdir()
+    cases = {(): "equation", (f"adapter={step}/adapter",): "plain", ("model.path=builtin:k3_nano_guess",): "role_lines",
+             (f"adapter={tmp_path}/elsewhere",): "role_lines", ("model=k3_tiny",): "role_lines",
+             ("chat_format=boxed",): "boxed"}
+    for overrides, want in cases.items():
+        assert resolve_chat_format(compose_config("serve", list(overrides)), tok) == want, overrides
+    tok.chat_template = "{% for m in messages %}{{ m.content }}{% endfor %}"
+    assert resolve_chat_format(compose_config("serve"), tok) == "tokenizer"
+
+
+def test_the_shipped_base_answers_a_chat_request_with_an_integer():
+    """Issue 57: as served by `python -m miles_k3.serve` (`serving_app`), the shipped base's chat reply to "15-43-75"
+    is an integer; before, its chat form `user: ...\\nassistant: ` made it stop at once with ''."""
+    from fastapi.testclient import TestClient
+
+    from miles_k3.serve import serving_app
+
+    app, engine = serving_app(compose_config("serve", ["device=cpu", "engine.memory_budget_bytes=8388608"]))
+    try:
+        with TestClient(app) as c:
+            r = c.post("/v1/chat/completions", json={"model": "k3_nano", "max_tokens": 8, "temperature": 0,
+                                                     "messages": [{"role": "user", "content": "15-43-75"}]})
+            assert r.status_code == 200, r.text
+            ids = c.get(f"/v1/sessions/{r.json()['session_id']}").json()["prompt_ids"]
+    finally:
+        engine.close()
+    assert ids == list(b"15-43-75=")
+    assert re.fullmatch(r"-?\d+", r.json()["choices"][0]["message"]["content"]), r.json()
