@@ -391,6 +391,9 @@ class SFTConfig:
     run_dir: str | None = None
     """metrics.jsonl, eval reports, Hydra's record and the result (model/ in full mode, adapter/ in lora mode);
     None (run_dir=null): the default, runs/sft-<date>-<time>."""
+    threads: int = 0
+    """CPU threads torch computes with (torch.set_num_threads); 0: torch's default (one per core, or
+    OMP_NUM_THREADS)."""
     log_every: int = 10
     """Log train/loss (mean since the last log), train/lr, train/grad_norm, perf/tokens_per_s every N steps
     (and at the last step); >= 1."""
@@ -418,6 +421,8 @@ class SFTConfig:
         check_device(self.device)
         check_kernels(self.kernels, self.device)
         check_weights_given(self.model)
+        if self.threads < 0:
+            raise ValueError(f"threads: must be >= 0 (0: torch's default), got {self.threads}")
         for name in ("steps", "batch_size", "log_every", "heldout_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")

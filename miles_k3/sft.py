@@ -62,7 +62,7 @@ from miles_k3.model.weight_writer import save_weights
 from miles_k3.quantize import quantize_checkpoint
 from miles_k3.rollout.engine import RolloutEngine
 from miles_k3.rollout.factory import POLICY, build_engine
-from miles_k3.runtime import resolve_device, resolve_dtype
+from miles_k3.runtime import resolve_device, resolve_dtype, set_threads
 from miles_k3.tracking import Tracker
 from miles_k3.trainer.batch import Sample, TrainBatch, micro_batches, pack
 from miles_k3.trainer.episode_eval import EpisodeEvalHook
@@ -255,6 +255,7 @@ def train_sft(cfg, raw_yaml: str = "") -> SFTResult:
     """The whole SFT run of a validated SFTConfig (see the module docstring)."""
     t0 = time.perf_counter()
     seed_everything(cfg.seed)
+    set_threads(cfg.threads)
     run_dir = Path(cfg.run_dir or f"runs/sft-{time.strftime('%Y%m%d-%H%M%S')}")
     target = run_dir / ("model" if cfg.mode == "full" else "adapter")
     if target.exists():
