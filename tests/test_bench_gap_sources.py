@@ -19,6 +19,7 @@ def test_abs_diffs_refuses_samples_of_other_lengths_and_p99_reads_the_tail():
     assert bench.p99([3.0]) == 3.0
 
 
+@pytest.mark.slow
 def test_fp32_sides_agree_to_rounding_and_bf16_shows_its_own(tmp_path):
     """k3_tiny (random init) on the CPU: the run in bf16, and the fp32 variant. In fp32 the engine's decode and the
     trainer's forward differ only in fp32 rounding (~1e-7 relative: well under 1e-5 nats), and the trainer's

@@ -67,6 +67,7 @@ def test_python_m_miles_k3_lists_every_command_one_line_each(tmp_path):
         assert callable(importlib.import_module(module).main), module
 
 
+@pytest.mark.slow
 def test_installed_console_script_runs_the_module(tmp_path):
     script = Path(sys.executable).parent / "miles-k3-train"
     if not script.exists():
@@ -85,6 +86,7 @@ def _recipes_by_app() -> dict[str, set[str]]:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("app", ["train", "eval", "sft"])
 def test_help_is_short_and_lists_its_own_recipes_only(app, tmp_path):
     proc = _run([f"miles_k3.{app}", "--help"], tmp_path)
@@ -104,6 +106,7 @@ def test_help_is_short_and_lists_its_own_recipes_only(app, tmp_path):
     assert not list(tmp_path.iterdir())  # --help writes nothing
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("flag", ["--help", "-h"])
 @pytest.mark.parametrize("app, fields", [
     ("model_info", ["model", "model.path", "model.experts", "parallel.tp", "parallel.ep", "gpus", "batch",
@@ -159,6 +162,7 @@ def test_quickstart_in_a_fresh_directory(tmp_path):
     assert f"run_dir: runs/{run_dir.name}\n" in saved  # the record names its own run directory
 
 
+@pytest.mark.slow
 def test_eval_in_a_fresh_directory_keeps_hydra_in_its_run_dir(tmp_path):
     (tmp_path / "p.jsonl").write_text(json.dumps({"id": "a", "question": "1 + 1 = ?", "answer": "2"}) + "\n")
     proc = _run(["miles_k3.eval", "model=k3_tiny", "device=cpu", "eval.data.source=p.jsonl", "eval.samples=1",
@@ -175,6 +179,7 @@ def test_eval_in_a_fresh_directory_keeps_hydra_in_its_run_dir(tmp_path):
         assert (run_dir / name).exists(), name
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("app, overrides, made", [
     ("train", ["data.source=p.jsonl", "data.problem_field=question", "steps=1", "rollout.prompts_per_step=1",
                "eval.every_n_steps=0"], ["train.log", "metrics.jsonl", "checkpoints/latest"]),

@@ -39,6 +39,7 @@ def test_the_question_is_the_default_problem_text():
     assert p.problem.startswith("State the final answer to the following arithmetic problem:")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kw, message", [
     ({"task_args": {"bogus": 1}}, "unexpected keyword argument 'bogus'"),
     ({"task_args": {"min_terms": 5, "max_terms": 2}}, "max_terms must be >= min_terms"),

@@ -150,6 +150,7 @@ def _train_overrides(tmp_path, *extra) -> list[str]:
             "trainer.optim.total_steps=null", *extra]
 
 
+@pytest.mark.slow
 def test_a_resumed_runs_summary_starts_from_step_0s_eval(tmp_path, monkeypatch):
     """Step 1 with evals at 0 and 1, then resume=auto to step 2 (eval at 2): the resumed process's summary compares
     step 2 with step 0's eval of the base, which only metrics.jsonl holds. The eval is stood in for by one that

@@ -123,6 +123,7 @@ def test_sglang_gets_enable_fp32_lm_head(k3_dir, monkeypatch):
         assert eng.engine.model.fp32_lm_head is flag
 
 
+@pytest.mark.slow
 def test_fp32_logits_shrink_the_engine_trainer_gap_of_a_trained_bf16_model(tmp_path):
     """The shipped trained k3_nano (chain_sum) in bf16 on the CPU, GRPO-shaped rollouts with replay: with fp32 logits
     each side is nearer the exact (fp32) answer and the two nearer each other. Measured here: gap 8.6e-4 -> 2.2e-4

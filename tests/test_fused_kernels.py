@@ -186,6 +186,7 @@ INTERPRETER_CASES["situ_glu-bf16-gate-fp32-up"] = (check_situ_glu, {"dtype": BF1
                                                                     "up_dtype": F32, "seed": 3})
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(INTERPRETER_CASES))
 def test_kernel_under_interpreter(case, interpreter_results):
     assert interpreter_results[case] == "ok", interpreter_results[case]

@@ -196,6 +196,7 @@ INTERPRETER_CASES |= {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(INTERPRETER_CASES))
 def test_kernel_under_interpreter(case, interpreter_results):
     assert interpreter_results[case] == "ok", interpreter_results[case]

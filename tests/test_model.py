@@ -38,6 +38,7 @@ def test_parameter_counts_of_shipped_configs():
         assert sum(p.numel() for p in model.parameters()) == want, name
 
 
+@pytest.mark.slow
 def test_model_info_k3_figures():
     info = model_info(["model=k3", "parallel.tp=8", "parallel.ep=8"])
     assert info["params_total"] == 2_779_484_476_000
@@ -72,6 +73,7 @@ def test_model_info_other_models_and_paths(tmp_path):
     assert from_dir["params_total"] == 296_598_624 and from_dir["model"] == str(tmp_path)
 
 
+@pytest.mark.slow
 def test_model_info_sizes_one_rank_of_a_mesh():
     """per_rank comes from the meta model sharded by the sharding code; the values below are worked by hand."""
     r = model_info(["model=k3_tiny", "parallel.tp=2", "parallel.ep=2", "gpus=4", "batch=4", "context=100"])["per_rank"]

@@ -186,6 +186,7 @@ print("ok")
 '''
 
 
+@pytest.mark.slow
 def test_kernel_equals_reference_under_interpreter():
     assert interpreted(_INTERPRETER_SCRIPT, timeout=300).strip().endswith("ok")
 

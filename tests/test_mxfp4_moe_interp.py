@@ -47,6 +47,7 @@ INTERPRETER_CASES.update({  # the fast decode (scale bytes > 128 recomputed) and
                                                    (True, True, True, True), (True, False, False, True))})
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", sorted(INTERPRETER_CASES))
 def test_kernel_under_interpreter(interpreter_results, case):
     assert interpreter_results[case] == "ok", interpreter_results[case]

@@ -64,6 +64,7 @@ _INTERPRETED = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_kernel_matches_the_reference_under_the_triton_interpreter():
     """fp32 and fp16; heads fewer than and more than one 16-head block; 1, 2 and 3 position splits (one split
     empty when a request is short); pages in random order; lengths 1, across pages, and the full table."""

@@ -108,6 +108,7 @@ def _turn_starts(s):
     return [i for i, m in enumerate(mask) if m and (i == 0 or not mask[i - 1])]
 
 
+@pytest.mark.slow
 def test_episodes_carry_across_pushes_and_resume_exactly(model, tmp_path):
     """Three steps; the pool saved after the first, with episodes in flight whose turns were stepped, and resumed in a
     fresh engine gives the same samples. Every environment step appends a line to a file: the uninterrupted run's
@@ -162,6 +163,7 @@ def test_episodes_carry_across_pushes_and_resume_exactly(model, tmp_path):
     assert before + _lines(tmp_path / "resumed.log") == total
 
 
+@pytest.mark.slow
 def test_drop_cancels_a_late_groups_turns_and_sessions(model):
     """policy drop, max_staleness 1, 8 groups in flight for a step of 2: a group still in flight two pushes after it
     was queued is past the bound; its turns and engine sessions are cancelled (nothing of it stays queued or

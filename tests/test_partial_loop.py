@@ -43,6 +43,7 @@ def uninterrupted(tmp_path_factory):
     return run_dir
 
 
+@pytest.mark.slow
 def test_kill_9_with_groups_in_flight_then_resume_is_bit_identical(uninterrupted, tmp_path):
     from miles_k3.train import train
 

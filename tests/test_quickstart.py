@@ -77,6 +77,7 @@ points: the bar is above 3 sd); the same run rewarded by a coin that ignores the
 points (no signal does not look like a gain). Figures vary per CPU (docs/getting-started.md): the margin is the seeds' spread."""
 
 
+@pytest.mark.slow
 def test_shortened_default_run_raises_held_out_accuracy(tmp_path):
     from miles_k3.train import train
 

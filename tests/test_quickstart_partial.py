@@ -12,6 +12,7 @@ from test_quickstart import MIN_GAIN  # the sync test's bar
 PARTIAL_STEPS = 200
 
 
+@pytest.mark.slow
 def test_shortened_default_run_in_partial_mode_raises_held_out_accuracy(tmp_path):
     """The first 200 steps (PARTIAL_STEPS) of the default with rollout.mode=partial (48 groups in flight, a step
     trains on the first 32 to finish, max_staleness 1, policy wait; decoupled PPO with token TIS). Measured on 2

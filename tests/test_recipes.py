@@ -165,6 +165,7 @@ def test_unknown_keys_and_bad_types_fail_while_composing():
         compose_config("model_info", ["model.hf_path=/ckpt/qwen3"])
 
 
+@pytest.mark.slow
 def test_train_entry_point_runs_the_embedded_default(tmp_path):
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     proc = subprocess.run([sys.executable, "-m", "miles_k3.train", "steps=0", f"hydra.run.dir={tmp_path}"],

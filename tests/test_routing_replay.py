@@ -52,6 +52,7 @@ def fp32():
     return tiny("mxfp4")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("decode,block_rows", [("eager", None), ("static", None), ("eager", 2)])
 def test_engine_routes_are_the_trainers_token_by_token_through_fork_chunks_and_preemption(fp32, decode, block_rows,
                                                                                           monkeypatch):
@@ -206,6 +207,7 @@ def _step(replay: bool, samples, cfg_kw):
     return metrics, {n: p.detach().clone() for n, p in params.items()}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cfg_kw", [
     {},
     {"micro_batch_tokens": 20, "activation_checkpointing": True, "loss": LossConfig(tis="token_truncate")},
@@ -241,6 +243,7 @@ def test_routes_with_sglang_are_refused_naming_the_field(tmp_path):
             compose_config("train", ["engine.backend=sglang", f"model.hf_path={tmp_path}", f"{field}=true"])
 
 
+@pytest.mark.slow
 def test_the_loop_with_replay_measures_no_mismatch_and_trains_the_same_adapter(tmp_path):
     """`python -m miles_k3.train trainer.routing_replay=true` (2 steps, fp32): every step reports
     train/route_mismatch_frac 0.0 (engine and trainer agree on fp32) and the adapter is the one of the run that

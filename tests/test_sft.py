@@ -47,6 +47,7 @@ def _cfg(tmp_path, out: str, *extra: str):
 EVAL = ("eval.max_new_tokens=4", "engine.max_context=32", "engine.memory_budget_bytes=2097152")
 
 
+@pytest.mark.slow
 def test_full_sft_learns_saves_a_loadable_checkpoint_and_eval_sees_the_trained_weights(tmp_path):
     steps = 20
     cfg = _cfg(tmp_path, "full", f"steps={steps}", f"eval.every_n_steps={steps}", "eval.at_start=true",
@@ -177,6 +178,7 @@ def test_entry_point_user_error_is_one_line_without_traceback(tmp_path):
     assert last.startswith("miles_k3.sft: data.source: no such file"), proc.stderr
 
 
+@pytest.mark.slow
 def test_entry_point_in_a_fresh_directory_writes_one_tree(tmp_path):
     """Run in a fresh working directory: everything, Hydra's record included, lands in the default run_dir
     (no ./outputs), the config it saves names that directory, and fla's CPU warning is not printed."""

@@ -158,6 +158,7 @@ def test_hf_model_adapters_are_peft_adapters(qwen3_dir, tmp_path):
     torch.testing.assert_close(ours[0, :6], alone[0], rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.slow
 def test_three_grpo_steps_with_the_sglang_backend(qwen3_dir, tmp_path, monkeypatch):
     """The loop with engine.backend=sglang (over the double, with its own copy of the tiny Qwen3): versions v0..v3
     served in turn and the old ones unloaded, the first push checked by parity (and the next while checks are

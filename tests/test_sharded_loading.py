@@ -58,6 +58,7 @@ def _assert_same_tensors(got: torch.nn.Module, want: torch.nn.Module, what: str)
         assert torch.equal(a[key], b[key]), f"{what}: {key}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("source", ["checkpoint", "random"])
 def test_every_rank_of_every_mesh_holds_the_slices_of_the_one_process_model(checkpoint, source):
     cfg = ModelConfig(path=str(checkpoint)) if source == "checkpoint" else ModelConfig(name="k3_tiny")

@@ -102,6 +102,7 @@ def _final_adapter(run_dir):
     return load_file(str(run_dir / "checkpoints/step_00000003/adapter/adapter_model.safetensors"))
 
 
+@pytest.mark.slow
 def test_resume_after_a_stop_is_bit_identical_to_an_uninterrupted_run(tmp_path):
     from miles_k3.train import train
 
@@ -125,6 +126,7 @@ def test_resume_after_a_stop_is_bit_identical_to_an_uninterrupted_run(tmp_path):
     assert [r["step"] for r in table] == [1] * 4 + [2] * 4 + [3] * 4 and "killed" not in {r["response"] for r in table}
 
 
+@pytest.mark.slow
 def test_resume_restores_the_checkpoints_weight_version(tmp_path):
     """The version comes from the checkpoint's extra_state, not from the step: a checkpoint of step 2 whose
     adapter is version 7 (edited here; a run whose pushes and steps do not count alike) resumes pushing 8."""
@@ -158,6 +160,7 @@ main()
 """
 
 
+@pytest.mark.slow
 def test_kill_9_mid_run_then_resume_is_bit_identical(tmp_path):
     import os
     import signal

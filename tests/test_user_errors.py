@@ -41,6 +41,7 @@ def no_cuda(monkeypatch):
 
 
 # ---- the entry points, as a user runs them ---------------------------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.parametrize("prog, overrides, message", [
     # the data file is missing too: the device is checked first, with the config, before any data loads
     ("train", ["device=cuda", "steps=1", "data.source={tmp}/missing.jsonl"],
@@ -67,6 +68,7 @@ def test_entry_points_refuse_bad_settings_with_one_line(prog, overrides, message
         assert proc.stderr.strip().splitlines()[-1].endswith("; use device=cpu or device=auto")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("prog, override, key, leaf, schema", [
     ("eval", "output_dir=x", "output_dir", "output_dir", "EvalRunConfig"),  # renamed run_dir
     ("sft", "output_dir=x", "output_dir", "output_dir", "SFTConfig"),
@@ -110,6 +112,7 @@ def test_a_prompt_too_long_for_the_context_fails_when_the_data_loads(overrides, 
     assert "parameters, experts" not in proc.stderr  # build_model's line: the model was never built
 
 
+@pytest.mark.slow
 def test_the_readme_eval_command_evaluates_the_shipped_base(tmp_path):
     """`python -m miles_k3.eval eval.data.source=problems.jsonl eval.samples=4` scores the quickstart's trained
     base (not a random init), and says nothing about random weights."""
@@ -202,6 +205,7 @@ def gold(tmp_path):
                                                {"id": "b", "problem": "y", "answer": "8"}])
 
 
+@pytest.mark.slow
 def test_grade_with_a_lone_surrogate_writes_its_reports_and_prints_the_summary(gold, tmp_path):
     resp = _write_jsonl(tmp_path / "r.jsonl", [{"id": "a", "response": "\\boxed{7} \ud800"},
                                                {"id": "b", "response": "\\boxed{9}"}])
