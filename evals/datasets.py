@@ -167,40 +167,35 @@ def _load_table(cfg: DatasetConfig) -> Table:
 
 
 def _load_task(cfg: DatasetConfig) -> Table:
-    import datasets
-
-    split = cfg.split or "train"
-    try:
-        rows = generate_rows(task_name(cfg.source), split, cfg.size, cfg.seed, cfg.task_args, cfg.distinct)
-    except TaskError as e:
-        raise DatasetError(str(e)) from None
-    return Table(f"{cfg.source} [{split}, seed {cfg.seed}]", datasets.Dataset.from_list(rows), rows,
-                  [None] * len(rows))
+    """data.source=reasoning_gym:<name>: a reasoning-gym generator's problems (`evals.tasks`)."""
+    return _generated(cfg, cfg.source, TaskError,
+                      lambda split: generate_rows(task_name(cfg.source), split, cfg.size, cfg.seed, cfg.task_args,
+                                                  cfg.distinct))
 
 
 def _load_guess(cfg: DatasetConfig) -> Table:
     """data.source=guess: guess-the-number problems (`evals.guess`), train or test split."""
-    import datasets
-
-    split = cfg.split or "train"
-    try:
-        rows = generate_guess_rows(split, cfg.size, cfg.seed, cfg.task_args, cfg.distinct)
-    except GuessSourceError as e:
-        raise DatasetError(str(e)) from None
-    return Table(f"guess [{split}, seed {cfg.seed}]", datasets.Dataset.from_list(rows), rows, [None] * len(rows))
+    return _generated(cfg, "guess", GuessSourceError,
+                      lambda split: generate_guess_rows(split, cfg.size, cfg.seed, cfg.task_args, cfg.distinct))
 
 
 def _load_worked(cfg: DatasetConfig) -> Table:
     """data.source=worked_sum: multi-step sums with worked solutions (`evals.worked`), train or test split."""
+    return _generated(cfg, "worked_sum", WorkedSourceError,
+                      lambda split: generate_worked_rows(split, cfg.size, cfg.seed, cfg.task_args, cfg.distinct))
+
+
+def _generated(cfg: DatasetConfig, name: str, error: type[Exception], make_rows) -> Table:
+    """The table of a generated source: `make_rows(split)` (split: data.split, default train); its own error type
+    becomes a DatasetError with the generator's message."""
     import datasets
 
     split = cfg.split or "train"
     try:
-        rows = generate_worked_rows(split, cfg.size, cfg.seed, cfg.task_args, cfg.distinct)
-    except WorkedSourceError as e:
+        rows = make_rows(split)
+    except error as e:
         raise DatasetError(str(e)) from None
-    return Table(f"worked_sum [{split}, seed {cfg.seed}]", datasets.Dataset.from_list(rows), rows,
-                 [None] * len(rows))
+    return Table(f"{name} [{split}, seed {cfg.seed}]", datasets.Dataset.from_list(rows), rows, [None] * len(rows))
 
 
 def _looks_like_path(source: str) -> bool:

@@ -137,27 +137,7 @@ def _gold_integer(gold) -> int:
 @register_grader("aime")
 def grade_aime(response: str, gold: str, *, channel: str = "auto", max_chars: int = MAX_RESPONSE_CHARS) -> Grade:
     """1.0 when the final answer (last box, else answer line) states the gold integer and is in 0..999."""
-    want = _gold_integer(gold)
-    checked = _precheck(response, channel, max_chars)
-    if isinstance(checked, Grade):
-        return checked
-    text, note = checked
-    answer, how = extract_answer(text)
-    if answer is None:
-        return Grade(0.0, "no final answer" + note)
-    value = normalize_integer(answer)
-    if value is None:
-        return Grade(0.0, f"not an integer: {_short(answer)}{note}", answer, None, how)
-    return Grade(*_compare_integer(value, want, note), answer, str(value), how)
-
-
-def _compare_integer(value: int, want: int, note: str) -> tuple[float, str]:
-    lo, hi = AIME_RANGE
-    if not lo <= value <= hi:
-        return 0.0, f"out of range: {value} is not in {lo}..{hi}{note}"
-    if value != want:
-        return 0.0, f"wrong answer {value} (gold {want}){note}"
-    return 1.0, "correct" + note
+    return _grade_final_integer(response, gold, channel, max_chars, AIME_RANGE)
 
 
 @register_grader("answer_integer")
@@ -165,6 +145,12 @@ def grade_answer_integer(response: str, gold: str, *, channel: str = "auto",
                          max_chars: int = MAX_RESPONSE_CHARS) -> Grade:
     """1.0 when the final answer (last box, else the last answer line, "Answer: -3") states the gold integer, of
     any sign and size (worked solutions that end with an answer line; `aime` also bounds it to 0..999)."""
+    return _grade_final_integer(response, gold, channel, max_chars, None)
+
+
+def _grade_final_integer(response: str, gold: str, channel: str, max_chars: int,
+                         bounds: tuple[int, int] | None) -> Grade:
+    """The final answer (last box, else answer line) against the integer gold, within `bounds` when given."""
     want = _gold_integer(gold)
     checked = _precheck(response, channel, max_chars)
     if isinstance(checked, Grade):
@@ -176,9 +162,15 @@ def grade_answer_integer(response: str, gold: str, *, channel: str = "auto",
     value = normalize_integer(answer)
     if value is None:
         return Grade(0.0, f"not an integer: {_short(answer)}{note}", answer, None, how)
+    return Grade(*_compare_integer(value, want, note, bounds), answer, str(value), how)
+
+
+def _compare_integer(value: int, want: int, note: str, bounds: tuple[int, int] | None) -> tuple[float, str]:
+    if bounds is not None and not bounds[0] <= value <= bounds[1]:
+        return 0.0, f"out of range: {value} is not in {bounds[0]}..{bounds[1]}{note}"
     if value != want:
-        return Grade(0.0, f"wrong answer {value} (gold {want}){note}", answer, str(value), how)
-    return Grade(1.0, "correct" + note, answer, str(value), how)
+        return 0.0, f"wrong answer {value} (gold {want}){note}"
+    return 1.0, "correct" + note
 
 
 # ---- math (math-verify) ----------------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import os
 import random
+import signal
 import time
 import warnings
 from dataclasses import dataclass
@@ -35,7 +36,7 @@ from miles_k3.model.kernel_config import apply_kernels
 from miles_k3.model.lora import apply_lora, lora_parameters
 from miles_k3.model.parallelize import check_mesh
 from miles_k3.parallel.mesh import SINGLE, ParallelContext, init_parallel
-from miles_k3.parallel.reduce import broadcast, world_of
+from miles_k3.parallel.reduce import broadcast, max_over, world_of
 from miles_k3.rollout.api import Engine
 from miles_k3.rollout.factory import POLICY, build_engine
 from miles_k3.rollout.sglang_backend import checkpoint_context
@@ -373,3 +374,26 @@ def _resume(ckpt: Path | None, model, opt, sched, stream: PromptStream,
                           f"weight version), got {version!r}; the checkpoint is not a training run's")
     log.info("resumed from %s at step %d (weight version %d)", ckpt, state["step"], version)
     return int(state["step"]), version, state.get("rollout_state")
+
+
+class StopFlag:
+    """SIGINT / SIGTERM set `requested`: a loop (train, sft) finishes its step, saves and stops, instead of losing
+    what it trained. `restore` puts the previous handlers back."""
+
+    def __init__(self):
+        self.requested: str | None = None
+        self._old = {s: signal.signal(s, self._set) for s in (signal.SIGINT, signal.SIGTERM)}
+
+    def _set(self, signum, _frame) -> None:
+        self.requested = signal.Signals(signum).name
+
+    def agreed(self, ctx) -> str | None:
+        """What stops the run after this step, the same on every rank: a signal on any rank stops them all."""
+        if not ctx.distributed:
+            return self.requested
+        anywhere = max_over([float(self.requested is not None)], world_of(ctx))[0]
+        return (self.requested or "a signal to another rank") if anywhere else None
+
+    def restore(self) -> None:
+        for s, h in self._old.items():
+            signal.signal(s, h)

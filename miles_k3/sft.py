@@ -35,7 +35,6 @@ import logging
 import math
 import random
 import re
-import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,7 +52,7 @@ from miles_k3.evals.datasets import load_problems
 from miles_k3.evals.harness import EvalHook, check_prompt_lengths, prompt_ids
 from miles_k3.evals.problems import DatasetError, Problem
 from miles_k3.evals.templates import render_prompt
-from miles_k3.launch import seed_everything, silence_fla_cpu_warning
+from miles_k3.launch import StopFlag, seed_everything, silence_fla_cpu_warning
 from miles_k3.model.build import ModelConfig, build_model, build_tokenizer, num_params, weights_dir
 from miles_k3.model.config import ConfigError
 from miles_k3.model.kernel_config import apply_kernels
@@ -317,11 +316,11 @@ def _loop(cfg, model, params, opt, sched, stream, examples, pad_id, device, trac
     if hook is not None and cfg.eval.at_start:
         evals[0] = _evaluate(cfg, hook, engine, params, 0)  # the initial weights (lora: the no-op adapter)
     window = _Window()
-    stop = _Stop()
+    stop = StopFlag()
     for step in range(1, cfg.steps + 1):
-        if stop.signal is not None:
+        if stop.requested is not None:
             log.warning("stopping after step %d of %d on %s: saving the model as it is now", step - 1, cfg.steps,
-                        stop.signal)
+                        stop.requested)
             break
         t = time.perf_counter()
         step_examples = [examples[id(p)] for _, p in stream.take(cfg.batch_size)]
@@ -345,21 +344,6 @@ def _loop(cfg, model, params, opt, sched, stream, examples, pad_id, device, trac
             evals[step] = _evaluate(cfg, hook, engine, params, step)
     stop.restore()
     return losses, evals
-
-
-class _Stop:
-    """SIGINT / SIGTERM during the loop: finish the step, then save what has trained (not lost to a kill)."""
-
-    def __init__(self):
-        self.signal: str | None = None
-        self._old = {s: signal.signal(s, self._set) for s in (signal.SIGINT, signal.SIGTERM)}
-
-    def _set(self, signum, _frame) -> None:
-        self.signal = signal.Signals(signum).name
-
-    def restore(self) -> None:
-        for s, h in self._old.items():
-            signal.signal(s, h)
 
 
 def heldout_data(data, size: int):

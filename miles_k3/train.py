@@ -22,7 +22,6 @@ part of each step's prompts; the metrics, the step line, the bar and the summary
 and an error is raised naming the rank that saw it.
 """
 import logging
-import signal
 import time
 from pathlib import Path
 from typing import NoReturn
@@ -35,11 +34,10 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 from miles_k3.agent import AgentRollouts, load_agent
 from miles_k3.cli import hydra_app
 from miles_k3.config import exit_on_user_error, register_schemas, typed_or_exit
-from miles_k3.launch import POLICY, Run, build_run, seed_everything, silence_fla_cpu_warning
+from miles_k3.launch import POLICY, Run, StopFlag, build_run, seed_everything, silence_fla_cpu_warning
 from miles_k3.model.build import build_model
 from miles_k3.model.lora import adapter_num_params, apply_lora
 from miles_k3.parallel.mesh import naming_rank, shutdown
-from miles_k3.parallel.reduce import max_over, world_of
 from miles_k3.runtime import resolve_device, resolve_dtype
 from miles_k3.tracking import logged_evals
 from miles_k3.trainer.checkpoint import ADAPTER_DIR, save_checkpoint
@@ -86,7 +84,7 @@ def run_loop(run: Run, raw_yaml: str) -> tuple[int, dict[int, dict]]:
         result = run.eval_hook.maybe_run(0, POLICY, force=True)  # the adapter starts as a no-op: the base
         if result is not None:  # None: a rank other than 0 (it reports nothing)
             evals[0] = result
-    stop = _StopFlag()
+    stop = StopFlag()
     bar = tqdm(total=cfg.steps, initial=run.start_step, desc="train", unit="step", disable=not run.ctx.is_main)
     step = run.start_step
     try:
@@ -301,28 +299,6 @@ def log_adapter(lora, model, suffix: str = "") -> None:
     log.info("LoRA rank %d on %d target module names: %s trainable params (the base is frozen)%s", lora.rank,
              len(lora.targets), f"{adapter_num_params(model):,}", suffix)
     log.debug("LoRA targets: %s", ",".join(lora.targets))
-
-
-class _StopFlag:
-    """SIGINT / SIGTERM set `requested`: the loop finishes its step, checkpoints and stops."""
-
-    def __init__(self):
-        self.requested: str | None = None
-        self._old = {s: signal.signal(s, self._set) for s in (signal.SIGINT, signal.SIGTERM)}
-
-    def _set(self, signum, _frame) -> None:
-        self.requested = signal.Signals(signum).name
-
-    def agreed(self, ctx) -> str | None:
-        """What stops the run after this step, the same on every rank: a signal on any rank stops them all."""
-        if not ctx.distributed:
-            return self.requested
-        anywhere = max_over([float(self.requested is not None)], world_of(ctx))[0]
-        return (self.requested or "a signal to another rank") if anywhere else None
-
-    def restore(self) -> None:
-        for s, h in self._old.items():
-            signal.signal(s, h)
 
 
 @hydra_app("miles_k3.train", "train")
