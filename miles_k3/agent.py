@@ -84,7 +84,7 @@ class AgentRollouts:
         try:
             import uvicorn
 
-            from miles_k3.serve import build_app
+            from miles_k3.rollout.server import build_app
         except ModuleNotFoundError as e:
             raise ModuleNotFoundError(f"env=agent serves the engine over HTTP: pip install -e '.[serve]' ({e})") \
                 from None

@@ -46,6 +46,7 @@ from miles_k3.model.lora import LoRAConfig
 from miles_k3.model.weight_files import WeightsError
 from miles_k3.parallel.config import ParallelConfig, ParallelConfigError
 from miles_k3.rollout.engine_config import EngineConfig
+from miles_k3.rollout.server.config import ServerConfig, ServerConfigError
 from miles_k3.rollout.sglang_config import SGLangConfig
 from miles_k3.tracking import TrackingConfig
 from miles_k3.trainer.checkpoint import ResumeError
@@ -256,9 +257,10 @@ class EvalRunConfig:
 
 
 @dataclass
-class ServeConfig:
+class ServeConfig(ServerConfig):
     """`python -m miles_k3.serve`: an OpenAI-compatible HTTP endpoint (chat/completions, sessions that keep the
-    exact token sequence) over the native rollout engine (docs/concepts/serve.md)."""
+    exact token sequence) over the native rollout engine (docs/concepts/serve.md). The server's own fields (limits,
+    chat_format, served_model_name, api_key_env) are `ServerConfig`'s, the library's (miles_k3/rollout/server/)."""
 
     seed: int = 0
     """Seed for torch's RNG: the sampling seeds of requests that give no `seed` are drawn from it."""
@@ -278,32 +280,10 @@ class ServeConfig:
     """Address to bind: loopback by default; a non-loopback address (0.0.0.0, a LAN IP) only when given here."""
     port: int = 8000
     """TCP port, 1..65535."""
-    max_body_bytes: int = 2**20
-    """Largest request body accepted; a larger one is refused with 413 before it is parsed."""
-    default_max_tokens: int = 256
-    """max_tokens of a request that gives none (capped by the room left in engine.max_context)."""
-    max_sessions: int = 1024
-    """Sessions kept. A request that starts new ones beyond this evicts idle ones (none generating, none used for
-    session_idle_s), least recently used first (their ids then answer 404); when too few are idle it is refused
-    with 429, and no live session is evicted."""
-    session_idle_s: float = 300.0
-    """Seconds a session must go unused before a new session may evict it (an agent between turns, calling its
-    tools, keeps its session this long); 0: any session that is not generating may be evicted."""
-    max_n: int = 64
-    """Samples (`n`) one request may ask for, each a new session: a larger n is refused with 400."""
-    served_model_name: str | None = None
-    """The model id /v1/models lists and requests must name; None: model.name."""
-    api_key_env: str | None = None
-    """Name of an environment variable holding a bearer token every request must carry (Authorization: Bearer
-    ...); None: no authentication (the loopback default). The token is never logged."""
-    chat_format: str = "auto"
-    """How a chat request's messages become the prompt: tokenizer (the tokenizer's chat template), role_lines
-    (`role: content` lines, then `assistant: `), or a prompt template's name (equation, plain, boxed, ...: each
-    user message rendered as training rendered a problem, other messages as their text); auto: the tokenizer's
-    chat template if it has one, else the template a single-turn model was trained with (its adapter's run
-    config, or the recipe of a shipped base: equation for k3_nano), else role_lines. An app built over an engine
-    of its own (`serve.build_app`: training's agent server) knows no trained template: auto is then the chat
-    template or role_lines."""
+
+    def model_id(self) -> str:
+        """served_model_name, else model.name."""
+        return self.served_model_name or self.model.name
 
     def validate(self) -> None:
         check_device(self.device)
@@ -319,22 +299,7 @@ class ServeConfig:
             raise ValueError("host: give an address to bind (127.0.0.1: this machine only)")
         if not 1 <= self.port <= 65535:
             raise ValueError(f"port: must be in 1..65535, got {self.port}")
-        for name in ("max_body_bytes", "default_max_tokens", "max_sessions", "max_n"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
-        if self.max_n > self.max_sessions:
-            raise ValueError(f"max_n: {self.max_n} exceeds max_sessions={self.max_sessions} (each sample of a request "
-                             "starts a session); lower max_n or raise max_sessions")
-        if not self.session_idle_s >= 0:
-            raise ValueError(f"session_idle_s: must be >= 0 seconds, got {self.session_idle_s}")
-        if self.served_model_name is not None and not self.served_model_name:
-            raise ValueError("served_model_name: must be non-empty or null (model.name)")
-        if self.api_key_env is not None and not os.environ.get(self.api_key_env):
-            raise ValueError(f"api_key_env: the environment variable {self.api_key_env} is unset or empty; set it "
-                             "to the bearer token clients send, or leave api_key_env null")
-        formats = ("auto", "tokenizer", "role_lines", *template_names())
-        if self.chat_format not in formats:
-            raise ValueError(f"chat_format: '{self.chat_format}' is not one of {', '.join(formats)}")
+        super().validate()
 
 
 SFT_MODES = ("full", "lora")
@@ -575,7 +540,7 @@ def default_null_run_dir(raw: DictConfig, app: str) -> None:
 
 
 USER_ERRORS = (ConfigFieldError, ConfigError, DatasetError, WeightsError, ResumeError,
-               PromptLengthError, ParallelConfigError)
+               PromptLengthError, ParallelConfigError, ServerConfigError)
 """Errors that are about the user's config, data or checkpoints: their messages say what to fix."""
 
 

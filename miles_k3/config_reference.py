@@ -36,7 +36,16 @@ def commands() -> list[tuple[str, type]]:
 
 def attribute_docs(cls: type) -> dict[str, str]:
     """Field name -> the string literal that follows its annotated assignment in the class body (dedented,
-    joined into one line)."""
+    joined into one line); a field inherited from a dataclass base (ServeConfig's from the server's ServerConfig)
+    has the docstring of the class that declares it."""
+    docs = {}
+    for base in reversed(cls.__mro__[1:]):
+        if dataclasses.is_dataclass(base):
+            docs |= _own_attribute_docs(base)
+    return docs | _own_attribute_docs(cls)
+
+
+def _own_attribute_docs(cls: type) -> dict[str, str]:
     tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
     body = tree.body[0].body
     docs = {}

@@ -23,7 +23,8 @@ openai = pytest.importorskip("openai")
 import httpx  # after the skips: the serve extra
 
 from miles_k3.config import ConfigFieldError, compose_config
-from miles_k3.serve import build_app, eval_engine, is_loopback, render_messages
+from miles_k3.rollout.server import ServerConfig, ServerConfigError, build_app, render_messages
+from miles_k3.serve import eval_engine, is_loopback
 
 ROOT = Path(__file__).resolve().parents[1]
 MAX_CONTEXT = 160
@@ -114,6 +115,28 @@ def test_config_defaults_bind_loopback_and_serve_the_shipped_base():
         compose_config("serve", ["engine.backend=sglang"])
     with pytest.raises(ConfigFieldError, match="api_key_env: the environment variable MILES_K3_NO_SUCH_VAR"):
         compose_config("serve", ["api_key_env=MILES_K3_NO_SUCH_VAR"])
+
+
+def test_the_library_serves_a_config_of_its_own_and_imports_without_fastapi_or_the_command():
+    """The server is a library under rollout/ (`miles_k3.rollout.server`): it serves over a plain `ServerConfig`
+    (no model name: "policy"), the command's `ServeConfig` is one (its fields keep their flat names), and a fresh
+    interpreter imports it without FastAPI, uvicorn, torch or any entry point (this one has them all)."""
+    import subprocess
+
+    from fastapi.testclient import TestClient
+
+    from miles_k3.model.tokenizer import small_tokenizer
+
+    with TestClient(build_app(ScriptedEngine(None), small_tokenizer(512), ServerConfig())) as c:
+        assert [m["id"] for m in c.get("/v1/models").json()["data"]] == ["policy"]
+    cfg = compose_config("serve", ["max_sessions=8", "max_n=8", "served_model_name=mine"])
+    assert isinstance(cfg, ServerConfig) and (cfg.max_sessions, cfg.model_id()) == (8, "mine")
+    code = ("import sys, miles_k3.rollout, miles_k3.rollout.server\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('fastapi', 'uvicorn', 'torch') or m in "
+            "('miles_k3.serve', 'miles_k3.config', 'miles_k3.launch', 'miles_k3.agent', 'miles_k3.eval')))")
+    out = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=60,
+                         cwd=ROOT)
+    assert out.returncode == 0 and out.stdout == "[]\n", out.stderr
 
 
 def test_help_prints_usage(monkeypatch, capsys):
@@ -500,18 +523,18 @@ def test_n_is_capped_and_new_sessions_evict_only_idle_ones_never_a_live_one():
 def test_tokenising_a_prompt_leaves_the_event_loop_serving(served, monkeypatch):
     """While a prompt is tokenised (held here by an event, as a very large prompt would hold it) the server answers
     other requests: tokenising runs on its own thread, not on the event loop."""
-    from miles_k3 import serve
+    from miles_k3.rollout.server import endpoints
 
     client, _, scripted, _, _ = served
     scripted.script = [[50, EOS]]
-    gate, threads, real = threading.Event(), [], serve.encode
+    gate, threads, real = threading.Event(), [], endpoints.encode
 
     def held_encode(tokenizer, text):
         threads.append(threading.current_thread().name)
         gate.wait(timeout=30)
         return real(tokenizer, text)
 
-    monkeypatch.setattr(serve, "encode", held_encode)
+    monkeypatch.setattr(endpoints, "encode", held_encode)
     with cf.ThreadPoolExecutor(1) as pool:
         reply = pool.submit(client.completions.create, model="k3_nano", prompt="1+1=", max_tokens=2)
         deadline = time.time() + 20
@@ -555,7 +578,7 @@ def test_chat_formats_render_the_messages():
     assert render_messages(tok, msgs[:1], "plain") == "15 - 43 - 75"
     assert render_messages(tok, msgs[:1], "role_lines") == render_messages(tok, msgs[:1]) == \
         "user: 15 - 43 - 75\nassistant: "
-    with pytest.raises(ConfigFieldError, match="^chat_format: tokenizer needs a tokenizer with a chat template"):
+    with pytest.raises(ServerConfigError, match="^chat_format: tokenizer needs a tokenizer with a chat template"):
         build_app(ScriptedEngine(None), tok, compose_config("serve", ["chat_format=tokenizer"]))
     with pytest.raises(ConfigFieldError, match="^chat_format: 'lines' is not one of auto, tokenizer, role_lines, "):
         compose_config("serve", ["chat_format=lines"])
