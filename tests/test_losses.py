@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from miles_k3.trainer import losses
 from miles_k3.trainer.losses import LossConfig, policy_loss, token_logprobs, token_logprobs_and_entropy
 
 
@@ -109,7 +110,7 @@ def test_dual_clip_caps_negative_advantage_tokens():
 
 def test_gspo_sequence_ratio():
     logp, old, adv, mask = two_sequences()
-    cfg = LossConfig(ratio_level="sequence", aggregation="seq_mean")
+    cfg = LossConfig(policy="sequence_clip", aggregation="seq_mean")
     # row 0: mean log ratio (0 + ln 1.5 + ln 0.5) / 3 = ln(0.75) / 3 -> s0 = 0.75 ** (1/3) = 0.9085603, inside
     #   [0.8, 1.28]: L = -0.9085603 on each of its 3 tokens. row 1: (ln 0.5 + ln 2) / 2 = 0 -> s1 = 1: L = 2.0
     # seq_mean: (-0.9085603 + 2.0) / 2 = 0.5457199
@@ -124,14 +125,14 @@ def test_gspo_sequence_ratio():
     assert metrics["train/ratio_max"] == pytest.approx(1.0, rel=1e-6)
     assert metrics["train/clip_frac"] == 0.0
     # token_mean: (3 * -0.9085603 + 2 * 2) / 5 = 1.2743191 / 5 = 0.2548638
-    tm, _ = policy_loss(logp, old, adv, mask, LossConfig(ratio_level="sequence"))
+    tm, _ = policy_loss(logp, old, adv, mask, LossConfig(policy="sequence_clip"))
     assert tm.item() == pytest.approx(0.2548638, rel=1e-6)
 
 
 def test_gspo_clipped_sequence_gets_no_gradient():
     old = torch.zeros(1, 3)
     logp = torch.full((1, 3), 0.3).requires_grad_()  # s = exp(0.3) = 1.3498588 > 1.28, A = +1
-    loss, metrics = policy_loss(logp, old, torch.tensor([1.0]), torch.ones(1, 3), LossConfig(ratio_level="sequence"))
+    loss, metrics = policy_loss(logp, old, torch.tensor([1.0]), torch.ones(1, 3), LossConfig(policy="sequence_clip"))
     assert loss.item() == pytest.approx(-1.28, rel=1e-6)  # -1.28 on each token, mean over 3
     loss.backward()
     assert logp.grad.tolist() == [[0.0, 0.0, 0.0]]
@@ -235,7 +236,7 @@ def test_rows_without_tokens_contribute_zero():
     logp = torch.cat([logp.detach(), torch.full((1, 3), math.nan)]).requires_grad_()
     old = torch.cat([old, torch.full((1, 3), math.inf)])
     adv, mask = torch.cat([adv, torch.tensor([5.0])]), torch.cat([mask, torch.zeros(1, 3, dtype=torch.bool)])
-    cfg = LossConfig(aggregation="seq_mean", kl_coef=0.1, ratio_level="sequence", tis="seq_mask")
+    cfg = LossConfig(aggregation="seq_mean", kl_coef=0.1, policy="sequence_clip", tis="seq_mask")
     # GSPO seq_mean with B = 3 (the empty row counts, with loss 0): (-0.9085603 + 2.0) / 3 = 0.3638133; KL = 0
     # because ref = logp on the masked tokens; TIS keeps rows 0, 1 (rollout = old)
     loss, _ = policy_loss(logp, old, adv, mask, cfg, rollout_logp_BT=old, ref_logp_BT=logp.detach())
@@ -267,14 +268,14 @@ def random_batch(b=6, t=7, seed=0):
 
 MICRO_CFGS = [
     LossConfig(),
-    LossConfig(aggregation="seq_mean", ratio_level="sequence", tis="seq_mask", tis_clip=1.5),
+    LossConfig(aggregation="seq_mean", policy="sequence_clip", tis="seq_mask", tis_clip=1.5),
     LossConfig(aggregation="seq_sum_norm", seq_sum_norm_len=16, tis="token_truncate", kl_coef=0.1,
                entropy_coef=0.01, dual_clip_c=1.2, kl_estimator="k2"),
     LossConfig(kl_coef=0.05, entropy_coef=0.02, tis="token_truncate", tis_clip=1.2),
 ]
 
 
-@pytest.mark.parametrize("cfg", MICRO_CFGS, ids=lambda c: f"{c.aggregation}-{c.ratio_level}-{c.tis}")
+@pytest.mark.parametrize("cfg", MICRO_CFGS, ids=lambda c: f"{c.aggregation}-{c.policy}-{c.tis}")
 def test_micro_batches_add_up_to_the_full_batch(cfg):
     logp, old, adv, mask, extra = random_batch()
     full = logp.clone().requires_grad_()
@@ -306,7 +307,7 @@ def test_micro_batches_without_step_totals_do_not_add_up():
 @pytest.mark.parametrize("cfg", [
     LossConfig(),
     LossConfig(aggregation="seq_mean", kl_coef=0.1, entropy_coef=0.05),
-    LossConfig(aggregation="seq_sum_norm", seq_sum_norm_len=5, ratio_level="sequence", kl_coef=0.2),
+    LossConfig(aggregation="seq_sum_norm", seq_sum_norm_len=5, policy="sequence_clip", kl_coef=0.2),
     LossConfig(dual_clip_c=1.3, tis="token_truncate", kl_estimator="k1", kl_coef=0.3),
 ], ids=["token_mean", "seq_mean+kl+entropy", "gspo+seq_sum_norm", "dual+tis"])
 def test_gradcheck_float64(cfg):
@@ -331,7 +332,7 @@ def test_gradcheck_float64(cfg):
     ("field", "value"),
     [
         ("eps_low", -0.1), ("eps_low", 1.0), ("eps_low", math.nan), ("eps_high", -0.01), ("eps_high", math.inf),
-        ("ratio_level", "seq"), ("aggregation", "mean"), ("seq_sum_norm_len", 0), ("seq_sum_norm_len", 2.5),
+        ("policy", "seq"), ("aggregation", "mean"), ("seq_sum_norm_len", 0), ("seq_sum_norm_len", 2.5),
         ("entropy_coef", -0.1), ("kl_coef", -1.0), ("kl_coef", math.nan), ("kl_estimator", "k4"),
         ("tis", "icepop"), ("tis_clip", 0.5), ("dual_clip_c", 1.0), ("dual_clip_c", math.inf),
     ],
@@ -460,3 +461,106 @@ def test_logits_validation():
         token_entropy(torch.zeros(2, 3))
     with pytest.raises(ValueError, match=r"^chunk_size: must be an int >= 1"):
         token_entropy(logits, chunk_size=0)
+
+
+# ------------------------------------------------------------------------------------- registered policy losses
+
+CONST = 0.5
+CALLS: list[tuple[int, ...]] = []  # the [B, T] shape of each call of the test loss
+
+
+@losses.register_policy_loss("_test_const")
+def const_loss(x: losses.PolicyInputs):
+    """L_it = CONST * (1 + logp_it - old_logp_it): CONST per token where logp = old, and d L_it / d logp_it = CONST,
+    so the aggregated loss is CONST times the token count over the denominator, its gradient CONST over it."""
+    CALLS.append(tuple(x.mask_BT.shape))
+    loss_BT = CONST * (1.0 + x.logp_BT - x.old_logp_BT)
+    return loss_BT, {"train/test_const": x.token_mean(loss_BT.detach())}
+
+
+def test_builtin_policy_losses_are_registered():
+    names = losses.policy_loss_names()
+    assert {"token_clip", "sequence_clip"} <= set(names) and names == sorted(names)
+    assert LossConfig().policy == "token_clip"
+    with pytest.raises(ValueError, match="policy loss 'token_clip' is already registered"):
+        losses.register_policy_loss("token_clip")(const_loss)
+    losses.register_policy_loss("_test_const")(const_loss)  # the same function again (its module imported twice): fine
+
+
+@pytest.mark.parametrize(("aggregation", "totals", "loss", "grad"), [
+    ("token_mean", {}, CONST, CONST / 5),  # 5 tokens x CONST / 5 tokens
+    ("token_mean", {"num_tokens": 10}, CONST / 2, CONST / 10),  # the step's 10 tokens
+    ("seq_sum_norm", {}, 5 * CONST / (2 * 4), CONST / 8),  # 5 x CONST / (2 rows x seq_sum_norm_len 4)
+    ("seq_mean", {"num_seqs": 4}, 2 * CONST / 4, None),  # (CONST + CONST) / 4 rows; row i: CONST / (n_i x 4)
+])
+def test_a_policy_loss_registered_by_a_test_is_selected_from_config_and_called(aggregation, totals, loss, grad):
+    from miles_k3.config import compose_config
+
+    cfg = compose_config("train", ["trainer.loss.policy=_test_const", f"trainer.loss.aggregation={aggregation}",
+                                   "trainer.loss.seq_sum_norm_len=4"]).trainer.loss
+    logp = torch.zeros(2, 3, dtype=torch.float64, requires_grad=True)
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]], dtype=torch.bool)
+    CALLS.clear()
+    value, metrics = policy_loss(logp, logp.detach(), torch.tensor([1.0, -2.0]), mask, cfg, **totals)
+    assert CALLS == [(2, 3)]
+    assert value.item() == pytest.approx(loss, rel=1e-12) and metrics["train/pg_loss"] == value.item()
+    assert metrics == {"train/test_const": pytest.approx(CONST), "train/pg_loss": value.item()}
+    value.backward()
+    want = [[grad] * 3, [grad, grad, 0.0]] if grad is not None else [[CONST / 12] * 3, [CONST / 8, CONST / 8, 0.0]]
+    assert logp.grad.tolist() == [pytest.approx(row, rel=1e-12) for row in want]
+
+
+def test_the_trainer_calls_the_policy_loss_the_config_selects():
+    # one update on k3_tiny: 3 samples with 2 + 3 + 4 = 9 response tokens in one micro-batch, token_mean; the old
+    # log-probs are recomputed by the same model, so logp = old and the loss is CONST x 9 / 9
+    from miles_k3.config import compose_config
+    from miles_k3.model import K3Config, K3ForCausalLM
+    from miles_k3.model.lora import LoRAConfig, apply_lora, lora_parameters
+    from miles_k3.trainer.batch import Sample
+    from miles_k3.trainer.optim import OptimConfig, build_optimizer, build_scheduler
+    from miles_k3.trainer.step import train_step
+
+    cfg = compose_config("train", ["trainer.loss.policy=_test_const"]).trainer
+    torch.manual_seed(0)
+    model = K3ForCausalLM(K3Config.from_name("k3_tiny"))
+    model.requires_grad_(False)
+    apply_lora(model, LoRAConfig(rank=4, alpha=8.0))
+    params = lora_parameters(model)
+    opt = build_optimizer(params, OptimConfig(lr=1e-2))
+    samples = [Sample([5, 6, 7], list(range(10, 12 + i)), advantage=1.0) for i in range(3)]
+    CALLS.clear()
+    m = train_step(model, samples, cfg, opt, build_scheduler(opt, OptimConfig(lr=1e-2)), params, pad_id=0,
+                   device=torch.device("cpu"))
+    assert len(CALLS) == 1 and CALLS[0][0] == 3
+    assert m["train/skipped"] == 0.0 and m["train/num_tokens"] == 9
+    assert m["train/loss"] == pytest.approx(CONST, rel=1e-6) and m["train/test_const"] == pytest.approx(CONST, rel=1e-6)
+
+
+def test_a_registered_policy_loss_gets_tis_and_penalties_from_policy_loss():
+    # TIS token_truncate: weight min(exp(old - rollout), 2) = exp(0.25) on every token; KL k1 of logp - ref = 0.1
+    cfg = LossConfig(policy="_test_const", tis="token_truncate", kl_coef=0.5, kl_estimator="k1")
+    old = torch.zeros(1, 2, dtype=torch.float64)
+    loss, metrics = policy_loss(old.clone(), old, torch.ones(1), torch.ones(1, 2), cfg, rollout_logp_BT=old - 0.25,
+                                ref_logp_BT=old - 0.1)
+    assert metrics["train/pg_loss"] == pytest.approx(CONST * math.exp(0.25), rel=1e-12)
+    assert loss.item() == pytest.approx(CONST * math.exp(0.25) + 0.5 * 0.1, rel=1e-12)
+    assert metrics["train/tis_weight_mean"] == pytest.approx(math.exp(0.25), rel=1e-12)
+
+
+def test_an_unknown_policy_loss_fails_at_config_validation_listing_the_registered_ones():
+    from miles_k3.config import ConfigFieldError, compose_config
+
+    with pytest.raises(ConfigFieldError, match=r"^trainer\.loss\.policy: 'nope' is not a registered policy "
+                                               r"loss; registered: (.*, )?_test_const, (.*, )?sequence_clip, token_clip"):
+        compose_config("train", ["trainer.loss.policy=nope"])
+
+
+def test_a_policy_loss_of_the_wrong_shape_is_refused_naming_it():
+    @losses.register_policy_loss("_test_scalar")
+    def scalar_loss(x: losses.PolicyInputs):
+        return x.logp_BT.sum(), {}
+
+    logp, old, adv, mask = two_sequences()
+    with pytest.raises(ValueError, match=r"^policy loss '_test_scalar' returned a per-token loss of shape \(\); it "
+                                         r"must return \[B, T\] = \(2, 3\)"):
+        policy_loss(logp, old, adv, mask, LossConfig(policy="_test_scalar"))

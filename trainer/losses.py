@@ -5,6 +5,11 @@ and the chunked per-token log-prob and entropy of logits that feed them, both in
 (`token_logprobs_and_entropy`: vocab-parallel, one code path for one rank and many: logits split by vocabulary
 rows over the ranks, `vocab_shard`; None is the one-rank shard).
 
+The policy term is an extension point: a function registered by name (`register_policy_loss`, the signature is
+`PolicyLossFn`) and selected by `LossConfig.policy`; the built-in ones are `token_clip` (the PPO / GRPO / DAPO
+clipped surrogate) and `sequence_clip` (GSPO). `policy_loss` dispatches to it and adds what every policy term shares:
+TIS, the aggregation (GRPO, Dr. GRPO, DAPO), KL and entropy.
+
 `policy_loss` works on one micro-batch of right-padded rows; `mask_BT` marks the response tokens that count and
 every value outside it is ignored (it may be anything, even non-finite). The loss is micro-batch additive: when
 each call gets the step's totals (`num_tokens` for token_mean, `num_seqs` for seq_mean and seq_sum_norm), the
@@ -30,7 +35,6 @@ from torch.autograd.function import once_differentiable
 
 from miles_k3.parallel.comm import VocabShard, all_reduce_
 
-RATIO_LEVELS = ("token", "sequence")
 AGGREGATIONS = ("token_mean", "seq_mean", "seq_sum_norm")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 TIS_MODES = ("none", "token_truncate", "seq_mask")
@@ -46,9 +50,11 @@ class LossConfig:
     eps_high: float = 0.28
     """Upper clip: the ratio is clipped above at 1 + eps_high (binds for A > 0); DAPO clip-higher uses 0.28
     against eps_low 0.2; >= 0."""
-    ratio_level: str = "token"
-    """token: ratio exp(logp - old_logp) per token; sequence (GSPO): s_i = exp(mean over the sequence's masked
-    tokens of (logp - old_logp)) used for every token of sequence i."""
+    policy: str = "token_clip"
+    """The policy term, a registered policy loss: token_clip: the clipped surrogate with the ratio exp(logp -
+    old_logp) per token (PPO / GRPO / DAPO); sequence_clip (GSPO): the same with s_i = exp(mean over the sequence's
+    masked tokens of (logp - old_logp)) used for every token of sequence i; or one added by
+    register_policy_loss."""
     aggregation: str = "token_mean"
     """How the masked per-token losses L_it reduce to a scalar. token_mean (DAPO): sum_it L_it / num_tokens;
     seq_mean (original GRPO): sum_i (mean_t L_it) / num_seqs; seq_sum_norm (Dr. GRPO): sum_it L_it /
@@ -78,7 +84,9 @@ class LossConfig:
             raise ValueError(f"eps_low: must be in [0, 1), got {self.eps_low}")
         if not (math.isfinite(self.eps_high) and self.eps_high >= 0.0):
             raise ValueError(f"eps_high: must be finite and >= 0, got {self.eps_high}")
-        _check_choice("ratio_level", self.ratio_level, RATIO_LEVELS)
+        if self.policy not in _POLICY_LOSSES:
+            raise ValueError(f"policy: '{self.policy}' is not a registered policy loss; registered: "
+                             f"{', '.join(policy_loss_names())} (add one with register_policy_loss)")
         _check_choice("aggregation", self.aggregation, AGGREGATIONS)
         if isinstance(self.seq_sum_norm_len, bool) or not isinstance(self.seq_sum_norm_len, int) \
                 or self.seq_sum_norm_len < 1:
@@ -101,26 +109,105 @@ def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
         raise ValueError(f"{name}: '{value}' is not one of {', '.join(choices)}")
 
 
+# ------------------------------------------------------------------------------------------------ registry
+
+
+@dataclass(frozen=True, eq=False)
+class PolicyInputs:
+    """What a registered policy loss gets for one micro-batch: every tensor in the compute dtype (float32, or float64
+    when policy_loss's logp_BT is) except the mask."""
+
+    logp_BT: Tensor
+    """The current policy's log-probs [B, T], differentiable; outside mask_BT any value, even non-finite."""
+    old_logp_BT: Tensor
+    """The old policy's log-probs [B, T], detached."""
+    adv_B1: Tensor
+    """The advantages [B, 1], detached."""
+    mask_BT: Tensor
+    """bool [B, T]: the response tokens that count."""
+    cfg: LossConfig
+    """The whole loss config: a loss reads the fields it uses (the built-in ones: eps_low, eps_high, dual_clip_c)."""
+
+    def token_mean(self, x_BT: Tensor) -> Tensor:
+        """The mean of x over the masked tokens ([] tensor; 0 when there is none): the metrics' convention."""
+        return _masked(x_BT, self.mask_BT).sum() / self.mask_BT.sum().clamp(min=1)
+
+
+PolicyLossFn = Callable[[PolicyInputs], tuple[Tensor, dict[str, Tensor]]]
+"""`fn(inputs) -> (loss_BT, metrics)`: the per-token policy loss L_it [B, T] (differentiable wrt inputs.logp_BT;
+values outside the mask are ignored, non-finite ones too) and its metrics, name ("train/...") -> [] tensor, each a
+mean over the masked tokens (the trainer merges micro-batches weighted by their tokens). policy_loss then weights
+L by TIS, aggregates it by cfg.aggregation with the step's denominators (so a registered loss is micro-batch
+additive without doing anything) and adds the KL and entropy terms: a loss defines the policy term only."""
+_POLICY_LOSSES: dict[str, PolicyLossFn] = {}
+
+
+def register_policy_loss(name: str) -> Callable[[PolicyLossFn], PolicyLossFn]:
+    """Decorator: register `fn(inputs: PolicyInputs) -> (loss_BT, metrics)` (`PolicyLossFn`) as the policy loss
+    `name`, selected by `trainer.loss.policy=name` (one function per name; the same function registering
+    again, e.g. its module imported twice, is fine)."""
+    def deco(fn: PolicyLossFn) -> PolicyLossFn:
+        old = _POLICY_LOSSES.get(name)
+        if old is not None and _qualname(old) != _qualname(fn):
+            raise ValueError(f"policy loss '{name}' is already registered (by {_qualname(old)}); pick another name")
+        _POLICY_LOSSES[name] = fn
+        return fn
+    return deco
+
+
+def _qualname(fn) -> str:
+    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', fn)}"
+
+
+def policy_loss_names() -> list[str]:
+    """The registered policy loss names, sorted."""
+    return sorted(_POLICY_LOSSES)
+
+
+@register_policy_loss("token_clip")
+def token_clip_loss(x: PolicyInputs) -> tuple[Tensor, dict[str, Tensor]]:
+    """PPO's clipped surrogate with the per-token ratio r_it = exp(logp_it - old_logp_it) (GRPO; DAPO's
+    clip-higher is eps_high > eps_low). Loss and metrics: `_clip_loss`."""
+    return _clip_loss(x, torch.exp(_masked(x.logp_BT - x.old_logp_BT, x.mask_BT)))
+
+
+@register_policy_loss("sequence_clip")
+def sequence_clip_loss(x: PolicyInputs) -> tuple[Tensor, dict[str, Tensor]]:
+    """GSPO: the clipped surrogate with the sequence ratio s_i = exp(sum_t (logp_it - old_logp_it) / |o_i|) for
+    every token of row i (|o_i| its masked tokens; 1 for a row without tokens). Loss and metrics: `_clip_loss`."""
+    log_ratio_BT = _masked(x.logp_BT - x.old_logp_BT, x.mask_BT)
+    n_B = x.mask_BT.sum(dim=1).clamp(min=1)
+    seq_B = torch.exp(log_ratio_BT.sum(dim=1) / n_B)
+    return _clip_loss(x, seq_B[:, None].expand_as(log_ratio_BT))
+
+
+def _clip_loss(x: PolicyInputs, ratio_BT: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+    """L_it = -min(r_it A_i, clip(r_it, 1 - eps_low, 1 + eps_high) A_i), capped at -c A_i for A_i < 0 under dual
+    clip; metrics train/clip_frac, train/ratio_mean, train/ratio_max (and train/dual_clip_frac): see policy_loss."""
+    pg_BT, clipped_BT, dual_BT = _clipped_surrogate(ratio_BT, x.adv_B1, x.cfg)
+    stats: dict[str, Tensor] = {
+        "train/clip_frac": x.token_mean(clipped_BT.to(ratio_BT.dtype)),
+        "train/ratio_mean": x.token_mean(ratio_BT.detach()),
+        "train/ratio_max": _masked_max(ratio_BT.detach(), x.mask_BT),
+    }
+    if dual_BT is not None:
+        stats["train/dual_clip_frac"] = x.token_mean(dual_BT.to(ratio_BT.dtype))
+    return pg_BT, stats
+
+
 # ---------------------------------------------------------------------------------------------------- loss
 
 
-def policy_loss(
-    logp_BT: Tensor,
-    old_logp_BT: Tensor,
-    adv_B: Tensor,
-    mask_BT: Tensor,
-    cfg: LossConfig,
-    rollout_logp_BT: Tensor | None = None,
-    ref_logp_BT: Tensor | None = None,
-    entropy_BT: Tensor | None = None,
-    num_tokens: float | None = None,
-    num_seqs: float | None = None,
-) -> tuple[Tensor, dict[str, float]]:
+def policy_loss(logp_BT: Tensor, old_logp_BT: Tensor, adv_B: Tensor, mask_BT: Tensor, cfg: LossConfig,
+                rollout_logp_BT: Tensor | None = None, ref_logp_BT: Tensor | None = None,
+                entropy_BT: Tensor | None = None, num_tokens: float | None = None, num_seqs: float | None = None,
+                ) -> tuple[Tensor, dict[str, float]]:
     """The scalar loss of one micro-batch (differentiable wrt logp_BT and entropy_BT) and its metrics.
 
-    Per masked token: L_it = -min(r_it * A_i, clip(r_it, 1 - eps_low, 1 + eps_high) * A_i), with r the token
-    or sequence (GSPO) ratio; dual clip caps it at -c * A_i for A_i < 0; the TIS weight (no gradient)
-    multiplies it (the KL and entropy terms are not weighted, and TIS-masked rows still count in the
+    Per masked token the policy loss registered as cfg.policy gives L_it (`register_policy_loss`); the
+    built-in ones: L_it = -min(r_it * A_i, clip(r_it, 1 - eps_low, 1 + eps_high) * A_i), with r the token
+    (`token`) or sequence (`sequence`, GSPO) ratio; dual clip caps it at -c * A_i for A_i < 0. The TIS weight (no
+    gradient) multiplies L_it (the KL and entropy terms are not weighted, and TIS-masked rows still count in the
     denominators). loss = agg(L) + kl_coef * agg(k(logp - ref_logp)) - entropy_coef * agg(entropy), with agg
     the configured aggregation, whose denominators are:
       token_mean: num_tokens (default: this call's masked-token count);
@@ -136,7 +223,8 @@ def policy_loss(
 
     Returns (loss [] float32, or float64 when logp_BT is; metrics as python floats):
       train/pg_loss: the policy term, same denominator as the loss (adds up over micro-batches like the loss);
-      means over this call's masked tokens (0.0 when there is none):
+      the policy loss's own metrics (the built-in ones' below); means over this call's masked tokens (0.0 when
+      there is none):
       train/clip_frac: the clip binds (the clipped surrogate is the smaller; the token gets no gradient);
       train/ratio_mean, train/ratio_max: the ratio used (the sequence ratio under GSPO);
       train/kl (with ref_logp_BT), train/entropy (with entropy_BT);
@@ -150,51 +238,60 @@ def policy_loss(
     dt = torch.float64 if logp_BT.dtype == torch.float64 else torch.float32
     _check_count("num_tokens", num_tokens)
     _check_count("num_seqs", num_seqs)
-    m_BT = mask_BT.bool()
-    n_tok = m_BT.sum()
-    logp_BT = logp_BT.to(dt)
-    old_BT = old_logp_BT.detach().to(dt)
+    x = PolicyInputs(logp_BT.to(dt), old_logp_BT.detach().to(dt), adv_B.detach().to(dt)[:, None], mask_BT.bool(),
+                     cfg)
 
     def agg(x_BT: Tensor) -> Tensor:
-        return _aggregate(x_BT, m_BT, cfg, num_tokens, num_seqs)
+        return _aggregate(x_BT, x.mask_BT, cfg, num_tokens, num_seqs)
 
-    def token_mean(x_BT: Tensor) -> Tensor:
-        return _masked(x_BT, m_BT).sum() / n_tok.clamp(min=1)
-
-    ratio_BT = _ratio(_masked(logp_BT - old_BT, m_BT), m_BT, cfg.ratio_level)
-    adv_B1 = adv_B.detach().to(dt)[:, None]
-    pg_BT, clipped_BT, dual_BT = _clipped_surrogate(ratio_BT, adv_B1, cfg)
-    stats: dict[str, Tensor] = {
-        "train/clip_frac": token_mean(clipped_BT.to(dt)),
-        "train/ratio_mean": token_mean(ratio_BT.detach()),
-        "train/ratio_max": _masked_max(ratio_BT.detach(), m_BT),
-    }
-    if dual_BT is not None:
-        stats["train/dual_clip_frac"] = token_mean(dual_BT.to(dt))
+    pg_BT, stats = _policy_term(x)
     if rollout_logp_BT is not None:
-        diff_BT = old_BT - rollout_logp_BT.detach().to(dt)
-        stats["train/rollout_logprob_abs_diff"] = token_mean(diff_BT.abs())
-        gap_BT = torch.where(m_BT, diff_BT.detach().abs().float(), math.nan)  # NaN: not a loss token
-        p99 = torch.nanquantile(gap_BT.reshape(-1), 0.99) if gap_BT.numel() else gap_BT.new_zeros(())
-        stats["train/rollout_logprob_abs_diff_p99"] = torch.nan_to_num(p99, nan=0.0).to(dt)  # no boolean index
-        weight_BT = _tis_weights(_masked(diff_BT, m_BT), m_BT, cfg, stats, token_mean)
-        if weight_BT is not None:
-            pg_BT = pg_BT * weight_BT
+        pg_BT = _rollout_terms(pg_BT, x, x.old_logp_BT - rollout_logp_BT.detach().to(dt), stats)
     pg_loss = agg(pg_BT)
     stats["train/pg_loss"] = pg_loss.detach()
-    loss = pg_loss
+    loss = _with_penalties(pg_loss, x, agg, ref_logp_BT, entropy_BT, stats)
+    values = torch.stack(list(stats.values())).tolist()  # one device sync for all metrics
+    return loss, dict(zip(stats, values))
+
+
+def _policy_term(x: PolicyInputs) -> tuple[Tensor, dict[str, Tensor]]:
+    """The registered policy loss cfg.policy on x: its per-token loss [B, T] and a copy of its metrics."""
+    pg_BT, stats = _POLICY_LOSSES[x.cfg.policy](x)
+    if not isinstance(pg_BT, Tensor) or tuple(pg_BT.shape) != tuple(x.mask_BT.shape):
+        got = tuple(pg_BT.shape) if isinstance(pg_BT, Tensor) else type(pg_BT).__name__
+        raise ValueError(f"policy loss '{x.cfg.policy}' returned a per-token loss of shape {got}; it must "
+                         f"return [B, T] = {tuple(x.mask_BT.shape)} (PolicyLossFn)")
+    return pg_BT, dict(stats)
+
+
+def _rollout_terms(pg_BT: Tensor, x: PolicyInputs, diff_BT: Tensor, stats: dict[str, Tensor]) -> Tensor:
+    """The per-token policy loss weighted by TIS (as is for tis=none), from the old - rollout log-prob differences
+    diff_BT; adds the train/rollout_logprob_abs_diff metrics (and TIS's) to `stats`."""
+    m_BT = x.mask_BT
+    stats["train/rollout_logprob_abs_diff"] = x.token_mean(diff_BT.abs())
+    gap_BT = torch.where(m_BT, diff_BT.detach().abs().float(), math.nan)  # NaN: not a loss token
+    p99 = torch.nanquantile(gap_BT.reshape(-1), 0.99) if gap_BT.numel() else gap_BT.new_zeros(())
+    stats["train/rollout_logprob_abs_diff_p99"] = torch.nan_to_num(p99, nan=0.0).to(diff_BT.dtype)  # no bool index
+    weight_BT = _tis_weights(_masked(diff_BT, m_BT), m_BT, x.cfg, stats, x.token_mean)
+    return pg_BT if weight_BT is None else pg_BT * weight_BT
+
+
+def _with_penalties(loss: Tensor, x: PolicyInputs, agg: Callable[[Tensor], Tensor], ref_logp_BT: Tensor | None,
+                    entropy_BT: Tensor | None, stats: dict[str, Tensor]) -> Tensor:
+    """loss + kl_coef * agg(KL estimate) - entropy_coef * agg(entropy) (each term with its tensor and coef > 0);
+    adds train/kl and train/entropy (with their tensors) to `stats`."""
+    cfg, dt = x.cfg, x.logp_BT.dtype
     if ref_logp_BT is not None:
-        kl_BT = _kl(_masked(logp_BT - ref_logp_BT.detach().to(dt), m_BT), cfg.kl_estimator)
-        stats["train/kl"] = token_mean(kl_BT.detach())
+        kl_BT = _kl(_masked(x.logp_BT - ref_logp_BT.detach().to(dt), x.mask_BT), cfg.kl_estimator)
+        stats["train/kl"] = x.token_mean(kl_BT.detach())
         if cfg.kl_coef > 0:
             loss = loss + cfg.kl_coef * agg(kl_BT)
     if entropy_BT is not None:
         ent_BT = entropy_BT.to(dt)
-        stats["train/entropy"] = token_mean(ent_BT.detach())
+        stats["train/entropy"] = x.token_mean(ent_BT.detach())
         if cfg.entropy_coef > 0:
             loss = loss - cfg.entropy_coef * agg(ent_BT)
-    values = torch.stack(list(stats.values())).tolist()  # one device sync for all metrics
-    return loss, dict(zip(stats, values))
+    return loss
 
 
 def _masked(x_BT: Tensor, m_BT: Tensor) -> Tensor:
@@ -208,16 +305,6 @@ def _masked_max(x_BT: Tensor, m_BT: Tensor) -> Tensor:
     if x_BT.numel() == 0:
         return zero
     return torch.where(m_BT.any(), torch.where(m_BT, x_BT, -math.inf).amax(), zero)
-
-
-def _ratio(log_ratio_BT: Tensor, m_BT: Tensor, level: str) -> Tensor:
-    """[B, T] importance ratio from masked log-ratios (0 outside the mask): per token, or GSPO's sequence ratio
-    exp(sum_t log r_it / |o_i|) broadcast over the row (1 for a row without tokens)."""
-    if level == "token":
-        return torch.exp(log_ratio_BT)
-    n_B = m_BT.sum(dim=1).clamp(min=1)
-    seq_B = torch.exp(log_ratio_BT.sum(dim=1) / n_B)
-    return seq_B[:, None].expand_as(log_ratio_BT)
 
 
 def _clipped_surrogate(ratio_BT: Tensor, adv_B1: Tensor, cfg: LossConfig) -> tuple[Tensor, Tensor, Tensor | None]:
