@@ -1,19 +1,22 @@
 """Worked multi-step sums, generated: `data.source=worked_sum` (the reasoning task of `recipe=k3_m2_reasoning`).
 
-A problem is a chain of signed terms, "48 + 27 - 93 + 15"; its worked solution adds one term per line, carrying the
-running total, and ends with an answer line:
+A problem is a chain of signed terms, "48 + 27 - 93 + 15"; its worked solution folds the first two terms of the
+chain into their sum, one line per step, rewriting the rest of the chain each time, and ends with an answer line:
 
-    48 + 27 = 75
-    75 - 93 = -18
-    -18 + 15 = -3
+    = 75 - 93 + 15
+    = -18 + 15
+    = -3
     Answer: -3
 
 A row is {"id", "question", "answer", "solution", "terms"}: `answer` is the final integer ("-3", what the reward
-grades), `solution` the worked text above (what SFT trains on: `data.answer_field=solution`). Each line is one
-step: copy the running total, find the next term in the problem, add. A policy that gets a step right with
-probability p solves an n-term problem with about p^(n-1), so accuracy falls with length and RL has a per-step
-error rate to drive down. Lengths: about 14 tokens per step with the byte-level tokenizer (8 terms: ~110 tokens,
-40 terms: ~560).
+grades), `solution` the worked text above (what SFT trains on: `data.answer_field=solution`). Each line is one step
+whose inputs are all on the line before it: add its first two numbers, copy the rest. (An earlier form, one
+"total + term = new total" line per term, made every step look its term up in the problem: a byte-level k3_m2 with
+three linear-attention layers in four learned it too slowly for a base in minutes, teacher-forced exact 0 after 61
+steps.) A policy that gets a step right with probability p solves an n-term problem with about p^(n-1), so
+accuracy falls with length and RL has a per-step error rate to drive down. Lengths: a line of k numbers is about
+5k bytes, so an n-term solution is about 2.5 n^2 bytes (one token per byte with the byte-level tokenizer; 8 terms:
+~160, 16 terms: ~640).
 
 `generate_rows(split, size, seed, task_args, distinct)` draws the number of terms uniformly from
 `min_terms..max_terms`, each term's value uniformly from `min_value..max_value` and its sign (+ or -, the first term
@@ -32,7 +35,7 @@ WORKED_SOURCE = "worked_sum"
 TEST_BUCKETS = 8
 """One hash bucket of TEST_BUCKETS is the test split (1/8 of the problems)."""
 SPLITS = ("train", "test")
-TASK_ARGS = {"min_terms": 8, "max_terms": 40, "min_value": 10, "max_value": 99}
+TASK_ARGS = {"min_terms": 8, "max_terms": 16, "min_value": 1, "max_value": 49}
 """The task_args it takes, with their defaults."""
 _DRAW_FACTOR = 64
 """Draws allowed per kept row before giving up (a split, or distinct rows, with too few problems)."""
@@ -48,6 +51,11 @@ def is_worked(source: str) -> bool:
 
 def question(terms: list[int]) -> str:
     """The problem text of signed `terms` (the first positive): [48, 27, -93] -> "48 + 27 - 93"."""
+    return chain(terms)
+
+
+def chain(terms: list[int]) -> str:
+    """`terms` written as a chain: the first as it is (its own sign), each later one as " + v" or " - v"."""
     out = str(terms[0])
     for t in terms[1:]:
         out += f" {'-' if t < 0 else '+'} {abs(t)}"
@@ -55,14 +63,13 @@ def question(terms: list[int]) -> str:
 
 
 def solution(terms: list[int]) -> str:
-    """The worked solution of `terms`: one "total +/- term = new total" line per term after the first, then
-    "Answer: N"."""
-    total, lines = terms[0], []
-    for t in terms[1:]:
-        new = total + t
-        lines.append(f"{total} {'-' if t < 0 else '+'} {abs(t)} = {new}")
-        total = new
-    return "\n".join([*lines, f"Answer: {total}"])
+    """The worked solution of `terms`: per step, "= " and the chain with its first two numbers folded into their
+    sum, then "Answer: N"."""
+    rest, lines = list(terms), []
+    while len(rest) > 1:
+        rest = [rest[0] + rest[1], *rest[2:]]
+        lines.append(f"= {chain(rest)}")
+    return "\n".join([*lines, f"Answer: {rest[0]}"])
 
 
 def in_split(text: str, split: str) -> bool:

@@ -378,6 +378,10 @@ class SFTConfig:
     the share of target tokens that are. 0: off. Needs a generated data.source (it has a test split)."""
     heldout_size: int = 256
     """Held-out problems of heldout_every."""
+    stop_at_heldout_exact: float = 0.0
+    """Stop training (and save, as at the last step) at the first held-out measurement whose sft/heldout_exact is
+    at least this: a base deliberately imperfect by construction, whatever the machine's speed (0: off; needs
+    heldout_every)."""
     quantize: bool = False
     """mode=full: also write run_dir/base, the trained model with its routed experts quantized to native MXFP4 (as
     `python -m miles_k3.quantize` does): the frozen base RL trains from."""
@@ -396,6 +400,10 @@ class SFTConfig:
                              f"{self.micro_batch_tokens}")
         if self.heldout_every < 0:
             raise ValueError(f"heldout_every: must be >= 0 (0: off), got {self.heldout_every}")
+        if not 0.0 <= self.stop_at_heldout_exact <= 1.0:
+            raise ValueError(f"stop_at_heldout_exact: a share in [0, 1] (0: off), got {self.stop_at_heldout_exact}")
+        if self.stop_at_heldout_exact and not self.heldout_every:
+            raise ValueError("stop_at_heldout_exact: needs the held-out figures; set heldout_every (e.g. 20)")
         if self.heldout_every and self.data.split not in (None, "train"):
             raise ValueError(f"heldout_every: the held-out problems are data's test split; train on the train split "
                              f"(data.split=train or unset), got data.split={self.data.split}")

@@ -340,6 +340,10 @@ def _loop(cfg, model, params, opt, sched, stream, examples, pad_id, device, trac
             tracker.log(row, step=step)
             log.info("step %d/%d held-out (teacher-forced): exact=%.4f token=%.4f", step, cfg.steps,
                      row["sft/heldout_exact"], row["sft/heldout_token"])
+            if cfg.stop_at_heldout_exact and row["sft/heldout_exact"] >= cfg.stop_at_heldout_exact:
+                log.info("stopping at step %d: held-out exact %.4f >= stop_at_heldout_exact=%g", step,
+                         row["sft/heldout_exact"], cfg.stop_at_heldout_exact)
+                break
         if hook is not None and (hook.due(step) or step == cfg.steps):
             evals[step] = _evaluate(cfg, hook, engine, params, step)
     stop.restore()

@@ -15,7 +15,8 @@ from miles_k3.trainer.batch import Sample
 def test_a_problem_and_its_worked_solution_by_hand():
     terms = [48, 27, -93, 15]
     assert question(terms) == "48 + 27 - 93 + 15"
-    assert solution(terms) == "48 + 27 = 75\n75 - 93 = -18\n-18 + 15 = -3\nAnswer: -3"
+    assert solution(terms) == "= 75 - 93 + 15\n= -18 + 15\n= -3\nAnswer: -3"
+    assert solution([-5, -7]) == "= -12\nAnswer: -12"  # a negative first term keeps its own sign
     assert render_prompt("worked", question(terms)) == "Compute step by step: 48 + 27 - 93 + 15\n"
 
 
@@ -32,10 +33,16 @@ def test_rows_are_reproducible_and_the_splits_disjoint():
 
 
 def test_the_default_lengths_are_reasoning_lengths():
-    """8-40 terms: the worked solutions are 100-670 bytes (one token per byte with the small tokenizer)."""
+    """8-16 terms of 1-49 (the defaults): the worked solutions are 100-1000 bytes (one token per byte with the
+    small tokenizer). Bounds by hand: n terms give n-1 lines "= " + a chain of n-1, n-2, ..., 1 numbers, joined by
+    newlines, then "Answer: N"; in a chain the first number (a running total, |total| <= 16 x 49 = 784) takes 1-4
+    bytes and each later one " + v" 4-5 bytes."""
     rows = generate_rows("train", 500, 0, {})
     lengths = [len(r["solution"]) for r in rows]
-    assert 95 <= min(lengths) and max(lengths) <= 700 and 250 <= sum(lengths) / len(lengths) <= 450
+    shortest = sum(2 + 1 + 4 * (k - 1) for k in range(1, 8)) + 7 + len("Answer: 8")  # 8 terms, one-digit
+    longest = sum(2 + 4 + 5 * (k - 1) for k in range(1, 16)) + 15 + len("Answer: -784")  # 16 terms, widest
+    assert (shortest, longest) == (121, 642)
+    assert shortest <= min(lengths) and max(lengths) <= longest and 250 <= sum(lengths) / len(lengths) <= 450
 
 
 @pytest.mark.parametrize("args, message", [
@@ -55,7 +62,7 @@ def test_sft_trains_on_the_solution_and_the_reward_grades_the_answer():
     assert [p.problem for p in graded] == [p.problem for p in worked]
     grade = get_grader("answer_integer")
     for g, w in zip(graded, worked):
-        assert w.answer.startswith(g.problem.split(" ")[0]) and grade(w.answer, g.answer).score == 1.0
+        assert w.answer.startswith("= ") and grade(w.answer, g.answer).score == 1.0
 
 
 @pytest.mark.parametrize("response, gold, score, reason", [
