@@ -1,5 +1,7 @@
 """The reasoning recipe's parts on the CPU: worked sums (`evals/worked.py`), their grader and template, the recipe's
 refusals, and the SFT pieces its base needs (teacher-forced held-out figures, micro-batched gradients, quantize)."""
+import json
+
 import pytest
 import torch
 from torch import nn
@@ -153,3 +155,37 @@ def test_micro_batched_gradients_add_up_to_the_whole_batchs():
     for n in g0:
         assert torch.allclose(g0[n], g1[n], rtol=1e-4, atol=1e-6), n
     assert t0 == t1 == 6 + 9 + 12 + 15  # the step's tokens (each example's prompt + response - 1), however cut
+
+
+# ---- the base stops where it is deliberately imperfect --------------------------------------------------------
+def _sft(tmp_path, *overrides):
+    from miles_k3.config import compose_config
+
+    return compose_config("sft", ["model=k3_nano", "device=cpu", "threads=1", f"run_dir={tmp_path / 'run'}",
+                                  "data.source=worked_sum", "data.answer_field=solution", "data.size=16",
+                                  "+data.task_args.min_terms=2", "+data.task_args.max_terms=3", "+data.task_args.max_value=9",
+                                  "template=worked", "batch_size=2", "heldout_every=1", "heldout_size=4",
+                                  "log_every=1", *overrides])
+
+
+def test_sft_stops_at_the_first_heldout_measurement_reaching_stop_at_heldout_exact(tmp_path, monkeypatch):
+    import miles_k3.sft as sft
+
+    measured = iter([0.0, 0.25, 0.5, 0.75, 1.0])  # scripted held-out exact shares, one per step
+    monkeypatch.setattr(sft, "heldout_figures", lambda *a, **k: {"sft/heldout_exact": next(measured),
+                                                                 "sft/heldout_token": 0.9})
+    result = sft.train_sft(_sft(tmp_path, "steps=5", "stop_at_heldout_exact=0.5"))
+    assert len(result.losses) == 3  # steps 1 and 2 measured 0 and 0.25; step 3 reached 0.5 and stopped
+    assert (tmp_path / "run/model/config.json").is_file()  # saved as at the last step
+    exact = [json.loads(x).get("sft/heldout_exact") for x in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
+    assert [e for e in exact if e is not None] == [0.0, 0.25, 0.5]
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (("stop_at_heldout_exact=1.5",), r"stop_at_heldout_exact: a share in \[0, 1\] \(0: off\), got 1.5"),
+    (("stop_at_heldout_exact=0.5", "heldout_every=0"), "stop_at_heldout_exact: needs the held-out figures; set "
+                                                         "heldout_every"),
+])
+def test_stop_at_heldout_exact_refuses_what_cannot_work(tmp_path, overrides, message):
+    with pytest.raises(ValueError, match=message):
+        _sft(tmp_path, *overrides)
