@@ -10,13 +10,12 @@ from importlib import resources
 from pathlib import Path
 
 import pytest
-import safetensors.torch
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from miles_k3.kernels.mxfp4 import dequantize_mxfp4, quantize_mxfp4
-from miles_k3.model import K3Config, K3ForCausalLM
+from miles_k3.model import K3Config, K3ForCausalLM, weight_writer
 from miles_k3.model.build import ModelConfig, build_model, weights_dir
 from miles_k3.model.config import ConfigError
 from miles_k3.model.weight_files import (
@@ -364,7 +363,7 @@ def test_failed_write_leaves_existing_destination_intact(models, tmp_path, monke
     (dest / "marker.txt").write_text("old")
     with pytest.raises(WeightsError, match="already exists.*overwrite"):
         save_weights(models["bf16"], dest)
-    real_save, calls = safetensors.torch.save_file, []
+    real_save, calls = weight_writer.write_safetensors, []
 
     def failing_save(tensors, filename, metadata=None):
         calls.append(filename)
@@ -372,12 +371,12 @@ def test_failed_write_leaves_existing_destination_intact(models, tmp_path, monke
             raise OSError("disk full (simulated)")
         real_save(tensors, filename, metadata=metadata)
 
-    monkeypatch.setattr(safetensors.torch, "save_file", failing_save)
+    monkeypatch.setattr(weight_writer, "write_safetensors", failing_save)
     with pytest.raises(OSError, match="simulated"):
         save_weights(models["bf16"], dest, max_shard_bytes=SMALL_SHARD, overwrite=True)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dest"]  # no partial directory left anywhere
     assert sorted(p.name for p in dest.iterdir()) == ["marker.txt"]
-    monkeypatch.setattr(safetensors.torch, "save_file", real_save)
+    monkeypatch.setattr(weight_writer, "write_safetensors", real_save)
     save_weights(models["bf16"], dest, overwrite=True, max_shard_bytes=None)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dest"]
     assert sorted(p.name for p in dest.iterdir()) == ["config.json", "model.safetensors"]

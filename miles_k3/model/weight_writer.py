@@ -3,19 +3,27 @@
 sibling directory, fsyncs it and renames it into place only when complete, so a crash never leaves a
 half-written directory under the destination name and an existing checkpoint is replaced only by a complete
 one (`miles_k3.atomic`). Layout and validation rules are in `weight_files.py`.
+
+Within a shard (`write_safetensors`) the tensors outside the routed experts come first, in safetensors' own order,
+then the routed experts by layer and numeric id, each expert's tensors back to back: an EP rank's experts of a layer
+are one contiguous run of the file (one read), where the published files order experts as strings (0, 1, 10, 100,
+..., 2, ...) and scatter a rank's ids. Any safetensors reader reads the file (the header gives every offset).
 """
 from __future__ import annotations
 
 import copy
 import json
+import re
 import shutil
+import struct
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import safetensors.torch
 import torch
 
 from miles_k3.atomic import publish_directory, stage_directory
+from miles_k3.model.hollow import HEADER_ALIGN, HEADER_LEN_BYTES, storage_order
 from miles_k3.model.k3 import CHECKPOINT_PREFIX, K3ForCausalLM
 from miles_k3.model.weight_files import (
     CONFIG_FILE,
@@ -96,7 +104,7 @@ class WeightWriter:
         if not self._pending:
             return
         file = self.staging / f".shard-{len(self._shards):06d}.safetensors"
-        safetensors.torch.save_file(self._pending, str(file), metadata={"format": "pt"})
+        write_safetensors(self._pending, file, metadata={"format": "pt"})
         self._shards.append((file, list(self._pending)))
         self._total_bytes += self._pending_bytes
         self._pending, self._pending_bytes = {}, 0
@@ -127,6 +135,50 @@ class WeightWriter:
 
     def abort(self) -> None:
         shutil.rmtree(self.staging, ignore_errors=True)
+
+
+SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+                      torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+                      torch.uint8: "U8", torch.bool: "BOOL"}
+_EXPERT_ID = re.compile(r"\.layers\.(\d+)\..*\.experts\.(\d+)\.")
+
+
+def layout_order(tensors: Mapping[str, torch.Tensor]) -> list[str]:
+    """The names of one shard in the order `write_safetensors` stores them: the tensors outside the routed experts
+    in safetensors' order (dtype descending: F32, BF16, ...; then by name), then the routed experts by layer and
+    numeric expert id, each expert's tensors (by name: w1, w2, w3, packed before scale) back to back."""
+    experts, other = [], {}
+    for name, t in tensors.items():
+        m = _EXPERT_ID.search(name)
+        if m:
+            experts.append((int(m[1]), int(m[2]), name))
+        else:
+            other[name] = TensorSpec(tuple(t.shape), SAFETENSORS_DTYPES[t.dtype])
+    return storage_order(other) + [name for *_, name in sorted(experts)]
+
+
+def write_safetensors(tensors: Mapping[str, torch.Tensor], file: str | Path,
+                      metadata: Mapping[str, str] | None = None) -> None:
+    """A safetensors file of `tensors` (contiguous CPU tensors) in `layout_order`: the 8-byte header length, the
+    JSON header (`__metadata__` first, as safetensors writes it; space-padded to a multiple of 8), the payload."""
+    names = layout_order(tensors)
+    entries: dict = {"__metadata__": dict(metadata)} if metadata is not None else {}
+    offset = 0
+    for name in names:
+        t = tensors[name]
+        end = offset + t.numel() * t.element_size()
+        entries[name] = {"dtype": SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, end]}
+        offset = end
+    raw = json.dumps(entries, separators=(",", ":"), ensure_ascii=False).encode()
+    raw += b" " * (-len(raw) % HEADER_ALIGN)
+    with open(file, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        for name in names:
+            t = tensors[name]
+            if t.numel():
+                f.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+    assert HEADER_LEN_BYTES + len(raw) + offset == Path(file).stat().st_size, file
 
 
 def to_stored(name: str, t: torch.Tensor, spec: TensorSpec) -> torch.Tensor:
