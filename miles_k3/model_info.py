@@ -18,8 +18,11 @@ full 2.78T K3 works anywhere), not from a second formula:
   gradient and AdamW's two moments: 12 bytes per adapter parameter), the engine's KDA state (`batch` requests) and
   MLA latent KV (`batch` x `context` tokens, replicated over tp), their total against `gpu_gib`, an estimate of a
   micro-batch's activations (`activation_bytes`) and whether it all fits; the load: `load_bytes` (stored bytes
-  the rank reads from the checkpoint), `files_opened` (model.path's index; null for the published layout without
-  a directory) and, in `ranks`, every rank's; the all-to-all bytes per token per MoE layer (bf16 latent rows).
+  the rank reads from the checkpoint: its slices' own), `load_page_bytes` (the file pages those reads touch, each
+  once, as a run reads them: row-parallel columns exchanged within the TP group; `load_ranges` contiguous ranges,
+  `load_exchanged_bytes` sent to the TP group; `load_page_ratio_max`: the largest pages / bytes of any rank),
+  `files_opened` (model.path's index; null for the published layout without a directory) and, in `ranks`, every
+  rank's; the all-to-all bytes per token per MoE layer (bf16 latent rows).
 """
 import json
 import sys
@@ -31,6 +34,8 @@ from miles_k3.config import compose_cli
 from miles_k3.model.build import load_k3_config, num_params
 from miles_k3.model.expert_parallel import alltoall_bytes_per_token
 from miles_k3.model.experts import RoutedExperts
+from miles_k3.model.file_reads import exchanged
+from miles_k3.model.hollow import checkpoint_tensors, payload_ranges, published_payload_ranges
 from miles_k3.model.k3 import K3ForCausalLM
 from miles_k3.model.kda import KDAAttention
 from miles_k3.model.lora import adapter_num_params, apply_lora
@@ -49,7 +54,7 @@ from miles_k3.model.weight_files import (
     stored_dtype,
 )
 from miles_k3.model.weight_sources import RandomInit
-from miles_k3.model.weights import ModelLayout, build_k3, device_bytes, plan_reads, read_bytes
+from miles_k3.model.weights import ModelLayout, build_k3, device_bytes, plan_ranges, plan_reads, read_bytes
 from miles_k3.parallel.mesh import ParallelContext
 
 USAGE = """
@@ -179,9 +184,12 @@ def rank_figures(k3, fmt: str, cfg, whole: K3ForCausalLM) -> dict:
                    headroom_bytes_for_activations=round(gpu - total),
                    fits=total + figures["activation_bytes_estimate"] <= gpu)
     loads = rank_loads(cfg, whole)
-    figures.update(load_bytes=loads[0]["load_bytes"], files_opened=loads[0]["files"],
-                   checkpoint_bytes=loads[0]["checkpoint_bytes"])
-    figures["ranks"] = [{"rank": r["rank"], "load_bytes": r["load_bytes"], "files": r["files"]} for r in loads]
+    figures.update(load_bytes=loads[0]["load_bytes"], load_page_bytes=loads[0]["page_bytes"],
+                   load_ranges=loads[0]["ranges"], load_exchanged_bytes=loads[0]["exchanged_bytes"],
+                   files_opened=loads[0]["files"], checkpoint_bytes=loads[0]["checkpoint_bytes"],
+                   load_page_ratio_max=max(r["page_bytes"] / r["load_bytes"] for r in loads))
+    figures["ranks"] = [{k: r[k] for k in ("rank", "load_bytes", "page_bytes", "ranges", "exchanged_bytes", "files")}
+                        for r in loads]
     return figures
 
 
@@ -196,32 +204,43 @@ def activation_bytes(k3, tp: int, tokens: int) -> int:
 
 
 def rank_loads(cfg, whole: K3ForCausalLM, with_reads: bool = False) -> list[dict]:
-    """Every rank's load of `cfg.parallel`: stored bytes it reads, the files it opens (and with `with_reads` the
-    reads themselves), from the read plan (`weights.plan_reads`) of its `shard_plan` on `whole`, the uncut meta
-    model (no payload read, no allocation)."""
+    """Every rank's load of `cfg.parallel`: stored bytes it reads (its slices' own), the files it opens, the file
+    pages its reads touch (`page_bytes`, each page once; `ranges`: contiguous ranges) and the bytes it sends its TP
+    group (`exchanged_bytes`) as a run loads them (`weights.plan_ranges`: row-parallel columns exchanged within the
+    TP group), and with `with_reads` the reads themselves, from the read plan (`weights.plan_reads`) of its
+    `shard_plan` on `whole`, the uncut meta model (no payload read, no allocation)."""
     p = cfg.parallel
-    specs, files, stored_format = stored_layout(cfg, whole.config)
+    specs, files, stored_format, payload = stored_layout(cfg, whole.config)
     sizes = {n: spec_bytes(s) for n, s in specs.items()}
     total, layout = sum(sizes.values()), ModelLayout(whole)
     out = []
     for r in range(p.world_size):
-        reads = plan_reads(layout, shard_plan(whole, ParallelContext.layout(p.dp, p.tp, p.ep, r)), stored_format)
+        ctx = ParallelContext.layout(p.dp, p.tp, p.ep, r)
+        reads = plan_reads(layout, shard_plan(whole, ctx), stored_format)
         opened = {files[n] for read in reads for n in read.names if n in files}
+        pages, ranges = plan_ranges(reads, payload, ctx.tp_size, ctx.tp_rank).cost()
+        sent = sum(sizes[read.names[0]] // p.tp * (p.tp - 1) // p.tp for read in reads
+                   if read.convert is None and exchanged(specs[read.names[0]].shape, read.slice, p.tp))
         out.append({"rank": r, "load_bytes": sum(read_bytes(read, specs, sizes) for read in reads),
+                    "page_bytes": pages, "ranges": ranges, "exchanged_bytes": sent,
                     "files": len(opened) if files else None, "checkpoint_bytes": total}
                    | ({"reads": reads} if with_reads else {}))
     return out
 
 
-def stored_layout(cfg, k3) -> tuple[dict, dict, str]:
-    """(stored spec by name, file by name, stored expert format) of model.path's checkpoint when it is a local
-    directory with weights (its index and config: no shard opened), else of the published K3 format (MXFP4
-    experts), where no file is known."""
+def stored_layout(cfg, k3) -> tuple[dict, dict, str, dict]:
+    """(stored spec by name, file by name, stored expert format, `PayloadRange` by name) of model.path's checkpoint
+    when it is a local directory with weights (its index, config and headers: no payload read), else of the
+    published K3 format (MXFP4 experts, the published 96-file layout's offsets computed in memory), where no file is
+    known."""
     path = Path(cfg.model.path).expanduser() if cfg.model.path is not None else None
     if path is not None and ((path / INDEX_FILE).is_file() or (path / SINGLE_FILE).is_file()):
         index = open_weights(path)
-        return index.expected, {n: f.name for n, f in index.locations.items()}, index.expert_format
-    return expected_tensors(k3, "mxfp4"), {}, "mxfp4"
+        return (index.expected, {n: f.name for n, f in index.locations.items()}, index.expert_format,
+                payload_ranges(path, missing_ok=True))
+    text = expected_tensors(k3, "mxfp4")
+    return text, {}, "mxfp4", published_payload_ranges(k3, checkpoint_tensors(k3, vision=False, text=text),
+                                                       vision=False)
 
 
 if __name__ == "__main__":

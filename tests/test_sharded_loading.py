@@ -123,8 +123,8 @@ def _with_vision_shard(checkpoint: Path, tmp_path: Path) -> Path:
 def test_a_rank_reads_only_its_slices_and_opens_only_the_files_it_needs(checkpoint, tmp_path, monkeypatch):
     directory = _with_vision_shard(checkpoint, tmp_path)
     opened = []
-    open_file = weight_sources.open_safetensors
-    monkeypatch.setattr(weight_sources, "open_safetensors", lambda f, names: opened.append(Path(f).name) or open_file(f, names))
+    open_file = weight_sources.open_file
+    monkeypatch.setattr(weight_sources, "open_file", lambda f: opened.append(Path(f).name) or open_file(f))
     recording = _Recording(monkeypatch)
     monkeypatch.setattr(weights, "STAGING_BYTES", 4096)  # small chunks: a 128 x 128 fp32-sized read is 8 copies
     model = _build(ModelConfig(path=str(directory)), ParallelContext.layout(1, 2, 2, 1))

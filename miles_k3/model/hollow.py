@@ -169,6 +169,27 @@ def _file_index(name: str, layers: int, vision: bool) -> int:
                      "vision)")
 
 
+def published_payload_ranges(cfg: K3Config, tensors: Mapping[str, TensorSpec] | None = None, *,
+                             vision: bool | None = None) -> dict[str, PayloadRange]:
+    """Tensor name -> `PayloadRange` of every tensor of the published layout of `cfg` (`published_layout`),
+    computed from the headers it would have, no file written (`file` is the bare shard name): the offsets of
+    `write_hollow_checkpoint`'s files, byte for byte."""
+    if tensors is None:
+        tensors = checkpoint_tensors(cfg, vision=vision)
+    out: dict[str, PayloadRange] = {}
+    with gc_paused():
+        for file, names in published_layout(cfg, tensors, vision=vision).items():
+            specs = {name: tensors[name] for name in names}
+            header, _ = safetensors_header(specs)
+            start = HEADER_LEN_BYTES + len(header)
+            offset = 0
+            for name, spec in specs.items():
+                end = offset + spec_bytes(spec)
+                out[name] = PayloadRange(Path(file), start + offset, start + end, spec.dtype, spec.shape)
+                offset = end
+    return out
+
+
 def safetensors_header(specs: Mapping[str, TensorSpec], metadata: Mapping[str, str] | None = None
                        ) -> tuple[bytes, int]:
     """(header, payload bytes) of a safetensors file holding `specs` in their iteration order, back to back:
@@ -284,12 +305,12 @@ def _payload_ranges(path: Path, weight_map: dict[str, str], missing_ok: bool) ->
     for file, names in sorted(by_file.items()):
         if not (path / file).is_file() and missing_ok:
             continue
-        out.update(sorted(_file_ranges(path / file, names).items(), key=lambda item: item[1].begin))
+        out.update(sorted(file_payload_ranges(path / file, names).items(), key=lambda item: item[1].begin))
     return out
 
 
-def _file_ranges(file: Path, names: list[str]) -> dict[str, PayloadRange]:
-    """The ranges of `names` in one safetensors file, checked against its header and size."""
+def file_payload_ranges(file: Path, names: list[str]) -> dict[str, PayloadRange]:
+    """The ranges of `names` in one safetensors file (its header only), checked against its header and size."""
     if not file.is_file():
         raise WeightsError(f"{file}: missing, but the index maps {len(names)} tensor(s) to it (e.g. "
                               f"'{names[0]}'); download it, or pass missing_ok=True for a partial copy")

@@ -2,20 +2,31 @@
 
 A model is built on the meta device and cut to this rank's shard (`parallelize.parallelize`) before any weight
 exists; `materialize` then allocates the shard shapes on the rank's device, once, and `load_weights` fills them
-from a `WeightSource` (`weight_sources.py`): a checkpoint directory (`WeightFileReader`: safetensors' slice API reads each tensor's rank
-slice straight from the files that hold it, one file open at a time; TP tensors only their rows or columns, routed
-experts only this rank's ids, replicated tensors whole) or the random init a seed defines (`RandomInit`: the
-checkpoint `python -m miles_k3.init_checkpoint` writes for that seed, drawn slice by slice). The reads are planned
-first (`plan_reads`: stored names, slices and byte counts from the model's own plan, no payload read), so
-`model_info` sizes a rank's load from the same list the loader executes.
+from a `WeightSource` (`weight_sources.py`): a checkpoint directory (`WeightFileReader`: the byte ranges of each
+tensor's rank slice, read with `os.preadv` from the files that hold it, one file open at a time; TP tensors only
+their rows or columns, routed experts only this rank's ids, replicated tensors whole) or the random init a seed
+defines (`RandomInit`: the checkpoint `python -m miles_k3.init_checkpoint` writes for that seed, drawn slice by
+slice). The reads are planned first (`plan_reads`: stored names, slices and byte counts from the model's own plan,
+no payload read; `plan_ranges`: their byte ranges in the files, from the headers), so `model_info` sizes a rank's
+load, in its own bytes and in the file pages it reads, from the same list the loader executes.
+
+File pages (`file_reads.py`): a row-parallel weight's column slice is strided through every row of the file, so
+reading it costs far more pages than its bytes. In a run with a TP process group such a tensor is exchanged
+(`_exchange`): TP rank t reads the contiguous rows [t R/tp, (t+1) R/tp), all columns (exactly its own share of
+bytes), and one all-to-all per chunk within the TP group gives every rank its columns of every row block. Every
+other read is contiguous (rows, experts, whole tensors), so a rank pages in ~ its own bytes (K3 at tp=8 x ep=64:
+1.0002x; docs/concepts/scale-out.md). Without a TP group (one process planning one rank of a mesh) the columns
+are read per row, page by page. Rank 0 logs each rank's bytes, pages and exchanged bytes.
 
 Memory: no full tensor of a sharded parameter is ever held. A read is staged on the host in chunks of rows of at
-most STAGING_BYTES (64 MiB) of stored data (an MXFP4 expert conversion: one expert at a time, 17.5 MB for K3), then
-copied into its slice of the device tensor. Conversions of the expert format work per expert: stored MXFP4 read
-into bf16 experts is dequantized, stored bf16 read into MXFP4 experts is quantized (floor rule).
+most STAGING_BYTES (64 MiB) of stored data (an exchange: three buffers of a third of it; an MXFP4 expert
+conversion: one expert at a time, 17.5 MB for K3), then copied into its slice of the device tensor. Conversions of
+the expert format work per expert: stored MXFP4 read into bf16 experts is dequantized, stored bf16 read into MXFP4
+experts is quantized (floor rule).
 
 Random init: a stored tensor's values are drawn in blocks of rows (block b of tensor `name` from a generator seeded
-by (seed, name, b)), so a rank draws only the blocks that hold its rows and every mesh gets the weights of one
+by (seed, name, b)), so a rank draws only the blocks that hold its rows, and of a column slice keeps only its
+columns of each block as it is drawn (memory: the slice plus one block), and every mesh gets the weights of one
 process; routed experts are stored tensors of their own (one expert each). Values are rounded to the stored dtype,
 so a random base is bit for bit the checkpoint init_checkpoint writes for the seed. Adapters (`init_adapters`): A
 is kaiming-uniform per tensor (expert LoRA: per expert) from (seed, name[, expert]), B zero, then sliced.
@@ -27,15 +38,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from miles_k3.kernels.mxfp4 import dequantize_mxfp4, quantize_mxfp4
 from miles_k3.model.experts import EXPERT_FORMATS, PROJS, RoutedExperts
+from miles_k3.model.file_reads import GAP_BYTES, FileRanges, exchange_rows, exchanged, extent
+from miles_k3.model.hollow import PayloadRange
 from miles_k3.model.k3 import K3ForCausalLM
 from miles_k3.model.lora import ExpertLoRA, LoRAConfig, LoRALinear, apply_lora
 from miles_k3.model.parallelize import ShardPlan, Slice, parallelize
 from miles_k3.model.weight_files import (
     CHECKPOINT_PREFIX,
+    STORED_BYTES,
+    TORCH_DTYPES,
     TensorSpec,
     WeightsError,
     meta_model,
@@ -69,15 +85,22 @@ class Read:
 
 @dataclass
 class LoadStats:
-    """What one rank read: stored bytes, from which files, of a checkpoint of `total_bytes` text bytes."""
+    """What one rank read: stored bytes (its slices' own), from which files, of a checkpoint of `total_bytes` text
+    bytes; the file pages its reads touched (`page_bytes`, each page once) in `ranges` contiguous ranges; the bytes it
+    sent its TP group in exchanges (`exchanged_bytes`)."""
 
     bytes_read: int = 0
     files: set = field(default_factory=set)
     total_bytes: int = 0
+    page_bytes: int = 0
+    ranges: int = 0
+    exchanged_bytes: int = 0
 
     def line(self, rank: int) -> str:
+        ratio = f"{self.page_bytes / self.bytes_read:.4f}x" if self.bytes_read else "-"
         return (f"rank {rank} read {self.bytes_read:,} of {self.total_bytes:,} checkpoint bytes from "
-                f"{len(self.files)} files")
+                f"{len(self.files)} files: {self.page_bytes:,} bytes of file pages ({ratio}) in {self.ranges:,} "
+                f"ranges, {self.exchanged_bytes:,} bytes exchanged over tp")
 
 
 # ---- the read plan --------------------------------------------------------------------------------------------
@@ -137,6 +160,39 @@ def read_bytes(read: Read, specs: dict[str, TensorSpec], sizes: dict[str, int] |
     return total // spec.shape[read.slice.dim] * read.slice.length
 
 
+def plan_ranges(reads: list[Read], payload: dict[str, PayloadRange], tp: int = 1, tp_rank: int = 0,
+                exchange: bool = True, gap: int = GAP_BYTES) -> FileRanges:
+    """The file ranges the loader reads to execute `reads` on TP rank `tp_rank` of `tp`, from the stored tensors'
+    byte offsets (`payload`: a checkpoint's headers, `hollow.payload_ranges`, or the published layout's,
+    `hollow.published_payload_ranges`; no payload read): the ranges of every chunk `load_weights` reads, or with
+    `exchange` (a run with a TP process group) an exchanged tensor's row block (`file_reads.exchanged`). Their
+    `cost()` is the rank's file pages and contiguous ranges, exactly what the loader's reader records."""
+    out = FileRanges()
+    for read in reads:
+        p = payload[read.names[0]]
+        part = read.slice
+        if read.convert is not None or part is None or part.dim == 0 or len(p.shape) == 1:
+            for name in read.names:  # contiguous: its chunks are adjacent ranges, as one
+                q = payload[name]
+                ext = extent(q.begin, q.shape, STORED_BYTES[q.dtype], _index(part, q.shape))
+                out.add_range(q.file, ext.offset, ext.offset + ext.nbytes)
+        elif exchange and exchanged(p.shape, part, tp):
+            r0, r1 = exchange_rows(p.shape[0], tp, tp_rank)
+            row = (p.end - p.begin) // p.shape[0]
+            out.add_range(p.file, p.begin + r0 * row, p.begin + r1 * row)
+        else:  # strided: the ranges of each chunk, as the loader reads them
+            for _, _, index in _row_chunks(part, TensorSpec(p.shape, p.dtype)):
+                out.add(p.file, *extent(p.begin, p.shape, STORED_BYTES[p.dtype], index).ranges(gap))
+    return out
+
+
+def _index(part: Slice | None, shape: tuple[int, ...]) -> tuple[slice, ...]:
+    """The index of `part` (None: whole) into a stored tensor of `shape`."""
+    if part is None:
+        return ()
+    return (slice(None),) * part.dim + (slice(part.start, part.start + part.length),)
+
+
 # ---- materialising and loading --------------------------------------------------------------------------------
 def device_bytes(model: nn.Module) -> int:
     """Bytes the model's tensors take (each storage once): what `materialize` allocates for a meta model."""
@@ -172,26 +228,36 @@ def check_reads(model: K3ForCausalLM, plan: ShardPlan, source: WeightSource) -> 
     """This rank's reads (`plan_reads` of `model`, whole or cut by `plan`, on any device: meta before anything is
     allocated), checked against the source before any weight is read: every name present, its stored shape and
     dtype the config's (only the files this rank reads are opened), every slice inside its stored tensor. Sorted
-    by file. Raises WeightsError naming tensor and file."""
-    reads = sorted(plan_reads(model, plan, source.expert_format),
-                   key=lambda r: (str(source.file(r.names[0]) or ""), r.names[0]))
+    by file, then by where the tensor lies in it (every rank of a TP group has its exchanged reads in one order).
+    Raises WeightsError naming tensor and file."""
+    reads = plan_reads(model, plan, source.expert_format)
     source.check([n for r in reads for n in r.names])
     _check_slices(reads, source)
-    return reads
+    return sorted(reads, key=lambda r: (str(source.file(r.names[0]) or ""), source.offset(r.names[0]), r.names[0]))
 
 
-def load_weights(model: K3ForCausalLM, reads: list[Read], source: WeightSource) -> LoadStats:
+def load_weights(model: K3ForCausalLM, reads: list[Read], source: WeightSource, ctx: ParallelContext = SINGLE
+                 ) -> LoadStats:
     """Fill the materialised `model` by executing `reads` (`check_reads`) against `source`, slice by slice, with
-    host staging bounded by STAGING_BYTES. Returns what was read."""
+    host staging bounded by STAGING_BYTES; a checkpoint's row-parallel column slices exchanged within `ctx`'s TP
+    group when it has one (`_exchange`: every rank of the group must load the same checkpoint). Returns what was
+    read."""
     views = model.state_dict(keep_vars=True)
     stats = LoadStats(total_bytes=source.total_bytes)
+    group = ctx.tp_group if ctx.tp_size > 1 else None
     try:
         for read in reads:
-            _execute(read, views, source)
+            spec = source.spec(read.names[0])
+            if (group is not None and read.convert is None and source.file(read.names[0]) is not None
+                    and exchanged(spec.shape, read.slice, ctx.tp_size)):
+                stats.exchanged_bytes += _exchange(read, views[read.keys[0]], source, ctx)
+            else:
+                _execute(read, views, source)
             stats.bytes_read += read_bytes(read, {n: source.spec(n) for n in read.names})
             stats.files.update(f for f in map(source.file, read.names) if f is not None)
     finally:
         source.close()
+    stats.page_bytes, stats.ranges = source.pages()
     return stats
 
 
@@ -223,20 +289,78 @@ def _execute(read: Read, views: dict[str, torch.Tensor], source: WeightSource) -
         views[read.keys[1]].copy_(scale)
         return
     name, target = read.names[0], views[read.keys[0]]
-    spec = source.spec(name)
-    s = read.slice
-    rows = spec.shape[0] if s is None or s.dim != 0 else s.length
-    first = s.start if s is not None and s.dim == 0 else 0
+    for r0, r1, index in _row_chunks(read.slice, source.spec(name)):
+        target.narrow(0, r0, r1 - r0).copy_(source.read(name, index, target.device))
+
+
+def _row_chunks(part: Slice | None, spec: TensorSpec):
+    """(first, stop, index) of each chunk a read of `part` (None: whole) of a stored tensor of `spec` is staged in:
+    rows [first, stop) of the rank's target, `index` into the stored tensor, at most STAGING_BYTES of stored data
+    (at least one row)."""
+    rows = spec.shape[0] if part is None or part.dim != 0 else part.length
+    first = part.start if part is not None and part.dim == 0 else 0
     row_bytes = max(1, spec_bytes(spec) // max(1, spec.shape[0]))
-    if s is not None and s.dim != 0:
-        row_bytes = row_bytes // spec.shape[s.dim] * s.length
+    if part is not None and part.dim != 0:
+        row_bytes = max(1, row_bytes // spec.shape[part.dim] * part.length)
     step = max(1, STAGING_BYTES // row_bytes)
     for r0 in range(0, rows, step):
         r1 = min(rows, r0 + step)
         index = [slice(first + r0, first + r1)] + [slice(None)] * (len(spec.shape) - 1)
-        if s is not None and s.dim != 0:
-            index[s.dim] = slice(s.start, s.start + s.length)
-        target.narrow(0, r0, r1 - r0).copy_(source.read(name, tuple(index), target.device))
+        if part is not None and part.dim != 0:
+            index[part.dim] = slice(part.start, part.start + part.length)
+        yield r0, r1, tuple(index)
+
+
+def _exchange_chunks(spec: TensorSpec, tp: int, tp_rank: int):
+    """(first, stop, index) of each round of an exchange of a tensor of `spec` (2-D, rows divisible by tp): rows
+    [first, stop) of every row block, `index` this rank's rows of them, so that its read, the buffer sent and the one
+    received each hold at most a third of STAGING_BYTES."""
+    block0, block1 = exchange_rows(spec.shape[0], tp, tp_rank)
+    row_bytes = spec_bytes(spec) // spec.shape[0]
+    step = max(1, STAGING_BYTES // 3 // row_bytes)
+    for r0 in range(0, block1 - block0, step):
+        r1 = min(block1 - block0, r0 + step)
+        yield r0, r1, (slice(block0 + r0, block0 + r1),)
+
+
+@torch.no_grad()
+def _exchange(read: Read, target: torch.Tensor, source: WeightFileReader, ctx: ParallelContext) -> int:
+    """Fill `target` (this rank's columns [t C/tp, (t+1) C/tp) of a stored [R, C] tensor, all rows) through the TP
+    group: in rounds of rows (`_exchange_chunks`), every TP rank t reads its rows of block t (contiguous, all
+    columns), cuts them into tp column blocks and sends block j to rank j (`all_to_all_single`, stored bytes on the
+    target's device); what rank j receives from rank t is its columns of rows of block t. The three buffers (read,
+    sent, received) are one allocation per tensor. Returns the bytes this rank sent to the others."""
+    name = read.names[0]
+    spec = source.spec(name)
+    tp, part, device = ctx.tp_size, read.slice, target.device
+    assert part.start == ctx.tp_rank * part.length, (name, part, ctx.name())  # the plan's tp split
+    block = spec.shape[0] // tp
+    row_bytes = spec_bytes(spec) // spec.shape[0]
+    chunks = list(_exchange_chunks(spec, tp, ctx.tp_rank))
+    size = max(r1 - r0 for r0, r1, _ in chunks) * row_bytes
+    if device.type == "cpu":
+        host, send_buf, got_buf = torch.empty(3 * size, dtype=torch.uint8).split(size)
+    else:
+        host = torch.empty(size, dtype=torch.uint8)
+        send_buf, got_buf = torch.empty(2 * size, dtype=torch.uint8, device=device).split(size)
+    sent = 0
+    for r0, r1, index in chunks:
+        k, n = r1 - r0, (r1 - r0) * row_bytes
+        source.read(name, index, device, out=host[:n])
+        send = send_buf[:n].view(tp, k, row_bytes // tp)  # [tp, k, the columns of rank j]
+        send.copy_(host[:n].to(device).view(k, tp, row_bytes // tp).transpose(0, 1))
+        got = got_buf[:n]
+        _all_to_all(got, send, ctx.tp_group)
+        values = got.view(TORCH_DTYPES[spec.dtype]).view(tp, k, part.length)
+        for t in range(tp):
+            target.narrow(0, t * block + r0, k).copy_(values[t])
+        sent += (tp - 1) * n // tp
+    return sent
+
+
+def _all_to_all(out: torch.Tensor, inp: torch.Tensor, group) -> None:
+    """Split j of `inp` to group rank j, split j of `out` from it (equal splits)."""
+    dist.all_to_all_single(out.view(-1), inp.view(-1), group=group)
 
 
 # ---- adapters -------------------------------------------------------------------------------------------------
@@ -292,7 +416,7 @@ def build_k3(source: WeightSource, expert_format: str, device: torch.device, dty
     materialize(model, device)
     if model.config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    stats = load_weights(model, reads, source)
+    stats = load_weights(model, reads, source, ctx)
     if lora is not None:
         init_adapters(model, plan, seed)
     model.kda_backend(device)
