@@ -131,30 +131,37 @@ def test_a_rendezvous_nobody_answers_fails_naming_the_rank(monkeypatch):
     assert time.monotonic() - t0 < 30
 
 
-def test_a_restart_that_cannot_rejoin_says_how_torchrun_must_be_started(monkeypatch, caplog):
-    """torchrun --max-restarts without TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: rank 0 warns at start, and a
-    restarted rank's failed join names the setting (torch 2.13 shares one store between attempts)."""
-    import logging
-
+def test_restarts_that_would_share_one_store_are_refused_at_start(monkeypatch):
+    """torchrun --max-restarts whose agent hands every attempt its one store (TORCHELASTIC_USE_AGENT_STORE=True:
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE unset) is refused on every rank with one line, before any process group;
+    with a store per attempt (the variable set: USE_AGENT_STORE=False) or without restarts the group starts (here
+    it fails to join, reported as it is)."""
     from miles_k3.parallel import mesh
-    monkeypatch.setattr(mesh.dist, "init_process_group", lambda *a, **k: (_ for _ in ()).throw(
+    started = []
+    monkeypatch.setattr(mesh.dist, "init_process_group", lambda *a, **k: started.append(1) or (_ for _ in ()).throw(
         RuntimeError("Gloo connectFullMesh failed: Connection refused")))
-    monkeypatch.delenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", raising=False)
     monkeypatch.setenv("WORLD_SIZE", "2")
-    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "2")
-    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "1")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
     for rank in ("0", "1"):
         monkeypatch.setenv("RANK", rank)
-        caplog.clear()
-        with caplog.at_level(logging.WARNING, logger="miles_k3.parallel.mesh"), \
-                pytest.raises(RuntimeError, match=r"Connection refused; this is a restart: .*"
-                                                  r"export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"):
+        with pytest.raises(ParallelConfigError) as err:
             mesh.init_parallel(ParallelConfig(dp=2, timeout_s=2), "cpu")
-        assert any("TORCH_DISABLE_SHARE_RDZV_TCP_STORE" in r.getMessage() for r in caplog.records) == (rank == "0")
-    monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")  # set: the failure is reported as it is
-    with pytest.raises(RuntimeError) as err:
+        line = str(err.value)
+        assert "\n" not in line and line.startswith(f"rank {rank}: torchrun --max-restarts 1 with one rendezvous")
+        assert "export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in line
+    assert started == []  # refused before the group
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "False")  # the variable set: a store per attempt
+    monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    with pytest.raises(RuntimeError, match="Connection refused$"):  # the failure as it is, no hint
         mesh.init_parallel(ParallelConfig(dp=2, timeout_s=2), "cpu")
-    assert "this is a restart" not in str(err.value)
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "0")  # no restarts: a shared store is harmless
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    with pytest.raises(RuntimeError, match="Connection refused$"):
+        mesh.init_parallel(ParallelConfig(dp=2, timeout_s=2), "cpu")
+    assert len(started) == 2
 
 
 def _one_rank_skips_a_collective(rank: int):

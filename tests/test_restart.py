@@ -270,3 +270,37 @@ def test_a_rank_killed_mid_step_is_restarted_and_the_run_ends_bitwise_as_the_uni
         assert all(torch.equal(a[n], b[n]) for n in a), step
         assert json.loads((run_a / f"checkpoints/step_{step:08d}/state.json").read_text()) == \
             json.loads((run_b / f"checkpoints/step_{step:08d}/state.json").read_text()), step
+
+
+def test_restarts_sharing_one_store_end_at_once_saying_why(tmp_path):
+    """The same command with --max-restarts 1 and without TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (torch 2.13 then hands
+    every attempt the agent's one store; it failed "Connection refused" at the first restart and hung over 11
+    minutes at the next): rank 1 is killed by SIGKILL as soon as it runs, torchrun restarts the group, and every
+    rank refuses before its process group with one line naming the variable, so torchrun gives up within the
+    deadline, nothing trained."""
+    data = _write_data(tmp_path / "train.jsonl")
+    run_dir, log = tmp_path / "shared", tmp_path / "shared.torchrun.log"
+    command = _command(data, run_dir)
+    command[command.index("--max-restarts") + 1] = "1"
+    env = {k: v for k, v in _env().items() if k != "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"}
+    t0 = time.monotonic()
+    with open(log, "w") as f:
+        proc = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=f, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    killed = None
+    while proc.poll() is None and time.monotonic() - t0 < 90:
+        if killed is None and (pid := _worker(proc.pid, 1, 0)) is not None:
+            os.kill(pid, signal.SIGKILL)
+            killed = pid
+        time.sleep(0.005)
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)  # the test's own torchrun and its workers (their own session)
+        proc.wait()
+        pytest.fail(f"torchrun still running after 90 s:\n{log.read_text()[-6000:]}")
+    text = log.read_text()
+    assert proc.returncode != 0 and killed is not None, text[-6000:]
+    assert "1/1 attempts left" in text, text[-6000:]  # the kill was answered by a restart
+    # the restart refuses (the first rank to, at least: torchrun stops the other as soon as one exits)
+    assert re.search(r"miles_k3\.train: rank [01]: torchrun --max-restarts 1 with one rendezvous store shared", text)
+    assert "export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in text and not (run_dir / "metrics.jsonl").exists()
+    print(f"\ntorchrun ended in {time.monotonic() - t0:.1f} s (rc {proc.returncode})")

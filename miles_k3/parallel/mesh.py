@@ -71,13 +71,27 @@ class ParallelContext:
 
 SINGLE = ParallelContext()
 RESTART_HINT = ("torchrun --max-restarts shares one rendezvous store between attempts, and a restarted rank can "
-                "read a dead attempt's peer addresses from it (torch 2.13: 'Connection refused' on the restart); "
-                "export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 before torchrun, with --rdzv-backend c10d or --standalone")
+                "read a dead attempt's peer addresses from it (torch 2.13: 'Connection refused' on the restart, then "
+                "a hang); export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 before torchrun, with --rdzv-backend c10d or "
+                "--standalone (the static rendezvous always shares its store)")
 
 
 def _store_per_attempt() -> bool:
     """torchrun was told to give every restart its own rendezvous store (see RESTART_HINT)."""
     return os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "0") == "1"
+
+
+def check_restarts(rank: int) -> None:
+    """Refuse, on every rank before the process group starts, a torchrun launch whose restarts would share one
+    rendezvous store: --max-restarts > 0 while its agent hands the workers its own store (torchrun sets
+    TORCHELASTIC_USE_AGENT_STORE=True: TORCH_DISABLE_SHARE_RDZV_TCP_STORE unset, or the static rendezvous). The
+    workers cannot make that store safe (a prefix per attempt would need an attempt number every node agrees on;
+    TORCHELASTIC_RESTART_COUNT differs between nodes), and a restart then fails ("Connection refused") or hangs."""
+    restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
+    if restarts > 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        raise ParallelConfigError(f"rank {rank}: torchrun --max-restarts {restarts} with one rendezvous store shared "
+                                  f"by every attempt (TORCHELASTIC_USE_AGENT_STORE=True) would fail or hang at the "
+                                  f"first restart: {RESTART_HINT}")
 
 
 def launched_by_torchrun() -> bool:
@@ -103,8 +117,7 @@ def init_parallel(cfg: ParallelConfig, device_type: str) -> ParallelContext:
         torch.cuda.set_device(local)
     backend = "nccl" if device_type == "cuda" else "gloo"
     if not dist.is_initialized():
-        if rank == 0 and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0 and not _store_per_attempt():
-            log.warning(RESTART_HINT)
+        check_restarts(rank)
         try:
             dist.init_process_group(backend, timeout=datetime.timedelta(seconds=cfg.timeout_s))
         except Exception as err:  # the rendezvous: MASTER_ADDR/PORT unreachable, a peer that never came
