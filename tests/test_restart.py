@@ -237,8 +237,13 @@ def test_a_rank_killed_mid_step_is_restarted_and_the_run_ends_bitwise_as_the_uni
     assert len(resumes) == 2 and resumes[1] in (cut - 1, cut), (resumes, cut)  # cut: rank 1 had written its files
     assert "the run was resumed from an earlier checkpoint" not in text_b  # no newer published step was left behind
     assert not [p.name for p in (run_b / "checkpoints").iterdir() if p.name.startswith(".")]  # staging pruned
+    _assert_same_rows(run_a, run_b)
+    _assert_same_final_state(run_a, run_b, text_a, text_b)
 
-    # every step logged once, in order (the rows logged past a resumed checkpoint were cut), as in run A
+
+def _assert_same_rows(run_a: Path, run_b: Path) -> None:
+    """Every step logged once, in order (the rows logged past a resumed checkpoint were cut), with run A's losses,
+    rewards and sample tables."""
     rows_a, rows_b = _rows(run_a), _rows(run_b)
     assert [r["step"] for r in rows_a] == [r["step"] for r in rows_b] == list(range(1, STEPS + 1))
     for a, b in zip(rows_a, rows_b):
@@ -249,7 +254,9 @@ def test_a_rank_killed_mid_step_is_restarted_and_the_run_ends_bitwise_as_the_uni
                            .splitlines()] for r in (run_a, run_b))
     assert tables_a == tables_b == [s for s in range(1, STEPS + 1) for _ in range(2)]
 
-    # the final adapter (the last checkpoint's PEFT directory) and every rank's state, bitwise
+
+def _assert_same_final_state(run_a: Path, run_b: Path, text_a: str, text_b: str) -> None:
+    """The final adapter (the last checkpoint's PEFT directory) and every rank's state of both runs, bitwise."""
     last_a, last_b = (r / f"checkpoints/step_{STEPS:08d}" for r in (run_a, run_b))
     for run, text in ((run_a, text_a), (run_b, text_b)):
         assert (run / "checkpoints/latest").read_text().strip() == f"step_{STEPS:08d}"
