@@ -8,8 +8,9 @@ Builds `--model` from its random init (bf16 weights and routed experts, every pa
 `recipe=reasoning_base` trains it), draws `--batch` worked_sum problems per step (the recipe's task_args) and runs,
 for every (micro-batch tokens, checkpointing) setting: one warm-up step (kernel compiles, the allocator), then
 `--steps` timed steps of `miles_k3.sft.sft_backward` + the optimizer step, each synchronised; then `--profile-steps`
-more under torch.profiler for the first setting. Prints and records the median step time, tokens/s and peak memory
-per setting, and the profile's top rows. What `recipe=reasoning_base` needs to know: how fast a base can be built.
+more under torch.profiler for the first setting. Prints every step's time as it runs (slow first steps show compiles
+or autotuning) and records them, the median step time, tokens/s and peak memory per setting, and the profile's top
+rows. What `recipe=reasoning_base` needs to know: how fast a base can be built.
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ from miles_k3.runtime import resolve_device
 from miles_k3.sft import build_full_optimizer, encode_example, sft_backward
 from miles_k3.trainer.optim import OptimConfig, build_scheduler, optimizer_step
 
-TASK_ARGS = {"min_terms": 8, "max_terms": 40, "min_value": 10, "max_value": 99}
+TASK_ARGS = {"min_terms": 8, "max_terms": 16, "min_value": 1, "max_value": 49}  # recipe=reasoning_base's
 
 
 def _step(model, params, opt, sched, optim, examples, pad_id, device, micro, ckpt) -> tuple[float, int]:
@@ -72,9 +73,14 @@ def main() -> None:
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         try:
-            _step(model, params, opt, sched, optim, batches[0], pad_id, device, micro, ckpt)
-            times, tokens = zip(*(_step(model, params, opt, sched, optim, b, pad_id, device, micro, ckpt)
-                                  for b in batches[1:args.steps + 1]))
+            warm, _ = _step(model, params, opt, sched, optim, batches[0], pad_id, device, micro, ckpt)
+            print(f"{name}: warm-up step {warm:.2f} s", flush=True)
+            times, tokens = [], []
+            for i, b in enumerate(batches[1:args.steps + 1]):
+                dt, tok = _step(model, params, opt, sched, optim, b, pad_id, device, micro, ckpt)
+                times.append(dt)
+                tokens.append(tok)
+                print(f"{name}: step {i + 1} {dt:.2f} s, {tok} tokens", flush=True)
         except torch.OutOfMemoryError:
             print(f"{name}: out of memory", flush=True)
             results.append({"setting": name, "oom": True})
@@ -82,7 +88,8 @@ def main() -> None:
             continue
         step_s = statistics.median(times)
         row = {"setting": name, "step_s": round(step_s, 3), "tokens_per_step": round(statistics.mean(tokens)),
-               "tokens_per_s": round(sum(tokens) / sum(times)),
+               "tokens_per_s": round(sum(tokens) / sum(times)), "warmup_s": round(warm, 2),
+               "step_times_s": [round(t, 3) for t in times],
                "peak_gb": round(torch.cuda.max_memory_allocated(device) / 1e9, 2) if device.type == "cuda" else None}
         results.append(row)
         print(row, flush=True)
