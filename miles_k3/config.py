@@ -45,6 +45,7 @@ from miles_k3.model.kernel_config import KernelsConfig
 from miles_k3.model.lora import LoRAConfig
 from miles_k3.model.weight_files import WeightsError
 from miles_k3.parallel.config import ParallelConfig, ParallelConfigError
+from miles_k3.ray_config import RayConfig, check_launcher, default_ray_dp
 from miles_k3.rollout.engine_config import EngineConfig
 from miles_k3.rollout.server.config import ServerConfig, ServerConfigError
 from miles_k3.rollout.sglang_config import SGLangConfig
@@ -139,14 +140,21 @@ class TrainConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     """Scale-out over torchrun's processes: dp replicas x tp ranks each, ep expert ranks over them (all 1: one
     process). torchrun --nproc-per-node dp*tp -m miles_k3.train parallel.dp=... (docs/concepts/scale-out.md)."""
+    launcher: str = "process"
+    """process: this process runs the loop (one process, or a rank of a torchrun launch); ray: Ray Train's workers
+    run it, ray.num_workers ranks restarted after a worker dies (miles_k3/ray_launch.py, docs/guides/ray.md)."""
+    ray: RayConfig = field(default_factory=RayConfig)
+    """The Ray Train job of launcher=ray: workers, cluster address, restarts, resources per worker, start timeout."""
 
     def __post_init__(self) -> None:
         if self.trainer.loss.tis == "auto":
             self.trainer.loss.tis = tis_for_mode(self.rollout.mode)
+        default_ray_dp(self.launcher, self.parallel, self.ray)  # launcher=ray: dp = ray.num_workers / tp
 
     def validate(self) -> None:
         check_requires(self.requires.device, self.requires.base_command, self.device, self.model.path)
         check_parallel(self.parallel, self.device, self.engine.backend)
+        check_launcher(self.launcher, self.ray, self.parallel, self.resume, self.device)
         check_device(self.device)
         check_kernels(self.kernels, self.device, None if self.model.hf_path is None else
                       "model.hf_path: the HF model's forward is transformers' and SGLang's")

@@ -310,6 +310,10 @@ def main(raw: DictConfig) -> None:
             seed_everything(cfg.seed)
             dry_run(cfg)
             return
+        if cfg.launcher == "ray":  # this process is the driver: Ray Train's workers run the loop
+            from miles_k3.ray_launch import launch_on_ray
+            launch_on_ray(cfg, OmegaConf.to_yaml(raw, resolve=True), train)
+            return
         run = train(cfg, OmegaConf.to_yaml(raw, resolve=True))  # the run's own run_dir, not ${now:...}
         shutdown(run.ctx)
 

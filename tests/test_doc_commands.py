@@ -12,7 +12,9 @@ inline code, is one test case (page:line). It is checked the way the command its
   `requires.device: cuda`) is validated as on a machine with 8 CUDA devices (torch.cuda patched): the doc means a
   GPU machine, and everything else is still checked. A `torchrun` command is parsed by torchrun's own parser and
   composed as rank 0 of its world (RANK, WORLD_SIZE = nnodes x nproc-per-node), then checked against that world as
-  the run checks it at start (`ParallelConfig.check_world`); a `python -m` command is one process.
+  the run checks it at start (`ParallelConfig.check_world`); a `python -m` command is one process, unless it says
+  launcher=ray (its world, ray.num_workers, is checked with the config; `ray job submit -- python -m ...` is its
+  `python -m` command).
 * model_info, init_checkpoint (key=value commands): composed and validated by `config.compose_cli`, what `main` runs.
 * grade, quantize, config_reference (argparse): their `main` runs until its parser has parsed the arguments.
 * `python -m miles_k3` takes no arguments.
@@ -246,7 +248,8 @@ def _check_hydra(app: str, argv: list[str], parsed: Parsed, monkeypatch, k3_dir:
     assert not missing, f"{missing}: not fields of the {app} config"
     parallel = getattr(cfg, "parallel", None)  # train's mesh; the other apps run one process
     assert parallel is not None or parsed.world is None, f"torchrun -m miles_k3.{app}: {app} has no parallel: section"
-    if parallel is not None and not any(k.startswith("parallel.") for k in parsed.elided):
+    on_ray = getattr(cfg, "launcher", None) == "ray"  # Ray starts ray.num_workers ranks (checked with the config)
+    if parallel is not None and not on_ray and not any(k.startswith("parallel.") for k in parsed.elided):
         parallel.check_world(parsed.world or 1, launched=parsed.world is not None)
 
 
