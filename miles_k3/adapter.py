@@ -16,6 +16,7 @@ Legend: E experts, r rank, Dl latent width, I expert width.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from pathlib import Path
@@ -34,6 +35,7 @@ from miles_k3.model.lora import (
     apply_lora,
     expert_loras,
     lora_linears,
+    lora_parameters,
     remove_lora,
 )
 
@@ -106,6 +108,11 @@ def load_adapter(model: nn.Module, path: str | os.PathLike) -> LoRAConfig:
     config first (freezing the base) and removes it again should the load fail. Everything is validated
     before any tensor is written. Returns the file's config.
 
+    A model cut for a mesh (`build_model(..., ctx, lora)`: one rank's shard) is checked against the whole adapter
+    (every key, experts by global id, whole shapes) and keeps its rank's slice of each tensor, the slice its shard
+    plan records (a column-parallel base's B rows, a row-parallel base's A columns, its experts' A and B); it must
+    have been built with LoRA (the plan cuts each adapter with its base).
+
     Raises FileNotFoundError for a missing file, and ValueError naming the field or key and the fix for: a
     non-LORA peft_type, DoRA or another non-plain LoRA option, a config that differs from the model's LoRA,
     a missing, unexpected or wrongly shaped tensor, and an unreadable (truncated/corrupt) safetensors file.
@@ -122,6 +129,11 @@ def load_adapter(model: nn.Module, path: str | os.PathLike) -> LoRAConfig:
                              "model without LoRA (load_adapter then applies it)")
         _copy_checked(model, tensors, adapter_dir / WEIGHTS_FILE)
         return file_cfg
+    plan = getattr(model, "shard_plan", None)
+    if plan is not None and not plan.whole:  # LoRA attached now would not be cut with its base
+        raise ValueError(f"{adapter_dir}: this model is cut for a mesh (tp={plan.ctx.tp_size}, ep={plan.ctx.ep_size}) "
+                         "and has no LoRA; build it with the adapter's (build_model(..., lora=read_adapter_config("
+                         "dir))), so that its plan cuts each adapter with its base, then load")
     apply_lora(model, file_cfg)
     try:
         _copy_checked(model, tensors, adapter_dir / WEIGHTS_FILE)
@@ -240,7 +252,40 @@ def _listing(keys: list[str], limit: int = 5) -> str:
 
 @torch.no_grad()
 def _copy_checked(model: nn.Module, tensors: dict[str, torch.Tensor], file: Path) -> None:
-    """Check keys, shapes and dtypes against the model's adapters, then copy every tensor in place."""
+    """Check keys, shapes and dtypes against the model's adapters, then copy every tensor in place. A model cut for
+    a mesh (`model.shard_plan`: TP halves, EP expert ranges) is checked against the whole adapter and keeps its own
+    slice of each tensor (`_whole_while_loading`)."""
+    with _whole_while_loading(model):
+        _check_and_copy(model, tensors, file)
+
+
+@contextlib.contextmanager
+def _whole_while_loading(model: nn.Module):
+    """Within the block, each LoRA Parameter that the model's shard plan cuts holds an empty tensor of the whole
+    adapter's shape, so `peft_tensors` names and shapes the whole adapter (experts by global id); on a clean exit
+    each gets its plan's slice of what was written there, copied into its own storage (it never moves); on an error
+    it gets its own tensor back untouched. A model that nothing cuts (one process, dp only): nothing happens."""
+    plan = getattr(model, "shard_plan", None)  # an HF model has none
+    cut = []
+    for name, p in lora_parameters(model).items():
+        part = None if plan is None else plan.slice_of(name)
+        if part is not None:
+            shape = list(p.shape)
+            shape[part.dim] = part.full
+            cut.append((p, p.data, part))
+            p.data = torch.empty(shape, dtype=p.dtype, device=p.device)
+    done = False
+    try:
+        yield
+        done = True
+    finally:
+        for p, shard, part in cut:
+            whole, p.data = p.data, shard
+            if done:
+                shard.copy_(part.of(whole))
+
+
+def _check_and_copy(model: nn.Module, tensors: dict[str, torch.Tensor], file: Path) -> None:
     table = peft_tensors(model)
     missing = [k for k in table if k not in tensors]
     if missing:

@@ -254,9 +254,14 @@ class EvalRunConfig:
     """W&B (tracking.logger=wandb) besides the run directory's metrics.jsonl."""
     sglang: SGLangConfig = field(default_factory=SGLangConfig)
     """The SGLang engine of engine.backend=sglang (its server arguments; push verification does not apply)."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """The mesh of a torchrun launch, as training's (all 1: one process): every rank builds its shard of the model
+    and reads only its slices; each DP replica generates its share, rank 0 grades and writes. torchrun
+    --nproc-per-node dp*tp -m miles_k3.eval parallel.tp=... (docs/concepts/scale-out.md)."""
 
     def validate(self) -> None:
         check_device(self.device)
+        check_parallel(self.parallel, self.device, self.engine.backend)
         check_kernels(self.kernels, self.device, None if self.engine.backend == "native" else
                       "engine.backend=sglang: SGLang generates with its own kernels; no model runs in this process")
         check_weights_given(self.model)
@@ -393,9 +398,17 @@ class SFTConfig:
     quantize: bool = False
     """mode=full: also write run_dir/base, the trained model with its routed experts quantized to native MXFP4 (as
     `python -m miles_k3.quantize` does): the frozen base RL trains from."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """The mesh of a torchrun launch, as training's (all 1: one process), mode=lora only: every rank builds its shard
+    of the base and reads only its slices; each DP replica trains on its share of every step's batch.
+    torchrun --nproc-per-node dp*tp -m miles_k3.sft mode=lora parallel.tp=... (docs/concepts/scale-out.md)."""
 
     def validate(self) -> None:
         check_device(self.device)
+        check_parallel(self.parallel, self.device, self.engine.backend)
+        if self.mode == "full" and self.parallel.world_size > 1:
+            raise ValueError(f"mode: full-parameter SFT runs in one process, not on the {self.parallel.world_size} "
+                             "ranks of parallel.dp x parallel.tp; under torchrun train an adapter (mode=lora)")
         check_kernels(self.kernels, self.device)
         check_weights_given(self.model)
         if self.threads < 0:

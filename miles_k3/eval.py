@@ -12,6 +12,12 @@ A model is evaluated as it was trained: `eval.template`, `eval.grader` and `eval
 run (the `config.yaml` beside the adapter directory: a training checkpoint's `step_N/`, an sft run's directory),
 else the recipe that made the shipped base (`SHIPPED_RECIPES`). A PEFT adapter from elsewhere, or another base,
 keeps the defaults. One INFO line says what was taken from where.
+
+Under torchrun (`torchrun --nproc-per-node N -m miles_k3.eval parallel.tp=... parallel.ep=...`) every rank builds
+its shard of the model as training does (`build_model` with the rank's place in the mesh: planned on the meta
+device, only the rank's slices of the checkpoint read, one line per rank on rank 0) and its slice of the adapter,
+and serves it from its own engine; each DP replica generates its share of the problems, and rank 0 grades, writes
+the reports and prints the summary (docs/concepts/scale-out.md).
 """
 import json
 import logging
@@ -27,7 +33,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import DictConfig, OmegaConf
 
-from miles_k3.adapter import CONFIG_FILE, load_adapter
+from miles_k3.adapter import CONFIG_FILE, load_adapter, read_adapter_config
 from miles_k3.cli import hydra_app
 from miles_k3.config import (
     RECIPES_MODULE,
@@ -46,6 +52,9 @@ from miles_k3.launch import silence_fla_cpu_warning
 from miles_k3.model.build import build_model, build_tokenizer
 from miles_k3.model.kernel_config import apply_kernels
 from miles_k3.model.lora import lora_state_dict
+from miles_k3.model.ranks import end_ranks, start_ranks
+from miles_k3.parallel.mesh import SINGLE, ParallelContext, naming_rank
+from miles_k3.parallel.reduce import broadcast, world_of
 from miles_k3.rollout.factory import POLICY, build_engine
 from miles_k3.runtime import resolve_device, resolve_dtype
 from miles_k3.tracking import Tracker
@@ -218,9 +227,11 @@ def compose_eval(overrides: Sequence[str] = ()) -> Any:
     return to_typed(raw)
 
 
-def eval_engine(cfg):
-    """(engine, tokenizer, adapter name or None) for an EvalRunConfig. Native: the model is built here and the
-    adapter directory applied to it; sglang: SGLang serves the checkpoint directory, and the adapter directory
+def eval_engine(cfg, ctx: ParallelContext = SINGLE, device: torch.device | None = None):
+    """(engine, tokenizer, adapter name or None) for an EvalRunConfig. Native: this rank's shard of the model (`ctx`:
+    its place in the mesh, SINGLE for one process) is built here on `device` (None: cfg.device resolved) with the
+    adapter's LoRA, the adapter directory loaded into it (the rank's slice of each tensor) and served by the rank's
+    engine; sglang: SGLang serves the checkpoint directory, and the adapter directory
     (checked by `read_adapter`; no model is built in this process) is pushed as sglang.push resolves for its targets:
     as a LoRA adapter, its PEFT tensors as they are, or merged (a K3 adapter SGLang's K3 LoRA cannot serve):
     W0 + s * B @ A from the checkpoint's own W0, written once before the first request."""
@@ -234,28 +245,46 @@ def eval_engine(cfg):
         engine = build_engine(cfg, None, tokenizer, stop_ids, lora=lora_cfg, adapter=tensors,
                               merge=lambda t: merged_from_checkpoint(cfg.model.path, lora_cfg, t))
         return engine, tokenizer, None if lora_cfg is None else POLICY
-    device = resolve_device(cfg.device)
-    apply_kernels(cfg.kernels, device)
-    model = build_model(cfg.model, device, resolve_dtype(cfg.model.dtype, device))
+    model, lora_cfg = eval_model(cfg, ctx, device)
     tokenizer, stop_ids = build_tokenizer(cfg.model, model.config.vocab_size)
-    lora_cfg = load_adapter(model, cfg.adapter) if cfg.adapter else None
-    engine = build_engine(cfg, model, tokenizer, stop_ids, lora=lora_cfg,
+    engine = build_engine(cfg, model, tokenizer, stop_ids, lora=lora_cfg, ctx=ctx,
                           adapter=None if lora_cfg is None else lora_state_dict(model))
     return engine, tokenizer, None if lora_cfg is None else POLICY
 
 
-def run(cfg) -> dict:
-    """The whole evaluation of an EvalRunConfig; returns the summary (with the output paths)."""
+def eval_model(cfg, ctx: ParallelContext = SINGLE, device: torch.device | None = None):
+    """(this rank's K3 of an EvalRunConfig with `cfg.adapter` loaded, the adapter's LoRAConfig or None): built as
+    training builds it (`build_model`: for `ctx`, only the rank's slices of the checkpoint read) on `device` (None:
+    cfg.device resolved), with the adapter's LoRA planned and cut with its base, then the rank's slice of each
+    adapter tensor loaded (`load_adapter`)."""
+    device = device or resolve_device(cfg.device)
+    apply_kernels(cfg.kernels, device)
+    lora_cfg = read_adapter_config(Path(cfg.adapter)) if cfg.adapter else None
+    model = build_model(cfg.model, device, resolve_dtype(cfg.model.dtype, device), ctx, lora_cfg, cfg.seed)
+    if lora_cfg is not None:
+        load_adapter(model, cfg.adapter)
+    return model, lora_cfg
+
+
+def run(cfg) -> dict | None:
+    """The whole evaluation of an EvalRunConfig; returns the summary (with the output paths). Under torchrun every
+    rank calls it: each builds its shard and generates its replica's share, rank 0 grades, writes and returns the
+    summary, the others return None (the process group stays up: `end_ranks` at the command's end)."""
     torch.manual_seed(cfg.seed)
     check_adapter(cfg.adapter)
     warn_random_weights(cfg.model)
     problems = load_problems(cfg.eval.data)  # a bad dataset fails before the model is built
-    engine, tokenizer, lora = eval_engine(cfg)
-    run_dir = Path(cfg.run_dir or f"runs/eval-{time.strftime('%Y%m%d-%H%M%S')}")
-    try:
-        result = evaluate(engine, tokenizer, problems, cfg.eval, lora=lora)
-    finally:
-        engine.close()  # SGLang's scheduler subprocesses end with the run
+    native = cfg.engine.backend == "native"  # sglang: no model in this process, one process (validated)
+    ctx, device = start_ranks(cfg.model, cfg.parallel, cfg.device) if native else (SINGLE, None)
+    with naming_rank(ctx):
+        engine, tokenizer, lora = eval_engine(cfg, ctx, device)
+        run_dir = Path(broadcast(cfg.run_dir or f"runs/eval-{time.strftime('%Y%m%d-%H%M%S')}", world_of(ctx)))
+        try:
+            result = evaluate(engine, tokenizer, problems, cfg.eval, lora=lora, ctx=ctx)
+        finally:
+            engine.close()  # SGLang's scheduler subprocesses end with the run
+    if not ctx.is_main:
+        return None
     extra = {"model": cfg.model.hf_path or cfg.model.path or cfg.model.name, "adapter": cfg.adapter,
              "data": cfg.eval.data.source, "backend": cfg.engine.backend, "results": str(run_dir / "results.jsonl")}
     write_reports(result, run_dir, extra)
@@ -272,7 +301,9 @@ def main(raw: DictConfig) -> None:
     cfg = typed_or_exit(raw, "miles_k3.eval")
     with exit_on_user_error("miles_k3.eval"):
         summary = run(cfg)
-    print(json.dumps(summary, indent=2))
+    end_ranks()
+    if summary is not None:  # rank 0's (under torchrun the others generated their share)
+        print(json.dumps(summary, indent=2))
 
 
 if __name__ == "__main__":

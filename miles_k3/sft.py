@@ -26,6 +26,15 @@ more SFT), `adapter/` in lora mode (PEFT; `python -m miles_k3.eval adapter=<run_
 
 On CUDA, `model.dtype=auto` trains in bf16; for full-parameter training set `model.dtype=fp32` to keep fp32
 master weights (the forward then runs under bf16 autocast).
+
+Under torchrun (`torchrun --nproc-per-node N -m miles_k3.sft mode=lora parallel.tp=... parallel.ep=...`; full mode
+runs in one process) every rank builds its shard of the base and of the adapter as training does (planned on the
+meta device, only its slices of the checkpoint read; one line per rank on rank 0). Every rank draws the same batch
+and DP replica r trains on its examples r, r + dp, ...: the loss is normalised by the whole batch's target tokens
+and the adapter's gradients summed over the ranks that share them (`optimizer_step`), so a step is the one-process
+step; in lockstep where an EP group spans replicas. The held-out figures are counted over the replicas' shares (the
+same on every rank, so every rank stops together), the eval generates each replica's share, and rank 0 alone writes
+the run directory, the metrics and the whole adapter.
 """
 from __future__ import annotations
 
@@ -57,13 +66,20 @@ from miles_k3.model.build import ModelConfig, build_model, build_tokenizer, num_
 from miles_k3.model.config import ConfigError
 from miles_k3.model.kernel_config import apply_kernels
 from miles_k3.model.lora import lora_parameters
+from miles_k3.model.parallelize import vocab_shard
+from miles_k3.model.ranks import end_ranks, start_ranks
 from miles_k3.model.weight_writer import save_weights
+from miles_k3.parallel.lockstep import Lockstep
+from miles_k3.parallel.mesh import SINGLE, ParallelContext, naming_rank
+from miles_k3.parallel.reduce import broadcast, sum_over, world_of
+from miles_k3.parallel.vocab import vocab_argmax
 from miles_k3.quantize import quantize_checkpoint
 from miles_k3.rollout.engine import RolloutEngine
 from miles_k3.rollout.factory import POLICY, build_engine
-from miles_k3.runtime import resolve_device, resolve_dtype, set_threads
-from miles_k3.tracking import Tracker
+from miles_k3.runtime import resolve_dtype, set_threads
+from miles_k3.tracking import NullTracker, Tracker
 from miles_k3.trainer.batch import Sample, TrainBatch, micro_batches, pack
+from miles_k3.trainer.checkpoint import save_whole_adapter, whole_adapter
 from miles_k3.trainer.episode_eval import EpisodeEvalHook
 from miles_k3.trainer.losses import token_logprobs
 from miles_k3.trainer.optim import BadStepGuard, OptimConfig, build_optimizer, build_scheduler, optimizer_step
@@ -88,6 +104,8 @@ class SFTResult:
     model: nn.Module
     tokenizer: Any
     engine: RolloutEngine | None
+    is_main: bool = True
+    """Rank 0 of a torchrun launch, or one process: the rank that wrote the run directory and holds `evals`."""
 
     @property
     def final_loss(self) -> float:
@@ -199,36 +217,64 @@ def encode_examples(problems: list[Problem], cfg, tokenizer, eos_id: int) -> dic
 
 def sft_loss(model: nn.Module, batch: TrainBatch, num_targets: float | None = None) -> torch.Tensor:
     """Cross-entropy summed over the target tokens of the batch (`mask_BT`) divided by `num_targets` (None: the
-    batch's own target tokens, the mean -log p(target | prefix))."""
+    batch's own target tokens, the mean -log p(target | prefix)). Under tensor parallelism the softmax is
+    vocab-parallel (the logits stay split); every rank of the TP group gets the same loss."""
     with _autocast(model):
         logits = model(batch.input_ids_BT, seq_lens=batch.seq_lens_B).logits
-    logp_BT = token_logprobs(logits, batch.targets_BT)
+    logp_BT = token_logprobs(logits, batch.targets_BT, vocab_shard=vocab_shard(model))
     denominator = batch.mask_BT.sum() if num_targets is None else num_targets
     return -(logp_BT * batch.mask_BT).sum() / denominator
 
 
 def sft_backward(model: nn.Module, examples: list[Sample], pad_id: int, device: torch.device,
-                 micro_batch_tokens: int = 0, checkpointing: bool = False) -> tuple[float, int]:
+                 micro_batch_tokens: int = 0, checkpointing: bool = False, num_targets: float | None = None,
+                 ctx: ParallelContext = SINGLE) -> tuple[float, int]:
     """The step's mean target cross-entropy over `examples`, its gradient accumulated into the parameters one
     micro-batch (`micro_batch_tokens` padded tokens; 0: all at once) at a time, each micro-batch's loss normalised by
-    the whole step's target tokens so the gradients add up to the one-batch gradient. No backward when the loss is
-    not finite. Returns (the loss, the step's tokens)."""
+    `num_targets`, the whole step's target tokens (None: those of `examples`), so the gradients add up to the
+    one-batch gradient. No backward when the loss is not finite (in lockstep the backward runs anyway: its
+    all-to-alls pair with the other ranks'; the update is then skipped on every rank). Returns (the loss, the step's
+    tokens).
+
+    On many ranks (`ctx`) `examples` are this DP replica's share of the step and `num_targets` the whole step's: the
+    loss and the tokens returned are summed over the replicas, the same on every rank. Where an EP group spans
+    replicas (`Lockstep`) every rank runs as many micro-batches as the rank with the most, past its own an idle
+    one (one pad token, a loss of zero)."""
     parts = micro_batches(examples, micro_batch_tokens) if micro_batch_tokens else [list(range(len(examples)))]
-    num_targets = float(sum(s.num_loss_tokens for s in examples))
-    batches = [pack([examples[i] for i in idx], pad_id, model.config.vocab_size) for idx in parts]
-    total, was = 0.0, model.activation_checkpointing
+    batches = [pack([examples[i] for i in idx], pad_id, model.config.vocab_size) for idx in parts if idx]
+    num_targets = float(sum(s.num_loss_tokens for s in examples)) if num_targets is None else num_targets
+    lockstep = Lockstep(ctx)
+    total, finite, was = 0.0, True, model.activation_checkpointing
     model.activation_checkpointing = checkpointing
     try:
-        for batch in batches:
-            loss = sft_loss(model, batch.to(device), num_targets)
-            value = float(loss.detach())
-            total += value
-            if not math.isfinite(total):
-                return total, sum(int(b.seq_lens_B.sum()) for b in batches)
-            loss.backward()
+        for k in range(lockstep.steps(len(batches))):
+            if k >= len(batches) or not finite:  # lockstep only: this rank's part in the others' micro-batches
+                _idle_step(model, pad_id, device)
+                continue
+            loss = sft_loss(model, batches[k].to(device), num_targets)
+            total += float(loss.detach())
+            finite = math.isfinite(total)
+            if finite or lockstep.active:
+                loss.backward()
+            if not finite and not lockstep.active:
+                break
     finally:
         model.activation_checkpointing = was
-    return total, sum(int(b.seq_lens_B.sum()) for b in batches)
+    tokens = sum(int(b.seq_lens_B.sum()) for b in batches)
+    if ctx.dp_size == 1:
+        return total, tokens
+    total, tokens = sum_over([total, float(tokens)], ctx.dp_group)
+    return total, int(tokens)
+
+
+def _idle_step(model: nn.Module, pad_id: int, device: torch.device, backward: bool = True) -> None:
+    """The forward (and, with `backward`, the backward) of one pad token with a loss of zero: in lockstep, this
+    rank's part in another rank's forward and backward; every gradient it adds is zero."""
+    batch = pack([Sample([pad_id], [pad_id])], pad_id, model.config.vocab_size).to(device)
+    with _autocast(model), torch.set_grad_enabled(backward):
+        logits = model(batch.input_ids_BT, seq_lens=batch.seq_lens_B).logits
+    if backward:
+        (logits.float().sum() * 0.0).backward()
 
 
 def trainable_parameters(model: nn.Module, cfg) -> dict[str, nn.Parameter]:
@@ -251,11 +297,18 @@ def build_full_optimizer(params: dict[str, nn.Parameter], cfg: OptimConfig) -> t
 
 
 def train_sft(cfg, raw_yaml: str = "") -> SFTResult:
-    """The whole SFT run of a validated SFTConfig (see the module docstring)."""
+    """The whole SFT run of a validated SFTConfig (see the module docstring). Under torchrun every rank calls it
+    (its place in the mesh from `start_ranks`); the process group stays up (`end_ranks` at the command's end)."""
     t0 = time.perf_counter()
     seed_everything(cfg.seed)
+    ctx, device = start_ranks(cfg.model, cfg.parallel, cfg.device)  # first: the other ranks then log warnings only
     set_threads(cfg.threads)
-    run_dir = Path(cfg.run_dir or f"runs/sft-{time.strftime('%Y%m%d-%H%M%S')}")
+    with naming_rank(ctx):
+        return _train_sft(cfg, raw_yaml, ctx, device, t0)
+
+
+def _train_sft(cfg, raw_yaml: str, ctx: ParallelContext, device: torch.device, t0: float) -> SFTResult:
+    run_dir = Path(broadcast(cfg.run_dir or f"runs/sft-{time.strftime('%Y%m%d-%H%M%S')}", world_of(ctx)))
     target = run_dir / ("model" if cfg.mode == "full" else "adapter")
     if target.exists():
         raise ConfigFieldError(f"run_dir: {target} already exists; choose another run_dir (a result is never "
@@ -272,9 +325,8 @@ def train_sft(cfg, raw_yaml: str = "") -> SFTResult:
         check_prompt_lengths(eval_problems, prompt_ids(eval_problems, cfg.eval.template, tokenizer),
                              "eval.max_new_tokens", cfg.eval.max_new_tokens, cfg.engine.max_context,
                              "engine.max_context", what="eval problem")
-    device = resolve_device(cfg.device)
     apply_kernels(cfg.kernels, device)
-    model = build_model(model_cfg, device, resolve_dtype(model_cfg.dtype, device),
+    model = build_model(model_cfg, device, resolve_dtype(model_cfg.dtype, device), ctx,
                         lora=cfg.lora if cfg.mode == "lora" else None, seed=cfg.seed)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     examples = encode_examples(problems, cfg, tokenizer, stop_ids[0])
@@ -288,45 +340,50 @@ def train_sft(cfg, raw_yaml: str = "") -> SFTResult:
     log.info("sft mode=%s: %s trainable of %s parameters, %d problems, %d steps of %d", cfg.mode,
              f"{sum(p.numel() for p in params.values()):,}", f"{num_params(model):,}", len(problems),
              cfg.steps, cfg.batch_size)
-    tracker = Tracker(cfg.tracking, run_dir, config=OmegaConf.to_container(OmegaConf.structured(cfg)))
-    if raw_yaml:
+    tracker = (Tracker(cfg.tracking, run_dir, config=OmegaConf.to_container(OmegaConf.structured(cfg)))
+               if ctx.is_main else NullTracker())  # rank 0 writes the run directory
+    if raw_yaml and ctx.is_main:
         atomic_write_text(run_dir / "config.yaml", raw_yaml)
     try:
         engine = hook = None
         if eval_problems is not None:
             engine, hook = _build_eval(cfg, model, tokenizer, stop_ids, params, eval_problems, run_dir,
-                                       tracker)
+                                       tracker, ctx)
         losses, evals = _loop(cfg, model, params, opt, sched, stream, examples, pad_id, device, tracker,
-                              engine, hook, heldout_examples)
-        saved = _save(cfg, model_cfg, model, target)
+                              engine, hook, heldout_examples, ctx)
+        saved = _save(cfg, model_cfg, model, target, ctx)
         if cfg.quantize:
             log.info("quantized base (MXFP4 routed experts): %s", quantize_checkpoint(saved, run_dir / "base"))
     finally:
         tracker.finish()
     log.info("saved the %s to %s", "model" if cfg.mode == "full" else "adapter", saved)
-    result = SFTResult(run_dir, saved, losses, evals, time.perf_counter() - t0, model, tokenizer, engine)
+    result = SFTResult(run_dir, saved, losses, evals, time.perf_counter() - t0, model, tokenizer, engine,
+                       ctx.is_main)
     log.info(result.summary_line())
     return result
 
 
-def _loop(cfg, model, params, opt, sched, stream, examples, pad_id, device, tracker, engine, hook, heldout=None):
+def _loop(cfg, model, params, opt, sched, stream, examples, pad_id, device, tracker, engine, hook, heldout=None,
+          ctx: ParallelContext = SINGLE):
     guard = BadStepGuard(cfg.optim.max_bad_steps)
     losses: list[float] = []
     evals: dict[int, dict[str, float]] = {}
     if hook is not None and cfg.eval.at_start:
-        evals[0] = _evaluate(cfg, hook, engine, params, 0)  # the initial weights (lora: the no-op adapter)
+        _evaluate(cfg, hook, engine, params, 0, evals)  # the initial weights (lora: the no-op adapter)
     window = _Window()
     stop = StopFlag()
     for step in range(1, cfg.steps + 1):
-        if stop.requested is not None:
+        stopping = stop.agreed(ctx)  # a signal to any rank stops them all
+        if stopping is not None:
             log.warning("stopping after step %d of %d on %s: saving the model as it is now", step - 1, cfg.steps,
-                        stop.requested)
+                        stopping)
             break
         t = time.perf_counter()
-        step_examples = [examples[id(p)] for _, p in stream.take(cfg.batch_size)]
-        value, num_tokens = sft_backward(model, step_examples, pad_id, device, cfg.micro_batch_tokens,
-                                         cfg.activation_checkpointing)
-        metrics = optimizer_step(opt, sched, params, cfg.optim, loss=value)
+        step_examples = [examples[id(p)] for _, p in stream.take(cfg.batch_size)]  # the same batch on every rank
+        value, num_tokens = sft_backward(model, step_examples[ctx.dp_rank::ctx.dp_size], pad_id, device,
+                                         cfg.micro_batch_tokens, cfg.activation_checkpointing,
+                                         float(sum(s.num_loss_tokens for s in step_examples)), ctx)
+        metrics = optimizer_step(opt, sched, params, cfg.optim, loss=value, ctx=ctx)
         guard.record(metrics)
         losses.append(value)
         window.add(value, metrics, num_tokens, time.perf_counter() - t)
@@ -336,7 +393,7 @@ def _loop(cfg, model, params, opt, sched, stream, examples, pad_id, device, trac
             log.info("step %d/%d loss=%.4f lr=%.3g grad_norm=%.3g tok/s=%.0f", step, cfg.steps,
                      row["train/loss"], row["train/lr"], row["train/grad_norm"], row["perf/tokens_per_s"])
         if heldout is not None and (step % cfg.heldout_every == 0 or step == cfg.steps):
-            row = heldout_figures(model, heldout, pad_id, device)
+            row = heldout_figures(model, heldout, pad_id, device, ctx=ctx)  # the same on every rank
             tracker.log(row, step=step)
             log.info("step %d/%d held-out (teacher-forced): exact=%.4f token=%.4f", step, cfg.steps,
                      row["sft/heldout_exact"], row["sft/heldout_token"])
@@ -345,7 +402,7 @@ def _loop(cfg, model, params, opt, sched, stream, examples, pad_id, device, trac
                          row["sft/heldout_exact"], cfg.stop_at_heldout_exact)
                 break
         if hook is not None and (hook.due(step) or step == cfg.steps):
-            evals[step] = _evaluate(cfg, hook, engine, params, step)
+            _evaluate(cfg, hook, engine, params, step, evals)
     stop.restore()
     return losses, evals
 
@@ -357,23 +414,31 @@ def heldout_data(data, size: int):
 
 @torch.no_grad()
 def heldout_figures(model: nn.Module, examples: list[Sample], pad_id: int, device: torch.device,
-                    batch_size: int = 64) -> dict[str, float]:
+                    batch_size: int = 64, ctx: ParallelContext = SINGLE) -> dict[str, float]:
     """Teacher-forced figures of `examples`: sft/heldout_exact, the share whose every target token is the argmax
     of the model's logits at its position (what greedy decoding would reproduce, ties aside), and
-    sft/heldout_token, the share of all target tokens that are."""
+    sft/heldout_token, the share of all target tokens that are. On many ranks (`ctx`) DP replica r counts examples
+    r, r + dp, ... (the argmax over the TP group's vocabulary shards: `vocab_argmax`) and the counts are summed over
+    the replicas: the same figures on every rank. In lockstep a replica with fewer batches runs idle forwards."""
     was_training = model.training
     model.eval()
+    mine = examples[ctx.dp_rank::ctx.dp_size]
+    starts = range(0, len(mine), batch_size)
     exact = hits = total = 0
-    for i in range(0, len(examples), batch_size):
-        batch = pack(examples[i:i + batch_size], pad_id, model.config.vocab_size).to(device)
+    for k in range(Lockstep(ctx).steps(len(starts))):
+        if k >= len(starts):  # lockstep: this rank's part in another replica's forward
+            _idle_step(model, pad_id, device, backward=False)
+            continue
+        batch = pack(mine[starts[k]:starts[k] + batch_size], pad_id, model.config.vocab_size).to(device)
         with _autocast(model):
             logits = model(batch.input_ids_BT, seq_lens=batch.seq_lens_B).logits
         mask_BT = batch.mask_BT > 0
-        right_BT = (logits.argmax(-1) == batch.targets_BT) & mask_BT
+        right_BT = (vocab_argmax(logits, vocab_shard(model)) == batch.targets_BT) & mask_BT
         hits += int(right_BT.sum())
         total += int(mask_BT.sum())
         exact += int((right_BT.sum(-1) == mask_BT.sum(-1)).sum())
     model.train(was_training)
+    exact, hits, total = sum_over([float(exact), float(hits), float(total)], ctx.dp_group)
     return {"sft/heldout_exact": exact / len(examples), "sft/heldout_token": hits / max(total, 1)}
 
 
@@ -407,39 +472,46 @@ def _rng_isolated(device: torch.device):
     return torch.random.fork_rng(devices=[device] if device.type == "cuda" else [])
 
 
-def _build_eval(cfg, model, tokenizer, stop_ids, params, problems, run_dir, tracker):
-    """The rollout engine over the model's own base tensors (no copy) and the eval hook (the prompts' lengths are
-    checked by `train_sft` before the model is built)."""
+def _build_eval(cfg, model, tokenizer, stop_ids, params, problems, run_dir, tracker, ctx: ParallelContext = SINGLE):
+    """The rollout engine over the model's own base tensors (no copy; on many ranks each rank's engine over its
+    shard) and the eval hook (the prompts' lengths are checked by `train_sft` before the model is built; each DP
+    replica generates its share, rank 0 grades, writes and logs)."""
     device = next(model.parameters()).device
     lora = cfg.mode == "lora"  # full mode: the engine serves the model's own (trained) weights
     with _rng_isolated(device), torch.no_grad():
-        engine = build_engine(cfg, model, tokenizer, stop_ids, lora=cfg.lora if lora else None,
+        engine = build_engine(cfg, model, tokenizer, stop_ids, lora=cfg.lora if lora else None, ctx=ctx,
                               adapter={n: p.detach() for n, p in params.items()} if lora else None)
+    tracker = tracker if ctx.is_main else None
     if cfg.env.name != "single":  # held-out episodes of the environment
-        return engine, EpisodeEvalHook(cfg.eval, engine, tokenizer, problems, run_dir, tracker,
+        return engine, EpisodeEvalHook(cfg.eval, engine, tokenizer, problems, run_dir, tracker, ctx=ctx,
                                        env=(build_env(cfg.env), cfg.env))
-    return engine, EvalHook(cfg.eval, engine, tokenizer, problems, run_dir, tracker)
+    return engine, EvalHook(cfg.eval, engine, tokenizer, problems, run_dir, tracker, ctx=ctx)
 
 
-def _evaluate(cfg, hook: EvalHook, engine: RolloutEngine, params: dict, step: int) -> dict[str, float]:
-    """Evaluate the weights of `step`: full mode, the engine already holds them (shared tensors, updated in
-    place); lora mode, the current adapter is pushed into the engine first."""
+def _evaluate(cfg, hook: EvalHook, engine: RolloutEngine, params: dict, step: int, evals: dict) -> None:
+    """Evaluate the weights of `step` into evals[step] (rank 0; the other ranks generate their share and keep
+    nothing): full mode, the engine already holds them (shared tensors, updated in place); lora mode, the current
+    adapter (each rank its shard) is pushed into the engine first."""
     with _rng_isolated(engine.device), torch.no_grad():
         if cfg.mode == "lora" and step > engine.weight_version:  # step 0: the adapter loaded at build
             engine.update_weights_from_tensor({n: p.detach() for n, p in params.items()}, POLICY,
                                               weight_version=step)
         else:
             engine.weight_version = step
-        return hook.maybe_run(step, POLICY if cfg.mode == "lora" else None, force=True)
+        result = hook.maybe_run(step, POLICY if cfg.mode == "lora" else None, force=True)
+    if result is not None:
+        evals[step] = result
 
 
-def _save(cfg, model_cfg: ModelConfig, model, target: Path) -> Path:
+def _save(cfg, model_cfg: ModelConfig, model, target: Path, ctx: ParallelContext = SINGLE) -> Path:
     """full: a checkpoint directory with the tokenizer (the small byte-level one for a shipped config, else
-    the source directory's files); lora: a PEFT adapter directory. Both atomic."""
+    the source directory's files); lora: a PEFT adapter directory, the whole adapter (on many ranks gathered from
+    the ranks' shards, written by rank 0). Both atomic."""
     if cfg.mode == "lora":
-        from miles_k3.adapter import save_adapter
-
-        return save_adapter(model, cfg.lora, target, base_model_name_or_path=cfg.model.path or cfg.model.name)
+        whole = whole_adapter(model, ctx)  # a collective of every rank; None when nothing is cut
+        if ctx.is_main:
+            save_whole_adapter(model, cfg.lora, target, cfg.model.path or cfg.model.name, whole)
+        return target
     if model_cfg.path is None:
         return save_weights(model, target, small_tokenizer=True)
     return save_weights(model, target, tokenizer_from=weights_dir(model_cfg))
@@ -459,7 +531,9 @@ def main(raw: DictConfig) -> None:
     cfg = typed_or_exit(raw, "miles_k3.sft")
     with exit_on_user_error("miles_k3.sft"):
         result = train_sft(cfg, OmegaConf.to_yaml(raw, resolve=True))  # the run's own run_dir
-    print(result.summary_line())
+    end_ranks()
+    if result.is_main:  # under torchrun the other ranks print nothing
+        print(result.summary_line())
 
 
 if __name__ == "__main__":

@@ -36,9 +36,10 @@ from miles_k3.cli import hydra_app
 from miles_k3.config import exit_on_user_error, register_schemas, typed_or_exit
 from miles_k3.launch import POLICY, Run, StopFlag, build_run, seed_everything, silence_fla_cpu_warning
 from miles_k3.model.build import build_model
-from miles_k3.model.lora import adapter_num_params, apply_lora
+from miles_k3.model.lora import adapter_num_params
+from miles_k3.model.ranks import start_ranks
 from miles_k3.parallel.mesh import naming_rank, shutdown
-from miles_k3.runtime import resolve_device, resolve_dtype
+from miles_k3.runtime import resolve_dtype
 from miles_k3.tracking import logged_evals
 from miles_k3.trainer.checkpoint import ADAPTER_DIR, save_checkpoint
 from miles_k3.trainer.episode_eval import EpisodeEvalHook
@@ -319,12 +320,13 @@ def main(raw: DictConfig) -> None:
 
 
 def dry_run(cfg) -> None:
-    """steps=0: build the frozen base and attach the adapter, report, stop."""
-    device = resolve_device(cfg.device)
-    model = build_model(cfg.model, device, resolve_dtype(cfg.model.dtype, device))
-    apply_lora(model, cfg.lora)
+    """steps=0: build the frozen base with the adapter as training does (under torchrun this rank's shard: only its
+    slices read, one line per rank on rank 0), report, stop."""
+    ctx, device = start_ranks(cfg.model, cfg.parallel, cfg.device)
+    model = build_model(cfg.model, device, resolve_dtype(cfg.model.dtype, device), ctx, cfg.lora, cfg.seed)
     log_adapter(cfg.lora, model)
     log.warning("steps=0: built the model and adapter and stopping; set steps=N and data.source=... to train")
+    shutdown(ctx)
 
 
 if __name__ == "__main__":
