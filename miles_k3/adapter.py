@@ -74,13 +74,9 @@ def _first_mismatch(want: LoRAConfig, have: LoRAConfig) -> tuple[str, object, ob
 
 
 # ---- save --------------------------------------------------------------------------------------------
-def save_adapter(model: nn.Module, lora_cfg: LoRAConfig, path: str | os.PathLike,
-                 base_model_name_or_path: str, overwrite: bool = False) -> Path:
-    """Write the model's adapters as a PEFT LoRA directory at `path` (atomically: a temp dir renamed into
-    place). `lora_cfg` must be the config the model's LoRA was built with. Refuses an existing `path` unless
-    `overwrite`. Returns the directory."""
-    from peft import LoraConfig  # lazy: GPU hosts may not have peft
-
+def check_config_matches(model: nn.Module, lora_cfg: LoRAConfig) -> None:
+    """`lora_cfg` is valid and the one the model's LoRA was built with (what an adapter file says it is); ValueError
+    naming the field otherwise."""
     lora_cfg.validate()
     have = applied_lora_config(model)
     if have is None:
@@ -89,6 +85,16 @@ def save_adapter(model: nn.Module, lora_cfg: LoRAConfig, path: str | os.PathLike
     if bad:
         raise ValueError(f"lora_cfg: {bad[0]}={bad[1]} but the model's LoRA has {bad[2]}; pass the "
                          "LoRAConfig the model's LoRA was built with")
+
+
+def save_adapter(model: nn.Module, lora_cfg: LoRAConfig, path: str | os.PathLike,
+                 base_model_name_or_path: str, overwrite: bool = False) -> Path:
+    """Write the model's adapters as a PEFT LoRA directory at `path` (atomically: a temp dir renamed into
+    place). `lora_cfg` must be the config the model's LoRA was built with. Refuses an existing `path` unless
+    `overwrite`. Returns the directory."""
+    from peft import LoraConfig  # lazy: GPU hosts may not have peft
+
+    check_config_matches(model, lora_cfg)
     tensors = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in peft_tensors(model).items()}
     with atomic_directory(path, overwrite) as tmp:
         LoraConfig(r=lora_cfg.rank, lora_alpha=lora_cfg.alpha, lora_dropout=lora_cfg.dropout,

@@ -53,6 +53,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
+from miles_k3.adapter_stream import save_adapter_streamed
 from miles_k3.atomic import atomic_write_text
 from miles_k3.cli import hydra_app
 from miles_k3.config import ConfigFieldError, exit_on_user_error, register_schemas, typed_or_exit
@@ -79,7 +80,6 @@ from miles_k3.rollout.factory import POLICY, build_engine
 from miles_k3.runtime import resolve_dtype, set_threads
 from miles_k3.tracking import NullTracker, Tracker
 from miles_k3.trainer.batch import Sample, TrainBatch, micro_batches, pack
-from miles_k3.trainer.checkpoint import save_whole_adapter, whole_adapter
 from miles_k3.trainer.episode_eval import EpisodeEvalHook
 from miles_k3.trainer.losses import token_logprobs
 from miles_k3.trainer.optim import BadStepGuard, OptimConfig, build_optimizer, build_scheduler, optimizer_step
@@ -505,12 +505,10 @@ def _evaluate(cfg, hook: EvalHook, engine: RolloutEngine, params: dict, step: in
 
 def _save(cfg, model_cfg: ModelConfig, model, target: Path, ctx: ParallelContext = SINGLE) -> Path:
     """full: a checkpoint directory with the tokenizer (the small byte-level one for a shipped config, else
-    the source directory's files); lora: a PEFT adapter directory, the whole adapter (on many ranks gathered from
-    the ranks' shards, written by rank 0). Both atomic."""
+    the source directory's files); lora: a PEFT adapter directory, the whole adapter (written by rank 0 one tensor
+    at a time, each from the rank that holds it: `save_adapter_streamed`). Both atomic."""
     if cfg.mode == "lora":
-        whole = whole_adapter(model, ctx)  # a collective of every rank; None when nothing is cut
-        if ctx.is_main:
-            save_whole_adapter(model, cfg.lora, target, cfg.model.path or cfg.model.name, whole)
+        save_adapter_streamed(model, cfg.lora, target, cfg.model.path or cfg.model.name, ctx)  # every rank
         return target
     if model_cfg.path is None:
         return save_weights(model, target, small_tokenizer=True)

@@ -45,7 +45,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("miles_k3.weight_sync",),
     ("miles_k3.rollout",),
     ("miles_k3.evals",),
-    ("miles_k3.adapter",),  # PEFT files of the model's LoRA: used by the trainer, weight sync and commands
+    ("miles_k3.adapter", "miles_k3.adapter_stream"),  # PEFT files of the model's LoRA: used by the trainer, weight sync and commands
     ("miles_k3.model",),
     ("miles_k3.parallel",),
     # Pure utilities, which every layer but the kernels may use; the package root (`__version__`) and the

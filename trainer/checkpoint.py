@@ -4,11 +4,13 @@ and the checks of its files: `checkpoint_files.py`.
 
 Saving is a transaction over the world: rank 0 stages the step directory (`atomic.stage_directory`, a hidden
 `.step_*.tmp-*` sibling) and sends its path; every rank writes its rank-<RRRRR>/ files (optimizer and scheduler,
-RNG states, its adapter parameters); their verdicts are reduced (that is the barrier: no rank goes on before
-every rank has written); then rank 0 writes the shared members (the whole adapter as a PEFT directory,
-state.json, config.yaml, mesh.json), publishes the directory (renamed into place), points `latest` at it
-(`atomic_write_text`) and prunes; its verdict is sent to every rank. A failure anywhere leaves the previous
-checkpoint and `latest` as they were and raises CheckpointWriteError on every rank, naming the rank.
+RNG states, its adapter parameters: its shard, only its slices); their verdicts are reduced (that is the barrier: no
+rank goes on before every rank has written); then the whole adapter is written as a PEFT directory by rank 0, one
+tensor at a time, each received from the rank that holds it (`adapter_stream.save_adapter_streamed`: no rank holds
+more than its shard and one tensor); then rank 0 writes the other shared members (state.json, config.yaml,
+mesh.json), publishes the directory (renamed into place), points `latest` at it (`atomic_write_text`) and prunes;
+its verdict is sent to every rank. A failure anywhere leaves the previous checkpoint and `latest` as they were and
+raises CheckpointWriteError on every rank, naming the rank.
 
 Loading checks everything on every rank first (mesh, LoRA config, state, the whole adapter's file, this rank's
 files against its parameters and optimizer), reduces the verdicts, and only then does every rank restore its
@@ -24,10 +26,10 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from miles_k3.adapter import WEIGHTS_FILE, save_adapter
+from miles_k3.adapter import WEIGHTS_FILE
+from miles_k3.adapter_stream import save_adapter_streamed
 from miles_k3.atomic import atomic_write_text, publish_directory, stage_directory
 from miles_k3.model.lora import LoRAConfig, applied_lora_config, lora_parameters
-from miles_k3.parallel.grads import whole
 from miles_k3.parallel.mesh import SINGLE, ParallelContext
 from miles_k3.parallel.reduce import broadcast, gather, ranks_where, world_of
 from miles_k3.trainer.checkpoint_files import (  # noqa: F401 - re-exported: the trainer's checkpoint API
@@ -98,11 +100,13 @@ def save_checkpoint(run_dir, step: int, model: nn.Module, lora_cfg: LoRAConfig, 
                                                rollout_state))
     _raise_if_any(error, world, ctx, f"checkpoint of step {step}: could not write rank files under {staging}",
                   staging)
-    whole_lora = whole_adapter(model, ctx)  # every rank: the shards of a tp / ep run gathered (a collective)
+    error = _attempt(lambda: save_adapter_streamed(model, lora_cfg, staging / ADAPTER_DIR, base_model_name_or_path,
+                                                   ctx))  # every rank: rank 0 writes, the others send their pieces
+    _raise_if_any(error, world, ctx, f"checkpoint of step {step}: could not write the adapter under {staging}",
+                  staging)
     published = None
     if ctx.is_main:
-        published = _attempt(lambda: _publish(staging, dest, step, model, lora_cfg, state_text, config_text, ctx,
-                                              keep, base_model_name_or_path, whole_lora))
+        published = _attempt(lambda: _publish(staging, dest, step, state_text, config_text, ctx, keep))
     published = broadcast(published, world)
     if isinstance(published, str):
         raise CheckpointWriteError(f"checkpoint of step {step}: rank 0 could not publish {dest}: {published}; the "
@@ -134,19 +138,18 @@ def _write_rank_files(own: Path, model: nn.Module, optimizer, scheduler, rollout
     own.mkdir()
     if rollout_state is not None:
         torch.save(rollout_state, own / ROLLOUT_FILE)
-    shard = {n: p.detach().to("cpu", copy=True) for n, p in lora_parameters(model).items()}
+    shard = {n: p.detach().to("cpu") for n, p in lora_parameters(model).items()}  # on the CPU: the parameters
     torch.save(shard, own / SHARD_FILE)
     torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}, own / OPTIMIZER_FILE)
     torch.save(rng_state(), own / RNG_FILE)
     return own
 
 
-def _publish(staging: Path, dest: Path, step: int, model, lora_cfg, state_text: str, config_text: str,
-             ctx: ParallelContext, keep: int, base: str | None, whole_lora: dict | None) -> Path:
-    """Rank 0: the shared members, then the directory published and `latest` moved to it (a failure before the
-    rename deletes the staging directory: the previous checkpoint stays the latest)."""
+def _publish(staging: Path, dest: Path, step: int, state_text: str, config_text: str, ctx: ParallelContext,
+             keep: int) -> Path:
+    """Rank 0: the other shared members (the adapter is written), then the directory published and `latest` moved
+    to it (a failure before the rename deletes the staging directory: the previous checkpoint stays the latest)."""
     try:
-        save_whole_adapter(model, lora_cfg, staging / ADAPTER_DIR, base, whole_lora)
         (staging / STATE_FILE).write_text(state_text, encoding="utf-8")
         (staging / CONFIG_YAML).write_text(config_text, encoding="utf-8")
         (staging / MESH_FILE).write_text(json.dumps(mesh_of(ctx)) + "\n", encoding="utf-8")
@@ -157,32 +160,6 @@ def _publish(staging: Path, dest: Path, step: int, model, lora_cfg, state_text: 
     atomic_write_text(dest.parent / LATEST, dest.name + "\n")
     prune(dest.parent, step, keep)
     return dest
-
-
-def whole_adapter(model: nn.Module, ctx: ParallelContext) -> dict[str, torch.Tensor] | None:
-    """Every LoRA parameter's unsharded tensor (`grads.whole`: tensor-parallel halves over tp, expert LoRA over
-    ep), gathered on every rank; None when nothing is sharded (dp only: every rank holds the whole adapter)."""
-    if ctx.tp_size == 1 and ctx.ep_size == 1:
-        return None
-    return {n: whole(p, ctx) for n, p in lora_parameters(model).items()}
-
-
-def save_whole_adapter(model: nn.Module, lora_cfg: LoRAConfig, path: Path, base: str | None,
-                       whole_lora: dict[str, torch.Tensor] | None) -> Path:
-    """Rank 0: the whole adapter as a PEFT directory (servable as is, expert keys with global ids). `whole_lora`
-    (`whole_adapter`): the gathered tensors of a tp / ep run, written in place of rank 0's shards (its
-    parameters hold them only while the file is written); None: rank 0's adapter is the whole one."""
-    if whole_lora is None:
-        return save_adapter(model, lora_cfg, path, base_model_name_or_path=base)
-    params = lora_parameters(model)
-    shards = {n: p.data for n, p in params.items()}
-    try:
-        for n, p in params.items():
-            p.data = whole_lora[n]
-        return save_adapter(model, lora_cfg, path, base_model_name_or_path=base)
-    finally:
-        for n, p in params.items():
-            p.data = shards[n]
 
 
 def rng_file(ckpt: Path, ctx: ParallelContext = SINGLE) -> Path:
