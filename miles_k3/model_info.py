@@ -17,7 +17,11 @@ full 2.78T K3 works anywhere), not from a second formula:
   allocates on the rank: the base shard in the run's dtype and the fp32 adapter), the optimizer state (fp32
   gradient and AdamW's two moments: 12 bytes per adapter parameter), the engine's KDA state (`batch` requests) and
   MLA latent KV (`batch` x `context` tokens, replicated over tp), their total against `gpu_gib`, an estimate of a
-  micro-batch's activations (`activation_bytes`) and whether it all fits; the load: `load_bytes` (stored bytes
+  micro-batch's activations (`activation_bytes`), `checkpoint_transient_bytes` (what rank 0 holds at once beyond
+  its parameters while it writes the PEFT adapter of a checkpoint, streamed one tensor at a time: the largest whole
+  adapter tensor plus one received piece, `adapter_stream.transient_bytes`; the other ranks hold nothing more; the
+  gather it replaced held the whole adapter, `adapter_whole_bytes`, on every rank) and whether it all fits (a
+  checkpoint is written between steps: the larger of the activations and the checkpoint's transient counts); the load: `load_bytes` (stored bytes
   the rank reads from the checkpoint: its slices' own), `load_page_bytes` (the file pages those reads touch, each
   once, as a run reads them: row-parallel columns exchanged within the TP group; `load_ranges` contiguous ranges,
   `load_exchanged_bytes` sent to the TP group; `load_page_ratio_max`: the largest pages / bytes of any rank),
@@ -30,6 +34,7 @@ from pathlib import Path
 
 import torch
 
+from miles_k3.adapter_stream import export_layout, transient_bytes
 from miles_k3.config import compose_cli
 from miles_k3.model.build import load_k3_config, num_params
 from miles_k3.model.expert_parallel import alltoall_bytes_per_token
@@ -158,8 +163,8 @@ def rank_figures(k3, fmt: str, cfg, whole: K3ForCausalLM) -> dict:
     p = cfg.parallel
     check_mesh(k3, p.tp, p.ep)
     dtype = torch.float32 if cfg.model.dtype == "fp32" else torch.bfloat16  # a GPU run: bf16
-    model = build_k3(RandomInit(k3, fmt), fmt, torch.device("meta"), dtype,
-                     ParallelContext.layout(p.dp, p.tp, p.ep, 0), cfg.lora)  # no weights read on meta
+    ctx = ParallelContext.layout(p.dp, p.tp, p.ep, 0)
+    model = build_k3(RandomInit(k3, fmt), fmt, torch.device("meta"), dtype, ctx, cfg.lora)  # no weights read
     routed = [m for m in model.modules() if isinstance(m, RoutedExperts)]
     experts = sum(stored_bytes(m) for m in routed)
     adapter = adapter_num_params(model)
@@ -177,12 +182,14 @@ def rank_figures(k3, fmt: str, cfg, whole: K3ForCausalLM) -> dict:
                "mla_kv_bytes": cfg.batch * cfg.context * sum(m.cache_bytes_per_token() for m in mla),
                "micro_batch_tokens": cfg.micro_batch_tokens,
                "activation_bytes_estimate": activation_bytes(k3, p.tp, cfg.micro_batch_tokens),
+               "checkpoint_transient_bytes": transient_bytes(export_layout(model, ctx)),
+               "adapter_whole_bytes": 4 * adapter_num_params(whole),  # fp32
                "alltoall_bytes_per_token_per_moe_layer": alltoall_bytes_per_token(k3, 2)}
     total = sum(figures[k] for k in ("device_bytes", "optimizer_bytes", "kda_state_bytes", "mla_kv_bytes"))
     gpu = cfg.gpu_gib * 2**30
     figures.update(total_bytes_before_activations=total, gpu_bytes=round(gpu),
                    headroom_bytes_for_activations=round(gpu - total),
-                   fits=total + figures["activation_bytes_estimate"] <= gpu)
+                   fits=total + max(figures["activation_bytes_estimate"], figures["checkpoint_transient_bytes"]) <= gpu)
     loads = rank_loads(cfg, whole)
     figures.update(load_bytes=loads[0]["load_bytes"], load_page_bytes=loads[0]["page_bytes"],
                    load_ranges=loads[0]["ranges"], load_exchanged_bytes=loads[0]["exchanged_bytes"],
