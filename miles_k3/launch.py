@@ -17,6 +17,7 @@ import logging
 import os
 import random
 import signal
+import threading
 import time
 import warnings
 from dataclasses import dataclass
@@ -382,7 +383,10 @@ class StopFlag:
 
     def __init__(self):
         self.requested: str | None = None
-        self._old = {s: signal.signal(s, self._set) for s in (signal.SIGINT, signal.SIGTERM)}
+        self._old = {}
+        if threading.current_thread() is threading.main_thread():  # Python installs handlers there only: a loop
+            # in another thread (a Ray Train worker) leaves its signals to whoever runs it
+            self._old = {s: signal.signal(s, self._set) for s in (signal.SIGINT, signal.SIGTERM)}
 
     def _set(self, signum, _frame) -> None:
         self.requested = signal.Signals(signum).name

@@ -18,9 +18,7 @@ import contextlib
 import logging
 import math
 import os
-import signal
 import socket
-import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -206,7 +204,7 @@ def _worker_loop(config: dict) -> None:
     rank = int(os.environ["RANK"])  # Ray Train's torch backend sets it, as torchrun does
     silence_fla_cpu_warning()
     quiet_http_logs()
-    with _rank0_log(Path(cfg.run_dir), rank), _signals_stay_with_ray():
+    with _rank0_log(Path(cfg.run_dir), rank):  # the loop leaves signals to Ray here (StopFlag: main thread only)
         log_workers(rank)
         run = config["loop"](cfg, config["raw_yaml"])
         shutdown(run.ctx)
@@ -244,25 +242,3 @@ def _rank0_log(run_dir: Path, rank: int):
     finally:
         root.removeHandler(handler)
         handler.close()
-
-
-@contextlib.contextmanager
-def _signals_stay_with_ray():
-    """Ray Train runs the loop in a thread of its worker actor, where Python refuses to install a signal handler,
-    and the loop installs SIGINT / SIGTERM handlers (`launch.StopFlag`: finish the step, checkpoint, stop). A
-    worker's signals are Ray's: it stops a group by killing its actors, and the next group resumes from the last
-    checkpoint. So here `signal.signal` called off the main thread leaves the handler as it is (returning it);
-    the main thread's calls are unchanged. (StopFlag installing handlers only on the main thread would make this
-    unnecessary.)"""
-    install = signal.signal
-
-    def main_thread_only(signum, handler):
-        if threading.current_thread() is threading.main_thread():
-            return install(signum, handler)
-        return signal.getsignal(signum)
-
-    signal.signal = main_thread_only
-    try:
-        yield
-    finally:
-        signal.signal = install
