@@ -118,7 +118,7 @@ def alternate(args, extra: list[str]) -> tuple[dict[str, dict], list[dict]]:
     import dataclasses
 
     from miles_k3.config import compose_config
-    from miles_k3.launch import build_run
+    from miles_k3.launch import build_rollouts, build_run
     from miles_k3.parallel.mesh import naming_rank
     from miles_k3.train import one_step
 
@@ -139,11 +139,14 @@ def alternate(args, extra: list[str]) -> tuple[dict[str, dict], list[dict]]:
             for m in modes}
     order = schedule(modes, args.steps)
     run = build_run(base)
+    # each mode's rollout producer (routes or not, as its config says), all drawing from the run's prompt stream
+    producers = {m: build_rollouts(cfgs[m], run.engine, run.tokenizer, run.stream, run.reward, run.ctx)[0]
+                 for m in modes}
     rows = []
     try:
         with naming_rank(run.ctx):
             for i, mode in enumerate(order):
-                run.cfg = cfgs[mode]
+                run.cfg, run.rollouts = cfgs[mode], producers[mode]
                 metrics, samples = one_step(run, i + 1)
                 routed = bool(samples) and all(s.routed_experts is not None for s in samples)
                 row = metrics | {"bench/mode": mode, "bench/block": i // (2 * len(modes)), "bench/routes": routed}

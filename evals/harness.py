@@ -34,6 +34,7 @@ from miles_k3.evals.graders import MAX_RESPONSE_CHARS, Grade, grader_names
 from miles_k3.evals.grading_pool import GradingPool
 from miles_k3.evals.metrics import SampleOutcome, summarize
 from miles_k3.evals.problems import Problem
+from miles_k3.evals.sampling import eval_seed, sampling_params
 from miles_k3.evals.templates import render_prompt, response_text, template_names
 from miles_k3.parallel.mesh import SINGLE, ParallelContext
 from miles_k3.parallel.reduce import gather
@@ -198,8 +199,7 @@ def _generate(engine, prompt_ids: list[list[int]], cfg: EvalConfig, lora: str | 
     with bar, _redrawn(bar, REDRAW_S):
         for k in range(calls):
             batch = mine[k * cfg.batch_problems:(k + 1) * cfg.batch_problems]
-            params = [{"max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature, "top_p": cfg.top_p,
-                       "top_k": cfg.top_k, "sampling_seed": cfg.seed + i * cfg.samples} for i in batch]
+            params = [sampling_params(cfg, eval_seed(cfg.seed, i, cfg.samples)) for i in batch]
             bar.set_postfix_str(f"generating batch {k + 1}/{calls} ({len(batch) * cfg.samples} samples)")
             got = engine.generate(input_ids=[prompt_ids[i] for i in batch], sampling_params=params, n=cfg.samples,
                                   return_logprob=False, lora=lora)

@@ -45,7 +45,11 @@ from collections.abc import Callable
 from miles_k3.config import ServeConfig
 from miles_k3.envs.env import EnvConfig
 from miles_k3.evals.problems import Problem
+from miles_k3.trainer.batch import Sample
 from miles_k3.trainer.episodes import Episode
+from miles_k3.trainer.rollouts import PromptStream, RolloutConfig, SyncRollouts
+from miles_k3.trainer.seeds import sampling_params, turn_seed
+from miles_k3.trainer.sources import EpisodePlayer
 
 log = logging.getLogger("miles_k3.train")
 
@@ -67,17 +71,38 @@ def load_agent(spec: str) -> AgentFn:
     return fn
 
 
-class AgentRollouts:
-    """Plays a round of rollouts with the agent function (`play`); the trainer's rollouts call it in place of the
-    environment's turn loop (`plays_episodes`). The server starts on the first round and stops with `close`."""
+class AgentRollouts(EpisodePlayer):
+    """env=agent's rollouts. The `EpisodePlayer` that plays a round with the agent function (`play`), for the
+    held-out eval (`trainer.episode_eval`) and for `collect_rollouts`, in place of the environment's turn loop; and,
+    given the prompt stream, the reward and the rollout config, the run's `RolloutSource` (`collect`, `state`,
+    `load_state`): rollout.mode=sync's producer (`rollouts.SyncRollouts`) with its episodes played here, every sample
+    drawn with the trainer's adapter. The server starts on the first round and stops with `close`."""
 
-    plays_episodes = True
-
-    def __init__(self, fn: AgentFn, engine, tokenizer, env_cfg: EnvConfig, lora: str | None):
+    def __init__(self, fn: AgentFn, engine, tokenizer, env_cfg: EnvConfig, lora: str | None,
+                 stream: PromptStream | None = None, reward_fn=None, cfg: RolloutConfig | None = None):
         self.fn, self.engine, self.tokenizer, self.env_cfg, self.lora = fn, engine, tokenizer, env_cfg, lora
         self._server = self._uvicorn = self._thread = None
         self.port = 0
         self.api_key = secrets.token_urlsafe(32)  # the run's key to the server's /v1 endpoints (agents need none)
+        self._steps = None if stream is None else SyncRollouts(engine, tokenizer, stream, reward_fn, cfg, lora,
+                                                                env=(self, env_cfg))
+
+    # ---- the run's rollouts (`sources.RolloutSource`) --------------------------------------------------------
+    def collect(self, version: int) -> tuple[list[Sample], dict[str, float]]:
+        """The step's samples and metrics (`SyncRollouts.collect`: every sample on-policy for `version`)."""
+        return self._source().collect(version)
+
+    def state(self) -> dict:
+        return self._source().state()
+
+    def load_state(self, state: dict) -> None:
+        self._source().load_state(state)
+
+    def _source(self) -> SyncRollouts:
+        if self._steps is None:
+            raise RuntimeError("AgentRollouts: built without a prompt stream, reward and rollout config, it plays "
+                               "episodes (play) but produces no steps")
+        return self._steps
 
     # ---- the server ----------------------------------------------------------------------------------------
     def _start(self) -> None:
@@ -119,13 +144,14 @@ class AgentRollouts:
         if self._uvicorn is None:
             self._start()
         g, ec = cfg.group_size, self.env_cfg
-        params = {"temperature": cfg.temperature, "top_p": cfg.top_p, "top_k": cfg.top_k,
-                  "max_tokens": cfg.max_new_tokens, "max_turns": ec.max_turns}
+        sp = sampling_params(cfg, None)  # the server's names for the rollout's sampling settings
+        params = {"temperature": sp["temperature"], "top_p": sp["top_p"], "top_k": sp["top_k"],
+                  "max_tokens": sp["max_new_tokens"], "max_turns": ec.max_turns}
         jobs = []
         for (_, problem), seed in zip(drawn, seeds):
             for j in range(g):
                 eid = secrets.token_hex(16)  # the episode's URL is its credential
-                self._server.open_episode(eid, params | {"seed": (seed + j) * 1_009})
+                self._server.open_episode(eid, params | {"seed": turn_seed(seed + j, 0)})  # turn k: + k
                 jobs.append((eid, problem, problem.problem))
         timeout = ec.step_timeout_s * ec.max_turns
         pool = cf.ThreadPoolExecutor(max_workers=max(1, len(jobs)), thread_name_prefix="agent")

@@ -1,8 +1,9 @@
 """Everything a training run holds, built once from the validated config (`build_run`): the trainer's model with
 its LoRA adapter, the colocated rollout engine sharing the base, the weight-sync channel, optimizer and LR
-schedule, the reward, the prompt stream, the eval hook, the tracker and the run directory, restored from a
-checkpoint when `resume` names one (the run directory's metrics.jsonl and tables cut back to its step).
-`miles_k3/train.py` then only runs the loop over these.
+schedule, the reward, the prompt stream, the rollout producer (`build_rollouts`: the one place that reads rollout.mode
+and env.name at run time), the eval hook, the tracker and the run directory, restored from a checkpoint when
+`resume` names one (the run directory's metrics.jsonl and tables cut back to its step). `miles_k3/train.py` then
+only runs the loop over these.
 
 Under torchrun (`parallel:`) every rank plans the model for its place in the mesh on the meta device, allocates and
 reads only its shard (`build_model`: the same weights and adapter as one process), and colocates its own engine
@@ -28,6 +29,7 @@ import numpy as np
 import torch
 from omegaconf import OmegaConf
 
+from miles_k3.agent import AgentRollouts, load_agent
 from miles_k3.envs.env import build_env
 from miles_k3.evals.datasets import load_problems
 from miles_k3.evals.harness import EvalHook, check_prompt_lengths, prompt_ids
@@ -47,15 +49,16 @@ from miles_k3.trainer.checkpoint import (
     STATE_FILE,
     ResumeError,
     load_checkpoint,
-    read_state,
     resolve_resume,
     rng_file,
+    rollout_state_of,
     set_rng_state,
 )
 from miles_k3.trainer.episode_eval import EpisodeEvalHook
 from miles_k3.trainer.optim import BadStepGuard, build_optimizer, build_scheduler
 from miles_k3.trainer.partial import PartialRollouts
-from miles_k3.trainer.rollouts import PromptStream
+from miles_k3.trainer.rollouts import PromptStream, SyncRollouts
+from miles_k3.trainer.sources import RolloutSource
 from miles_k3.weight_sync.channel import open_sender
 
 log = logging.getLogger("miles_k3.train")
@@ -83,6 +86,7 @@ class Run:
     channel: Any
     reward: Any
     stream: PromptStream
+    rollouts: RolloutSource  # the step's rollouts (`build_rollouts`): collect(version), state() for checkpoints
     eval_hook: EvalHook | None
     tracker: Tracker | NullTracker
     guard: BadStepGuard
@@ -92,8 +96,6 @@ class Run:
     last_checkpoint: Path | None = None
     summary: dict | None = None
     ctx: ParallelContext = SINGLE  # this process's place in the run's ranks (SINGLE: one process)
-    partial: PartialRollouts | None = None  # rollout.mode=partial: the groups in flight across weight updates
-    env: tuple | None = None  # (factory, EnvConfig) of the rollouts' environment (None: single)
 
     def lora_tensors(self) -> dict[str, torch.Tensor]:
         """What a push carries: the adapter parameters by name (native engine, and SGLang's merged pushes, which
@@ -105,12 +107,17 @@ class Run:
         return {n: p.detach() for n, p in self.params.items()}
 
     def close(self) -> None:
-        for part in (self.reward, self.channel):
-            close = getattr(part, "close", None)
-            if close is not None:
-                close()
-        self.engine.close()
+        self.rollouts.close()
+        _close_parts(self.reward, self.channel, self.engine)
         self.tracker.finish()
+
+
+def _close_parts(*parts) -> None:
+    """Close each part that has something to close (a remote reward's client, a channel, the engine)."""
+    for part in parts:
+        close = getattr(part, "close", None)
+        if close is not None:
+            close()
 
 
 def seed_everything(seed: int) -> None:
@@ -130,7 +137,6 @@ def build_run(cfg) -> Run:
     check_mesh_fits_model(cfg)
     device = resolve_device(cfg.device)
     ctx = init_parallel(cfg.parallel, device.type)
-    check_replica_share(cfg.rollout, ctx.dp_size)
     device = rank_device(device, ctx)
     if cfg.model.hf_path is None:  # an HF model runs transformers' kernels (kernels: is refused with it)
         apply_kernels(cfg.kernels, device)
@@ -139,68 +145,120 @@ def build_run(cfg) -> Run:
     tokenizer, stop_ids = build_tokenizer(cfg.model)  # the model config's: a prompt too long fails before it
     check_prompts_fit(cfg, tokenizer, problems, eval_problems)
     run_dir = Path(broadcast(cfg.run_dir or f"runs/train-{time.strftime('%Y%m%d-%H%M%S')}", world_of(ctx)))
-    dtype = resolve_dtype(cfg.model.dtype, device)
-    if cfg.model.hf_path is not None:
-        from miles_k3.model.hf import load_hf_model
-
-        model = load_hf_model(cfg.model.hf_path, device, dtype)
-        apply_lora(model, cfg.lora)
-    else:
-        model = build_model(cfg.model, device, dtype, ctx, cfg.lora, cfg.seed)
+    model = _build_model(cfg, device, ctx)
     params = lora_parameters(model)
     opt = build_optimizer(params, cfg.trainer.optim)
     sched = build_scheduler(opt, cfg.trainer.optim)
     stream = PromptStream(problems, cfg.rollout.seed)
     ckpt = resolve_resume(cfg.resume, run_dir)
-    if ckpt is not None:
-        check_resume_mode(ckpt, cfg.rollout.mode)
-    start, version, rollout_state = _resume(ckpt, model, opt, sched, stream, ctx)
+    start, version, saved = _resume(ckpt, model, opt, sched, ctx)
+    _warn_filtered_logprobs(cfg.rollout, cfg.engine.backend)
+    engine, channel = _build_engine(cfg, model, tokenizer, stop_ids, problems, params, version, ctx)
+    reward = build_reward(cfg.reward)
+    try:  # a checkpoint its producer cannot continue fails here, before the run directory's logs are touched
+        rollouts, episodes = build_rollouts(cfg, engine, tokenizer, stream, reward, ctx)
+        _load_rollouts(rollouts, saved, ckpt)
+    except BaseException:
+        _close_parts(reward, channel, engine)
+        raise
     if ckpt is not None and ctx.is_main:  # before the tracker appends: the rows a killed run logged past it go
         dropped = truncate_after(run_dir, start)
         if dropped:
             log.info("resume: dropped %d logged rows of steps after %d from %s", dropped, start, run_dir)
-    _warn_filtered_logprobs(cfg.rollout, cfg.engine.backend)
-    if cfg.engine.backend == "sglang":
-        engine, channel = _sglang_engine(cfg, model, tokenizer, stop_ids, problems, version)
-    else:  # the checkpoint's adapter (version `version`) is what it serves
-        engine = build_engine(cfg, model, tokenizer, stop_ids, lora=cfg.lora, version=version, ctx=ctx,
-                              adapter={n: p.detach() for n, p in params.items()})
-        channel = open_sender(cfg.sync, engine=engine, adapter=POLICY, ctx=ctx)
     tracker = (Tracker(cfg.tracking, run_dir, config=OmegaConf.to_container(OmegaConf.structured(cfg)))
                if ctx.is_main else NullTracker())
     hook = None
-    env = (build_env(cfg.env), cfg.env)  # unknown tools, or a python tool without a sandbox, fail here
     if eval_problems is not None:  # every rank generates its replica's share; rank 0 grades, writes and logs
         hook = build_eval_hook(cfg, engine, tokenizer, eval_problems, run_dir, tracker if ctx.is_main else None,
-                               ctx, env)
+                               ctx, episodes)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     if ckpt is not None:  # building the engine may draw random numbers: the loop starts from the saved state
         set_rng_state(torch.load(rng_file(ckpt, ctx), weights_only=True))
     guard = BadStepGuard(cfg.trainer.optim.max_bad_steps, max_empty_steps=cfg.trainer.optim.max_empty_steps)
-    reward = build_reward(cfg.reward)
-    partial = None
+    return Run(cfg, run_dir, device, model, tokenizer, engine, params, opt, sched, channel, reward, stream, rollouts,
+               hook, tracker, guard, start, pad, version, ctx=ctx)
+
+
+def build_rollouts(cfg, engine, tokenizer, stream: PromptStream, reward, ctx: ParallelContext = SINGLE
+                   ) -> tuple[RolloutSource, tuple | None]:
+    """The run's rollout producer, and what plays its held-out eval's episodes: the one place that reads
+    rollout.mode and env.name at run time (everything after asks the objects).
+
+    * The episodes: of the environment env.name names (`envs.build_env`: single, guess, tools, ...), their turns
+      through the engine; env=agent: played by the agent code env.agent names over the in-process server
+      (`miles_k3.agent.AgentRollouts`, the producer too: sync rollouts, as validation requires), for the training
+      rollouts and the eval alike.
+    * The producer (`trainer.sources.RolloutSource`): rollout.mode=sync, `SyncRollouts` (every sample drawn with
+      the trainer's adapter); partial, `PartialRollouts` (groups in flight across weight updates, each of the
+      ctx.dp_size replicas keeping its share: `check_replica_share`, `check_pool_fits`). The samples carry the
+      engine's routes with rollout.return_routed_experts or trainer.routing_replay (not env=agent's: refused).
+
+    Returns (producer, eval episodes): None for env=single (the eval answers in one turn, `EvalHook`), else
+    (the environment's factory or the agent's player, EnvConfig) for `EpisodeEvalHook`. A new producer (a fleet of
+    remote engines, a fully asynchronous one, SFT data as rollouts) is one more branch here."""
+    routes = cfg.rollout.return_routed_experts or cfg.trainer.routing_replay
+    if cfg.env.name == "agent":  # agent code plays the episodes over an in-process server (sync: validated)
+        agents = AgentRollouts(load_agent(cfg.env.agent), engine, tokenizer, cfg.env, POLICY, stream, reward,
+                               cfg.rollout)
+        return agents, (agents, cfg.env)
+    env = (build_env(cfg.env), cfg.env)  # unknown tools, or a python tool without a sandbox, fail here
     if cfg.rollout.mode == "partial":
+        check_replica_share(cfg.rollout, ctx.dp_size)
         check_pool_fits(cfg.rollout, engine.num_slots, ctx.dp_size)
-        partial = PartialRollouts(engine, tokenizer, stream, reward, cfg.rollout, POLICY,
-                                  routes=cfg.rollout.return_routed_experts or cfg.trainer.routing_replay, ctx=ctx,
-                                  env=env)
-        if rollout_state is not None:
-            partial.load_state(rollout_state)
-    return Run(cfg, run_dir, device, model, tokenizer, engine, params, opt, sched, channel, reward, stream, hook,
-               tracker, guard, start, pad, version, ctx=ctx, partial=partial, env=env)
+        source = PartialRollouts(engine, tokenizer, stream, reward, cfg.rollout, POLICY, routes=routes, ctx=ctx,
+                                 env=env)
+    else:
+        source = SyncRollouts(engine, tokenizer, stream, reward, cfg.rollout, POLICY, ctx=ctx, routes=routes, env=env)
+    return source, None if cfg.env.name == "single" else env
 
 
-def build_eval_hook(cfg, engine, tokenizer, problems, run_dir, tracker, ctx, env) -> EvalHook:
-    """The loop's eval: held-out problems answered in one turn (env=single), or played as episodes of the run's
-    environment (`trainer.episode_eval`: success, turns per episode, invalid turns), with the eval's sampling."""
-    if cfg.env.name == "single":
+def _load_rollouts(rollouts: RolloutSource, saved: dict | None, ckpt: Path | None) -> None:
+    """The checkpoint's producer state (`rollout_state_of`) continued by this run's producer; ResumeError naming
+    the checkpoint when it cannot be."""
+    if ckpt is None:
+        return
+    try:
+        rollouts.load_state(saved)
+    except ResumeError as e:
+        raise ResumeError(f"{ckpt}: {e}") from None
+
+
+def build_eval_hook(cfg, engine, tokenizer, problems, run_dir, tracker, ctx, episodes: tuple | None) -> EvalHook:
+    """The loop's eval: held-out problems answered in one turn (`episodes` None: env=single), or played as episodes
+    (`episodes`: as `build_rollouts` returns them; `trainer.episode_eval`: success, turns per episode, invalid
+    turns), with the eval's sampling."""
+    if episodes is None:
         return EvalHook(cfg.eval, engine, tokenizer, problems, run_dir, tracker, ctx=ctx)
-    return EpisodeEvalHook(cfg.eval, engine, tokenizer, problems, run_dir, tracker, ctx=ctx, env=env)
+    return EpisodeEvalHook(cfg.eval, engine, tokenizer, problems, run_dir, tracker, ctx=ctx, env=episodes)
+
+
+def _build_model(cfg, device: torch.device, ctx: ParallelContext):
+    """The trainer's model with its LoRA adapter: a K3 config's planned for this rank's place in the mesh (only its
+    shard allocated and read), or a Hugging Face model (`model.hf_path`)."""
+    dtype = resolve_dtype(cfg.model.dtype, device)
+    if cfg.model.hf_path is None:
+        return build_model(cfg.model, device, dtype, ctx, cfg.lora, cfg.seed)
+    from miles_k3.model.hf import load_hf_model
+
+    model = load_hf_model(cfg.model.hf_path, device, dtype)
+    apply_lora(model, cfg.lora)
+    return model
+
+
+def _build_engine(cfg, model, tokenizer, stop_ids: list[int], problems, params: dict, version: int,
+                  ctx: ParallelContext):
+    """The rollout engine serving the trainer's adapter as weight version `version` (a checkpoint's on resume), and
+    the weight-sync channel into it: the native engine colocated over the model's own base tensors, or SGLang."""
+    if cfg.engine.backend == "sglang":
+        return _sglang_engine(cfg, model, tokenizer, stop_ids, problems, version)
+    engine = build_engine(cfg, model, tokenizer, stop_ids, lora=cfg.lora, version=version, ctx=ctx,
+                          adapter={n: p.detach() for n, p in params.items()})
+    return engine, open_sender(cfg.sync, engine=engine, adapter=POLICY, ctx=ctx)
 
 
 def check_replica_share(rollout, dp: int) -> None:
     """rollout.mode=partial: each of the `dp` data-parallel replicas finishes prompts_per_step / dp groups per step."""
-    if rollout.mode == "partial" and rollout.prompts_per_step % dp:
+    if rollout.prompts_per_step % dp:
         raise ValueError(f"rollout.prompts_per_step={rollout.prompts_per_step}: rollout.mode=partial shares a step's "
                          f"groups equally among the {dp} data-parallel replicas; set it to a multiple of {dp}")
 
@@ -218,20 +276,6 @@ def check_pool_fits(rollout, num_slots: int, dp: int = 1) -> None:
         log.info("rollout.mode=partial: %d groups in flight per replica, %d run at once (%d engine slots); the others "
                  "wait in the engine's queue (engine.memory_budget_bytes raises the slots)", inflight, running,
                  num_slots)
-
-
-def check_resume_mode(ckpt: Path, mode: str) -> None:
-    """A checkpoint continues in the rollout.mode it was written in, with one conversion: a sync run's checkpoint
-    (nothing in flight) resumes as partial, its pool starting empty. A partial run's checkpoint holds groups in
-    flight that a sync run could not continue: ResumeError, before anything else is restored."""
-    saved = read_state(ckpt).get("data_state", {}).get("rollout_mode", "sync")
-    if saved == "partial" and mode != "partial":
-        raise ResumeError(f"{ckpt}: written by a rollout.mode=partial run, with rollouts in flight that "
-                          f"rollout.mode={mode} cannot continue; resume with rollout.mode=partial (and the same "
-                          "rollout.partial.*), or start a new run_dir")
-    if saved != mode:
-        log.info("resume: %s was written by a rollout.mode=%s run; continuing as %s with no rollouts in flight", ckpt,
-                 saved, mode)
 
 
 def check_mesh_fits_model(cfg) -> None:
@@ -359,22 +403,24 @@ def _sglang_channel(cfg, engine, model, prompts: list[list[int]], version: int):
     return SGLangChannel(engine, POLICY, cfg.sglang, **checks)
 
 
-def _resume(ckpt: Path | None, model, opt, sched, stream: PromptStream,
-            ctx: ParallelContext) -> tuple[int, int, dict | None]:
-    """(step, weight version, this rank's rollouts in flight or None) of the checkpoint restored into the model,
-    optimizer and prompt stream; (0, 0, None) without one. The version is the checkpoint's own (extra_state.weight_version), not recomputed from the step.
-    Every rank restores its own state (`trainer.checkpoint.load_checkpoint`, one rank or many); the checkpoint's
-    mesh must be this run's."""
+def _resume(ckpt: Path | None, model, opt, sched, ctx: ParallelContext) -> tuple[int, int, dict | None]:
+    """(step, weight version, this rank's rollout producer state: `rollout_state_of`) of the checkpoint restored
+    into the model and optimizer; (0, 0, None) without one. The version is the checkpoint's own
+    (extra_state.weight_version), not recomputed from the step. Every rank restores its own state
+    (`trainer.checkpoint.load_checkpoint`, one rank or many); the checkpoint's mesh must be this run's."""
     if ckpt is None:
         return 0, 0, None
     state = load_checkpoint(ckpt, model, opt, sched, ctx=ctx)
-    stream.load_state(state["data_state"]["stream"])
+    try:
+        saved = rollout_state_of(state)
+    except ResumeError as e:
+        raise ResumeError(f"{ckpt}: {e}") from None
     version = state.get("extra_state", {}).get("weight_version")
     if isinstance(version, bool) or not isinstance(version, int) or version < 0:
         raise ResumeError(f"{ckpt / STATE_FILE}: extra_state.weight_version must be an int >= 0 (the adapter's "
                           f"weight version), got {version!r}; the checkpoint is not a training run's")
     log.info("resumed from %s at step %d (weight version %d)", ckpt, state["step"], version)
-    return int(state["step"]), version, state.get("rollout_state")
+    return int(state["step"]), version, saved
 
 
 class StopFlag:

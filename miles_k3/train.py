@@ -1,11 +1,12 @@
 """`python -m miles_k3.train [recipe=aime_grpo] [overrides]`: colocated LoRA GRPO on the frozen MXFP4 base (Hydra).
 
 It composes `recipes/train.yaml`, validates every field, builds the run (`miles_k3.launch.build_run`: model +
-adapter, engine sharing the base, sync channel, optimizer, reward, prompts, eval, tracker; resumed from a
-checkpoint with `resume=auto|PATH`) and runs the loop (docs/concepts/loop.md):
+adapter, engine sharing the base, sync channel, optimizer, reward, prompts, the rollout producer, eval, tracker;
+resumed from a checkpoint with `resume=auto|PATH`) and runs the loop (docs/concepts/loop.md):
 
-    rollout -> rewards -> advantages -> release engine memory -> train step -> weight sync (version + 1) ->
-    resume engine memory -> log -> eval every N -> checkpoint every N (and on SIGINT / SIGTERM)
+    rollouts (run.rollouts.collect: samples, rewards, advantages, versions checked) -> release engine memory ->
+    train step -> weight sync (version + 1) -> resume engine memory -> log -> eval every N -> checkpoint every N
+    (and on SIGINT / SIGTERM; the producer's state with it)
 
 A push the engine refuses or fails to take (SyncError) stops the run without losing the step: the step's metrics
 are logged (sync/refused = 1, with the parity figures of a refused SGLang check) and the trainer's state after it is
@@ -31,7 +32,6 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from miles_k3.agent import AgentRollouts, load_agent
 from miles_k3.cli import hydra_app
 from miles_k3.config import exit_on_user_error, register_schemas, typed_or_exit
 from miles_k3.launch import POLICY, Run, StopFlag, build_run, seed_everything, silence_fla_cpu_warning
@@ -41,10 +41,7 @@ from miles_k3.model.ranks import start_ranks
 from miles_k3.parallel.mesh import naming_rank, shutdown
 from miles_k3.runtime import resolve_dtype
 from miles_k3.tracking import logged_evals
-from miles_k3.trainer.checkpoint import ADAPTER_DIR, save_checkpoint
-from miles_k3.trainer.episode_eval import EpisodeEvalHook
-from miles_k3.trainer.partial import check_versions
-from miles_k3.trainer.rollouts import check_on_policy, collect_rollouts
+from miles_k3.trainer.checkpoint import ADAPTER_DIR, rollout_checkpoint, save_checkpoint
 from miles_k3.trainer.step import train_step
 from miles_k3.weight_sync.push import SyncError
 
@@ -56,18 +53,10 @@ def train(cfg, raw_yaml: str = "") -> Run:
     t0 = time.perf_counter()
     run = build_run(cfg)
     log_adapter(cfg.lora, run.model, f"; run dir {run.run_dir}")
-    agents = None
-    if cfg.env.name == "agent":  # agent code plays the episodes over an in-process server (miles_k3.agent)
-        agents = AgentRollouts(load_agent(cfg.env.agent), run.engine, run.tokenizer, cfg.env, POLICY)
-        run.env = (agents, cfg.env)
-        if isinstance(run.eval_hook, EpisodeEvalHook):  # the held-out eval plays agent episodes too
-            run.eval_hook.env = run.env
     try:
         with naming_rank(run.ctx):
             step, evals = run_loop(run, raw_yaml)
     finally:
-        if agents is not None:
-            agents.close()
         run.close()
     run.summary = final_summary(run, step, evals, time.perf_counter() - t0)
     if run.ctx.is_main:
@@ -181,15 +170,7 @@ def one_step(run: Run, step: int) -> tuple[dict[str, float], list]:
     cfg, tags = run.cfg, list(run.cfg.rollout.release_tags)
     timer = _Timer()
     engine_before = engine_timing(run.engine)
-    if run.partial is not None:  # groups in flight across weight updates (trainer/partial.py)
-        samples, metrics = run.partial.collect(run.version)
-        check_versions(samples, run.version, cfg.rollout)
-    else:
-        samples, metrics = collect_rollouts(run.engine, run.tokenizer, run.stream, run.reward, cfg.rollout, POLICY,
-                                            run.ctx,
-                                            routes=cfg.rollout.return_routed_experts or cfg.trainer.routing_replay,
-                                            env=run.env)
-        check_on_policy(samples, run.version)
+    samples, metrics = run.rollouts.collect(run.version)  # sync, partial, agent episodes: versions checked there
     timer.lap("rollout")
     engine_after = engine_timing(run.engine)
     metrics |= {f"perf/rollout_{k}": engine_after[k] - engine_before[k] for k in engine_before}
@@ -260,13 +241,15 @@ def log_samples(run: Run, samples: list, step: int) -> None:
 
 def checkpoint(run: Run, step: int, raw_yaml: str, version: int | None = None) -> Path:
     """One checkpoint of the run at `step` (on many ranks every rank's state in one directory, together); the
-    adapter's weight version is `version` (None: run.version, the one the engine serves)."""
-    path = save_checkpoint(run.run_dir, step, run.model, run.cfg.lora, run.opt, run.sched,
-                           {"stream": run.stream.state(), "rollout_mode": run.cfg.rollout.mode},
+    adapter's weight version is `version` (None: run.version, the one the engine serves), and the rollout producer's
+    state goes with it (`RolloutSource.state`: its mode and prompt stream in state.json, a partial pool in each
+    rank's rollout.pt, `rollout_checkpoint`)."""
+    data_state, in_flight = rollout_checkpoint(run.rollouts.state())
+    path = save_checkpoint(run.run_dir, step, run.model, run.cfg.lora, run.opt, run.sched, data_state,
                            {"weight_version": run.version if version is None else version}, raw_yaml,
                            keep=run.cfg.keep_checkpoints,
                            base_model_name_or_path=run.cfg.model.hf_path or run.cfg.model.path or run.cfg.model.name,
-                           ctx=run.ctx, rollout_state=None if run.partial is None else run.partial.state())
+                           ctx=run.ctx, rollout_state=in_flight)
     run.guard.last_good = path
     run.last_checkpoint = path
     log.info("checkpoint: %s", path)

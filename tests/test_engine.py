@@ -318,7 +318,8 @@ def test_a_push_between_prefill_and_first_decode_leaves_the_prefills_version_as_
     """The prefill runs under version 0; a push (version 1) lands before the first decode step. Both samples of the
     forked group report versions [0, 1] (the fork copied its head's prefill version), so the rollout's on-policy
     check (`weight_version=min(versions)`) sees 0, not 1."""
-    from miles_k3.trainer.rollouts import RolloutConfig, _sample
+    from miles_k3.trainer.rollouts import RolloutConfig
+    from miles_k3.trainer.scoring import to_sample as _sample
 
     cfg = LoRAConfig(rank=2, alpha=4.0, targets=["q_proj"])
     trainer = K3ForCausalLM(base.config, expert_format="mxfp4").eval()

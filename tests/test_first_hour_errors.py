@@ -190,7 +190,7 @@ def test_a_step_no_sample_of_which_the_reward_graded_prints_no_accuracy():
     """env=guess: the environment gives every episode's reward, so the run's reward graded nothing; the step logs
     no rollout/accuracy (it would read 0.0% beside reward 0.34) and the line prints accuracy=-."""
     from miles_k3.train import step_line
-    from miles_k3.trainer.rollouts import _metrics
+    from miles_k3.trainer.scoring import rollout_metrics as _metrics
 
     totals = {"samples": 8, "reward": 2.75, "reward_failed": 0, "response_len": 40, "truncated": 0, "gaps": 0,
               "gap": 0.0, "graded": 0, "timeouts": 0, "errors": 0, "correct": 0}

@@ -81,8 +81,8 @@ def save_checkpoint(run_dir, step: int, model: nn.Module, lora_cfg: LoRAConfig, 
     then delete all but the newest `keep` step directories (never the new one). An existing directory for the
     same step is replaced. `data_state` and `extra_state` must be JSON-serialisable (checked before anything is
     written). `base_model_name_or_path` goes into the adapter's adapter_config.json. `rollout_state`: this rank's
-    rollouts in flight (rollout.mode=partial, `PartialRollouts.state`), written as rank-<RRRRR>/rollout.pt and
-    returned by `load_checkpoint` as "rollout_state". Returns the step directory
+    rollouts in flight (rollout.mode=partial: `rollout_checkpoint` of `PartialRollouts.state`), written as
+    rank-<RRRRR>/rollout.pt and returned by `load_checkpoint` as "rollout_state". Returns the step directory
     on every rank once it is published; CheckpointWriteError on every rank when any rank failed (nothing
     published, the previous checkpoint and `latest` kept)."""
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
@@ -173,7 +173,8 @@ def load_checkpoint(path, model: nn.Module, optimizer: torch.optim.Optimizer, sc
     Parameters in place, its optimizer and scheduler states and every RNG state, from its rank-<RRRRR>/ files,
     once every rank has checked everything. `model` must already have LoRA (same rank, alpha, targets) and
     `optimizer` must be built over its adapters (`build_optimizer(lora_parameters(model), ...)`). Returns the
-    state.json dict (with "rollout_state": this rank's rollout.pt, when the checkpoint has one).
+    state.json dict (with "rollout_state": this rank's rollout.pt, when the checkpoint has one; the rollout
+    producer's state is `rollout_state_of` it).
 
     Raises ResumeError (on every rank, nothing restored anywhere) naming the file for a missing directory or a
     missing, truncated or corrupt member (with the earlier checkpoint to resume from instead), for a run
@@ -228,6 +229,26 @@ def _read_rank_state(ctx: ParallelContext, path: Path, model: nn.Module, optimiz
     _check_shard(path, own / SHARD_FILE, shard, lora_parameters(model))
     rollout = read_pt(path, own / ROLLOUT_FILE, ROLLOUT_KEYS) if (own / ROLLOUT_FILE).is_file() else None
     return state, blobs, rng, shard, rollout
+
+
+def rollout_checkpoint(state: dict) -> tuple[dict, dict | None]:
+    """A rollout producer's `state()` as a checkpoint holds it: (data_state for state.json: its "rollout_mode" and
+    the prompt stream's position, "stream", rank 0's; this rank's rank-<R>/rollout.pt: everything else with its own
+    stream, or None when there is nothing else, as for rollout.mode=sync). `rollout_state_of` is its inverse."""
+    data = {"stream": state["stream"], "rollout_mode": state["mode"]}
+    rest = {k: v for k, v in state.items() if k != "mode"}
+    return data, (rest if set(rest) != {"stream"} else None)
+
+
+def rollout_state_of(state: dict) -> dict:
+    """The rollout producer's state (`RolloutSource.state()`, what `load_state` takes) in a checkpoint loaded by
+    `load_checkpoint`: the mode and prompt stream of state.json's data_state, updated with this rank's rollout.pt
+    (a partial run's pool and its replica's stream). ResumeError when the checkpoint has no prompt stream."""
+    data = state.get("data_state", {})
+    if "stream" not in data:
+        raise ResumeError("state.json's data_state holds no prompt stream (data_state.stream); the checkpoint is "
+                          "not a training run's")
+    return {"mode": data.get("rollout_mode", "sync"), "stream": data["stream"]} | state.get("rollout_state", {})
 
 
 def _check_shard(path: Path, file: Path, shard: dict, params: dict) -> None:

@@ -1,13 +1,15 @@
 """Episode-level evals: the held-out problems played as episodes of the run's environment (env=guess, tools, ...),
-or by the run's agent code over the in-process server (env=agent: `_agent_episodes`).
+or by the run's agent code over the in-process server (env=agent: its `sources.EpisodePlayer`).
 
 `evaluate_episodes(engine, tokenizer, problems, cfg, env, lora)` runs, for each problem, `cfg.samples` episodes of
-the environment with the eval's sampling settings (cfg.temperature, top_p, top_k, max_new_tokens per turn), through
-the same code as training rollouts (`trainer.episodes`: `first_prompt`, `Episode`, `run_turns`; engine sessions under
-env.keep_state), and scores each
-episode: the rewards the environment gave, plus, when its final turn is left to the run's reward (StepResult.reward
-None: `tools`), that turn graded by `cfg.grader`. Problem i's episode j starts with sampling seed
-`cfg.seed + i * cfg.samples + j` (later turns derive theirs from it, as in rollouts), whatever the batching.
+the environment with the eval's sampling settings (cfg.temperature, top_p, top_k, max_new_tokens per turn), played
+as training rollouts play them (`sources.episode_player`: the environment's turns through `episodes.first_turns` and
+`run_turns`, engine sessions under env.keep_state; or the agent code, whose turn k of problem i's episode j samples
+with seed (cfg.seed + i * cfg.samples + j) * 1009 + k), and scores each episode: the rewards the environment gave,
+plus, when its final turn (or the agent's returned text) is left to the run's reward (StepResult.reward None:
+`tools`), that turn graded by `cfg.grader`. Problem i's episode j starts with sampling seed
+`cfg.seed + i * cfg.samples + j` (`seeds.eval_seed`; later turns derive theirs from it, as in rollouts), whatever the
+batching.
 
 Metrics (eval/, as the single-turn harness names them where they mean the same): avg@n (the mean episode score:
 for guess, the success rate within env.max_turns turns) with its standard error over problems, pass@k and maj@k
@@ -25,7 +27,6 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from types import SimpleNamespace
 
 import numpy as np
 
@@ -45,7 +46,9 @@ from miles_k3.evals.problems import Problem
 from miles_k3.evals.templates import response_text
 from miles_k3.parallel.mesh import SINGLE, ParallelContext
 from miles_k3.parallel.reduce import gather
-from miles_k3.trainer.episodes import END_REASONS, Episode, first_prompt, run_turns, session_args
+from miles_k3.trainer.episodes import END_REASONS, Episode
+from miles_k3.trainer.seeds import eval_seed
+from miles_k3.trainer.sources import EpisodePlayer, PlaySettings, episode_player
 
 log = logging.getLogger("miles_k3.evals")
 
@@ -63,26 +66,24 @@ class EpisodeRecord(SampleRecord):
     info: dict | None = None
 
 
-def evaluate_episodes(engine, tokenizer, problems: list[Problem], cfg: EvalConfig, env: tuple[EnvFactory, EnvConfig],
-                      lora: str | None = None, ctx: ParallelContext = SINGLE) -> EvalResult | None:
+def evaluate_episodes(engine, tokenizer, problems: list[Problem], cfg: EvalConfig,
+                      env: tuple[EnvFactory | EpisodePlayer, EnvConfig], lora: str | None = None,
+                      ctx: ParallelContext = SINGLE) -> EvalResult | None:
     """cfg.samples episodes per problem with adapter `lora`, scored (see the module docstring); None on ranks
-    other than 0."""
+    other than 0. `env`: (the environment's factory, or the player of env=agent; the environment's config)."""
     if not problems:
         raise ValueError("evaluate_episodes: no problems to evaluate")
     t0 = time.perf_counter()
-    factory, env_cfg = env
-    n = cfg.samples
+    env_cfg = env[1]
+    player = episode_player(env, engine, tokenizer, lora, ctx=ctx)
+    settings, n = PlaySettings.of_eval(cfg), cfg.samples
     mine = list(range(ctx.dp_rank, len(problems), ctx.dp_size))
     largest = -(-len(problems) // ctx.dp_size)  # problems of the largest share (ceil)
     calls = -(-largest // cfg.batch_problems)
     played: list[tuple[int, int, Episode]] = []  # (problem, sample, episode)
-    for k in range(calls):
+    for k in range(calls):  # every replica plays as many rounds (an empty one too: run_turns' collectives)
         batch = mine[k * cfg.batch_problems:(k + 1) * cfg.batch_problems]
-        if getattr(factory, "plays_episodes", False):  # env=agent: the agent code plays them (miles_k3.agent)
-            episodes = _agent_episodes(factory, problems, batch, cfg, lora)
-        else:
-            episodes = _first_turns(engine, tokenizer, problems, batch, cfg, factory, env_cfg, lora)
-            run_turns(engine, tokenizer, episodes, cfg, env_cfg, lora, False, ctx)
+        episodes = player.play([(i, problems[i]) for i in batch], [eval_seed(cfg.seed, i, n) for i in batch], settings)
         played += [(i, j, episodes[b * n + j]) for b, i in enumerate(batch) for j in range(n)]
     rows = [_row(i, problems[i], j, ep, tokenizer) for i, j, ep in played]
     if ctx.dp_size > 1:
@@ -103,46 +104,6 @@ def evaluate_episodes(engine, tokenizer, problems: list[Problem], cfg: EvalConfi
     summary.update(seconds=time.perf_counter() - t0, env=env_cfg.name, max_turns=env_cfg.max_turns,
                    grader=cfg.grader, temperature=cfg.temperature, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens)
     return EvalResult(records, summary)
-
-
-def _first_turns(engine, tokenizer, problems, batch, cfg: EvalConfig, factory, env_cfg, lora) -> list[Episode]:
-    """Each problem's n episodes after their first turn: one generate call, n forks of each problem's prompt
-    (the environment's reset text, or the eval template's rendering)."""
-    n = cfg.samples
-    prompts, envs = [], []
-    for i in batch:
-        group = [factory() for _ in range(n)]
-        texts = {first_prompt(e, problems[i], i, cfg.seed, cfg.template, tokenizer) for e in group}
-        if len(texts) != 1:
-            raise ValueError(f"env={env_cfg.name}: reset gave problem {problems[i].id}'s episodes different prompts")
-        prompts.append(tokenizer.encode(texts.pop(), add_special_tokens=False))
-        envs.append(group)
-    params = [{"max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature, "top_p": cfg.top_p,
-               "top_k": cfg.top_k, "sampling_seed": cfg.seed + i * n} for i in batch]
-    outs = engine.generate(input_ids=prompts, sampling_params=params or None, n=n, return_logprob=True, lora=lora,
-                           **session_args(engine, env_cfg))
-    bad = next((o for o in outs if "error" in o), None)
-    if bad is not None:
-        ids = [o["meta_info"]["session_id"] for o in outs if "session_id" in o.get("meta_info", {})]
-        if ids:
-            engine.close_sessions(ids)
-        raise RuntimeError(f"eval: the engine rejected a request: {bad['error']}")
-    episodes = [Episode(envs[b][j], prompts[b], cfg.seed + i * n + j) for b, i in enumerate(batch) for j in range(n)]
-    for ep, out in zip(episodes, outs):
-        ep.add_turn(out)
-    return episodes
-
-
-def _agent_episodes(agents, problems, batch, cfg: EvalConfig, lora) -> list[Episode]:
-    """Each problem's n episodes played by the agent code over the in-process server (`AgentRollouts.play`) at the
-    eval's sampling settings: problem i's episode j samples its turn k with seed (cfg.seed + i * n + j) * 1009 + k.
-    The agent's returned text is what the grader scores (or its float is the episode's score)."""
-    if lora != agents.lora:
-        raise ValueError(f"eval: env=agent serves adapter {agents.lora!r}, the eval asked for {lora!r}")
-    n = cfg.samples
-    settings = SimpleNamespace(group_size=n, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
-                               max_new_tokens=cfg.max_new_tokens)
-    return agents.play([(i, problems[i]) for i in batch], [cfg.seed + i * n for i in batch], settings)
 
 
 def _row(i: int, p: Problem, j: int, ep: Episode, tokenizer) -> dict:

@@ -40,15 +40,25 @@ from dataclasses import dataclass, field
 
 import torch
 
-from miles_k3.envs.env import EnvConfig, Environment, StepResult
+from miles_k3.envs.env import EnvConfig, EnvFactory, Environment, Single, StepResult
 from miles_k3.evals.problems import Problem
 from miles_k3.evals.templates import render_prompt, response_text
 from miles_k3.parallel.mesh import SINGLE, ParallelContext
 from miles_k3.parallel.reduce import broadcast, max_over, world_of
+from miles_k3.trainer.seeds import reset_seed, sampling_params, turn_seed
 
 log = logging.getLogger("miles_k3.train")
 
 END_REASONS = ("done", "max_turns", "context", "env_error", "env_timeout")
+SINGLE_ENV = (Single, EnvConfig())
+"""The default environment: one turn per rollout, graded by the run's reward."""
+
+
+def multi_turn(factory: EnvFactory) -> bool:
+    """Whether `factory` makes environments other than `single`'s (one turn, graded by the run's reward), asked of
+    the factory `launch.build_rollouts` chose, not of the config: their episodes' env/ metrics are logged, and
+    partial mode checkpoints them as episodes."""
+    return factory is not Single
 
 
 @dataclass
@@ -140,8 +150,51 @@ def first_prompt(env: Environment, problem: Problem, draw: int, seed: int, templ
         raise TypeError(f"env: {type(env).__name__} is not a miles_k3.envs.env.Environment; subclass it (its "
                         "cancel() and replay() have defaults: an environment overrides them to stop a step that runs "
                         "past env.step_timeout_s, and to resume without running its steps again)")
-    text = env.reset(problem, random.Random(seed * 1_000_003 + draw))
+    text = env.reset(problem, random.Random(reset_seed(seed, draw)))
     return render_prompt(template, problem.problem, tokenizer) if text is None else text
+
+
+def reset_group(factory: EnvFactory, problem: Problem, draw: int, settings, tokenizer, env_cfg: EnvConfig
+                ) -> tuple[list[Environment], list[int]]:
+    """A group's `settings.group_size` fresh environments, reset for draw `draw` (`first_prompt`, with
+    settings.seed and settings.template), and the ids of the first prompt they share."""
+    envs = [factory() for _ in range(settings.group_size)]
+    texts = {first_prompt(e, problem, draw, settings.seed, settings.template, tokenizer) for e in envs}
+    if len(texts) != 1:
+        raise ValueError(f"env={env_cfg.name}: reset gave the members of problem {problem.id}'s group different "
+                         "prompts; a group shares its prompt (reset gets the same rng seed for each)")
+    return envs, tokenizer.encode(texts.pop(), add_special_tokens=False)
+
+
+def open_episodes(envs: list[Environment], prompt: list[int], seed: int, records: list[dict]) -> list[Episode]:
+    """A group's episodes after their first turn: fork j (the engine's record `records[j]`, sampled with seed +
+    j) in the environment `envs[j]`."""
+    episodes = [Episode(env, prompt, seed + j) for j, env in enumerate(envs)]
+    for ep, record in zip(episodes, records):
+        ep.add_turn(record)
+    return episodes
+
+
+def first_turns(engine, tokenizer, drawn: list[tuple[int, Problem]], seeds: list[int], settings, factory: EnvFactory,
+                env_cfg: EnvConfig, lora: str | None, routes: bool = False) -> list[Episode]:
+    """Every drawn problem's group after its first turn (the one starter of sync rollouts and episode evals;
+    partial mode submits the same groups, `reset_group`, and opens them as they finish): one `generate` call,
+    `settings.group_size` forks of each group's prompt sampled from `seeds` (group k's fork j: seeds[k] + j).
+    No problem: the call is made all the same (a rank of a lockstep engine takes part in the others' forwards)."""
+    groups = [reset_group(factory, p, d, settings, tokenizer, env_cfg) for d, p in drawn]
+    n = settings.group_size
+    outs = engine.generate(input_ids=[prompt for _, prompt in groups],
+                           sampling_params=[sampling_params(settings, seed) for seed in seeds] or None, n=n,
+                           return_logprob=True, lora=lora, return_routed_experts=routes,
+                           **session_args(engine, env_cfg))
+    bad = next((o for o in outs if "error" in o), None)
+    if bad is not None:
+        ids = [o["meta_info"]["session_id"] for o in outs if "session_id" in o.get("meta_info", {})]
+        if ids:
+            engine.close_sessions(ids)
+        raise RuntimeError(f"rollout: the engine rejected a request: {bad['error']}")
+    return [ep for k, ((envs, prompt), seed) in enumerate(zip(groups, seeds))
+            for ep in open_episodes(envs, prompt, seed, outs[k * n:(k + 1) * n])]
 
 
 def keeps_state(engine, env_cfg: EnvConfig) -> bool:
@@ -177,8 +230,7 @@ def run_turns(engine, tokenizer, episodes: list[Episode], cfg, env_cfg: EnvConfi
                 break
             if not (max_over([float(len(live))], world_of(ctx))[0] if ctx.distributed else live):
                 break  # no episode left on any rank
-            params = [{"max_new_tokens": min(cfg.max_new_tokens, limit - ep.length), "temperature": cfg.temperature,
-                       "top_p": cfg.top_p, "top_k": cfg.top_k, "sampling_seed": ep.seed * 1_009 + turn}
+            params = [sampling_params(cfg, turn_seed(ep.seed, turn), min(cfg.max_new_tokens, limit - ep.length))
                       for ep in live]
             more = {"keep_state": True, "sessions": [ep.session for ep in live]} if keep else {}
             outs = engine.generate(input_ids=[ep.prompt + ep.ids for ep in live], sampling_params=params or None,

@@ -29,47 +29,59 @@ decode step by construction; under expert parallelism across replicas a replica 
 idle forwards for the others (`parallel.lockstep`) until every replica's run ends. The kept groups' indices
 (`Sample.group`) and the rollout/ metrics are global, as in the synchronous loop.
 
-`state()` / `load_state()`: the pool (each group's prompt, draw index and problem, the version it was queued at;
-multi-turn: each episode in flight with its environment's answers so far), this replica's prompt stream and the
-engine's queue (tokens so far, their log-probs, versions and routes, sampling keys), for a checkpoint from which
-`resume=auto` continues the run exactly. A resumed episode's environment is reset and told its recorded answers
-(`Environment.replay`); none of its steps runs twice.
+Every group is played as episodes, single-turn ones too (the `single` environment: one turn, graded by the run's
+reward), as in rollout.mode=sync: a group's first turn is submitted as its `group_size` forks; when it finishes its
+episodes open (`episodes.open_episodes`), their environments step, and each later turn joins the queue the engine's
+run is serving. Scoring and the rollout/ metrics are `scoring.py`'s.
+
+`state()` / `load_state()` (`sources.RolloutSource`): the pool (each group's prompt, draw index and problem, the
+version it was queued at; multi-turn: each episode in flight with its environment's answers so far), this replica's
+prompt stream and the engine's queue (tokens so far, their log-probs, versions and routes, sampling keys), for a
+checkpoint from which `resume=auto` continues the run exactly. A resumed episode's environment is reset and told its
+recorded answers (`Environment.replay`); none of its steps runs twice. A sync run's state (no groups in flight)
+continues with an empty pool.
 """
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass, field
 
 from miles_k3.envs.env import StepResult
 from miles_k3.evals.problems import Problem
-from miles_k3.evals.rewards import grade_outcome
-from miles_k3.evals.templates import render_prompt, response_text
+from miles_k3.evals.templates import response_text
 from miles_k3.parallel.mesh import SINGLE, ParallelContext
 from miles_k3.parallel.reduce import gather, max_over, sum_over, world_of
 from miles_k3.trainer.batch import Sample
+from miles_k3.trainer.checkpoint_files import ResumeError
 from miles_k3.trainer.episodes import (
+    SINGLE_ENV,
     EnvStep,
     Episode,
     context_limit,
     engine_counts,
     env_metrics,
     env_totals,
-    first_prompt,
     keeps_state,
+    multi_turn,
+    open_episodes,
+    reset_group,
+    session_args,
     start_steps,
     step_episodes,
 )
-from miles_k3.trainer.rollouts import (
-    SINGLE_ENV,
-    RolloutConfig,
-    _advantages,
-    _is_flat,
-    _metrics,
-    _sample,
-    _totals,
-    reward_metrics,
+from miles_k3.trainer.rollouts import RolloutConfig, reward_metrics
+from miles_k3.trainer.scoring import (
+    env_info,
+    is_flat,
+    member_advantages,
+    rollout_metrics,
+    rollout_totals,
     score_episodes,
 )
+from miles_k3.trainer.seeds import group_seed, sampling_params, turn_seed
+
+log = logging.getLogger("miles_k3.train")
 
 
 @dataclass
@@ -78,19 +90,22 @@ class _Group:
     problem: Problem
     prompt: list[int]
     queued_at: int  # the trainer's weight version when it was queued
-    envs: list = field(default_factory=list)  # multi-turn: each episode's environment
-    episodes: list[Episode] | None = None  # multi-turn: the group's episodes, once their first turn finished
+    envs: list = field(default_factory=list)  # each episode's environment
+    episodes: list[Episode] | None = None  # the group's episodes, once their first turn finished
 
 
 class PartialRollouts:
-    """The pool of groups in flight in `engine` and one step's rollouts from it (`collect`)."""
+    """The pool of groups in flight in `engine` and one step's rollouts from it (`collect`): rollout.mode=partial as
+    a `RolloutSource`."""
+
+    mode = "partial"
 
     def __init__(self, engine, tokenizer, stream, reward_fn, cfg: RolloutConfig, lora: str | None,
                  routes: bool = False, ctx: ParallelContext = SINGLE, env=None):
         self.engine, self.tokenizer, self.stream, self.reward_fn = engine, tokenizer, stream, reward_fn
         self.cfg, self.lora, self.routes, self.ctx = cfg, lora, routes, ctx
         self.env = env or SINGLE_ENV  # (factory, EnvConfig) of the episodes
-        self.multi = self.env[1].name != "single"
+        self.multi = multi_turn(self.env[0])
         self.turns: dict[int, tuple[int, int]] = {}  # multi-turn: engine group of a later turn -> (group, episode)
         self.share = cfg.prompts_per_step // ctx.dp_size  # groups this replica finishes per step
         self.inflight = -(-cfg.partial.groups(cfg.prompts_per_step) // ctx.dp_size)  # groups this replica keeps
@@ -98,18 +113,15 @@ class PartialRollouts:
 
     def collect(self, version: int) -> tuple[list[Sample], dict[str, float]]:
         """The step's samples (the finished groups, trained by the adapter of weight `version`) and its rollout/
-        metrics."""
+        metrics; RuntimeError when a sample breaks the staleness rule (`check_versions`)."""
         pc = self.cfg.partial
         dropped = self._drop(version) if pc.policy == "drop" else []
         self._top_up(version, [(g.draw, g.problem) for g, _ in dropped])
         due = self._due(version) if pc.policy == "wait" else []  # max_staleness=0: the new groups too
-        if self.multi:
-            before = engine_counts(self.engine)
-            finished = self._run_episodes(self.share, due)
-            samples, metrics = self._episode_samples(finished, dropped, version, before)
-        else:
-            finished = self._run(self.share, due)
-            samples, metrics = self._samples(finished, dropped, version)
+        before = engine_counts(self.engine)
+        finished = self._run_episodes(self.share, due)
+        samples, metrics = self._episode_samples(finished, dropped, version, before)
+        check_versions(samples, version, self.cfg)
         return samples, metrics | self._retract_metrics()
 
     # ---- the pool -------------------------------------------------------------------------------------------
@@ -117,31 +129,28 @@ class PartialRollouts:
         return [gid for gid, g in self.groups.items() if version - g.queued_at >= self.cfg.partial.max_staleness]
 
     def _drop(self, version: int) -> list[tuple[_Group, list[int]]]:
-        """Cancel the groups that could only be trained past the bound; (group, its samples' lengths so far)."""
+        """Cancel the groups that could only be trained past the bound: a group's first turn (its forks, still
+        queued) or its episodes' turns in flight, and their sessions; (group, its samples' lengths so far)."""
         late = [gid for gid, g in self.groups.items() if version - g.queued_at > self.cfg.partial.max_staleness]
         if not late:
             return []
-        if self.multi:
-            return [self._drop_episodes(gid) for gid in late]
-        lengths = self._lengths(late)
-        self.engine.cancel(late)
-        return [(self.groups.pop(gid), lengths.get(gid, [])) for gid in late]
-
-    def _drop_episodes(self, key: int) -> tuple[_Group, list[int]]:
-        """Cancel a multi-turn group: its first turn (if still queued) or its episodes' turns in flight, and their
-        sessions; (the group, its episodes' lengths so far)."""
-        g = self.groups.pop(key)
-        live = [gid for gid, (k, _) in self.turns.items() if k == key]
-        queued = set(self.engine.queued_groups())
-        self.engine.cancel([gid for gid in [key, *live] if gid in queued])
-        for gid in live:
+        starting = [key for key in late if self.groups[key].episodes is None]
+        lengths = self._lengths(starting) if starting else {}
+        turns = [gid for gid, (key, _) in self.turns.items() if key in late]
+        self.engine.cancel(starting + turns)  # all queued: a first turn or a turn that finished has left the lists
+        for gid in turns:
             del self.turns[gid]
-        if g.episodes is None:
-            return g, [len(r["output"]) for r in self.engine.queue_state()["requests"] if r["group"] == key]
-        sessions = [ep.session for ep in g.episodes if ep.session is not None]
-        if sessions:
-            self.engine.close_sessions(sessions)
-        return g, [len(ep.ids) for ep in g.episodes]
+        out = []
+        for key in late:
+            g = self.groups.pop(key)
+            if g.episodes is None:
+                out.append((g, lengths.get(key, [])))
+                continue
+            sessions = [ep.session for ep in g.episodes if ep.session is not None]
+            if sessions:
+                self.engine.close_sessions(sessions)
+            out.append((g, [len(ep.ids) for ep in g.episodes]))
+        return out
 
     def _lengths(self, gids: list[int]) -> dict[int, list[int]]:
         """Each queued group's samples' response lengths so far."""
@@ -157,50 +166,26 @@ class PartialRollouts:
         drawn = again + (self._take(want - len(again)) if want > len(again) else [])
         if not drawn:
             return
-        cfg = self.cfg
-        envs = [self._envs(d, p) for d, p in drawn] if self.multi else [[] for _ in drawn]
-        if self.multi:
-            prompts = [self._first_prompt(d, p, group) for (d, p), group in zip(drawn, envs)]
-        else:
-            prompts = [self.tokenizer.encode(render_prompt(cfg.template, p.problem, self.tokenizer),
-                                             add_special_tokens=False) for _, p in drawn]
-        params = [{"max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature, "top_p": cfg.top_p,
-                   "top_k": cfg.top_k, "sampling_seed": cfg.seed * 1_000_003 + d * cfg.group_size} for d, _ in drawn]
-        more = {"keep_state": True} if self.multi and keeps_state(self.engine, self.env[1]) else {}
-        gids = self.engine.submit(input_ids=prompts, sampling_params=params, n=cfg.group_size, lora=self.lora,
-                                  return_routed_experts=self.routes, **more)
-        for gid, (d, p), ids, group in zip(gids, drawn, prompts, envs):
-            self.groups[gid] = _Group(d, p, ids, version, group)
-
-    def _envs(self, draw: int, problem: Problem) -> list:
-        return [self.env[0]() for _ in range(self.cfg.group_size)]
-
-    def _first_prompt(self, draw: int, problem: Problem, envs: list) -> list[int]:
-        texts = {first_prompt(e, problem, draw, self.cfg.seed, self.cfg.template, self.tokenizer) for e in envs}
-        if len(texts) != 1:
-            raise ValueError(f"env={self.env[1].name}: reset gave the members of problem {problem.id}'s group "
-                             "different prompts; a group shares its prompt (reset gets the same rng seed for each)")
-        return self.tokenizer.encode(texts.pop(), add_special_tokens=False)
+        cfg, (factory, env_cfg) = self.cfg, self.env
+        starts = [reset_group(factory, p, d, cfg, self.tokenizer, env_cfg) for d, p in drawn]
+        params = [sampling_params(cfg, group_seed(cfg.seed, d, cfg.group_size)) for d, _ in drawn]
+        gids = self.engine.submit(input_ids=[prompt for _, prompt in starts], sampling_params=params,
+                                  n=cfg.group_size, lora=self.lora, return_routed_experts=self.routes,
+                                  **session_args(self.engine, env_cfg))
+        for gid, (d, p), (envs, prompt) in zip(gids, drawn, starts):
+            self.groups[gid] = _Group(d, p, prompt, version, envs)
 
     def _take(self, k: int) -> list[tuple[int, Problem]]:
         """This replica's next k prompts: every dp-th of the global stream, from draw dp_rank on."""
         dp, r = self.ctx.dp_size, self.ctx.dp_rank
         return self.stream.take(k) if dp == 1 else [self.stream.take(dp)[r] for _ in range(k)]
 
-    def _run(self, finished_groups: int, must_finish: list[int]) -> list[tuple[_Group, list[dict]]]:
-        out = []
-        for gid, records in self.engine.run(finished_groups=finished_groups, must_finish=must_finish):
-            bad = next((r for r in records if "error" in r), None)
-            if bad is not None:
-                raise RuntimeError(f"rollout: the engine rejected a request: {bad['error']}")
-            out.append((self.groups.pop(gid), records))
-        return out
-
-    # ---- multi-turn episodes ---------------------------------------------------------------------------------
-    def _run_episodes(self, share: int, due: list[int]) -> list[tuple[_Group, list]]:
+    # ---- episodes --------------------------------------------------------------------------------------------
+    def _run_episodes(self, share: int, due: list[int]) -> list[_Group]:
         """Serve the pool until `share` groups have finished every episode (and every group of `due` has): a turn
         that finishes is handed to its environment at once, and the episode's next turn joins the queue being
-        served. The groups finished, in order.
+        served. The groups finished, in order. With one turn per episode (env.max_turns 1: no turn follows
+        another) the engine stops by its own count of finished groups, and their environments step after it.
 
         The environments of the turns that finish in one decode step step together (each in its own thread, its
         time its own: `EnvStep`), started as the turns finish (`on_finished`) and applied, in the order they
@@ -227,16 +212,19 @@ class PartialRollouts:
                 js = [j]
             else:  # a group's first turn: its episodes begin
                 g, key = self.groups[gid], gid
-                base = self.cfg.seed * 1_000_003 + g.draw * self.cfg.group_size
-                g.episodes = [Episode(env, g.prompt, base + j) for j, env in enumerate(g.envs)]
-                for ep, record in zip(g.episodes, records):
-                    ep.add_turn(record)
+                g.episodes = open_episodes(g.envs, g.prompt, group_seed(self.cfg.seed, g.draw, self.cfg.group_size),
+                                           records)
                 js = list(range(len(records)))
             eps = [self.groups[key].episodes[j] for j in js]
             pending.extend((key, j, st) for j, st in zip(js, start_steps(eps, self.tokenizer, self.ctx)))
 
-        self.engine.run(until=until, on_finished=on_finished)
-        return [(self.groups.pop(k), []) for k in done]
+        if env_cfg.max_turns == 1:
+            for gid, records in self.engine.run(finished_groups=share, must_finish=due):
+                on_finished(gid, records)
+            until()
+        else:
+            self.engine.run(until=until, on_finished=on_finished)
+        return [self.groups.pop(k) for k in done]
 
     def _advance(self, pending: list[tuple[int, int, EnvStep | None]], limit: int, done: list[int]) -> None:
         """The episodes of `pending` after a turn: their environments' steps applied, then each one's next turn
@@ -249,9 +237,8 @@ class PartialRollouts:
                     self.engine.close_sessions([ep.session])
                     ep.session = None
             else:
-                turn = len(ep.outs)
-                params = {"max_new_tokens": min(cfg.max_new_tokens, limit - ep.length), "temperature": cfg.temperature,
-                          "top_p": cfg.top_p, "top_k": cfg.top_k, "sampling_seed": ep.seed * 1_009 + turn}
+                params = sampling_params(cfg, turn_seed(ep.seed, len(ep.outs)),
+                                         min(cfg.max_new_tokens, limit - ep.length))
                 more = {"keep_state": True, "sessions": [ep.session]} if keeps_state(self.engine, self.env[1]) else {}
                 (gid,) = self.engine.submit([ep.prompt + ep.ids], params, n=1, lora=self.lora,
                                             return_routed_experts=self.routes, **more)
@@ -259,54 +246,39 @@ class PartialRollouts:
             if key not in done and all(e.end for e in self.groups[key].episodes):
                 done.append(key)
 
-    def _episode_samples(self, finished, dropped, version: int, before: dict) -> tuple[list[Sample], dict]:
-        episodes = [ep for g, _ in finished for ep in g.episodes]
-        golds = [g.problem.answer for g, _ in finished for _ in g.episodes]
+    # ---- samples and metrics --------------------------------------------------------------------------------
+    def _episode_samples(self, finished: list[_Group], dropped, version: int, before: dict
+                         ) -> tuple[list[Sample], dict]:
+        """The finished groups' episodes scored (`scoring.score_episodes`), their kept groups' samples and the
+        step's rollout/ metrics (and env/ ones for an environment other than single)."""
+        episodes = [ep for g in finished for ep in g.episodes]
+        golds = [g.problem.answer for g in finished for _ in g.episodes]
         samples, outcomes = score_episodes(episodes, golds, self.reward_fn, self.cfg, self.tokenizer)
         n = self.cfg.group_size
         groups = [samples[i:i + n] for i in range(0, len(samples), n)]
         out, metrics = self._finish(groups, outcomes, finished, dropped, version)
+        if not self.multi:
+            return out, metrics
         local = env_totals(episodes, before, engine_counts(self.engine))
         totals = dict(zip(local, sum_over(list(local.values()), self.ctx.dp_group)))
-        info: dict[str, float] = {}
-        for part in gather([ep.info for ep in episodes], self.ctx.dp_group):
-            for d in part:
-                for k, v in d.items():
-                    info[k] = info.get(k, 0.0) + v
-        return out, metrics | env_metrics(totals, info)
-
-    # ---- samples and metrics --------------------------------------------------------------------------------
-    def _samples(self, finished, dropped, version: int) -> tuple[list[Sample], dict[str, float]]:
-        cfg = self.cfg
-        texts = [response_text(self.tokenizer, r) for _, records in finished for r in records]
-        golds = [g.problem.answer for g, records in finished for _ in records]
-        results = self.reward_fn(texts, golds) if texts else []
-        groups, k = [], 0
-        for g, records in finished:
-            group = [_sample(g.prompt, r, res.score, cfg) for r, res in zip(records, results[k:k + len(records)])]
-            for smp, res in zip(group, results[k:k + len(records)]):
-                smp.in_loss = smp.in_loss and not res.failed  # a remote reward that failed: out of the loss
-            groups.append(group)
-            k += len(records)
-        return self._finish(groups, [(grade_outcome(r), bool(r.correct)) for r in results], finished, dropped,
-                            version)
+        return out, metrics | env_metrics(totals, env_info(episodes, self.ctx.dp_group))
 
     def _finish(self, groups, outcomes, finished, dropped, version: int) -> tuple[list[Sample], dict[str, float]]:
         """The step's kept groups with their advantages, and the rollout/ metrics."""
         cfg = self.cfg
-        flat = [_is_flat(group) for group in groups]
+        flat = [is_flat(group) for group in groups]
         kept = [group for group, f in zip(groups, flat) if not (cfg.dynamic_sampling and f)]
         index = self._global_index(len(kept))
         for i, group in zip(index, kept):
-            for s, a in zip(group, _advantages(group, cfg.advantage)):
+            for s, a in zip(group, member_advantages(group, cfg.advantage)):
                 s.advantage, s.group = a, i
         samples = [s for group in kept for s in group]
-        local = _totals(groups, outcomes)
+        local = rollout_totals(groups, outcomes)
         totals = dict(zip(local, sum_over(list(local.values()), self.ctx.dp_group)))
         num_kept, num_groups, num_flat = sum_over([len(kept), len(groups), sum(flat)], self.ctx.dp_group)
         counts = {"groups_kept": int(num_kept), "groups_drawn": max(int(num_groups), 1), "rounds": 1,
                   "flat": int(num_flat)}
-        metrics = _metrics(totals, counts) if totals["samples"] else {}
+        metrics = rollout_metrics(totals, counts) if totals["samples"] else {}
         return samples, metrics | self._partial_metrics(samples, groups, finished, dropped, version) | \
             reward_metrics(self.reward_fn, self.ctx)
 
@@ -341,7 +313,7 @@ class PartialRollouts:
                 "lengths": [len(s.response_ids) for s in trained],
                 "every": [len(s.response_ids) for group in groups for s in group],
                 "dropped": [max(lens, default=0) for _, lens in dropped],
-                "carried": sum(g.queued_at < version for g, _ in finished), "inflight": len(self.groups)}
+                "carried": sum(g.queued_at < version for g in finished), "inflight": len(self.groups)}
         parts = gather(mine, self.ctx.dp_group)
         stale, lengths, every, dropped_max = ([x for part in parts for x in part[k]]
                                               for k in ("stale", "lengths", "every", "dropped"))
@@ -373,12 +345,22 @@ class PartialRollouts:
                   | ({"episodes": None if g.episodes is None else [_episode_state(ep) for ep in g.episodes]}
                      if self.multi else {})
                   for gid, g in self.groups.items()]
-        out = {"groups": groups, "stream": self.stream.state(), "engine": self.engine.queue_state()}
+        out = {"mode": self.mode, "groups": groups, "stream": self.stream.state(), "engine": self.engine.queue_state()}
         if self.multi:
             out["turns"] = [[gid, key, j] for gid, (key, j) in self.turns.items()]
         return out
 
     def load_state(self, state: dict) -> None:
+        """Continue the pool of `state()`; a sync run's state (no rollouts in flight) starts an empty pool at its
+        prompt stream's position."""
+        if state["mode"] == "sync":
+            log.info("resume: the checkpoint was written by a rollout.mode=sync run; continuing as partial with no "
+                     "rollouts in flight")
+            self.stream.load_state(state["stream"])
+            return
+        if state["mode"] != self.mode:
+            raise ResumeError(f"written by a rollout.mode={state['mode']} run, which rollout.mode=partial cannot "
+                              f"continue; resume with rollout.mode={state['mode']}, or start a new run_dir")
         self.groups = {int(g["group"]): _Group(int(g["draw"]), Problem(g["id"], g["problem"], g["answer"]),
                                                [int(t) for t in g["prompt"]], int(g["queued_at"]))
                        for g in state["groups"]}
@@ -387,18 +369,20 @@ class PartialRollouts:
         if self.multi != ("turns" in state):
             raise ValueError("rollout state: saved with env=" + ("single" if "turns" not in state else "a multi-turn "
                              "environment") + f", resumed with env={self.env[1].name}; resume with the saved env")
+        for g, saved in zip(self.groups.values(), state["groups"]):
+            self._restore_episodes(g, saved.get("episodes"))  # single-turn groups: saved before their first turn ended
         if self.multi:
-            for g, saved in zip(self.groups.values(), state["groups"]):
-                self._restore_episodes(g, saved["episodes"])
             self.turns = {int(gid): (int(key), int(j)) for gid, key, j in state["turns"]}
         self.engine.load_queue_state(state["engine"])
 
+    def close(self) -> None:
+        """Nothing to stop: the engine, and the groups it holds, are the run's."""
+
     def _restore_episodes(self, g: _Group, saved: list[dict] | None) -> None:
-        """A multi-turn group's environments rebuilt: reset as at its draw, then (each live episode) told the answers
-        it gave to its turns so far (`Environment.replay`, from the checkpoint): no step runs again, so no tool call
-        or program a turn wrote is repeated."""
-        g.envs = self._envs(g.draw, g.problem)
-        prompt = self._first_prompt(g.draw, g.problem, g.envs)
+        """A group's environments rebuilt: reset as at its draw, then (each live episode of a multi-turn group) told
+        the answers it gave to its turns so far (`Environment.replay`, from the checkpoint): no step runs again, so no
+        tool call or program a turn wrote is repeated."""
+        g.envs, prompt = reset_group(self.env[0], g.problem, g.draw, self.cfg, self.tokenizer, self.env[1])
         if prompt != g.prompt:
             raise ValueError(f"rollout state: env={self.env[1].name} gives problem {g.problem.id} another first "
                              "prompt than the saved one; its environment is not deterministic")

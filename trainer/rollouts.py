@@ -1,64 +1,46 @@
-"""One step's rollouts: prompts from a resumable stream, G samples each through the engine's public `generate`,
-rewards, group advantages, dynamic sampling and overlong handling -> `Sample`s for the trainer.
+"""rollout.mode=sync: one step's rollouts, every sample drawn with the adapter being trained (`SyncRollouts`, a
+`sources.RolloutSource`), and the rollout config (`RolloutConfig`, `PartialConfig`).
 
 `PromptStream` walks a problem list in a seeded order, reshuffled every epoch; its `state()` (epoch, position)
-goes into checkpoints so a resumed run draws the same prompts. `collect_rollouts` asks the engine for
-`group_size` samples of each prompt with sampling seed `seed + draw * group_size + j` (draw = the prompt's
-index in the stream since the run began), so a resumed run also samples the same tokens. With
+goes into checkpoints so a resumed run draws the same prompts. `collect_rollouts` plays `group_size` episodes of
+each prompt (`sources.EpisodePlayer`: the environment's turns through the engine's public `generate`, one turn in
+the default `single` environment; or agent code) with sampling seed `seeds.group_seed(seed, draw, group_size) + j`
+(draw = the prompt's index in the stream since the run began), so a resumed run also samples the same tokens. With
 `dynamic_sampling`, groups whose rewards are all equal (no gradient) are dropped and more prompts are drawn, up to
-`max_sampling_rounds` rounds, until `prompts_per_step` groups are kept.
-
-Overlong handling (`overlong`): `none` keeps every completion as it is; `mask` leaves completions stopped by
-max_new_tokens out of training altogether: they contribute nothing to the loss, its normalisers or their group's
-baseline (the group's advantages and its zero-variance test are computed over the members that ended on their
-own; a group with fewer than two such members has no signal); `penalty` is DAPO's soft overlong penalty, applied
-by length to EVERY completion, truncated or not: 0 up to L_max - L_buf tokens (L_max = max_new_tokens, L_buf =
-overlong_buffer), then (L_max - L_buf - L) / L_buf, falling linearly to -1 at L_max. In a multi-turn episode
-max_new_tokens caps each policy turn, so L is the episode's longest turn (its own sampled tokens; observations never
-count), and the episode takes that one turn's penalty, once: a turn cut at max_new_tokens costs -1, as a response
-cut there does, and an episode of short turns costs nothing however long it grows. Likewise an episode is truncated
-(and `mask` leaves it out) when any of its turns was cut, or it filled the context.
-
-Grading outcomes are counted per step: `rollout/grader_timeout_rate` and `rollout/grader_error_rate` (grader
-timeouts and failures, both scored 0: a silent zero reward otherwise) and `rollout/accuracy` (the share of
-correct answers: the reward without its format bonus or penalties; not logged when the reward graded no sample, as
-in multi-turn episodes that their environment scores); a step whose grading failures exceed
-GRADER_FAILURE_WARN of its samples logs a warning. A sample whose reward could not be computed at all
-(`RewardResult.failed`: the remote judge failed it) is no 0: it is left out of the loss, its group's baseline,
-`rollout/reward_mean` and `rollout/accuracy`, and counted in `rollout/reward_failed`.
+`max_sampling_rounds` rounds, until `prompts_per_step` groups are kept. Scoring, overlong handling and the rollout/
+metrics: `scoring.py`, shared with rollout.mode=partial (`partial.py`).
 """
 from __future__ import annotations
 
 import logging
-import math
 import random
 from dataclasses import dataclass, field
 
-import torch
-
-from miles_k3.envs.env import EnvConfig, EnvFactory, Single
+from miles_k3.envs.env import EnvConfig, EnvFactory
 from miles_k3.evals.problems import Problem
 from miles_k3.evals.remote_reward import remote_metrics
-from miles_k3.evals.rewards import grade_outcome
-from miles_k3.evals.templates import response_text, template_names
+from miles_k3.evals.templates import template_names
 from miles_k3.parallel.mesh import SINGLE, ParallelContext
-from miles_k3.parallel.reduce import gather, max_over, sum_over
-from miles_k3.trainer.advantages import ADVANTAGE_ESTIMATORS, group_advantages, zero_variance_groups
+from miles_k3.parallel.reduce import max_over, sum_over
+from miles_k3.trainer.advantages import ADVANTAGE_ESTIMATORS
 from miles_k3.trainer.batch import Sample
-from miles_k3.trainer.episodes import (
-    Episode,
-    engine_counts,
-    env_metrics,
-    env_totals,
-    first_prompt,
-    run_turns,
-    session_args,
+from miles_k3.trainer.checkpoint_files import ResumeError
+from miles_k3.trainer.episodes import SINGLE_ENV, Episode, engine_counts, env_metrics, env_totals
+from miles_k3.trainer.scoring import (  # noqa: F401 - overlong_penalty re-exported: the rollout API it belongs to
+    env_info,
+    is_flat,
+    member_advantages,
+    overlong_penalty,
+    rollout_metrics,
+    rollout_totals,
+    score_episodes,
 )
+from miles_k3.trainer.seeds import group_seed, order_seed
+from miles_k3.trainer.sources import EpisodePlayer, episode_player
 
 OVERLONG_MODES = ("none", "mask", "penalty")
 ROLLOUT_MODES = ("sync", "partial")
 STALENESS_POLICIES = ("wait", "drop", "keep")
-GRADER_FAILURE_WARN = 0.05  # a step whose grader timeouts + errors exceed this share of its samples warns
 log = logging.getLogger("miles_k3.train")
 
 
@@ -204,7 +186,7 @@ class PromptStream:
 
     def _shuffled(self, epoch: int) -> list[int]:
         order = list(range(len(self.problems)))
-        random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
+        random.Random(order_seed(self.seed, epoch)).shuffle(order)
         return order
 
     def take(self, k: int) -> list[tuple[int, Problem]]:
@@ -226,10 +208,10 @@ class PromptStream:
         self._order = self._shuffled(self.epoch)
 
 
-def collect_rollouts(engine, tokenizer, stream: PromptStream, reward_fn, cfg: RolloutConfig,
-                     lora: str | None, ctx: ParallelContext = SINGLE,
-                     routes: bool | None = None,
-                     env: tuple[EnvFactory, EnvConfig] | None = None) -> tuple[list[Sample], dict[str, float]]:
+def collect_rollouts(engine, tokenizer, stream: PromptStream, reward_fn, cfg: RolloutConfig, lora: str | None,
+                     ctx: ParallelContext = SINGLE, routes: bool | None = None,
+                     env: tuple[EnvFactory | EpisodePlayer, EnvConfig] | None = None
+                     ) -> tuple[list[Sample], dict[str, float]]:
     """`prompts_per_step` groups of `group_size` samples (fewer when dynamic sampling ran out of rounds), with
     rewards and advantages; metrics under rollout/.
 
@@ -241,52 +223,48 @@ def collect_rollouts(engine, tokenizer, stream: PromptStream, reward_fn, cfg: Ro
     replica's. Every replica calls engine.generate once per sampling round, with or without prompts of its own
     (an engine in lockstep needs every rank's calls). `routes` (default cfg.return_routed_experts): the samples
     carry the engine's routes (Sample.routed_experts). `env`: (factory, its config) of the environment each
-    rollout is an episode of (`episodes.py`); None: `single`, one turn graded by `reward_fn`."""
+    rollout is an episode of (`episodes.py`), or (an EpisodePlayer, its config): the player plays them (env=agent);
+    None: `single`, one turn graded by `reward_fn`."""
     routes = cfg.return_routed_experts if routes is None else routes
-    env = env or SINGLE_ENV
+    player = episode_player(env or SINGLE_ENV, engine, tokenizer, lora, routes, ctx)
+    return play_step(player, stream, reward_fn, cfg, ctx)
+
+
+def play_step(player: EpisodePlayer, stream: PromptStream, reward_fn, cfg: RolloutConfig,
+              ctx: ParallelContext = SINGLE) -> tuple[list[Sample], dict[str, float]]:
+    """`collect_rollouts` with the episodes played by `player`."""
     episodes: list[Episode] = []
     group = ctx.dp_group
     kept: list[tuple[int, list[Sample]]] = []  # (global group index, this replica's group)
     seen: list[list[Sample]] = []
     outcomes: list[tuple[str, bool]] = []  # (grade outcome, correct) of every graded sample
     rounds = num_kept = num_flat = num_drawn = 0
-    counts_before = engine_counts(engine)
+    counts_before = engine_counts(player.engine)
     while num_kept < cfg.prompts_per_step and rounds < (cfg.max_sampling_rounds if cfg.dynamic_sampling else 1):
         drawn = stream.take(cfg.prompts_per_step - num_kept)
-        mine = drawn[ctx.dp_rank::ctx.dp_size]
-        if mine:
-            groups, graded, eps = _sample_groups(engine, tokenizer, mine, reward_fn, cfg, lora, routes, env, ctx)
-            episodes += eps
-        else:  # no prompt of its own this round: generate calls still (lockstep: its part in the others' forwards)
-            groups, graded = [], []
-            engine.generate(input_ids=[], n=cfg.group_size, lora=lora)
-            run_turns(engine, tokenizer, [], cfg, env[1], lora, routes, ctx)
+        groups, graded, eps = _sample_groups(player, drawn[ctx.dp_rank::ctx.dp_size], reward_fn, cfg)
+        episodes += eps
         seen += groups
         outcomes += graded
-        flat = _global_flags([_is_flat(g) for g in groups], len(drawn), ctx)  # by position in `drawn`
+        flat = _global_flags([is_flat(g) for g in groups], len(drawn), ctx)  # by position in `drawn`
         keep = [not (cfg.dynamic_sampling and f) for f in flat]
         index = [num_kept + sum(keep[:j]) for j in range(len(drawn))]
         kept += [(index[j], g) for j, g in zip(range(ctx.dp_rank, len(drawn), ctx.dp_size), groups) if keep[j]]
         num_flat, num_kept, num_drawn = num_flat + sum(flat), num_kept + sum(keep), num_drawn + len(drawn)
         rounds += 1
     for gi, g in kept:
-        for s, a in zip(g, _advantages(g, cfg.advantage)):
+        for s, a in zip(g, member_advantages(g, cfg.advantage)):
             s.advantage, s.group = a, gi
     samples = [s for _, g in kept for s in g]
-    local = _totals(seen, outcomes)
-    multi = env[1].name != "single"
+    local = rollout_totals(seen, outcomes)
+    multi = player.multi_turn
     if multi:
-        local |= env_totals(episodes, counts_before, engine_counts(engine))
+        local |= env_totals(episodes, counts_before, engine_counts(player.engine))
     totals = dict(zip(local, sum_over(list(local.values()), group)))
     counts = {"groups_kept": num_kept, "groups_drawn": num_drawn, "rounds": rounds, "flat": num_flat}
-    metrics = _metrics(totals, counts)
+    metrics = rollout_metrics(totals, counts)
     if multi:  # the environments' info numbers, every replica's
-        info: dict[str, float] = {}
-        for part in gather([ep.info for ep in episodes], group):
-            for d in part:
-                for k, v in d.items():
-                    info[k] = info.get(k, 0.0) + v
-        metrics |= env_metrics(totals, info)
+        metrics |= env_metrics(totals, env_info(episodes, group))
     return samples, metrics | reward_metrics(reward_fn, ctx)
 
 
@@ -325,167 +303,44 @@ def check_on_policy(samples: list[Sample], version: int) -> None:
                                "must serve the trainer's adapter during the whole rollout")
 
 
-def _is_flat(group: list[Sample]) -> bool:
-    """No learning signal: the rewards of the group's in-loss members are all equal (or fewer than two are in
-    the loss)."""
-    members = [s.reward for s in group if s.in_loss]
-    return len(members) < 2 or bool(zero_variance_groups(torch.tensor(members), len(members))[0])
-
-
-def _advantages(group: list[Sample], estimator: str) -> list[float]:
-    """The group's advantages, its baseline over the members in the loss only; 0 for the others."""
-    members = [i for i, s in enumerate(group) if s.in_loss]
-    out = [0.0] * len(group)
-    if len(members) >= 2:
-        adv = group_advantages(torch.tensor([group[i].reward for i in members]), len(members), estimator)
-        for i, a in zip(members, adv.tolist()):
-            out[i] = a
-    return out
-
-
-def _sample_groups(engine, tokenizer, drawn, reward_fn, cfg: RolloutConfig, lora, routes: bool = False,
-                   env: tuple[EnvFactory, EnvConfig] | None = None,
-                   ctx: ParallelContext = SINGLE) -> tuple[list[list[Sample]], list[tuple[str, bool]], list[Episode]]:
-    """The drawn prompts' groups as episodes (`episodes.py`; the default `single` environment: one turn each),
-    graded and scored: (groups of samples, the grade outcomes, the episodes)."""
-    factory, env_cfg = env or SINGLE_ENV
-    seeds = [cfg.seed * 1_000_003 + d * cfg.group_size for d, _ in drawn]
+def _sample_groups(player: EpisodePlayer, drawn: list[tuple[int, Problem]], reward_fn, cfg: RolloutConfig
+                   ) -> tuple[list[list[Sample]], list[tuple[str, bool]], list[Episode]]:
+    """The drawn prompts' groups as episodes played by `player` (none drawn: it plays an empty round, its part in a
+    lockstep engine's calls), graded and scored: (groups of samples, the grade outcomes, the episodes)."""
     g = cfg.group_size
-    if getattr(factory, "plays_episodes", False):  # env=agent: agent code plays them (`miles_k3.agent`)
-        episodes = factory.play(drawn, seeds, cfg)
-    else:
-        episodes = _first_turns(engine, tokenizer, drawn, seeds, cfg, lora, routes, factory, env_cfg)
-        run_turns(engine, tokenizer, episodes, cfg, env_cfg, lora, routes, ctx)
+    episodes = player.play(drawn, [group_seed(cfg.seed, d, g) for d, _ in drawn], cfg)
     samples, outcomes = score_episodes(episodes, [p.answer for _, p in drawn for _ in range(g)], reward_fn, cfg,
-                                       tokenizer)
+                                       player.tokenizer)
     return [samples[i:i + g] for i in range(0, len(samples), g)], outcomes, episodes
 
 
-def score_episodes(episodes: list[Episode], golds: list[str], reward_fn, cfg: RolloutConfig, tokenizer
-                   ) -> tuple[list[Sample], list[tuple[str, bool]]]:
-    """Each episode as a `Sample` (its tokens, loss mask, log-probs, versions) with its reward: the environment's,
-    and the run's reward of its final turn (or agent's answer) against its gold where the environment leaves it to
-    the reward; an episode the environment failed or whose reward failed is out of the loss. Also the grade
-    outcomes of the graded ones."""
-    graded = [i for i, ep in enumerate(episodes) if ep.graded]
-    results = reward_fn([episodes[i].answer if episodes[i].answer is not None else
-                         response_text(tokenizer, episodes[i].outs[-1]) for i in graded],
-                        [golds[i] for i in graded]) if graded else []
-    by_episode = dict(zip(graded, results))
-    samples = []
-    for i, ep in enumerate(episodes):
-        r = by_episode.get(i)
-        reward = ep.reward if r is None else (ep.reward + r.score if ep.reward else r.score)
-        s = _sample(ep.prompt, ep.record(), reward, cfg, ep.turn_lengths())
-        if 0 in ep.mask:
-            s.loss_mask = list(ep.mask)
-        cut = any((o["meta_info"].get("finish_reason") or {}).get("type") == "length" for o in ep.outs)
-        if ep.end == "context" or cut:  # a turn cut at its max_new_tokens, or the context full: truncated
-            s.truncated = True
-            s.in_loss = s.in_loss and cfg.overlong != "mask"
-        s.reward_failed = r is not None and r.failed
-        if ep.end in ("env_error", "env_timeout") or s.reward_failed:
-            s.in_loss = False  # no trustworthy reward: out of the loss and its group's baseline
-        samples.append(s)
-    return samples, [("failed" if r.failed else grade_outcome(r), bool(r.correct)) for r in results]
+class SyncRollouts:
+    """rollout.mode=sync as a `RolloutSource`: each step's groups drawn from `stream` and played from scratch with
+    the trainer's adapter (`play_step`; by the environment's turn loop, or `env`'s EpisodePlayer: env=agent),
+    every sample on-policy (`check_on_policy`). Its state is the prompt stream's position."""
 
+    mode = "sync"
 
-def _first_turns(engine, tokenizer, drawn, seeds, cfg: RolloutConfig, lora, routes: bool, factory,
-                 env_cfg: EnvConfig) -> list[Episode]:
-    """Every drawn prompt's group after its first turn: one `generate` call, n = group_size forks of each prompt."""
-    envs = [[factory() for _ in range(cfg.group_size)] for _ in drawn]
-    prompts = []
-    for (d, p), group in zip(drawn, envs):
-        texts = {first_prompt(e, p, d, cfg.seed, cfg.template, tokenizer) for e in group}
-        if len(texts) != 1:
-            raise ValueError(f"env={env_cfg.name}: reset gave the members of problem {p.id}'s group different "
-                             "prompts; a group shares its prompt (reset gets the same rng seed for each)")
-        prompts.append(tokenizer.encode(texts.pop(), add_special_tokens=False))
-    params = [{"max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature, "top_p": cfg.top_p,
-               "top_k": cfg.top_k, "sampling_seed": seed} for seed in seeds]
-    outs = engine.generate(input_ids=prompts, sampling_params=params, n=cfg.group_size, return_logprob=True,
-                           lora=lora, return_routed_experts=routes, **session_args(engine, env_cfg))
-    bad = next((o for o in outs if "error" in o), None)
-    if bad is not None:
-        ids = [o["meta_info"]["session_id"] for o in outs if "session_id" in o.get("meta_info", {})]
-        if ids:
-            engine.close_sessions(ids)
-        raise RuntimeError(f"rollout: the engine rejected a request: {bad['error']}")
-    g = cfg.group_size
-    episodes = [Episode(envs[i // g][i % g], prompts[i // g], seeds[i // g] + i % g) for i in range(len(outs))]
-    for ep, out in zip(episodes, outs):
-        ep.add_turn(out)
-    return episodes
+    def __init__(self, engine, tokenizer, stream: PromptStream, reward_fn, cfg: RolloutConfig, lora: str | None,
+                 ctx: ParallelContext = SINGLE, routes: bool = False,
+                 env: tuple[EnvFactory | EpisodePlayer, EnvConfig] | None = None):
+        self.stream, self.reward_fn, self.cfg, self.ctx = stream, reward_fn, cfg, ctx
+        self.player = episode_player(env or SINGLE_ENV, engine, tokenizer, lora, routes, ctx)
 
+    def collect(self, version: int) -> tuple[list[Sample], dict[str, float]]:
+        samples, metrics = play_step(self.player, self.stream, self.reward_fn, self.cfg, self.ctx)
+        check_on_policy(samples, version)
+        return samples, metrics
 
-SINGLE_ENV = (Single, EnvConfig())
-"""The default environment: one turn per rollout, graded by the run's reward."""
+    def state(self) -> dict:
+        return {"mode": self.mode, "stream": self.stream.state()}
 
+    def load_state(self, state: dict) -> None:
+        if state["mode"] != self.mode:
+            raise ResumeError(f"written by a rollout.mode={state['mode']} run, with rollouts in flight that "
+                              f"rollout.mode={self.mode} cannot continue; resume with rollout.mode={state['mode']} "
+                              f"(and the same rollout.{state['mode']}.*), or start a new run_dir")
+        self.stream.load_state(state["stream"])
 
-def _sample(prompt: list[int], out: dict, reward: float, cfg: RolloutConfig,
-            turn_lengths: list[int] | None = None) -> Sample:
-    """The engine's record `out` as a Sample; `turn_lengths`: the policy's tokens in each turn of a multi-turn
-    episode (None: one turn, all of `out`), whose longest takes the overlong penalty."""
-    meta = out["meta_info"]
-    truncated = (meta.get("finish_reason") or {}).get("type") == "length"
-    ids = list(out["output_ids"])
-    if cfg.overlong == "penalty":
-        longest = len(ids) if turn_lengths is None else max(turn_lengths, default=0)
-        reward += overlong_penalty(longest, cfg.max_new_tokens, cfg.overlong_buffer)
-    versions = meta.get("weight_versions") or [meta.get("weight_version", 0)]
-    return Sample(list(prompt), ids, [lp for lp, _ in meta.get("output_token_logprobs", [])], reward,
-                  weight_version=min(versions), weight_version_max=max(versions), truncated=truncated,
-                  in_loss=not (truncated and cfg.overlong == "mask"),
-                  unfiltered_logprobs=list(meta.get("output_token_logprobs_unfiltered", [])),
-                  routed_experts=meta.get("routed_experts"),
-                  token_versions=list(meta.get("output_token_weight_versions", [])))
-
-
-def overlong_penalty(length: int, max_new_tokens: int, buffer: int) -> float:
-    """DAPO's soft overlong penalty of a response of `length` tokens: 0 up to L_max - L_buf tokens, then
-    (L_max - L_buf - length) / L_buf, down to -1 at L_max (and below it for longer responses: clamped at -1);
-    with no buffer, -1 from L_max on."""
-    if buffer == 0:
-        return -1.0 if length >= max_new_tokens else 0.0
-    free = max_new_tokens - buffer
-    return 0.0 if length <= free else max(-1.0, (free - length) / buffer)
-
-
-def _totals(seen: list[list[Sample]], outcomes: list[tuple[str, bool]]) -> dict[str, float]:
-    """The sums the rollout/ metrics are made of (summed over DP replicas before they are divided)."""
-    flat = [s for g in seen for s in g]
-    gaps = [u - f for s in flat if s.unfiltered_logprobs
-            for f, u in zip(s.rollout_logprobs, s.unfiltered_logprobs)]
-    return {"samples": len(flat), "reward": sum(s.reward for s in flat if not s.reward_failed),
-            "reward_failed": sum(s.reward_failed for s in flat),
-            "response_len": sum(len(s.response_ids) for s in flat), "truncated": sum(s.truncated for s in flat),
-            "gaps": len(gaps), "gap": sum(gaps), "graded": len(outcomes),
-            "timeouts": sum(o == "timeout" for o, _ in outcomes), "errors": sum(o == "error" for o, _ in outcomes),
-            "correct": sum(c for _, c in outcomes)}
-
-
-def _metrics(t: dict[str, float], counts: dict[str, int]) -> dict[str, float]:
-    """The step's rollout/ metrics from the (global) sums `t` and group counts; shares of grader timeouts, grader
-    errors and correct answers among the graded samples; warns when timeouts + errors exceed
-    GRADER_FAILURE_WARN."""
-    scored = t["samples"] - t["reward_failed"]  # a sample whose reward failed has none: not a 0 in the mean
-    out = {"rollout/reward_mean": t["reward"] / scored if scored else math.nan,
-           "rollout/reward_failed": float(t["reward_failed"]),
-           "rollout/response_len_mean": t["response_len"] / t["samples"],
-           "rollout/truncated_frac": t["truncated"] / t["samples"],
-           "rollout/groups_kept": float(counts["groups_kept"]), "rollout/groups_drawn": float(counts["groups_drawn"]),
-           "rollout/sampling_rounds": float(counts["rounds"])}
-    if t["gaps"]:  # top-p / top-k: the sampled tokens' log-probs under the filtered vs the full distribution
-        out["rollout/logprob_filter_gap"] = -t["gap"] / t["gaps"]
-    n = max(t["graded"], 1)
-    timeouts, errors = t["timeouts"] / n, t["errors"] / n  # a failed reward is neither (rollout/reward_failed)
-    if timeouts + errors > GRADER_FAILURE_WARN:
-        log.warning("rollout: %.0f%% of this step's samples were not graded (%.0f%% timeouts, %.0f%% grader errors) "
-                    "and scored 0: raise reward.timeout_s or reward.workers, or check the gold answers (a "
-                    "grader error on the gold is a dataset problem)", 100 * (timeouts + errors), 100 * timeouts,
-                    100 * errors)
-    judged = t["graded"] - t["reward_failed"]
-    if judged > 0:  # none when every episode's reward came from its environment (guess): no accuracy, not 0
-        out["rollout/accuracy"] = t["correct"] / judged
-    return {**out, "rollout/grader_timeout_rate": timeouts, "rollout/grader_error_rate": errors,
-            "rollout/frac_zero_std": counts["flat"] / counts["groups_drawn"]}
+    def close(self) -> None:
+        self.player.close()
