@@ -65,7 +65,12 @@ class StepResult:
 
 class Environment:
     """What an episode's environment answers (subclass it; see the module docstring). `reset` and `step` run in a
-    thread of the trainer's (a step in one of its own); `cancel` is called from another thread."""
+    thread of the trainer's (a step in one of its own, unless `instant_step`); `cancel` is called from another
+    thread."""
+
+    instant_step: bool = False
+    """True for an environment whose `step` returns at once, computing nothing (`Single`): it runs in the trainer's
+    thread, with no thread of its own and no deadline to watch."""
 
     def reset(self, problem: Problem, rng: random.Random) -> str | None:
         """The episode's first prompt text, or None for the rollout template's rendering of the problem. Every member
@@ -190,6 +195,8 @@ def build_env(cfg: EnvConfig) -> EnvFactory:
 
 class Single(Environment):
     """One prompt (the rollout template's), one response, graded by the run's reward."""
+
+    instant_step = True
 
     def reset(self, problem: Problem, rng: random.Random) -> str | None:
         return None
