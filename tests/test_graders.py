@@ -254,5 +254,6 @@ def test_aime_takes_any_response(response, channel):
 def test_aime_on_huge_and_nested_responses(response, max_chars, score):
     t0 = time.perf_counter()
     g = grade_aime(response, "33", max_chars=max_chars)
-    assert time.perf_counter() - t0 < 1.0
+    assert time.perf_counter() - t0 < 5.0  # 0.11 s at most on 2 quiet cores, 1.9 s once in a loaded CI; a
+    # quadratic scan of these inputs takes minutes
     assert isinstance(g, Grade) and g.score == score
