@@ -65,12 +65,12 @@ from miles_k3.model.lora import LoRAConfig, apply_lora, lora_parameters
 from miles_k3.model.routing import replaying
 from miles_k3.rollout.engine import RolloutEngine
 from miles_k3.rollout.engine_config import EngineConfig
-from miles_k3.runtime import resolve_device, resolve_dtype
 from miles_k3.trainer.batch import Sample, micro_batches, pack
 from miles_k3.trainer.losses import token_logprobs
 from miles_k3.trainer.rollouts import RolloutConfig
 from miles_k3.trainer.scoring import to_sample as _sample
 from miles_k3.trainer.step import _eval_mode, _mismatch_frac
+from miles_k3.utils.runtime import resolve_device, resolve_dtype
 
 POLICY = "policy"
 VARIANTS = ("default", "engine_reference", "engine_eager", "torch_kda", "fp32_head", "torch_kda_fp32_head",

@@ -34,10 +34,10 @@ from miles_k3.model.build import ModelConfig, build_model, build_tokenizer
 from miles_k3.model.lora import LoRAConfig, apply_lora, lora_parameters
 from miles_k3.rollout.engine import RolloutEngine
 from miles_k3.rollout.engine_config import EngineConfig
-from miles_k3.runtime import resolve_device, resolve_dtype
 from miles_k3.trainer.batch import Sample
 from miles_k3.trainer.optim import OptimConfig, build_optimizer, build_scheduler
 from miles_k3.trainer.step import TrainerConfig, train_step
+from miles_k3.utils.runtime import resolve_device, resolve_dtype
 
 POLICY = "policy"
 SETTINGS = {  # name -> (fp32_lm_head, fp32_residual, fp32_gemm_reduction)

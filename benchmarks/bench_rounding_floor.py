@@ -23,8 +23,8 @@ from record import write_result
 
 from miles_k3.model.build import ModelConfig, build_model, build_tokenizer
 from miles_k3.model.weight_files import inspect_weights
-from miles_k3.runtime import resolve_device
 from miles_k3.trainer.step import sequence_logprobs
+from miles_k3.utils.runtime import resolve_device
 
 
 def run(argv: list[str]) -> dict:

@@ -23,9 +23,9 @@ from record import write_result
 
 from miles_k3.evals.datasets import DatasetConfig, load_problems
 from miles_k3.model.build import ModelConfig, build_model, build_tokenizer
-from miles_k3.runtime import resolve_device
 from miles_k3.sft import build_full_optimizer, encode_example, sft_backward
 from miles_k3.trainer.optim import OptimConfig, build_scheduler, optimizer_step
+from miles_k3.utils.runtime import resolve_device
 
 TASK_ARGS = {"min_terms": 8, "max_terms": 16, "min_value": 1, "max_value": 49}  # recipe=reasoning_base's
 

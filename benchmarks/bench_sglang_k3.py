@@ -88,8 +88,8 @@ from miles_k3.evals.templates import render_prompt
 from miles_k3.model.build import ModelConfig, build_model, build_tokenizer, num_params
 from miles_k3.rollout.engine import EngineConfig, RolloutEngine
 from miles_k3.rollout.sglang_backend import SGLangConfig, SGLangEngine, server_args
-from miles_k3.runtime import resolve_device, resolve_dtype
 from miles_k3.trainer.step import sequence_logprobs
+from miles_k3.utils.runtime import resolve_device, resolve_dtype
 
 log = logging.getLogger("bench_sglang_k3")
 PARTS = ("logprobs", "race")

@@ -33,7 +33,7 @@ def _time_pushes(push, tensors_fn, n: int) -> list[float]:
 
 
 def bench_sglang(hidden: int, layers: int, rank: int, pushes: int) -> dict:
-    from miles_k3.adapter import peft_tensors
+    from miles_k3.model.adapter import peft_tensors
     from miles_k3.model.hf import load_hf_model, write_tiny_qwen3
     from miles_k3.model.lora import LoRAConfig, apply_lora, lora_parameters
     from miles_k3.rollout.sglang_backend import SGLangConfig, SGLangEngine

@@ -20,10 +20,10 @@ from record import write_result
 
 from miles_k3.model.build import ModelConfig, build_model
 from miles_k3.model.lora import LoRAConfig, apply_lora, lora_parameters
-from miles_k3.runtime import resolve_device, resolve_dtype
 from miles_k3.trainer.batch import Sample
 from miles_k3.trainer.optim import OptimConfig, build_optimizer, build_scheduler
 from miles_k3.trainer.step import TrainerConfig, train_step
+from miles_k3.utils.runtime import resolve_device, resolve_dtype
 
 
 def main() -> None:

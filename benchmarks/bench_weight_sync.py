@@ -26,8 +26,8 @@ import time
 import torch
 from record import write_result
 
-from miles_k3.adapter import load_adapter, save_adapter
 from miles_k3.model import K3Config, K3ForCausalLM
+from miles_k3.model.adapter import load_adapter, save_adapter
 from miles_k3.model.lora import ALLOWED_TARGETS, LoRAConfig, apply_lora, lora_state_dict
 from miles_k3.rollout.engine import EngineConfig, RolloutEngine
 from miles_k3.weight_sync.local import LocalChannel

@@ -264,7 +264,7 @@ def outcomes_by_problem(records: list[SampleRecord]) -> dict[str, list[SampleOut
 def write_reports(result: EvalResult, out_dir: str | Path, extra: dict | None = None) -> Path:
     """`results.jsonl` (one row per sample) and `summary.json` (the summary, plus `extra`) in out_dir, each
     written to a temporary file and renamed into place; returns out_dir."""
-    from miles_k3.atomic import atomic_write_text
+    from miles_k3.utils.atomic import atomic_write_text
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

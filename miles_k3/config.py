@@ -49,12 +49,12 @@ from miles_k3.ray_config import RayConfig, check_launcher, default_ray_dp
 from miles_k3.rollout.engine_config import EngineConfig
 from miles_k3.rollout.server.config import ServerConfig, ServerConfigError
 from miles_k3.rollout.sglang_config import SGLangConfig
-from miles_k3.tracking import TrackingConfig
 from miles_k3.trainer.checkpoint import ResumeError
 from miles_k3.trainer.losses import LossConfig
 from miles_k3.trainer.optim import OptimConfig
 from miles_k3.trainer.rollouts import RolloutConfig
 from miles_k3.trainer.step import TrainerConfig
+from miles_k3.utils.tracking import TrackingConfig
 from miles_k3.weight_sync.config import WeightSyncConfig
 
 

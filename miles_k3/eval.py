@@ -33,7 +33,6 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import DictConfig, OmegaConf
 
-from miles_k3.adapter import CONFIG_FILE, load_adapter, read_adapter_config
 from miles_k3.cli import hydra_app
 from miles_k3.config import (
     RECIPES_MODULE,
@@ -49,6 +48,7 @@ from miles_k3.evals.harness import evaluate, log_eval, write_reports
 from miles_k3.evals.tasks import is_task
 from miles_k3.evals.worked import is_worked
 from miles_k3.launch import silence_fla_cpu_warning
+from miles_k3.model.adapter import CONFIG_FILE, load_adapter, read_adapter_config
 from miles_k3.model.build import build_model, build_tokenizer
 from miles_k3.model.kernel_config import apply_kernels
 from miles_k3.model.lora import lora_state_dict
@@ -56,8 +56,8 @@ from miles_k3.model.ranks import end_ranks, start_ranks
 from miles_k3.parallel.mesh import SINGLE, ParallelContext, naming_rank
 from miles_k3.parallel.reduce import broadcast, world_of
 from miles_k3.rollout.factory import POLICY, build_engine
-from miles_k3.runtime import resolve_device, resolve_dtype
-from miles_k3.tracking import Tracker
+from miles_k3.utils.runtime import resolve_device, resolve_dtype
+from miles_k3.utils.tracking import Tracker
 
 log = logging.getLogger("miles_k3.eval")
 register_schemas()
@@ -237,7 +237,7 @@ def eval_engine(cfg, ctx: ParallelContext = SINGLE, device: torch.device | None 
     W0 + s * B @ A from the checkpoint's own W0, written once before the first request."""
     check_adapter(cfg.adapter)
     if cfg.engine.backend == "sglang":
-        from miles_k3.adapter import read_adapter
+        from miles_k3.model.adapter import read_adapter
         from miles_k3.weight_sync.sglang import merged_from_checkpoint
 
         lora_cfg, tensors = read_adapter(cfg.adapter) if cfg.adapter else (None, None)

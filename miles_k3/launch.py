@@ -43,8 +43,6 @@ from miles_k3.parallel.reduce import broadcast, max_over, world_of
 from miles_k3.rollout.api import Engine
 from miles_k3.rollout.factory import POLICY, build_engine
 from miles_k3.rollout.sglang_backend import checkpoint_context
-from miles_k3.runtime import resolve_device, resolve_dtype, set_threads
-from miles_k3.tracking import NullTracker, Tracker, truncate_after
 from miles_k3.trainer.checkpoint import (
     STATE_FILE,
     ResumeError,
@@ -59,6 +57,8 @@ from miles_k3.trainer.optim import BadStepGuard, build_optimizer, build_schedule
 from miles_k3.trainer.partial import PartialRollouts
 from miles_k3.trainer.rollouts import PromptStream, SyncRollouts
 from miles_k3.trainer.sources import RolloutSource
+from miles_k3.utils.runtime import resolve_device, resolve_dtype, set_threads
+from miles_k3.utils.tracking import NullTracker, Tracker, truncate_after
 from miles_k3.weight_sync.channel import open_sender
 
 log = logging.getLogger("miles_k3.train")
@@ -101,7 +101,7 @@ class Run:
         """What a push carries: the adapter parameters by name (native engine, and SGLang's merged pushes, which
         merge them on the trainer), or their PEFT-named views, the names SGLang's LoRA loads (sglang.push=lora)."""
         if self.cfg.engine.backend == "sglang" and self.engine.push == "lora":
-            from miles_k3.adapter import peft_tensors
+            from miles_k3.model.adapter import peft_tensors
 
             return {n: t.detach() for n, t in peft_tensors(self.model).items()}
         return {n: p.detach() for n, p in self.params.items()}
@@ -368,7 +368,7 @@ def _sglang_engine(cfg, model, tokenizer, stop_ids: list[int], problems, version
 
 def _sglang_channel(cfg, engine, model, prompts: list[list[int]], version: int):
     """The verified channel into `engine`, which serves the trainer's adapter as version `version` on return."""
-    from miles_k3.adapter import peft_tensors
+    from miles_k3.model.adapter import peft_tensors
     from miles_k3.model.lora import adapters_disabled
     from miles_k3.trainer.step import sequence_logprobs
     from miles_k3.weight_sync.sglang import SGLangChannel, SGLangMergedChannel, parity_probe

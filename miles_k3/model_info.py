@@ -34,8 +34,8 @@ from pathlib import Path
 
 import torch
 
-from miles_k3.adapter_stream import export_layout, transient_bytes
 from miles_k3.config import compose_cli
+from miles_k3.model.adapter_stream import export_layout, transient_bytes
 from miles_k3.model.build import load_k3_config, num_params
 from miles_k3.model.expert_parallel import alltoall_bytes_per_token
 from miles_k3.model.experts import RoutedExperts

@@ -53,8 +53,6 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from miles_k3.adapter_stream import save_adapter_streamed
-from miles_k3.atomic import atomic_write_text
 from miles_k3.cli import hydra_app
 from miles_k3.config import ConfigFieldError, exit_on_user_error, register_schemas, typed_or_exit
 from miles_k3.envs.env import Guess, build_env
@@ -63,6 +61,7 @@ from miles_k3.evals.harness import EvalHook, check_prompt_lengths, prompt_ids
 from miles_k3.evals.problems import DatasetError, Problem
 from miles_k3.evals.templates import render_prompt
 from miles_k3.launch import StopFlag, seed_everything, silence_fla_cpu_warning
+from miles_k3.model.adapter_stream import save_adapter_streamed
 from miles_k3.model.build import ModelConfig, build_model, build_tokenizer, num_params, weights_dir
 from miles_k3.model.config import ConfigError
 from miles_k3.model.kernel_config import apply_kernels
@@ -77,13 +76,14 @@ from miles_k3.parallel.vocab import vocab_argmax
 from miles_k3.quantize import quantize_checkpoint
 from miles_k3.rollout.engine import RolloutEngine
 from miles_k3.rollout.factory import POLICY, build_engine
-from miles_k3.runtime import resolve_dtype, set_threads
-from miles_k3.tracking import NullTracker, Tracker
 from miles_k3.trainer.batch import Sample, TrainBatch, micro_batches, pack
 from miles_k3.trainer.episode_eval import EpisodeEvalHook
 from miles_k3.trainer.losses import token_logprobs
 from miles_k3.trainer.optim import BadStepGuard, OptimConfig, build_optimizer, build_scheduler, optimizer_step
 from miles_k3.trainer.rollouts import PromptStream
+from miles_k3.utils.atomic import atomic_write_text
+from miles_k3.utils.runtime import resolve_dtype, set_threads
+from miles_k3.utils.tracking import NullTracker, Tracker
 
 log = logging.getLogger("miles_k3.sft")
 register_schemas()

@@ -39,10 +39,10 @@ from miles_k3.model.build import build_model
 from miles_k3.model.lora import adapter_num_params
 from miles_k3.model.ranks import start_ranks
 from miles_k3.parallel.mesh import naming_rank, shutdown
-from miles_k3.runtime import resolve_dtype
-from miles_k3.tracking import logged_evals
 from miles_k3.trainer.checkpoint import ADAPTER_DIR, rollout_checkpoint, save_checkpoint
 from miles_k3.trainer.step import train_step
+from miles_k3.utils.runtime import resolve_dtype
+from miles_k3.utils.tracking import logged_evals
 from miles_k3.weight_sync.push import SyncError
 
 log = logging.getLogger("miles_k3.train")

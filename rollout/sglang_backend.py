@@ -157,7 +157,7 @@ def checkpoint_context(path: str) -> int | None:
 
 class SGLangEngine(VersionedEngine):
     """The `RolloutEngine` interface over `sglang.Engine` (see the module docstring). Adapter tensors are pushed
-    under their PEFT names (`miles_k3.adapter.peft_tensors`), which SGLang loads, or merged into the base weights
+    under their PEFT names (`miles_k3.model.adapter.peft_tensors`), which SGLang loads, or merged into the base weights
     (`push`: the resolved mode, `resolve_push`). A K3 checkpoint directory is checked (`k3_checkpoint`) before
     SGLang starts. `stop_token_ids` end every sample (added to each request's sampling params unless it names its
     own). `fp32_lm_head`: SGLang computes the logits in fp32 (model.fp32_lm_head). `engine_cls` replaces

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import torch
 
-from miles_k3.adapter import peft_tensors
+from miles_k3.model.adapter import peft_tensors
 from miles_k3.model.k3 import CHECKPOINT_PREFIX, K3ForCausalLM
 
 # The sglang.Engine parameters the backend passes (checked against the installed SGLang where it is present).

@@ -19,7 +19,7 @@ def policy(qwen3_dir, seed=0):
 
 
 def peft_of(model):
-    from miles_k3.adapter import peft_tensors
+    from miles_k3.model.adapter import peft_tensors
 
     return {n: t.detach() for n, t in peft_tensors(model).items()}
 

@@ -15,7 +15,14 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from miles_k3.adapter import PEFT_PREFIX, WEIGHTS_FILE, load_adapter, peft_tensors, read_adapter, save_adapter
+from miles_k3.model.adapter import (
+    PEFT_PREFIX,
+    WEIGHTS_FILE,
+    load_adapter,
+    peft_tensors,
+    read_adapter,
+    save_adapter,
+)
 from miles_k3.model.lora import (
     DEFAULT_TARGETS,
     LoRAConfig,

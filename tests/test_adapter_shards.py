@@ -16,8 +16,8 @@ import torch
 from dist_helpers import DEVICE_TYPE, run_ranks
 from lora_helpers import randomize_adapters, tiny
 
-from miles_k3.adapter import WEIGHTS_FILE, save_adapter
-from miles_k3.adapter_stream import export_layout, save_adapter_streamed, transient_bytes
+from miles_k3.model.adapter import WEIGHTS_FILE, save_adapter
+from miles_k3.model.adapter_stream import export_layout, save_adapter_streamed, transient_bytes
 from miles_k3.model.lora import LoRAConfig, apply_lora, lora_parameters
 from miles_k3.model.parallelize import parallelize
 from miles_k3.parallel.config import ParallelConfig

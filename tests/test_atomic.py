@@ -1,7 +1,7 @@
 """Atomic directory writes: a failed write leaves the destination as it was and no staging directory."""
 import pytest
 
-from miles_k3.atomic import atomic_directory
+from miles_k3.utils.atomic import atomic_directory
 
 
 def test_success_replaces_only_when_overwrite(tmp_path):

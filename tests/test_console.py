@@ -241,7 +241,7 @@ def _rows(path: Path) -> list[dict]:
 
 
 def test_resume_truncates_metrics_and_tables_to_the_checkpoint_step(tmp_path):
-    from miles_k3.tracking import truncate_after
+    from miles_k3.utils.tracking import truncate_after
 
     metrics = tmp_path / "metrics.jsonl"
     steps = [0, 1, 2, 3, 4, None]  # a run checkpointed at step 2, killed while writing step 5's row
@@ -257,7 +257,7 @@ def test_resume_truncates_metrics_and_tables_to_the_checkpoint_step(tmp_path):
 
 
 def test_wandb_missing_fails_at_validation_with_both_install_commands(tmp_path, monkeypatch):
-    from miles_k3 import tracking
+    from miles_k3.utils import tracking
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
@@ -276,8 +276,8 @@ def test_curves_figure_titles_the_run_draws_accuracy_in_percent_with_its_band_an
     import matplotlib.pyplot as plt
     from matplotlib.collections import PolyCollection
 
-    from miles_k3 import tracking
-    from miles_k3.tracking import Tracker, TrackingConfig, curve_series, curves_figure, ema
+    from miles_k3.utils import tracking
+    from miles_k3.utils.tracking import Tracker, TrackingConfig, curve_series, curves_figure, ema
 
     assert ema([1.0, 1.0, 1.0]) == pytest.approx([1.0, 1.0, 1.0])  # bias-corrected: no ramp from 0
     assert ema([0.0, 1.0], weight=0.8) == pytest.approx([0.0, 0.2 / 0.36])

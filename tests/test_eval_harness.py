@@ -185,7 +185,7 @@ def _write_jsonl(path, rows):
 
 @pytest.mark.slow
 def test_eval_entry_point_with_an_adapter_and_wandb_offline(tiny, tmp_path):
-    from miles_k3.adapter import save_adapter
+    from miles_k3.model.adapter import save_adapter
     from miles_k3.model.lora import LoRAConfig, apply_lora, lora_parameters, remove_lora
 
     data = _write_jsonl(tmp_path / "p.jsonl", [{"id": p.id, "question": p.problem, "answer": p.answer}

@@ -176,7 +176,7 @@ def test_a_resumed_runs_summary_starts_from_step_0s_eval(tmp_path, monkeypatch):
 
 
 def test_logged_evals_are_the_eval_rows_up_to_the_checkpoint(tmp_path):
-    from miles_k3.tracking import logged_evals
+    from miles_k3.utils.tracking import logged_evals
 
     rows = [{"step": 0, "eval/avg@4": 0.25, "eval/answer_rate": "nan"}, {"step": 1, "train/loss": 0.1},
             {"step": 2, "eval/avg@4": 0.5}, {"step": 3, "eval/avg@4": 0.75}]

@@ -45,7 +45,7 @@ def test_fla_prefill_matches_torch_chunk_forward_and_backward(dtype, tol):
 _IEEE_PROBE = """
 import json, sys, torch
 sys.path.insert(0, 'tests')
-from miles_k3.runtime import set_fp32_dots
+from miles_k3.utils.runtime import set_fp32_dots
 set_fp32_dots('ieee')
 import test_gpu_parity as t
 from parity import rel

@@ -77,9 +77,9 @@ def test_three_grpo_steps_on_sglang(qwen3_dir, tmp_path):
 def test_eval_entry_point_on_sglang(qwen3_dir, tmp_path):
     """python -m miles_k3.eval engine.backend=sglang: the base and a saved adapter evaluated through SGLang; the adapter
     (loaded from its directory, no model built) changes the greedy completions."""
-    from miles_k3.adapter import save_adapter
     from miles_k3.config import compose_config
     from miles_k3.eval import run
+    from miles_k3.model.adapter import save_adapter
 
     model = hf_policy(qwen3_dir, LORA)
     save_adapter(model, LORA, tmp_path / "adapter", base_model_name_or_path=str(qwen3_dir))
@@ -108,7 +108,7 @@ def test_eval_entry_point_on_sglang(qwen3_dir, tmp_path):
 @pytest.fixture(scope="module")
 def served(qwen3_dir):
     """An SGLang engine on the tiny Qwen3 with adapter `policy` (random B) and the trainer's model with the same."""
-    from miles_k3.adapter import peft_tensors
+    from miles_k3.model.adapter import peft_tensors
     from miles_k3.rollout.sglang_backend import SGLangConfig, SGLangEngine
 
     model = hf_policy(qwen3_dir, LORA, device="cuda")
@@ -149,7 +149,7 @@ def test_generate_with_logprobs_the_trainer_reproduces(served):
 
 
 def test_lora_push_changes_outputs_as_the_trainer_predicts(served):
-    from miles_k3.adapter import peft_tensors
+    from miles_k3.model.adapter import peft_tensors
     from miles_k3.model.lora import adapters_disabled
     from miles_k3.trainer.step import sequence_logprobs as trainer_logprobs
 

@@ -298,7 +298,7 @@ def test_fp32_dots_sets_tritons_precision_once_and_refuses_a_change(monkeypatch)
     import os
 
     from miles_k3.model.build import ModelConfig, build_model
-    from miles_k3.runtime import FP32_DOTS_ENV, set_fp32_dots
+    from miles_k3.utils.runtime import FP32_DOTS_ENV, set_fp32_dots
 
     monkeypatch.delenv(FP32_DOTS_ENV, raising=False)
     set_fp32_dots("auto")

@@ -2,7 +2,7 @@
 
 Units: the packages of `miles_k3` (`miles_k3.model`, `miles_k3.kernels`, ...: pyproject's `[tool.setuptools]
 package-dir` maps the top-level folders into them, e.g. `kernels/` is `miles_k3.kernels`) and the root
-modules directly in `miles_k3/` (`miles_k3.train`, `miles_k3.atomic`, ...; `miles_k3` itself is its
+modules directly in `miles_k3/` (`miles_k3.train`, `miles_k3.config`, ...; `miles_k3` itself is its
 `__init__.py`). `LAYERS` orders them, highest first. The rule:
 
 * a unit imports only units of its own layer or of lower layers (never upward);
@@ -45,12 +45,11 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("miles_k3.weight_sync",),
     ("miles_k3.rollout",),
     ("miles_k3.evals",),
-    ("miles_k3.adapter", "miles_k3.adapter_stream"),  # PEFT files of the model's LoRA: used by the trainer, weight sync and commands
     ("miles_k3.model",),
     ("miles_k3.parallel",),
-    # Pure utilities, which every layer but the kernels may use; the package root (`__version__`) and the
-    # Hydra recipes (data) import nothing either.
-    ("miles_k3", "miles_k3.atomic", "miles_k3.runtime", "miles_k3.tracking", "miles_k3.recipes"),
+    # Pure utilities (`utils`: atomic writes, device and logging setup, metrics tracking), which every layer but
+    # the kernels may use; the package root (`__version__`) and the Hydra recipes (data) import nothing either.
+    ("miles_k3", "miles_k3.utils", "miles_k3.recipes"),
     ("miles_k3.kernels",),  # Triton kernels beside their torch references: the bottom, importing no unit
 )
 
@@ -104,7 +103,7 @@ def _import_nodes(tree: ast.AST) -> Iterator[ast.Import | ast.ImportFrom]:
 def imported_modules(source: str, module: str, is_package: bool, modules: set[str]
                      ) -> Iterator[tuple[str, int]]:
     """(imported module, line) for each import in `source` (the code of `module`). `from X import y` names the
-    module X.y when that is one of `modules` (so `from miles_k3 import atomic` is the root module), else X.
+    module X.y when that is one of `modules` (so `from miles_k3 import config` is the root module), else X.
     Relative imports are resolved against `module`."""
     for node in _import_nodes(ast.parse(source)):
         if isinstance(node, ast.Import):

@@ -386,7 +386,7 @@ def test_adapter_dir_is_served(served, tmp_path):
     import torch
     from fastapi.testclient import TestClient
 
-    from miles_k3.adapter import save_adapter
+    from miles_k3.model.adapter import save_adapter
     from miles_k3.model.build import build_model
     from miles_k3.model.lora import LoRAConfig, lora_parameters
 

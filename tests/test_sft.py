@@ -102,7 +102,7 @@ def test_full_sft_learns_saves_a_loadable_checkpoint_and_eval_sees_the_trained_w
 
 def test_lora_sft_changes_only_the_adapter_and_writes_a_loadable_peft_directory(tmp_path, monkeypatch):
     from miles_k3 import sft
-    from miles_k3.adapter import load_adapter
+    from miles_k3.model.adapter import load_adapter
 
     seen = {}
 

@@ -141,7 +141,7 @@ def test_hf_model_adapters_are_peft_adapters(qwen3_dir, tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from miles_k3.adapter import peft_tensors, save_adapter
+    from miles_k3.model.adapter import peft_tensors, save_adapter
 
     model = policy(qwen3_dir)
     assert "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight" in peft_tensors(model)
@@ -207,9 +207,9 @@ def test_eval_entry_point_with_the_sglang_backend(qwen3_dir, tmp_path, monkeypat
     file's tensors as stored, every eval request names the adapter, the greedy completions are the trainer model's
     with that adapter (and differ from the base's), and the engine is shut down at the end."""
     import miles_k3.rollout.sglang_backend as backend
-    from miles_k3.adapter import save_adapter
     from miles_k3.config import compose_config
     from miles_k3.eval import run
+    from miles_k3.model.adapter import save_adapter
     from miles_k3.model.build import build_tokenizer
     from miles_k3.model.hf import load_hf_model
 

@@ -328,7 +328,7 @@ def test_merged_from_checkpoint_equals_the_trainers_merge_and_names_bad_adapters
     """merged_from_checkpoint (eval's merge, from the adapter file and the checkpoint's W0) gives bit for bit what
     merged_weights gives on the trainer's model in the checkpoint's bf16; expert, foreign and mis-shaped adapters
     are refused by name."""
-    from miles_k3.adapter import read_adapter, save_adapter
+    from miles_k3.model.adapter import read_adapter, save_adapter
     from miles_k3.model.weights import load_k3
     from miles_k3.weight_sync.sglang import merged_from_checkpoint, merged_weights
 

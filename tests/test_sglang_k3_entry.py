@@ -81,8 +81,8 @@ def test_a_refused_push_stops_the_run_with_its_step_logged_and_checkpointed(k3_d
     figures (sync/refused = 1), the trainer's state after step 3 is checkpointed (its adapter is exactly the one the
     refused push carried; weight version 3), the error says where, and resume=auto continues at step 4 with the
     engine serving that adapter."""
-    from miles_k3.adapter import load_adapter
     from miles_k3.config import compose_config
+    from miles_k3.model.adapter import load_adapter
     from miles_k3.train import train
     from miles_k3.weight_sync.sglang import merged_weights
 
@@ -139,9 +139,9 @@ def test_eval_entry_point_with_sglang_serving_k3(k3_dir, tmp_path, monkeypatch):
     LoRA (greedy completions = the trainer model's with it); one with a KDA target is merged into the base weights
     (sglang.push=auto: one write of W0 + s * B @ A from the checkpoint file before the first request) and refused
     before SGLang starts under sglang.push=lora."""
-    from miles_k3.adapter import save_adapter
     from miles_k3.config import compose_config
     from miles_k3.eval import run
+    from miles_k3.model.adapter import save_adapter
     from miles_k3.model.build import build_tokenizer
     from miles_k3.model.config import ConfigError
     from miles_k3.weight_sync.sglang import merged_weights

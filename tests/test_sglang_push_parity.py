@@ -165,7 +165,7 @@ def test_a_faithful_push_reports_the_adapter_effect(qwen3_dir, tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from miles_k3.adapter import save_adapter
+    from miles_k3.model.adapter import save_adapter
 
     trainer, engine, channel = _channel(qwen3_dir, std=0.05, verify_push="every_n", parity_tolerance=0.05)
     report = channel.push(peft_of(trainer), version=1)

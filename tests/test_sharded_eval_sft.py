@@ -32,8 +32,8 @@ import torch
 from dist_helpers import DEVICE_TYPE, run_ranks
 from lora_helpers import randomize_adapters
 
-from miles_k3.adapter import load_adapter, save_adapter
 from miles_k3.init_checkpoint import init_checkpoint
+from miles_k3.model.adapter import load_adapter, save_adapter
 from miles_k3.model.build import ModelConfig, build_model
 from miles_k3.model.config import K3Config
 from miles_k3.model.lora import LoRAConfig, lora_parameters

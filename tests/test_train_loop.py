@@ -73,7 +73,7 @@ def test_three_steps_train_the_adapter_sync_versions_and_log(tmp_path, monkeypat
 
 
 def test_curves_png_draws_only_the_curve_metrics(tmp_path):
-    from miles_k3.tracking import write_curves
+    from miles_k3.utils.tracking import write_curves
 
     metrics = tmp_path / "metrics.jsonl"
     metrics.write_text('{"step": 1, "sync/seconds": 0.1}\n')

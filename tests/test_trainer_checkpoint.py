@@ -13,7 +13,7 @@ import torch
 from lora_helpers import ids as _ids
 from lora_helpers import tiny as _tiny
 
-import miles_k3.atomic
+import miles_k3.utils.atomic
 from miles_k3.model.lora import LoRAConfig, apply_lora, lora_parameters
 from miles_k3.trainer import checkpoint as ckpt
 from miles_k3.trainer.checkpoint import (
@@ -231,7 +231,7 @@ def test_find_latest_ignores_staging_leftovers_and_incomplete_dirs(base, tmp_pat
 def _fail_fsync(monkeypatch):
     def crash(root):
         raise OSError("simulated crash while publishing")
-    monkeypatch.setattr(miles_k3.atomic, "_fsync_tree", crash)
+    monkeypatch.setattr(miles_k3.utils.atomic, "_fsync_tree", crash)
 
 
 def _fail_torch_save_midway(monkeypatch):

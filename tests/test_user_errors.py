@@ -151,7 +151,7 @@ def test_device_index_and_name_are_checked(monkeypatch):
 
 
 def test_runtime_keeps_its_own_device_check(no_cuda):
-    from miles_k3.runtime import resolve_device
+    from miles_k3.utils.runtime import resolve_device
 
     with pytest.raises(ValueError, match="device=cuda but CUDA is not available here; use device=cpu or device=auto"):
         resolve_device("cuda")

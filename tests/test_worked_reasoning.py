@@ -169,7 +169,7 @@ def _sft(tmp_path, *overrides):
 
 
 def test_sft_stops_at_the_first_heldout_measurement_reaching_stop_at_heldout_exact(tmp_path, monkeypatch):
-    import miles_k3.sft as sft
+    from miles_k3 import sft
 
     measured = iter([0.0, 0.25, 0.5, 0.75, 1.0])  # scripted held-out exact shares, one per step
     monkeypatch.setattr(sft, "heldout_figures", lambda *a, **k: {"sft/heldout_exact": next(measured),
@@ -183,8 +183,8 @@ def test_sft_stops_at_the_first_heldout_measurement_reaching_stop_at_heldout_exa
 
 @pytest.mark.parametrize("overrides, message", [
     (("stop_at_heldout_exact=1.5",), r"stop_at_heldout_exact: a share in \[0, 1\] \(0: off\), got 1.5"),
-    (("stop_at_heldout_exact=0.5", "heldout_every=0"), "stop_at_heldout_exact: needs the held-out figures; set "
-                                                         "heldout_every"),
+    (("stop_at_heldout_exact=0.5", "heldout_every=0"),
+     "stop_at_heldout_exact: needs the held-out figures; set heldout_every"),
 ])
 def test_stop_at_heldout_exact_refuses_what_cannot_work(tmp_path, overrides, message):
     with pytest.raises(ValueError, match=message):

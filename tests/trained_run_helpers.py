@@ -20,7 +20,7 @@ def train_yaml(*overrides: str) -> str:
 
 def save_run(run_dir, config_text: str | None):
     """<run_dir>/checkpoints/step_00000001/adapter (the shipped base's LoRA, B = 0) and its config.yaml."""
-    from miles_k3.adapter import save_adapter
+    from miles_k3.model.adapter import save_adapter
     from miles_k3.model.build import ModelConfig, build_model
     from miles_k3.model.lora import LoRAConfig
 

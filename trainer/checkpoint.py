@@ -26,9 +26,8 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from miles_k3.adapter import WEIGHTS_FILE
-from miles_k3.adapter_stream import save_adapter_streamed
-from miles_k3.atomic import atomic_write_text, publish_directory, stage_directory
+from miles_k3.model.adapter import WEIGHTS_FILE
+from miles_k3.model.adapter_stream import save_adapter_streamed
 from miles_k3.model.lora import LoRAConfig, applied_lora_config, lora_parameters
 from miles_k3.parallel.mesh import SINGLE, ParallelContext
 from miles_k3.parallel.reduce import broadcast, gather, ranks_where, world_of
@@ -66,6 +65,7 @@ from miles_k3.trainer.checkpoint_files import (  # noqa: F401 - re-exported: the
     state_json,
     step_dir_name,
 )
+from miles_k3.utils.atomic import atomic_write_text, publish_directory, stage_directory
 
 
 class CheckpointWriteError(RuntimeError):

@@ -4,7 +4,7 @@ RNG states, and the checks of each member (`ResumeError` names the file and what
 
 Layout under `<run_dir>/checkpoints/`, one for one rank and many:
   step_<NNNNNNNN>/          one per saved step (8-digit, zero-padded)
-    adapter/                the whole PEFT LoRA directory (`miles_k3.adapter.save_adapter`), servable as is
+    adapter/                the whole PEFT LoRA directory (`miles_k3.model.adapter.save_adapter`), servable as is
     state.json              {"step", "data_state" (the data cursor), "extra_state" (weight version, metrics...)}
     config.yaml             the run's resolved config, as given
     mesh.json               the mesh that wrote it: {"dp", "tp", "ep", "world"} (one process: all 1)
@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from miles_k3.adapter import CONFIG_FILE, WEIGHTS_FILE, read_adapter_config
+from miles_k3.model.adapter import CONFIG_FILE, WEIGHTS_FILE, read_adapter_config
 from miles_k3.model.lora import LoRAConfig
 
 log = logging.getLogger(__name__)

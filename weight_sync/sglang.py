@@ -309,12 +309,12 @@ def _adapter_tensor(adapter: Mapping[str, torch.Tensor] | None, name: str, own: 
 
 def merged_from_checkpoint(path, lora, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """What `merged_weights` gives for a saved adapter, without building the model: checkpoint name -> W0 + s * B @ A
-    for each module of `tensors` (an adapter file's PEFT-named A / B, `miles_k3.adapter.read_adapter`), W0 read from
+    for each module of `tensors` (an adapter file's PEFT-named A / B, `miles_k3.model.adapter.read_adapter`), W0 read from
     the K3 checkpoint directory `path`, s the scale of `lora` (a LoRAConfig), summed in fp32 and rounded once to
     W0's stored dtype (python -m miles_k3.eval engine.backend=sglang serves an adapter SGLang's K3 LoRA cannot so).
     Raises ValueError naming the module for an expert adapter, a module the checkpoint lacks, or a shape that does
     not fit W0."""
-    from miles_k3.adapter import PEFT_PREFIX, lora_pairs
+    from miles_k3.model.adapter import PEFT_PREFIX, lora_pairs
     from miles_k3.model.lora import lora_scale
     from miles_k3.model.weight_files import inspect_weights, open_safetensors
 

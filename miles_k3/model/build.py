@@ -24,7 +24,7 @@ from miles_k3.model.weight_files import open_weights
 from miles_k3.model.weight_sources import RandomInit, WeightFileReader
 from miles_k3.model.weights import build_k3
 from miles_k3.parallel.mesh import SINGLE, ParallelContext
-from miles_k3.runtime import FP32_DOTS, set_fp32_dots, set_fp32_gemm_reduction
+from miles_k3.utils.runtime import FP32_DOTS, set_fp32_dots, set_fp32_gemm_reduction
 
 log = logging.getLogger(__name__)
 

@@ -40,7 +40,6 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from miles_k3.atomic import atomic_directory
 from miles_k3.model.config import K3Config
 from miles_k3.model.k3 import CHECKPOINT_PREFIX
 from miles_k3.model.weight_files import (
@@ -54,6 +53,7 @@ from miles_k3.model.weight_files import (
     spec_bytes,
     tensor_locations,
 )
+from miles_k3.utils.atomic import atomic_directory
 
 EXPERT_FORMAT = "mxfp4"
 HEADER_LEN_BYTES = 8  # little-endian u64 before the JSON header

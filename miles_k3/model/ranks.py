@@ -16,7 +16,7 @@ from miles_k3.model.build import ModelConfig, load_k3_config
 from miles_k3.model.parallelize import check_mesh
 from miles_k3.parallel.config import ParallelConfig
 from miles_k3.parallel.mesh import ParallelContext, init_parallel
-from miles_k3.runtime import resolve_device
+from miles_k3.utils.runtime import resolve_device
 
 
 def start_ranks(model: ModelConfig, parallel: ParallelConfig, device: str) -> tuple[ParallelContext, torch.device]:

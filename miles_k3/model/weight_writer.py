@@ -2,7 +2,7 @@
 `miles_k3.quantize` and `miles_k3.init_checkpoint`) writes shards, the index and config into a temporary
 sibling directory, fsyncs it and renames it into place only when complete, so a crash never leaves a
 half-written directory under the destination name and an existing checkpoint is replaced only by a complete
-one (`miles_k3.atomic`). Layout and validation rules are in `weight_files.py`.
+one (`miles_k3.utils.atomic`). Layout and validation rules are in `weight_files.py`.
 
 Within a shard (`write_safetensors`) the tensors outside the routed experts come first, in safetensors' own order,
 then the routed experts by layer and numeric id, each expert's tensors back to back: an EP rank's experts of a layer
@@ -22,7 +22,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from miles_k3.atomic import publish_directory, stage_directory
 from miles_k3.model.hollow import HEADER_ALIGN, HEADER_LEN_BYTES, storage_order
 from miles_k3.model.k3 import CHECKPOINT_PREFIX, K3ForCausalLM
 from miles_k3.model.weight_files import (
@@ -40,6 +39,7 @@ from miles_k3.model.weight_files import (
     mxfp4_quantization_config,
     nested_config,
 )
+from miles_k3.utils.atomic import publish_directory, stage_directory
 
 if TYPE_CHECKING:
     from typing_extensions import Self

@@ -18,12 +18,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from miles_k3.atomic import atomic_write_text
+from miles_k3.utils.atomic import atomic_write_text
 
 if TYPE_CHECKING:
     from typing_extensions import Self
 
-log = logging.getLogger("miles_k3.tracking")
+log = logging.getLogger("miles_k3.utils.tracking")
 LOGGERS = ("none", "wandb")
 
 

@@ -25,11 +25,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from miles_k3.adapter import PEFT_PREFIX, WEIGHTS_FILE, check_config_matches
-from miles_k3.atomic import atomic_directory
+from miles_k3.model.adapter import PEFT_PREFIX, WEIGHTS_FILE, check_config_matches
 from miles_k3.model.lora import LoRAConfig, expert_loras, lora_linears, lora_parameters
 from miles_k3.parallel.grads import sharded_over
 from miles_k3.parallel.mesh import SINGLE, ParallelContext
+from miles_k3.utils.atomic import atomic_directory
 
 HEADER_ALIGN = 8  # safetensors pads its JSON header with spaces to a multiple of 8 bytes
 DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64"}

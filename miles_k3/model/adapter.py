@@ -26,7 +26,6 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from miles_k3.atomic import atomic_directory
 from miles_k3.model.k3 import CHECKPOINT_PREFIX
 from miles_k3.model.lora import (
     ALLOWED_TARGETS,
@@ -38,6 +37,7 @@ from miles_k3.model.lora import (
     lora_parameters,
     remove_lora,
 )
+from miles_k3.utils.atomic import atomic_directory
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
