@@ -188,6 +188,8 @@ REJECTIONS = {
                 r"missing key\(s\) " + re.escape(Q_A)),
     "unexpected": (lambda p: _edit_tensors(p, lambda t: t.update({B_PROJ: torch.zeros(4, 128)})), None,
                    r"unexpected key\(s\) " + re.escape(B_PROJ)),
+    "dtype": (lambda p: _edit_tensors(p, lambda t: t.update({Q_A: torch.zeros(4, 128, dtype=torch.int64)})), None,
+              re.escape(Q_A) + r" has dtype I64; adapter tensors must be floating point"),
     "truncated": (_truncate, None, r"adapter_model.safetensors: unreadable .* truncated or corrupt"),
     "peft_type": (lambda p: _edit_config(p, peft_type="PREFIX_TUNING"), None,
                   r"peft_type is 'PREFIX_TUNING'; only LORA"),

@@ -19,10 +19,12 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
 
@@ -34,7 +36,6 @@ from miles_k3.model.lora import (
     apply_lora,
     expert_loras,
     lora_linears,
-    lora_parameters,
     remove_lora,
 )
 from miles_k3.utils.atomic import atomic_directory
@@ -42,6 +43,7 @@ from miles_k3.utils.atomic import atomic_directory
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model." + CHECKPOINT_PREFIX
+FLOAT_DTYPES = ("F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2")  # safetensors' names of floating-point dtypes
 # adapter_config.json fields whose other values would change what the tensors mean -> accepted values.
 PLAIN_LORA_FIELDS = {
     "use_dora": (False, None), "modules_to_save": (None, []), "bias": ("none", None),
@@ -112,12 +114,14 @@ def load_adapter(model: nn.Module, path: str | os.PathLike) -> LoRAConfig:
     never moves). If the model has LoRA, its rank, alpha, use_rslora and targets must equal the file's
     (dropout may differ: it does not affect the weights); if it has none, load applies LoRA with the file's
     config first (freezing the base) and removes it again should the load fail. Everything is validated
-    before any tensor is written. Returns the file's config.
+    (from the safetensors header: keys, shapes, dtypes, and that the data covers the file) before any tensor
+    is written. Returns the file's config.
 
     A model cut for a mesh (`build_model(..., ctx, lora)`: one rank's shard) is checked against the whole adapter
-    (every key, experts by global id, whole shapes) and keeps its rank's slice of each tensor, the slice its shard
-    plan records (a column-parallel base's B rows, a row-parallel base's A columns, its experts' A and B); it must
-    have been built with LoRA (the plan cuts each adapter with its base).
+    (every key, experts by global id, whole shapes) and reads only its rank's slice of each tensor, the slice its
+    shard plan records (a column-parallel base's B rows, a row-parallel base's A columns, its experts' A and B):
+    no rank holds more than its shard plus one tensor's slice in flight. It must have been built with LoRA (the
+    plan cuts each adapter with its base).
 
     Raises FileNotFoundError for a missing file, and ValueError naming the field or key and the fix for: a
     non-LORA peft_type, DoRA or another non-plain LoRA option, a config that differs from the model's LoRA,
@@ -125,27 +129,28 @@ def load_adapter(model: nn.Module, path: str | os.PathLike) -> LoRAConfig:
     """
     adapter_dir = Path(path)
     file_cfg = read_adapter_config(adapter_dir)
-    tensors = _read_tensors(adapter_dir / WEIGHTS_FILE)
-    have = applied_lora_config(model)
-    if have is not None:
-        bad = _first_mismatch(file_cfg, have)
-        if bad:
-            raise ValueError(f"{adapter_dir / CONFIG_FILE}: {bad[0]}={bad[1]} but the model's LoRA has "
-                             f"{bad[2]}; build the model's LoRA with the adapter's settings, or load into a "
-                             "model without LoRA (load_adapter then applies it)")
-        _copy_checked(model, tensors, adapter_dir / WEIGHTS_FILE)
-        return file_cfg
-    plan = getattr(model, "shard_plan", None)
-    if plan is not None and not plan.whole:  # LoRA attached now would not be cut with its base
-        raise ValueError(f"{adapter_dir}: this model is cut for a mesh (tp={plan.ctx.tp_size}, ep={plan.ctx.ep_size}) "
-                         "and has no LoRA; build it with the adapter's (build_model(..., lora=read_adapter_config("
-                         "dir))), so that its plan cuts each adapter with its base, then load")
-    apply_lora(model, file_cfg)
-    try:
-        _copy_checked(model, tensors, adapter_dir / WEIGHTS_FILE)
-    except BaseException:
-        remove_lora(model)
-        raise
+    with _open_weights(adapter_dir / WEIGHTS_FILE) as weights:
+        have = applied_lora_config(model)
+        if have is not None:
+            bad = _first_mismatch(file_cfg, have)
+            if bad:
+                raise ValueError(f"{adapter_dir / CONFIG_FILE}: {bad[0]}={bad[1]} but the model's LoRA has "
+                                 f"{bad[2]}; build the model's LoRA with the adapter's settings, or load into a "
+                                 "model without LoRA (load_adapter then applies it)")
+            _copy_checked(model, weights, adapter_dir / WEIGHTS_FILE)
+            return file_cfg
+        plan = getattr(model, "shard_plan", None)
+        if plan is not None and not plan.whole:  # LoRA attached now would not be cut with its base
+            raise ValueError(f"{adapter_dir}: this model is cut for a mesh (tp={plan.ctx.tp_size}, "
+                             f"ep={plan.ctx.ep_size}) and has no LoRA; build it with the adapter's (build_model(..., "
+                             "lora=read_adapter_config(dir))), so that its plan cuts each adapter with its base, "
+                             "then load")
+        apply_lora(model, file_cfg)
+        try:
+            _copy_checked(model, weights, adapter_dir / WEIGHTS_FILE)
+        except BaseException:
+            remove_lora(model)
+            raise
     return file_cfg
 
 
@@ -241,14 +246,36 @@ def _peft_cross_check(adapter_dir: Path) -> None:
 
 
 def _read_tensors(file: Path) -> dict[str, torch.Tensor]:
-    if not file.is_file():
-        raise FileNotFoundError(f"{file}: missing; an adapter directory holds {CONFIG_FILE} and "
-                                f"{WEIGHTS_FILE}")
+    """Every tensor of a weights file (`read_adapter`: one process, for an engine that takes the whole adapter)."""
+    _check_exists(file)
     try:
         return load_file(str(file))
     except (SafetensorError, OSError) as e:
-        raise ValueError(f"{file}: unreadable ({e}); the file is truncated or corrupt: re-export or "
-                         "re-download the adapter") from None
+        raise _unreadable(file, e) from None
+
+
+def _check_exists(file: Path) -> None:
+    if not file.is_file():
+        raise FileNotFoundError(f"{file}: missing; an adapter directory holds {CONFIG_FILE} and "
+                                f"{WEIGHTS_FILE}")
+
+
+def _unreadable(file: Path, e: Exception) -> ValueError:
+    return ValueError(f"{file}: unreadable ({e}); the file is truncated or corrupt: re-export or re-download the "
+                      "adapter")
+
+
+@contextlib.contextmanager
+def _open_weights(file: Path) -> Iterator:
+    """The weights file opened with `safe_open`: its header parsed, nothing read yet. safetensors refuses a header
+    whose data offsets do not cover the file exactly, so a truncated file fails here, before any tensor is read."""
+    _check_exists(file)
+    try:
+        handle = safe_open(str(file), framework="pt")
+    except (SafetensorError, OSError) as e:
+        raise _unreadable(file, e) from None
+    with handle:
+        yield handle
 
 
 def _listing(keys: list[str], limit: int = 5) -> str:
@@ -256,58 +283,76 @@ def _listing(keys: list[str], limit: int = 5) -> str:
     return ", ".join(sorted(keys)[:limit]) + more
 
 
-@torch.no_grad()
-def _copy_checked(model: nn.Module, tensors: dict[str, torch.Tensor], file: Path) -> None:
-    """Check keys, shapes and dtypes against the model's adapters, then copy every tensor in place. A model cut for
-    a mesh (`model.shard_plan`: TP halves, EP expert ranges) is checked against the whole adapter and keeps its own
-    slice of each tensor (`_whole_while_loading`)."""
-    with _whole_while_loading(model):
-        _check_and_copy(model, tensors, file)
+@dataclass(frozen=True)
+class _Target:
+    """One tensor of the whole adapter's PEFT file, as the model expects it: its key and whole shape, where this
+    rank keeps it (`dst`, a view of the Parameter; None: an expert another EP rank holds, checked but not read)
+    and which part of the file's tensor that is (`index` per dim; None: all of it)."""
+
+    key: str
+    shape: tuple[int, ...]
+    dst: torch.Tensor | None
+    index: tuple[slice, ...] | None
 
 
-@contextlib.contextmanager
-def _whole_while_loading(model: nn.Module):
-    """Within the block, each LoRA Parameter that the model's shard plan cuts holds an empty tensor of the whole
-    adapter's shape, so `peft_tensors` names and shapes the whole adapter (experts by global id); on a clean exit
-    each gets its plan's slice of what was written there, copied into its own storage (it never moves); on an error
-    it gets its own tensor back untouched. A model that nothing cuts (one process, dp only): nothing happens."""
+def _targets(model: nn.Module) -> list[_Target]:
+    """Every tensor of the whole adapter, in `peft_tensors`' order (linears, then experts by global id), from the
+    model's Parameters and its shard plan's slices (`part.full` along `part.dim`): nothing whole is allocated."""
     plan = getattr(model, "shard_plan", None)  # an HF model has none
-    cut = []
-    for name, p in lora_parameters(model).items():
-        part = None if plan is None else plan.slice_of(name)
-        if part is not None:
+    prefix = getattr(model, "peft_prefix", PEFT_PREFIX)
+    out = []
+    for path, m in lora_linears(model):
+        for name, p in ((f"{path}.lora_A.weight", m.lora_A.weight), (f"{path}.lora_B.weight", m.lora_B.weight)):
+            part = None if plan is None else plan.slice_of(name)
+            if part is None:
+                out.append(_Target(prefix + name, tuple(p.shape), p, None))
+                continue
             shape = list(p.shape)
             shape[part.dim] = part.full
-            cut.append((p, p.data, part))
-            p.data = torch.empty(shape, dtype=p.dtype, device=p.device)
-    done = False
+            index = (slice(None),) * part.dim + (slice(part.start, part.start + part.length),)
+            out.append(_Target(prefix + name, tuple(shape), p, index))
+    for path, proj, m in expert_loras(model):
+        for ab, p in (("A", m.lora_A), ("B", m.lora_B)):
+            part = None if plan is None else plan.slice_of(f"{path}.lora.{proj}.lora_{ab}")
+            first, total = (0, p.shape[0]) if part is None else (part.start, part.full)
+            for e in range(total):
+                held = first <= e < first + p.shape[0]
+                out.append(_Target(f"{prefix}{path}.{e}.{proj}.lora_{ab}.weight", tuple(p.shape[1:]),
+                                   p[e - first] if held else None, None))
+    return out
+
+
+@torch.no_grad()
+def _copy_checked(model: nn.Module, weights, file: Path) -> None:
+    """Check keys, shapes and dtypes (the header of `weights`, a `safe_open` handle) against the whole adapter the
+    model expects, then read each tensor's part this rank holds straight into its Parameter: a model cut for a mesh
+    (`model.shard_plan`: TP halves, EP expert ranges) reads its slices only, one at a time."""
+    targets = _targets(model)
+    _check_header(targets, weights, file, getattr(model, "peft_prefix", PEFT_PREFIX))
     try:
-        yield
-        done = True
-    finally:
-        for p, shard, part in cut:
-            whole, p.data = p.data, shard
-            if done:
-                shard.copy_(part.of(whole))
+        for t in targets:
+            if t.dst is not None:
+                t.dst.copy_(weights.get_tensor(t.key) if t.index is None else weights.get_slice(t.key)[t.index])
+    except (SafetensorError, OSError) as e:  # the header was sound: the data changed under us
+        raise _unreadable(file, e) from None
 
 
-def _check_and_copy(model: nn.Module, tensors: dict[str, torch.Tensor], file: Path) -> None:
-    table = peft_tensors(model)
-    missing = [k for k in table if k not in tensors]
+def _check_header(targets: list[_Target], weights, file: Path, prefix: str) -> None:
+    expected = {t.key for t in targets}
+    stored = set(weights.keys())
+    missing = [t.key for t in targets if t.key not in stored]
     if missing:
         raise ValueError(f"{file}: missing key(s) {_listing(missing)}; the adapter does not cover this "
                          "model's LoRA modules (another model config, or other target_modules)")
-    unexpected = [k for k in tensors if k not in table]
+    unexpected = [k for k in stored if k not in expected]
     if unexpected:
         raise ValueError(f"{file}: unexpected key(s) {_listing(unexpected)}; the model has no such adapter "
-                         f"(another model config, or keys not under "
-                         f"{getattr(model, 'peft_prefix', PEFT_PREFIX)})")
-    for key, dst in table.items():
-        src = tensors[key]
-        if src.shape != dst.shape:
-            raise ValueError(f"{file}: {key} has shape {tuple(src.shape)}, the model expects "
-                             f"{tuple(dst.shape)}; the adapter was made for another rank or model config")
-        if not src.is_floating_point():
-            raise ValueError(f"{file}: {key} has dtype {src.dtype}; adapter tensors must be floating point")
-    for key, dst in table.items():
-        dst.copy_(tensors[key])
+                         f"(another model config, or keys not under {prefix})")
+    for t in targets:
+        info = weights.get_slice(t.key)
+        shape, dtype = tuple(info.get_shape()), info.get_dtype()
+        if shape != t.shape:
+            raise ValueError(f"{file}: {t.key} has shape {shape}, the model expects {t.shape}; the adapter was made "
+                             "for another rank or model config")
+        if dtype not in FLOAT_DTYPES:
+            raise ValueError(f"{file}: {t.key} has dtype {dtype}; adapter tensors must be floating point")
