@@ -46,6 +46,7 @@ from miles_k3.model.lora import LoRAConfig
 from miles_k3.model.weight_files import WeightsError
 from miles_k3.parallel.config import ParallelConfig, ParallelConfigError
 from miles_k3.ray_config import RayConfig, check_launcher, default_ray_dp
+from miles_k3.rollout.api import capabilities
 from miles_k3.rollout.engine_config import EngineConfig
 from miles_k3.rollout.server.config import ServerConfig, ServerConfigError
 from miles_k3.rollout.sglang_config import SGLangConfig
@@ -159,9 +160,10 @@ class TrainConfig:
         check_kernels(self.kernels, self.device, None if self.model.hf_path is None else
                       "model.hf_path: the HF model's forward is transformers' and SGLang's")
         check_weights_given(self.model)
-        if self.env.keep_state and self.env.max_turns > 1 and self.engine.backend != "native":
+        if self.env.keep_state and self.env.max_turns > 1 and not capabilities(self.engine.backend).keeps_state:
             raise ValueError("env.keep_state: keeping an episode's state in the engine between turns needs "
-                             "engine.backend=native (SGLang's offline engine has no sessions); set env.keep_state=false")
+                             f"engine.backend=native (the {self.engine.backend} engine keeps no state between "
+                             "requests); set env.keep_state=false")
         if self.env.name == "agent":
             check_agent(self.engine.backend, self.parallel.world_size, self.rollout.mode,
                         self.rollout.return_routed_experts or self.trainer.routing_replay)
@@ -262,8 +264,9 @@ class EvalRunConfig:
     def validate(self) -> None:
         check_device(self.device)
         check_parallel(self.parallel, self.device, self.engine.backend)
-        check_kernels(self.kernels, self.device, None if self.engine.backend == "native" else
-                      "engine.backend=sglang: SGLang generates with its own kernels; no model runs in this process")
+        check_kernels(self.kernels, self.device, None if capabilities(self.engine.backend).in_process_model else
+                      f"engine.backend={self.engine.backend}: SGLang generates with its own kernels; no model runs in "
+                      "this process")
         check_weights_given(self.model)
         check_backend(self.model, self.engine.backend, self.sglang)
         check_context("eval.max_new_tokens", self.eval.max_new_tokens, self.engine, self.sglang)
@@ -302,7 +305,7 @@ class ServeConfig(ServerConfig):
         check_device(self.device)
         check_kernels(self.kernels, self.device)
         check_weights_given(self.model)
-        if self.engine.backend != "native":
+        if not capabilities(self.engine.backend).in_process_model:
             raise ValueError(f"engine.backend: python -m miles_k3.serve serves the native engine; remove "
                              f"engine.backend={self.engine.backend}")
         if self.model.hf_path is not None:
@@ -436,7 +439,7 @@ class SFTConfig:
         if self.model.hf_path is not None:
             raise ValueError("model.hf_path: python -m miles_k3.sft trains K3 models (model.name, model.path); an HF "
                              "architecture is trained by python -m miles_k3.train engine.backend=sglang")
-        if self.engine.backend != "native":
+        if not capabilities(self.engine.backend).in_process_model:
             raise ValueError(f"engine.backend: python -m miles_k3.sft evaluates through the native engine, which "
                              f"shares the trained model's tensors; remove engine.backend={self.engine.backend}")
         if self.template not in template_names():

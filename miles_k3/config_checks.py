@@ -1,6 +1,7 @@
 """The rules of a run's config that span its sections (engine backend against model, routes, memory tags, sync,
 device, context, weights), called by the section-level `validate`s of `miles_k3.config`'s run configs. Each raises
-ValueError (ParallelConfigError for the mesh) naming the field and the fix."""
+ValueError (ParallelConfigError for the mesh) naming the field and the fix. What an engine.backend can do is asked
+of its declared capabilities (`rollout.api.capabilities`), never of its name."""
 from __future__ import annotations
 
 import dataclasses
@@ -12,7 +13,7 @@ from miles_k3.model.build import ModelConfig
 from miles_k3.model.kernel_config import KernelsConfig
 from miles_k3.model.lora import LoRAConfig
 from miles_k3.parallel.config import ParallelConfig, ParallelConfigError
-from miles_k3.rollout.api import NATIVE_MEMORY_TAGS, SGLANG_MEMORY_TAGS
+from miles_k3.rollout.api import capabilities
 from miles_k3.rollout.engine_config import EngineConfig
 from miles_k3.rollout.sglang_config import SGLangConfig
 from miles_k3.weight_sync.config import WeightSyncConfig
@@ -25,8 +26,8 @@ def check_parallel(parallel: ParallelConfig, device: str, backend: str) -> None:
     checked when the run starts (`launch.build_run`: `init_parallel`, `ParallelConfig.check_model`)."""
     if parallel.world_size == 1:
         return
-    if backend == "sglang":
-        raise ParallelConfigError(f"parallel.dp x parallel.tp = {parallel.world_size}: engine.backend=sglang runs "
+    if not capabilities(backend).in_process_model:
+        raise ParallelConfigError(f"parallel.dp x parallel.tp = {parallel.world_size}: engine.backend={backend} runs "
                                   "one SGLang engine for one trainer process; use engine.backend=native (colocated "
                                   "on every rank) or parallel.dp=1 parallel.tp=1")
     if device.startswith("cuda:"):
@@ -37,14 +38,14 @@ def check_parallel(parallel: ParallelConfig, device: str, backend: str) -> None:
 
 def check_backend(model: ModelConfig, backend: str, sglang: SGLangConfig | None = None, lora: LoRAConfig | None = None
                   ) -> None:
-    """engine.backend (`backend`, one of rollout.engine_config.BACKENDS: EngineConfig checks) can serve the model: the
-    native engine serves K3 only; SGLang serves a checkpoint directory, and a local K3 one only when SGLang 0.5.17
-    can (`k3_checkpoint`: the nested config.json, its shapes) with an sglang.push that serves `lora` (None: the
-    adapter is not known yet, as in eval)."""
-    if backend == "native" and model.hf_path is not None:
-        raise ValueError("model.hf_path: an HF architecture is served by SGLang only; set engine.backend=sglang "
-                         "(the native engine serves K3 models)")
-    if backend != "sglang":
+    """engine.backend (`backend`, one of rollout.engine_config.BACKENDS: EngineConfig checks) can serve the model: an
+    engine over this process's model (native) serves K3 only; SGLang serves a checkpoint directory, and a local K3
+    one only when SGLang 0.5.17 can (`k3_checkpoint`: the nested config.json, its shapes) with an sglang.push that
+    serves `lora` (None: the adapter is not known yet, as in eval)."""
+    if capabilities(backend).in_process_model:
+        if model.hf_path is not None:
+            raise ValueError("model.hf_path: an HF architecture is served by SGLang only; set engine.backend=sglang "
+                             "(the native engine serves K3 models)")
         return
     if model.fp32_gemm_reduction:
         raise ValueError("model.fp32_gemm_reduction: engine.backend=sglang samples in SGLang's scheduler process, "
@@ -75,9 +76,9 @@ def check_routes(return_routed_experts: bool, routing_replay: bool, backend: str
     trainer's HF model does not replay, and K3, whose routed-experts capture is broken in SGLang 0.5.17
     (state_capturer/routed_experts.py:67 reads num_experts_per_tok; K3's TopK has no layer_id,
     models/kimi_k3.py:424-449, so every layer gets the same ids)."""
-    if backend == "sglang" and (return_routed_experts or routing_replay):
+    if not capabilities(backend).records_routes and (return_routed_experts or routing_replay):
         field = "trainer.routing_replay" if routing_replay else "rollout.return_routed_experts"
-        raise ValueError(f"{field}: engine.backend=sglang serves HF architectures, whose MoE routers the trainer "
+        raise ValueError(f"{field}: engine.backend={backend} serves HF architectures, whose MoE routers the trainer "
                          "does not record or replay, and K3, whose routed experts SGLang 0.5.17 does not capture "
                          "right (its capturer reads num_experts_per_tok, which K3's config lacks, and K3's TopK has "
                          "no layer id, so every layer would get the same experts); use engine.backend=native or set "
@@ -87,7 +88,7 @@ def check_routes(return_routed_experts: bool, routing_replay: bool, backend: str
 def check_release_tags(tags: list[str], backend: str, sglang: SGLangConfig) -> None:
     """rollout.release_tags are memory tags of the engine engine.backend names (SGLang can also release its
     weights, given a CPU backup to restore them from)."""
-    allowed = SGLANG_MEMORY_TAGS if backend == "sglang" else NATIVE_MEMORY_TAGS
+    allowed = capabilities(backend).memory_tags
     bad = [t for t in tags if t not in allowed]
     if bad:
         raise ValueError(f"rollout.release_tags: {bad} are not {backend} engine memory tags ({', '.join(allowed)}; "
@@ -98,14 +99,14 @@ def check_release_tags(tags: list[str], backend: str, sglang: SGLangConfig) -> N
 
 
 def check_sync(sync: WeightSyncConfig, backend: str) -> None:
-    """`sync:` configures the native engine's channel; with the SGLang backend (pushes through SGLang's adapter API)
-    no `sync:` field does anything."""
-    if backend != "sglang":
+    """`sync:` configures the channel into an engine over this process's model (native); with the SGLang backend
+    (pushes through SGLang's adapter API) no `sync:` field does anything."""
+    if capabilities(backend).in_process_model:
         return
     default = WeightSyncConfig()
     changed = [f.name for f in dataclasses.fields(sync) if getattr(sync, f.name) != getattr(default, f.name)]
     if changed:
-        raise ValueError(f"sync.{changed[0]}: does nothing with engine.backend=sglang (a push goes through "
+        raise ValueError(f"sync.{changed[0]}: does nothing with engine.backend={backend} (a push goes through "
                          "SGLang's adapter API, verified by sglang.verify_push); remove the sync: overrides")
 
 
@@ -160,12 +161,12 @@ def check_context(field_name: str, max_new_tokens: int, engine: EngineConfig,
     max_new_tokens must be below it: engine.max_context (engine.backend=native), sglang.context_length when set
     (sglang; unset, the checkpoint's own length applies, known only when it is served). The prompts themselves
     are checked when the data loads (train) or before they are generated (eval)."""
-    if engine.backend == "sglang":
+    if capabilities(engine.backend).in_process_model:
+        limit_name, limit = "engine.max_context", engine.max_context
+    else:
         if sglang is None or sglang.context_length is None:
             return
         limit_name, limit = "sglang.context_length", sglang.context_length
-    else:
-        limit_name, limit = "engine.max_context", engine.max_context
     if max_new_tokens >= limit:
         raise ValueError(f"{field_name}: {max_new_tokens} leaves no room for the prompt in {limit_name}={limit} "
                          f"(a request holds its prompt plus up to {field_name} tokens); raise {limit_name} to at "
@@ -183,25 +184,21 @@ def check_weights_given(model: ModelConfig) -> None:
                          "for a run); set model.path=/path/to/checkpoint or model.path=moonshotai/Kimi-K3")
 
 
-REPORTS_UNFILTERED_LOGPROBS = {"native": True, "sglang": False}
-"""engine.backend -> whether, under top-p / top-k, its records carry the sampled tokens' log-probs under the
-unfiltered distribution (`output_token_logprobs_unfiltered`) beside the filtered ones it sampled from. Every env
-carries what its engine reports into the samples: the turn loop's episodes (`Episode.record`) and env=agent's server
-sessions (`serve.Session`, `agent.episode_from_session`), so whether a run can use them depends on the engine only."""
-
-
 def check_filtered_logprobs(top_p: float, top_k: int, old_logprobs: str, tis: str, backend: str) -> None:
     """The engine's log-probs enter the loss (trainer.old_logprobs=rollout, trainer.loss.tis) only as log-probs of
     the whole vocabulary's distribution, which the trainer's are: under top-p / top-k an engine that reports those
-    beside the filtered ones it sampled from (REPORTS_UNFILTERED_LOGPROBS: native) gives them to the loss
-    (`trainer.batch.pack` takes them), in every env; one that reports only the filtered ones (SGLang) is refused,
-    in every env, since the PPO ratio / TIS weight against them would start below 1 on every token."""
-    if REPORTS_UNFILTERED_LOGPROBS[backend] or (top_p >= 1.0 and top_k <= 0):
+    beside the filtered ones it sampled from (`EngineCapabilities.unfiltered_logprobs`: native) gives them to the
+    loss (`trainer.batch.pack` takes them), in every env; one that reports only the filtered ones (SGLang) is
+    refused, in every env, since the PPO ratio / TIS weight against them would start below 1 on every token. Every
+    env carries what its engine reports into the samples: the turn loop's episodes (`Episode.record`) and
+    env=agent's server sessions (`serve.Session`, `agent.episode_from_session`), so whether a run can use them
+    depends on the engine only."""
+    if capabilities(backend).unfiltered_logprobs or (top_p >= 1.0 and top_k <= 0):
         return
     uses = [f for f, on in (("trainer.old_logprobs=rollout", old_logprobs == "rollout"),
                             (f"trainer.loss.tis={tis}", tis != "none")) if on]
     if uses:
-        raise ValueError(f"{uses[0]}: with engine.backend=sglang and rollout.top_p={top_p} rollout.top_k={top_k} the "
+        raise ValueError(f"{uses[0]}: with engine.backend={backend} and rollout.top_p={top_p} rollout.top_k={top_k} the "
                          "engine's log-probs are of the filtered distribution it sampled from (SGLang does not report "
                          "the unfiltered ones), so the ratio against them starts below 1 on every token; set "
                          "rollout.top_p=1.0 rollout.top_k=-1, or engine.backend=native (it reports both), or "
@@ -220,11 +217,11 @@ def check_partial(mode: str, old_logprobs: str, tis: str, backend: str) -> None:
     """rollout.mode=partial trains samples whose tokens span weight versions: the PPO ratio is taken against the
     trainer's own log-probs at the start of the step (old_logprobs=recompute, decoupled PPO) and the tokens the
     engine drew under an older adapter are importance weighted (trainer.loss.tis). It needs the native engine's
-    paused requests (SGLang 0.5.17 pauses only through its HTTP server's /pause_generation; its offline Engine,
-    which engine.backend=sglang drives, has no pause)."""
+    paused requests, its partial queue (SGLang 0.5.17 pauses only through its HTTP server's /pause_generation; its
+    offline Engine, which engine.backend=sglang drives, has no pause)."""
     if mode != "partial":
         return
-    if backend != "native":
+    if not capabilities(backend).partial_queue:
         raise ValueError("rollout.mode=partial: needs engine.backend=native (SGLang 0.5.17's offline Engine cannot "
                          "pause and continue requests: its pause_generation is an HTTP-server endpoint); use "
                          "engine.backend=native or rollout.mode=sync")
@@ -241,8 +238,9 @@ def check_partial(mode: str, old_logprobs: str, tis: str, backend: str) -> None:
 
 def check_agent(backend: str, world_size: int, mode: str, routes: bool) -> None:
     """env=agent (`miles_k3.agent`): agent code drives the engine through an in-process HTTP server, whose engine
-    calls are neither in lockstep across ranks nor routed, nor paused across a weight update."""
-    if backend != "native":
+    calls are neither in lockstep across ranks nor routed, nor paused across a weight update. The server runs over
+    an engine over this process's model, as `python -m miles_k3.serve` does."""
+    if not capabilities(backend).in_process_model:
         raise ValueError("env=agent: the in-process OpenAI-compatible server runs over the native engine; set "
                          "engine.backend=native")
     if world_size != 1:

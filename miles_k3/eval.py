@@ -55,6 +55,7 @@ from miles_k3.model.lora import lora_state_dict
 from miles_k3.model.ranks import end_ranks, start_ranks
 from miles_k3.parallel.mesh import SINGLE, ParallelContext, naming_rank
 from miles_k3.parallel.reduce import broadcast, world_of
+from miles_k3.rollout.api import capabilities
 from miles_k3.rollout.factory import POLICY, build_engine
 from miles_k3.utils.runtime import resolve_device, resolve_dtype
 from miles_k3.utils.tracking import Tracker
@@ -236,7 +237,7 @@ def eval_engine(cfg, ctx: ParallelContext = SINGLE, device: torch.device | None 
     as a LoRA adapter, its PEFT tensors as they are, or merged (a K3 adapter SGLang's K3 LoRA cannot serve):
     W0 + s * B @ A from the checkpoint's own W0, written once before the first request."""
     check_adapter(cfg.adapter)
-    if cfg.engine.backend == "sglang":
+    if not capabilities(cfg.engine.backend).in_process_model:
         from miles_k3.model.adapter import read_adapter
         from miles_k3.weight_sync.sglang import merged_from_checkpoint
 
@@ -274,8 +275,8 @@ def run(cfg) -> dict | None:
     check_adapter(cfg.adapter)
     warn_random_weights(cfg.model)
     problems = load_problems(cfg.eval.data)  # a bad dataset fails before the model is built
-    native = cfg.engine.backend == "native"  # sglang: no model in this process, one process (validated)
-    ctx, device = start_ranks(cfg.model, cfg.parallel, cfg.device) if native else (SINGLE, None)
+    in_process = capabilities(cfg.engine.backend).in_process_model  # sglang: no model here, one process (validated)
+    ctx, device = start_ranks(cfg.model, cfg.parallel, cfg.device) if in_process else (SINGLE, None)
     with naming_rank(ctx):
         engine, tokenizer, lora = eval_engine(cfg, ctx, device)
         run_dir = Path(broadcast(cfg.run_dir or f"runs/eval-{time.strftime('%Y%m%d-%H%M%S')}", world_of(ctx)))

@@ -40,7 +40,7 @@ from miles_k3.model.lora import apply_lora, lora_parameters
 from miles_k3.model.parallelize import check_mesh
 from miles_k3.parallel.mesh import SINGLE, ParallelContext, init_parallel
 from miles_k3.parallel.reduce import broadcast, max_over, world_of
-from miles_k3.rollout.api import Engine
+from miles_k3.rollout.api import Engine, capabilities
 from miles_k3.rollout.factory import POLICY, build_engine
 from miles_k3.rollout.sglang_backend import checkpoint_context
 from miles_k3.trainer.checkpoint import (
@@ -100,7 +100,7 @@ class Run:
     def lora_tensors(self) -> dict[str, torch.Tensor]:
         """What a push carries: the adapter parameters by name (native engine, and SGLang's merged pushes, which
         merge them on the trainer), or their PEFT-named views, the names SGLang's LoRA loads (sglang.push=lora)."""
-        if self.cfg.engine.backend == "sglang" and self.engine.push == "lora":
+        if self.engine.push == "lora":
             from miles_k3.model.adapter import peft_tensors
 
             return {n: t.detach() for n, t in peft_tensors(self.model).items()}
@@ -248,8 +248,9 @@ def _build_model(cfg, device: torch.device, ctx: ParallelContext):
 def _build_engine(cfg, model, tokenizer, stop_ids: list[int], problems, params: dict, version: int,
                   ctx: ParallelContext):
     """The rollout engine serving the trainer's adapter as weight version `version` (a checkpoint's on resume), and
-    the weight-sync channel into it: the native engine colocated over the model's own base tensors, or SGLang."""
-    if cfg.engine.backend == "sglang":
+    the weight-sync channel into it: the native engine colocated over the model's own base tensors (pushed through
+    the `sync:` channel), or SGLang (its own verified channel)."""
+    if not capabilities(cfg.engine.backend).in_process_model:
         return _sglang_engine(cfg, model, tokenizer, stop_ids, problems, version)
     engine = build_engine(cfg, model, tokenizer, stop_ids, lora=cfg.lora, version=version, ctx=ctx,
                           adapter={n: p.detach() for n, p in params.items()})
@@ -316,7 +317,7 @@ def engine_context(cfg) -> tuple[int, str]:
     """(tokens a request may hold, the field that raises it) of the engine engine.backend names: engine.max_context
     (native); sglang.context_length, else the checkpoint's max_position_embeddings, else engine.max_context
     (sglang: what `serve_checkpoint` gives the engine)."""
-    if cfg.engine.backend != "sglang":
+    if capabilities(cfg.engine.backend).in_process_model:
         return cfg.engine.max_context, "engine.max_context"
     served = checkpoint_context(cfg.model.hf_path or cfg.model.path)
     limit = cfg.sglang.context_length or served or cfg.engine.max_context
@@ -328,7 +329,7 @@ def _warn_filtered_logprobs(cfg, backend: str) -> None:
     unfiltered log-probs, which the loss and train/rollout_logprob_abs_diff use (`trainer.batch.pack`); SGLang
     reports only the filtered ones (config validation refuses them in the loss: `check_filtered_logprobs`)."""
     if cfg.top_p < 1.0 or cfg.top_k > 0:
-        if backend == "sglang":
+        if not capabilities(backend).unfiltered_logprobs:
             log.warning("rollout.top_p=%s rollout.top_k=%s: the engine reports log-probs of the filtered, renormalised "
                         "distribution it samples from (SGLang: not the unfiltered ones), the trainer computes them "
                         "over the full vocabulary, so train/rollout_logprob_abs_diff includes the filtering",

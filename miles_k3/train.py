@@ -206,9 +206,8 @@ def one_step(run: Run, step: int) -> tuple[dict[str, float], list]:
 
 def engine_timing(engine) -> dict[str, float]:
     """The native engine's prefill / decode / tail seconds and decode steps so far (`RolloutEngine.timing`); {} for
-    an engine that does not keep them (SGLang)."""
-    timing = getattr(engine, "timing", None)
-    return {} if timing is None else timing
+    an engine that does not keep them (SGLang: `capabilities.timing`)."""
+    return engine.timing if engine.capabilities.timing else {}
 
 
 class _Timer:

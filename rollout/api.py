@@ -1,9 +1,14 @@
 """The rollout side's one contract: what every engine (`engine.backend`: native `RolloutEngine`, sglang
-`SGLangEngine`) offers the loop, the records its `generate` returns, and the two rules both follow (weight
-versions only move forward; memory is released and resumed by tag). No torch here: the trainer, the evals and the
-tests read this contract without building an engine.
+`SGLangEngine`) offers the loop, what each can do beyond it, the records its `generate` returns, and the two rules
+both follow (weight versions only move forward; memory is released and resumed by tag). No torch here: the
+trainer, the evals, the config checks and the tests read this contract without building an engine.
 
 * `Engine`: the `typing.Protocol` both engines satisfy (`isinstance(engine, Engine)` checks the names).
+* `EngineCapabilities`: what an engine can do beyond `Engine`, declared per backend (`capabilities(backend)`, which
+  the config checks ask before an engine exists) and on every engine (`engine.capabilities`, which run-time callers
+  ask). Backend names are compared in this table and in the factory that builds the engine, nowhere else.
+* `KeptStateEngine`, `PartialQueue`: the optional interfaces two capabilities stand for (`keeps_state`: a
+  conversation's state kept between its turns; `partial_queue`: partial rollouts served across pushes).
 * `generate(...)` returns one record per sample, prompt i's sample j at i * n + j: a `SampleRecord`
   {output_ids, meta_info: `MetaInfo`} or an `ErrorRecord` {error, meta_info: {finish_reason: {type: abort,
   message}}}. The `meta_info` keys are SGLang's, so a caller reads both engines alike.
@@ -12,12 +17,62 @@ tests read this contract without building an engine.
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any, Literal, NotRequired, Protocol, TypedDict, runtime_checkable
 
 NATIVE_MEMORY_TAGS = ("kv_cache", "cuda_graph")
 """The native engine's releasable memory (the base weights are the trainer's: it owns their memory)."""
 SGLANG_MEMORY_TAGS = ("kv_cache", "weights", "cuda_graph")
 """SGLang's releasable memory (`weights` needs sglang.enable_weights_cpu_backup)."""
+
+
+@dataclass(frozen=True)
+class EngineCapabilities:
+    """What an engine can do beyond the `Engine` contract. Each backend's are in `BACKEND_CAPABILITIES`; an engine
+    sets its own from there (`engine.capabilities`). Every field's default is "no": `EngineCapabilities()` is an
+    engine that only generates (a scripted double in the tests)."""
+
+    in_process_model: bool = False
+    """The engine generates in this process over the caller's K3 model, sharing its base tensors (native): the
+    model's kernels and mesh apply (an engine colocated on every dp / tp rank), a push goes through the `sync:`
+    channel, the context is engine.max_context, and the commands that build the model for it (serve, env=agent's
+    server, SFT's eval) need it. False: a server program serves a checkpoint directory in processes of its own
+    (SGLang, configured by `sglang:`: its context length, its checks of a K3 checkpoint, its own push channel)."""
+    keeps_state: bool = False
+    """A multi-turn conversation's state (KDA slot, latent pages) kept in the engine between its turns:
+    `generate(keep_state=True, sessions=[...])` and the rest of `KeptStateEngine`."""
+    partial_queue: bool = False
+    """Partial rollouts (rollout.mode=partial): groups queued, served until K finish, the others paused across a push
+    and continued (`PartialQueue`: submit / run / cancel / queue_state / load_queue_state)."""
+    records_routes: bool = False
+    """`generate(return_routed_experts=True)` records every position's routed experts (routing replay)."""
+    unfiltered_logprobs: bool = False
+    """Under top-p / top-k the records carry the sampled tokens' log-probs under the unfiltered distribution too
+    (`output_token_logprobs_unfiltered`), which the loss can use."""
+    timing: bool = False
+    """`engine.timing`: seconds of prefill, decode and its tail, and decode steps, over the engine's life."""
+    memory_tags: tuple[str, ...] = ()
+    """The memory tags `release_memory_occupation` / `resume_memory_occupation` take (`check_tags`)."""
+
+
+BACKEND_CAPABILITIES: dict[str, EngineCapabilities] = {
+    "native": EngineCapabilities(in_process_model=True, keeps_state=True, partial_queue=True, records_routes=True,
+                                 unfiltered_logprobs=True, timing=True, memory_tags=NATIVE_MEMORY_TAGS),
+    # SGLang 0.5.17's offline Engine: no kept state between requests, no pause (its pause_generation is an HTTP
+    # endpoint), no routes for this backend (`config_checks.check_routes` says why), filtered log-probs only.
+    "sglang": EngineCapabilities(memory_tags=SGLANG_MEMORY_TAGS),
+}
+"""engine.backend -> what its engine can do: the one table of backend names outside the factory
+(`rollout.factory.build_engine`)."""
+
+
+def capabilities(backend: str) -> EngineCapabilities:
+    """What the engine `backend` (an engine.backend value) can do; ValueError naming the backends for another."""
+    caps = BACKEND_CAPABILITIES.get(backend)
+    if caps is None:
+        raise ValueError(f"backend: '{backend}' is not one of {', '.join(BACKEND_CAPABILITIES)}")
+    return caps
 
 
 class FinishDict(TypedDict):
@@ -85,7 +140,12 @@ class Engine(Protocol):
     """What the loop, the evals and the weight-sync channels call on a rollout engine."""
 
     backend: str
-    """"native" or "sglang" (`EngineConfig.backend`)."""
+    """"native" or "sglang" (`EngineConfig.backend`), for logs and messages: ask `capabilities`, not the name."""
+    capabilities: EngineCapabilities
+    """What it can do beyond this contract (`BACKEND_CAPABILITIES[backend]`)."""
+    push: str | None
+    """How a push serves adapter tensors: None (the native engine: copied under the model's names into the
+    adapter's buffers), "lora" (SGLang's LoRA: PEFT names) or "merged" (merged into SGLang's base weights)."""
     push_needs_memory: bool
     """A push generates (SGLang's parity probe): the loop resumes released memory before it."""
     max_context: int
@@ -113,6 +173,56 @@ class Engine(Protocol):
     def flush_cache(self) -> bool: ...
 
     def close(self) -> None: ...
+
+
+@runtime_checkable
+class KeptStateEngine(Protocol):
+    """An engine with `capabilities.keeps_state`: `generate(keep_state=True)` parks every sample's state when it
+    finishes, under the id in its `meta_info["session_id"]`; `sessions[i]` continues one on prompt i (which
+    extends its tokens), prefilling only the new tokens."""
+
+    def generate(self, input_ids: list[list[int]] | None = None, prompts: list[str] | None = None,
+                 sampling_params: dict | list[dict] | None = None, n: int = 1, return_logprob: bool = True,
+                 lora: str | list[str | None] | None = None, return_routed_experts: bool = False,
+                 keep_state: bool = False, sessions: list[int | None] | None = None) -> list[Record]: ...
+
+    def close_sessions(self, session_ids: Iterable[int]) -> None:
+        """Free these kept states; an id not open is a ValueError naming it."""
+        ...
+
+    @property
+    def session_stats(self) -> dict[str, int]:
+        """Counters of kept states (parked, continued, dropped, recomputed, ...) and every position prefilled."""
+        ...
+
+
+@runtime_checkable
+class PartialQueue(Protocol):
+    """The partial-rollout queue of an engine with `capabilities.partial_queue`: groups (a prompt's `n` samples)
+    queued across calls, served by `run` until K finish, the unfinished ones retracted to the front (their tokens kept) and
+    continued by the next run under the weights it serves."""
+
+    def submit(self, input_ids: list[list[int]], sampling_params: dict | list[dict] | None = None, n: int = 1,
+               lora: str | list[str | None] | None = None, return_routed_experts: bool = False,
+               keep_state: bool = False, sessions: list[int | None] | None = None) -> list[int]:
+        """Queue each prompt's group; the new group ids."""
+        ...
+
+    def run(self, finished_groups: int | None = None, must_finish: Iterable[int] = (), return_logprob: bool = True,
+            until: Callable[[], bool] | None = None,
+            on_finished: Callable[[int, list[Record]], None] | None = None) -> list[tuple[int, list[Record]]]:
+        """Serve the queue until the stop condition; (group id, its records) of each group finished."""
+        ...
+
+    def cancel(self, group_ids: Iterable[int]) -> None: ...
+
+    def queued_groups(self) -> list[int]: ...
+
+    def queue_state(self) -> dict:
+        """The queue as plain data and host tensors (a checkpoint's)."""
+        ...
+
+    def load_queue_state(self, state: dict) -> None: ...
 
 
 def check_forward(old: int, new: int, *, strict: bool) -> None:

@@ -48,7 +48,7 @@ from miles_k3.model.lora import LoRAConfig
 from miles_k3.parallel.mesh import SINGLE, ParallelContext
 from miles_k3.rollout.adapters import AdapterBank, share_base
 from miles_k3.rollout.api import (
-    NATIVE_MEMORY_TAGS,
+    BACKEND_CAPABILITIES,
     Record,
     VersionedEngine,
     check_tags,
@@ -70,8 +70,9 @@ class RolloutEngine(VersionedEngine):
     queue_state / load_queue_state."""
 
     backend = "native"
-    keeps_sessions = True  # generate(keep_state=, sessions=): a conversation's state kept between its turns
-    push_needs_memory = False  # a push copies tensors into the adapter buffers: no request runs
+    capabilities = BACKEND_CAPABILITIES[backend]  # kept state, the partial queue, routes, timing, ...
+    push = None  # a push copies the adapter's tensors, under the model's names, into its buffers
+    push_needs_memory = False  # ... so no request runs
 
     def __init__(self, model: K3ForCausalLM, config: EngineConfig | None = None, lora: LoRAConfig | None = None,
                  tokenizer: Any = None, ctx: ParallelContext = SINGLE):
@@ -487,7 +488,7 @@ class RolloutEngine(VersionedEngine):
         """Free memory while no request runs (SGLang tags; None = all): `kv_cache` the pools' storage (KDA state
         slots + latent pages, requests dropped), `cuda_graph` the captured decode graphs and their memory pool.
         `generate` refuses until every released tag is resumed."""
-        tags = check_tags(tags, NATIVE_MEMORY_TAGS, "native")
+        tags = check_tags(tags, self.capabilities.memory_tags, self.backend)
         with self._lock:
             if self._active:
                 raise RuntimeError("release_memory_occupation: generate() is running; release when idle")
@@ -497,7 +498,7 @@ class RolloutEngine(VersionedEngine):
     def resume_memory_occupation(self, tags: list[str] | None = None) -> None:
         """Reallocate what `tags` released (None = all): `kv_cache` zeroed pools (addresses may change),
         `cuda_graph` lets decode graphs be captured again (lazily, on their next use)."""
-        tags = check_tags(tags, NATIVE_MEMORY_TAGS, "native")
+        tags = check_tags(tags, self.capabilities.memory_tags, self.backend)
         with self._lock:
             self.runner.resume(tags, self._released)
             self._released -= set(tags)

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-BACKENDS = ("native", "sglang")
-"""The rollout engines `EngineConfig.backend` names."""
+from miles_k3.rollout.api import BACKEND_CAPABILITIES, capabilities
+
+BACKENDS = tuple(BACKEND_CAPABILITIES)
+"""The rollout engines `EngineConfig.backend` names (`rollout.api.BACKEND_CAPABILITIES`: what each can do)."""
 
 
 @dataclass
@@ -44,8 +46,7 @@ class EngineConfig:
     eager."""
 
     def validate(self) -> None:
-        if self.backend not in BACKENDS:
-            raise ValueError(f"backend: '{self.backend}' is not one of {', '.join(BACKENDS)}")
+        caps = capabilities(self.backend)  # ValueError naming the backends
         for name in ("memory_budget_bytes", "page_size", "max_context", "prefill_chunk", "max_prefill_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
@@ -54,8 +55,8 @@ class EngineConfig:
         if self.session_snapshot_bytes < 0:
             raise ValueError(f"session_snapshot_bytes: must be >= 0 (0: no snapshots), got "
                              f"{self.session_snapshot_bytes}")
-        if self.session_snapshot_bytes and self.backend != "native":
-            raise ValueError("session_snapshot_bytes: does nothing with backend=sglang (the native engine's "
+        if self.session_snapshot_bytes and not caps.keeps_state:
+            raise ValueError(f"session_snapshot_bytes: does nothing with backend={self.backend} (the native engine's "
                              "sessions only); remove it or use backend=native")
         for name in ("num_slots", "num_pages"):
             if getattr(self, name) is not None and getattr(self, name) < 1:

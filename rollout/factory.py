@@ -51,7 +51,7 @@ def build_engine(cfg, model, tokenizer, stop_ids: list[int], *, lora=None, adapt
 
 
 def _load(engine, adapter: Mapping[str, Any], lora, merge) -> None:
-    if engine.backend == "sglang" and engine.push == "merged":
+    if engine.push == "merged":
         if merge is None:
             raise ValueError("build_engine: sglang.push=merged serves an adapter merged into the base weights; pass "
                              "merge (the base weights for the adapter tensors)")

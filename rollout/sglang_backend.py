@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from miles_k3.model.lora import lora_scale
-from miles_k3.rollout.api import SGLANG_MEMORY_TAGS, Record, VersionedEngine, check_tags, sample_meta
+from miles_k3.rollout.api import BACKEND_CAPABILITIES, Record, VersionedEngine, check_tags, sample_meta
 from miles_k3.rollout.requests import generate_requests
 from miles_k3.rollout.sglang_config import SGLangConfig
 from miles_k3.rollout.sglang_k3 import K3Checkpoint, k3_checkpoint, moe_runner, resolve_push
@@ -164,6 +164,7 @@ class SGLangEngine(VersionedEngine):
     sglang.Engine (tests pass a double)."""
 
     backend = "sglang"
+    capabilities = BACKEND_CAPABILITIES[backend]  # generate, push and release only
     push_needs_memory = True  # a push's parity probe runs a request: the loop resumes memory before it
 
     def __init__(self, cfg: SGLangConfig, model_path: str, lora=None, seed: int = 0, tokenizer: Any = None,
@@ -382,7 +383,7 @@ class SGLangEngine(VersionedEngine):
         return {"output_ids": ids, "meta_info": record_meta}
 
     def _check_tags(self, tags: list[str] | None) -> list[str]:
-        tags = check_tags(tags, SGLANG_MEMORY_TAGS, "sglang")
+        tags = check_tags(tags, self.capabilities.memory_tags, self.backend)
         if not self.cfg.enable_memory_saver:
             raise ValueError("release/resume_memory_occupation: needs sglang.enable_memory_saver=true")
         if "weights" in tags and not self.cfg.enable_weights_cpu_backup:

@@ -18,6 +18,7 @@ from miles_k3.config import compose_config
 from miles_k3.envs.env import EnvConfig
 from miles_k3.evals.problems import Problem
 from miles_k3.evals.rewards import RewardResult
+from miles_k3.rollout.api import EngineCapabilities
 from miles_k3.serve import eval_engine
 from miles_k3.trainer.rollouts import PromptStream, RolloutConfig, collect_rollouts
 
@@ -181,6 +182,7 @@ class HeldEngine:
     worker thread), so a test can close an episode while its turn runs."""
 
     max_context = 96
+    capabilities = EngineCapabilities()  # it only generates
 
     def __init__(self):
         self.hold, self.calls = __import__("threading").Event(), 0

@@ -12,6 +12,7 @@ from miles_k3.evals.datasets import DatasetConfig, load_problems
 from miles_k3.evals.harness import EvalConfig
 from miles_k3.evals.problems import DatasetError, Problem
 from miles_k3.model.build import ModelConfig, build_tokenizer
+from miles_k3.rollout.api import EngineCapabilities
 from miles_k3.sft import guess_transcript
 from miles_k3.trainer.episode_eval import evaluate_episodes
 from miles_k3.trainer.episodes import Episode, first_prompt, run_turns
@@ -101,6 +102,7 @@ class ScriptedEngine:
     """Answers call k's request r with `script[k][r]` (token ids, EOS included); records the prompts."""
 
     max_context = 96
+    capabilities = EngineCapabilities()  # it only generates: every turn is prefilled whole
 
     def __init__(self, script):
         self.script, self.calls = script, []

@@ -12,6 +12,7 @@ import torch
 from miles_k3.envs.env import EnvConfig, Environment, StepResult, build_env, register_env
 from miles_k3.evals.problems import Problem
 from miles_k3.evals.rewards import RewardResult
+from miles_k3.rollout.api import EngineCapabilities
 from miles_k3.trainer.batch import pack
 from miles_k3.trainer.rollouts import PromptStream, RolloutConfig, collect_rollouts
 
@@ -48,6 +49,7 @@ class Engine:
     max_new_tokens is cut there, finish reason "length" (as the engine does)."""
 
     max_context = 256
+    capabilities = EngineCapabilities()  # it only generates: every turn is prefilled whole
 
     def __init__(self, script, cut=False):
         self.script, self.calls, self.cut = script, [], cut

@@ -13,6 +13,7 @@ import torch
 
 from miles_k3.evals.problems import Problem
 from miles_k3.evals.rewards import RewardResult
+from miles_k3.rollout.api import EngineCapabilities
 from miles_k3.trainer.batch import Sample
 from miles_k3.trainer.losses import LossConfig, policy_loss
 from miles_k3.trainer.partial import PartialRollouts, check_versions
@@ -46,6 +47,8 @@ class Stream:
 class ScriptedEngine:
     """submit / run / cancel / queue_state / load_queue_state of the native engine, scripted (see the module
     docstring); `version` is the weight version a push would set."""
+
+    capabilities = EngineCapabilities(partial_queue=True)
 
     def __init__(self):
         self.version, self.next_gid, self.queue, self.params = 0, 0, [], {}

@@ -488,11 +488,14 @@ def test_reward_mean_leaves_out_the_samples_whose_reward_failed(judge):
     of the loss with advantage 0, and the others' baseline is over the three scored ones."""
     from miles_k3.evals.problems import Problem
     from miles_k3.model.tokenizer import small_tokenizer
+    from miles_k3.rollout.api import EngineCapabilities
     from miles_k3.trainer.rollouts import PromptStream, RolloutConfig, collect_rollouts
 
     tok = small_tokenizer(300)
 
     class Engine:  # a scripted double of RolloutEngine.generate: every sample answers "7" in 2 tokens
+        capabilities = EngineCapabilities()  # it only generates
+
         def generate(self, input_ids, sampling_params, n, return_logprob, lora, return_routed_experts=False):
             ids = tok.encode("7")
             return [{"output_ids": ids, "meta_info": {"finish_reason": {"type": "stop"}, "weight_version": 0,

@@ -1,14 +1,21 @@
-"""The rollout contract (`miles_k3.rollout.api`): the version rule, the memory tags, the records, and that both
-engines (native on k3_tiny, SGLang over the recorded-interface double) satisfy the `Engine` protocol."""
+"""The rollout contract (`miles_k3.rollout.api`): the version rule, the memory tags, the records, that both
+engines (native on k3_tiny, SGLang over the recorded-interface double) satisfy the `Engine` protocol, and that what
+an engine can do is declared (`EngineCapabilities`) and asked, by the config checks as by the engines' callers."""
+import dataclasses
+
 import pytest
 import torch
 
+from miles_k3.config import ConfigFieldError, compose_config
 from miles_k3.model import K3Config, K3ForCausalLM
 from miles_k3.rollout.api import (
+    BACKEND_CAPABILITIES,
     NATIVE_MEMORY_TAGS,
     SGLANG_MEMORY_TAGS,
     Engine,
+    EngineCapabilities,
     VersionedEngine,
+    capabilities,
     check_forward,
     check_tags,
     error_record,
@@ -83,3 +90,34 @@ def test_engines_setters_refuse_an_older_version(native):
     native.weight_version = 2
     with pytest.raises(ValueError, match="engine serves version 2, the new version is 1"):
         native.weight_version = 1
+
+
+def test_each_backend_declares_what_it_can_do_and_the_config_asks_that_not_its_name(native, monkeypatch):
+    """The table, by hand: the native engine runs over this process's model, keeps a conversation's state, queues
+    partial rollouts, records routes, reports unfiltered log-probs and times its phases; SGLang's offline Engine
+    does none of these and can also release its weights. Each engine carries its backend's entry. A backend that
+    keeps no state (here: the native engine's entry without `keeps_state`, under a name of its own) is refused a
+    multi-turn env.keep_state run by that capability alone, and one with the native engine's entry under another
+    name is not."""
+    nat, sgl = capabilities("native"), capabilities("sglang")
+    assert (nat.in_process_model, nat.keeps_state, nat.partial_queue, nat.records_routes, nat.unfiltered_logprobs,
+            nat.timing, nat.memory_tags) == (True, True, True, True, True, True, ("kv_cache", "cuda_graph"))
+    assert (sgl.in_process_model, sgl.keeps_state, sgl.partial_queue, sgl.records_routes, sgl.unfiltered_logprobs,
+            sgl.timing, sgl.memory_tags) == (False, False, False, False, False, False,
+                                             ("kv_cache", "weights", "cuda_graph"))
+    assert native.capabilities is nat and double_engine().capabilities is sgl
+    assert not any(dataclasses.astuple(EngineCapabilities()))  # the default: an engine that only generates
+    with pytest.raises(ValueError, match=r"^backend: 'vllm' is not one of native, sglang$"):
+        capabilities("vllm")
+
+    multi_turn = ["env=guess", "env.max_turns=3"]
+    assert compose_config("train", multi_turn).env.keep_state  # the native engine: allowed
+    monkeypatch.setitem(BACKEND_CAPABILITIES, "forgetful", dataclasses.replace(nat, keeps_state=False))
+    with pytest.raises(ConfigFieldError, match=r"^env.keep_state: keeping an episode's state in the engine between "
+                                               r"turns needs engine.backend=native \(the forgetful engine keeps no "
+                                               r"state between requests\); set env.keep_state=false$"):
+        compose_config("train", [*multi_turn, "engine.backend=forgetful"])
+    cfg = compose_config("train", [*multi_turn, "engine.backend=forgetful", "env.keep_state=false"])
+    assert cfg.engine.backend == "forgetful"  # the rest of the forgetful engine's run is the native one's
+    monkeypatch.setitem(BACKEND_CAPABILITIES, "rememberer", nat)  # another name, the native engine's capabilities
+    assert compose_config("train", [*multi_turn, "engine.backend=rememberer"]).env.keep_state

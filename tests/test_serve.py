@@ -23,6 +23,7 @@ openai = pytest.importorskip("openai")
 import httpx  # after the skips: the serve extra
 
 from miles_k3.config import ConfigFieldError, compose_config
+from miles_k3.rollout.api import EngineCapabilities
 from miles_k3.rollout.server import ServerConfig, ServerConfigError, build_app, render_messages
 from miles_k3.serve import eval_engine, is_loopback
 
@@ -39,7 +40,7 @@ class ScriptedEngine:
     def __init__(self, engine):
         self.engine, self.script, self.prompts, self.gate = engine, [], [], None
 
-    keeps_sessions = True  # the real engine's sessions; scripted outputs have none (each turn gets no session id)
+    capabilities = EngineCapabilities(keeps_state=True)  # the real engine's; scripted outputs keep none (no id)
 
     @property
     def max_context(self):

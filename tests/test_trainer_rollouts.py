@@ -6,6 +6,7 @@ import pytest
 from miles_k3.evals.problems import Problem
 from miles_k3.evals.rewards import RewardResult
 from miles_k3.model.tokenizer import small_tokenizer
+from miles_k3.rollout.api import EngineCapabilities
 from miles_k3.trainer.rollouts import (
     PromptStream,
     RolloutConfig,
@@ -21,6 +22,8 @@ PROBLEMS = [Problem(f"p{i}", f"problem number {i}", str(i)) for i in range(5)]
 class Scripted:
     """Sample j of a prompt with seed s answers its gold when (s + j) % 2 == 0, else 999; problem 'p0' always
     answers 999 (a flat group); it stops by length when (s + j) % 3 == 0 (8 tokens), else after 4 tokens."""
+
+    capabilities = EngineCapabilities()  # it only generates
 
     def __init__(self):
         self.seeds = []
@@ -99,6 +102,8 @@ def test_dynamic_sampling_drops_flat_groups_and_refills():
 class Lengths:
     """Each prompt's sample j is `lengths[j]` tokens of 'a' (a wrong answer) or, where `right[j]`, the gold
     followed by padding; it stops by length at max_new_tokens, else by eos."""
+
+    capabilities = EngineCapabilities()  # it only generates
 
     def __init__(self, lengths, right, max_new_tokens, unfiltered=None):
         self.lengths, self.right, self.max_new, self.unfiltered = lengths, right, max_new_tokens, unfiltered

@@ -198,8 +198,9 @@ def first_turns(engine, tokenizer, drawn: list[tuple[int, Problem]], seeds: list
 
 
 def keeps_state(engine, env_cfg: EnvConfig) -> bool:
-    """Whether episodes run as engine sessions (multi-turn, env.keep_state, an engine with sessions)."""
-    return env_cfg.max_turns > 1 and env_cfg.keep_state and getattr(engine, "keeps_sessions", False)
+    """Whether episodes run as engine sessions (multi-turn, env.keep_state, an engine that keeps state:
+    `capabilities.keeps_state`)."""
+    return env_cfg.max_turns > 1 and env_cfg.keep_state and engine.capabilities.keeps_state
 
 
 def session_args(engine, env_cfg: EnvConfig) -> dict:
@@ -361,11 +362,11 @@ def apply_outcome(ep: Episode, res: StepResult | tuple[str, str], tokenizer, env
 
 
 def engine_counts(engine) -> dict[str, float]:
-    """The native engine's prefill and session counters now ({} for an engine without them): `env_totals` takes
-    the difference over a step's rollouts."""
-    stats = getattr(engine, "session_stats", None)
-    if stats is None:
+    """The native engine's prefill and session counters now ({} for an engine that keeps no state, so has none):
+    `env_totals` takes the difference over a step's rollouts."""
+    if not engine.capabilities.keeps_state:
         return {}
+    stats = engine.session_stats
     return {"env_prefill_tokens": float(stats["prefill_tokens"]), "env_kept_tokens": float(stats["kept_tokens"]),
             "env_recomputed_turns": float(stats["recomputed"]), "env_restored_turns": float(stats["restored"])}
 

@@ -46,7 +46,7 @@ def generate_turn(engine, prompts: list[list[int]], params: list[dict], n: int, 
     i * n + j. On an engine with sessions (the native one) every sample's state is kept between its turns
     (`meta_info["session_id"]`): `sessions[i]`, the engine session prompt i continues, prefills only its new
     tokens."""
-    if not getattr(engine, "keeps_sessions", False):
+    if not engine.capabilities.keeps_state:
         return engine.generate(input_ids=prompts, sampling_params=params, n=n, return_logprob=True, lora=lora)
     return engine.generate(input_ids=prompts, sampling_params=params, n=n, return_logprob=True, lora=lora,
                            keep_state=True, sessions=sessions or [None] * len(prompts))
@@ -56,10 +56,10 @@ class Server:
     """The endpoints' logic over one engine and tokenizer (no HTTP here: `app.build_app` wraps it)."""
 
     def __init__(self, engine, tokenizer, cfg: ServerConfig, lora: str | None = None, api_key: str | None = None):
-        """`engine`: a native `RolloutEngine`, or anything with its `generate`, `max_context` and `close_sessions`;
-        `lora`: the engine's adapter name to generate with (None: the base); `api_key`: the bearer token every
-        request but an episode's must carry (the in-training server's random one); None: the value of
-        cfg.api_key_env's variable, if set. ServerConfigError when cfg.chat_format needs a chat template the
+        """`engine`: a native `RolloutEngine`, or anything with its `generate`, `max_context`, `capabilities` and
+        (with `capabilities.keeps_state`) `close_sessions`; `lora`: the engine's adapter name to generate with
+        (None: the base); `api_key`: the bearer token every request but an episode's must carry (the in-training
+        server's random one); None: the value of cfg.api_key_env's variable, if set. ServerConfigError when cfg.chat_format needs a chat template the
         tokenizer lacks."""
         cfg.check_tokenizer(tokenizer)
         self.engine, self.tokenizer, self.lora = engine, tokenizer, lora
