@@ -66,7 +66,7 @@ from miles_k3.model.routing import replaying
 from miles_k3.rollout.engine import RolloutEngine
 from miles_k3.rollout.engine_config import EngineConfig
 from miles_k3.trainer.batch import Sample, micro_batches, pack
-from miles_k3.trainer.losses import token_logprobs
+from miles_k3.trainer.logprobs import token_logprobs
 from miles_k3.trainer.rollouts import RolloutConfig
 from miles_k3.trainer.scoring import to_sample as _sample
 from miles_k3.trainer.step import _eval_mode, _mismatch_frac

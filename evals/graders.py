@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from miles_k3.evals.answers import extract_answer, final_segment, normalize_integer
+from miles_k3.utils.registry import check_unclaimed
 
 MAX_RESPONSE_CHARS = 32_000
 AIME_RANGE = (0, 999)
@@ -64,15 +65,10 @@ def register_grader(name: str, *, warmup: tuple[str, str] | None = None) -> Call
     """
     def deco(fn: Grader) -> Grader:
         old = _GRADERS.get(name)
-        if old is not None and _qualname(old.fn) != _qualname(fn):
-            raise ValueError(f"grader '{name}' is already registered (by {_qualname(old.fn)}); pick another name")
+        check_unclaimed("grader", name, old.fn if old is not None else None, fn)
         _GRADERS[name] = _Entry(fn, warmup)
         return fn
     return deco
-
-
-def _qualname(fn: Grader) -> str:
-    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', fn)}"
 
 
 def get_grader(name: str) -> Grader:

@@ -21,6 +21,7 @@ from miles_k3.evals.answers import RESPONSE_CHANNELS
 from miles_k3.evals.graders import MAX_RESPONSE_CHARS, Grade
 from miles_k3.evals.grading_pool import GradingPool
 from miles_k3.evals.remote_reward import RemoteReward, RemoteRewardConfig
+from miles_k3.utils.registry import check_unclaimed
 
 
 @dataclass
@@ -133,16 +134,10 @@ def register_reward(name: str) -> Callable[[RewardFactory], RewardFactory]:
     """Decorator: register `factory(cfg: RewardConfig) -> RewardFn` as reward `name` (one factory per name; the
     same function registering again, e.g. its module imported twice, is fine)."""
     def deco(factory: RewardFactory) -> RewardFactory:
-        old = _REWARDS.get(name)
-        if old is not None and _qualname(old) != _qualname(factory):
-            raise ValueError(f"reward '{name}' is already registered (by {_qualname(old)}); pick another name")
+        check_unclaimed("reward", name, _REWARDS.get(name), factory)
         _REWARDS[name] = factory
         return factory
     return deco
-
-
-def _qualname(fn) -> str:
-    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', fn)}"
 
 
 def reward_names() -> list[str]:

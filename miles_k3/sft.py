@@ -78,7 +78,7 @@ from miles_k3.rollout.engine import RolloutEngine
 from miles_k3.rollout.factory import POLICY, build_engine
 from miles_k3.trainer.batch import Sample, TrainBatch, micro_batches, pack
 from miles_k3.trainer.episode_eval import EpisodeEvalHook
-from miles_k3.trainer.losses import token_logprobs
+from miles_k3.trainer.logprobs import token_logprobs
 from miles_k3.trainer.optim import BadStepGuard, OptimConfig, build_optimizer, build_scheduler, optimizer_step
 from miles_k3.trainer.rollouts import PromptStream
 from miles_k3.utils.atomic import atomic_write_text

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from miles_k3.trainer import losses
-from miles_k3.trainer.losses import LossConfig, policy_loss, token_logprobs, token_logprobs_and_entropy
+from miles_k3.trainer.logprobs import token_logprobs, token_logprobs_and_entropy
+from miles_k3.trainer.losses import LossConfig, policy_loss
 
 
 def token_entropy(logits, chunk_size=256):

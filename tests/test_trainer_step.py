@@ -14,7 +14,8 @@ import torch
 from miles_k3.model import K3Config, K3ForCausalLM
 from miles_k3.model.lora import LoRAConfig, apply_lora, lora_parameters, lora_state_dict
 from miles_k3.trainer.batch import Sample
-from miles_k3.trainer.losses import LossConfig, token_logprobs
+from miles_k3.trainer.logprobs import token_logprobs
+from miles_k3.trainer.losses import LossConfig
 from miles_k3.trainer.optim import BadStepGuard, OptimConfig, build_optimizer, build_scheduler
 from miles_k3.trainer.step import TrainerConfig, fill_old_logprobs, sequence_logprobs, train_step
 

@@ -50,7 +50,8 @@ from miles_k3.parallel.lockstep import Lockstep
 from miles_k3.parallel.mesh import SINGLE, ParallelContext
 from miles_k3.parallel.reduce import all_ranks, gather, max_over, sum_over, world_of
 from miles_k3.trainer.batch import Sample, micro_batches, pack
-from miles_k3.trainer.losses import LossConfig, policy_loss, token_logprobs, token_logprobs_and_entropy
+from miles_k3.trainer.logprobs import token_logprobs, token_logprobs_and_entropy
+from miles_k3.trainer.losses import LossConfig, policy_loss
 from miles_k3.trainer.optim import OptimConfig, optimizer_step
 
 OLD_LOGPROBS = ("recompute", "rollout")

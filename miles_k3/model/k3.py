@@ -11,7 +11,7 @@ returning one) and `step` (one decode token per request from a `K3State`); they 
 
 Tensor parallelism (`miles_k3.model.parallelize`) shards the vocabulary: each rank holds
 rows [start, end) of the embedding (ids outside give 0, summed over the group) and of the lm_head. `forward` then
-returns this rank's logits [B, T, V/tp] (the loss is vocab-parallel: `trainer.losses.token_logprobs` with
+returns this rank's logits [B, T, V/tp] (the loss is vocab-parallel: `trainer.logprobs.token_logprobs` with
 `vocab_shard`); `step` returns the gathered logits [B, V] for the sampler.
 
 Legend: B batch, T tokens, D hidden, V vocabulary.
