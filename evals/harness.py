@@ -104,7 +104,7 @@ class EvalConfig:
 
 
 @dataclass
-class SampleRecord:
+class GradedSample:
     """One graded completion (a row of results.jsonl)."""
 
     id: str
@@ -123,7 +123,7 @@ class SampleRecord:
 
 @dataclass
 class EvalResult:
-    records: list[SampleRecord]
+    records: list[GradedSample]
     summary: dict[str, Any]
 
     def metrics(self, prefix: str = "eval/") -> dict[str, float]:
@@ -243,14 +243,14 @@ def _redrawn(bar, every_s: float):
         thread.join()
 
 
-def _record(p: Problem, j: int, prompt: str, response: str, g: Grade, out: dict) -> SampleRecord:
+def _record(p: Problem, j: int, prompt: str, response: str, g: Grade, out: dict) -> GradedSample:
     meta = out.get("meta_info", {})
     finish = meta.get("finish_reason") or {}
-    return SampleRecord(p.id, j, prompt, response, g.extracted, g.normalized, p.answer, g.score, g.reason,
+    return GradedSample(p.id, j, prompt, response, g.extracted, g.normalized, p.answer, g.score, g.reason,
                         finish.get("type", "unknown"), len(out["output_ids"]), meta.get("weight_version"))
 
 
-def outcomes_by_problem(records: list[SampleRecord]) -> dict[str, list[SampleOutcome]]:
+def outcomes_by_problem(records: list[GradedSample]) -> dict[str, list[SampleOutcome]]:
     """The records as `metrics.summarize` takes them: per problem id, its samples' outcomes in order."""
     out: dict[str, list[SampleOutcome]] = {}
     for r in records:

@@ -17,7 +17,7 @@ from pathlib import Path
 from miles_k3.evals.datasets import DatasetConfig, load_problems
 from miles_k3.evals.graders import MAX_RESPONSE_CHARS, grader_names
 from miles_k3.evals.grading_pool import GradingPool
-from miles_k3.evals.harness import EvalResult, SampleRecord, outcomes_by_problem, write_reports
+from miles_k3.evals.harness import EvalResult, GradedSample, outcomes_by_problem, write_reports
 from miles_k3.evals.metrics import summarize
 from miles_k3.evals.problems import DatasetError
 from miles_k3.evals.textfile import numbered_lines, utf8_text
@@ -71,7 +71,7 @@ def regrade(data: DatasetConfig, responses: dict[str, list[str]], grader: str, t
     with GradingPool(grader, timeout_s=timeout_s, workers=workers, channel=channel,
                      max_chars=MAX_RESPONSE_CHARS) as pool:
         grades = pool.grade([responses[i][j] for i, j in keys], [gold[i].answer for i, _ in keys])
-    records = [SampleRecord(i, j, "", responses[i][j], g.extracted, g.normalized, gold[i].answer, g.score,
+    records = [GradedSample(i, j, "", responses[i][j], g.extracted, g.normalized, gold[i].answer, g.score,
                             g.reason, "unknown", 0, None) for (i, j), g in zip(keys, grades)]
     summary = summarize(outcomes_by_problem(records), ks=ks)
     summary.update(grader=grader, data=data.source, missing_ids=sorted(set(gold) - set(responses)))

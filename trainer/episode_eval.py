@@ -36,7 +36,7 @@ from miles_k3.evals.harness import (
     EvalConfig,
     EvalHook,
     EvalResult,
-    SampleRecord,
+    GradedSample,
     log_eval,
     outcomes_by_problem,
     write_reports,
@@ -58,7 +58,7 @@ did not parse or failed)."""
 
 
 @dataclass
-class EpisodeRecord(SampleRecord):
+class EpisodeRecord(GradedSample):
     """One evaluated episode (a row of results.jsonl): `response` is everything after the prompt (turns and
     observations), `extracted` the final turn's text, `finish_reason` how the episode ended (episodes.END_REASONS)."""
 
