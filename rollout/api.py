@@ -8,7 +8,8 @@ trainer, the evals, the config checks and the tests read this contract without b
   the config checks ask before an engine exists) and on every engine (`engine.capabilities`, which run-time callers
   ask). Backend names are compared in this table and in the factory that builds the engine, nowhere else.
 * `KeptStateEngine`, `PartialQueue`: the optional interfaces two capabilities stand for (`keeps_state`: a
-  conversation's state kept between its turns; `partial_queue`: partial rollouts served across pushes).
+  conversation's state kept between its turns; `partial_queue`: `engine.queue`, partial rollouts served across
+  pushes).
 * `generate(...)` returns one record per sample, prompt i's sample j at i * n + j: a `SampleRecord`
   {output_ids, meta_info: `MetaInfo`} or an `ErrorRecord` {error, meta_info: {finish_reason: {type: abort,
   message}}}. The `meta_info` keys are SGLang's, so a caller reads both engines alike.
@@ -198,8 +199,8 @@ class KeptStateEngine(Protocol):
 
 @runtime_checkable
 class PartialQueue(Protocol):
-    """The partial-rollout queue of an engine with `capabilities.partial_queue`: groups (a prompt's `n` samples)
-    queued across calls, served by `run` until K finish, the unfinished ones retracted to the front (their tokens kept) and
+    """`engine.queue` of an engine with `capabilities.partial_queue`: groups (a prompt's `n` samples) queued across
+    calls, served by `run` until K finish, the unfinished ones retracted to the front (their tokens kept) and
     continued by the next run under the weights it serves."""
 
     def submit(self, input_ids: list[list[int]], sampling_params: dict | list[dict] | None = None, n: int = 1,
@@ -212,6 +213,12 @@ class PartialQueue(Protocol):
             until: Callable[[], bool] | None = None,
             on_finished: Callable[[int, list[Record]], None] | None = None) -> list[tuple[int, list[Record]]]:
         """Serve the queue until the stop condition; (group id, its records) of each group finished."""
+        ...
+
+    @property
+    def retracted(self) -> Any:
+        """What the last `run` retracted at its stop: `requests`, `tokens` (of state the next run recomputes),
+        `bytes` (of the slots and pages they held)."""
         ...
 
     def cancel(self, group_ids: Iterable[int]) -> None: ...

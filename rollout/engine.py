@@ -12,11 +12,10 @@ last token (one batched step per adapter) and samples the next (`sampling.sample
 preempted and later recomputed from its tokens (its noise keys do not change, so neither do its samples). A
 bad request gets an error entry; the others are served.
 
-Partial rollouts (off-policy mode): `submit` queues groups (a prompt's `n` samples) in a queue of the engine's own,
-kept across calls; `run` serves it until K groups have finished, then retracts the unfinished requests (their slots
-and pages freed, their tokens, log-probs, versions and routes kept on the host) to the front of the queue, and the
-next `run`, after a push, recomputes them from their tokens under the new weights. Each output token records the
-weight version that sampled it (`output_token_weight_versions`). `generate` never serves or touches the queue.
+Partial rollouts (off-policy mode): `engine.queue` (`partial_queue.py`) queues groups across calls and serves them
+until K have finished; the unfinished ones are retracted and continued by the next run under the weights it serves.
+Each output token records the weight version that sampled it (`output_token_weight_versions`). `generate` never
+serves or touches the queue.
 
 Decode modes (`EngineConfig.decode`): eager (the reference: `model.step` on pooled copies), static and graph
 (`graph_decode.py`: a fixed-shape step writing the pools directly, captured per batch bucket on CUDA).
@@ -34,11 +33,10 @@ rank then calls `generate` the same number of times (a rank with no prompts of i
 """
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import threading
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -56,18 +54,20 @@ from miles_k3.rollout.api import (
     sample_meta,
 )
 from miles_k3.rollout.engine_config import EngineConfig
+from miles_k3.rollout.partial_queue import RolloutQueue
 from miles_k3.rollout.push_copy import check_tensors
 from miles_k3.rollout.requests import Request, generate_requests
 from miles_k3.rollout.runner import ModelRunner
-from miles_k3.rollout.sampling import FinishReason, SamplingParams
+from miles_k3.rollout.sampling import SamplingParams
 from miles_k3.rollout.scheduler import Scheduler
 
 
 class RolloutEngine(VersionedEngine):
     """generate / load_lora_adapter_from_tensors / update_weights_from_tensor / weight_version / flush_cache /
     pause_generation / continue_generation / release_memory_occupation / resume_memory_occupation / close
-    (`rollout.api.Engine`), and the partial rollouts' queue (native only): submit / run / cancel / queued_groups /
-    queue_state / load_queue_state."""
+    (`rollout.api.Engine`), kept state across a conversation's turns (`rollout.api.KeptStateEngine`), and the
+    partial rollouts' queue, `queue` (`rollout.api.PartialQueue`: submit / run / cancel / queued_groups /
+    queue_state / load_queue_state)."""
 
     backend = "native"
     capabilities = BACKEND_CAPABILITIES[backend]  # kept state, the partial queue, routes, timing, ...
@@ -95,13 +95,8 @@ class RolloutEngine(VersionedEngine):
         self._rids = itertools.count()
         self._released: set[str] = set()  # memory tags released and not resumed yet
         self._active = 0  # generate() / run() calls in flight (other threads may pause, push weights, release)
-        # partial rollouts (submit / run): the queued groups' entries (a group, or a retracted request alone), the
-        # samples already finished of each group not finished yet (by group id: n and {index: request}), the next
-        # group id, and whether a run() is serving the queue
-        self._queue: deque[list[Request]] = deque()
-        self._groups: dict[int, tuple[int, dict[int, Request]]] = {}
-        self._next_group = 0
-        self._serving = False
+        self.queue = RolloutQueue(self)
+        """The partial rollouts' queue, kept across calls (`partial_queue.py`)."""
 
     # ---- what the runner and the scheduler hold, read by callers and tests ------------------------------------
     @property
@@ -133,12 +128,6 @@ class RolloutEngine(VersionedEngine):
     @property
     def lockstep(self):
         return self.runner.lockstep
-
-    @property
-    def retracted(self):
-        """The requests the last `run` retracted at its stop (`runner.Retracted`: how many, the tokens of state the
-        next run recomputes, the bytes of the slots and pages they held)."""
-        return self.runner.retracted
 
     @property
     def num_preempted(self) -> int:
@@ -176,12 +165,8 @@ class RolloutEngine(VersionedEngine):
         recomputed instead when it gave way for memory, or the weights, adapter or route recording changed). A
         session continued without `keep_state` ends with that turn; `close_sessions` ends the others.
         """
-        ids, params, loras = generate_requests(input_ids, prompts, sampling_params, n, lora, self.tokenizer,
-                                               self._released)
-        if return_routed_experts and not self.runner.num_moe:
-            raise ValueError("return_routed_experts: this model has no MoE layers, so there are no routes")
-        if sessions is not None and len(sessions) != len(ids):
-            raise ValueError(f"sessions: one entry per prompt ({len(ids)}), got {len(sessions)}")
+        ids, params, loras = self._checked(input_ids, prompts, sampling_params, n, lora, return_routed_experts,
+                                           sessions)
         results: list[dict | None] = [None] * (len(ids) * n)
         groups = deque()
         for i, (p, sp, name) in enumerate(zip(ids, params, loras)):
@@ -197,10 +182,29 @@ class RolloutEngine(VersionedEngine):
         try:
             self.scheduler.run(groups, lambda req: results.__setitem__(req.index, self._result(req, return_logprob)))
         finally:
-            self._active -= 1
-            if not self._active:  # every request of every call has its routes in its result
-                self.runner.route_log.clear()
+            self._call_ends()
         return results
+
+    def _checked(self, input_ids: list[list[int]] | None, prompts: list[str] | None,
+                 sampling_params: dict | list[dict] | None, n: int, lora: str | list[str | None] | None,
+                 return_routed_experts: bool, sessions: list[int | None] | None
+                 ) -> tuple[list[list[int]], list[dict | None], list[str | None]]:
+        """The prompts' ids, sampling params and adapters of a `generate` or a `queue.submit`, the call's arguments
+        checked (ValueError naming the bad one)."""
+        ids, params, loras = generate_requests(input_ids, prompts, sampling_params, n, lora, self.tokenizer,
+                                               self._released)
+        if return_routed_experts and not self.runner.num_moe:
+            raise ValueError("return_routed_experts: this model has no MoE layers, so there are no routes")
+        if sessions is not None and len(sessions) != len(ids):
+            raise ValueError(f"sessions: one entry per prompt ({len(ids)}), got {len(sessions)}")
+        return ids, params, loras
+
+    def _call_ends(self) -> None:
+        """A `generate` or a queue's `run` has ended; after the last one in flight the route log is cleared (every
+        request of every call has its routes in its records, or on the host)."""
+        self._active -= 1
+        if not self._active:
+            self.runner.route_log.clear()
 
     def close_sessions(self, session_ids: Iterable[int]) -> None:
         """End these sessions (their parked state freed); an id not open is a ValueError naming it (the ids before
@@ -256,186 +260,6 @@ class RolloutEngine(VersionedEngine):
         head.weight_versions = set(parked.versions)
         if head.record:
             head.routes, head.num_routed = list(parked.routes), parked.num_routed
-
-    # ---- partial rollouts: a persistent queue served across runs ------------------------------------------
-    def submit(self, input_ids: list[list[int]], sampling_params: dict | list[dict] | None = None, n: int = 1,
-               lora: str | list[str | None] | None = None, return_routed_experts: bool = False,
-               keep_state: bool = False, sessions: list[int | None] | None = None) -> list[int]:
-        """Queue each prompt's `n` samples as a group (behind the groups queued already) for `run`; returns the new
-        group ids (increasing from 0 over the engine's life). The arguments are checked as `generate` checks them;
-        a bad prompt (empty, a token outside the vocabulary, prompt + max_new_tokens over max_context, bad sampling
-        params, an unknown adapter, a bad session continuation) is a ValueError naming it ("request i", i its place
-        in this call), and then nothing is queued. A prompt without `sampling_seed` draws its seed here.
-        `keep_state` / `sessions`: as `generate`'s (a multi-turn episode's turns)."""
-        ids, params, loras = generate_requests(input_ids, None, sampling_params, n, lora, self.tokenizer,
-                                               self._released)
-        if return_routed_experts and not self.runner.num_moe:
-            raise ValueError("return_routed_experts: this model has no MoE layers, so there are no routes")
-        if sessions is not None and len(sessions) != len(ids):
-            raise ValueError(f"sessions: one entry per prompt ({len(ids)}), got {len(sessions)}")
-        with self._lock:
-            groups = [self._make_group(i, n, p, sp, name, return_routed_experts)
-                      for i, (p, sp, name) in enumerate(zip(ids, params, loras))]
-            for i, group in enumerate(groups):
-                self._attach_session(group, None if sessions is None else sessions[i], keep_state)
-            new = []
-            for group in groups:
-                gid = self._next_group
-                self._next_group += 1
-                for j, req in enumerate(group):
-                    req.index, req.group = j, gid
-                self._groups[gid] = (n, {})
-                self._queue.append(group)
-                new.append(gid)
-            return new
-
-    def run(self, finished_groups: int | None = None, must_finish: Iterable[int] = (),
-            return_logprob: bool = True, until: Callable[[], bool] | None = None,
-            on_finished: Callable[[int, list[Record]], None] | None = None) -> list[tuple[int, list[Record]]]:
-        """Serve the queue (`submit`) until at least `finished_groups` groups have finished all their samples in
-        this run and every group id in `must_finish` has (None: until the queue is empty); then the running requests
-        are retracted (their slots and pages freed, their tokens kept) and stay queued, first, for the next run,
-        which recomputes their state from their tokens under the weights it serves (each output token records the
-        version that sampled it: `output_token_weight_versions`). Returns (group id, the group's n records in sample
-        order) for each group finished in this run, in the order they finished (with their last sample). A condition
-        that holds before the first step runs nothing; a queue that empties first returns what finished.
-
-        `until`: the stop condition instead (checked at the same points). `on_finished(group id, records)`: called
-        for each group as it finishes, within the run, instead of returning it; it may `submit` groups, which join
-        the queue this run serves (a multi-turn episode's next turn)."""
-        must = list(must_finish)
-        if finished_groups is not None and finished_groups < 0:
-            raise ValueError(f"run: finished_groups must be >= 0 or None, got {finished_groups}")
-        if self._released:
-            raise RuntimeError(f"run: memory {sorted(self._released)} is released; call "
-                               "resume_memory_occupation() first")
-        finished: list[tuple[int, list[Record]]] = []
-        with self._lock:
-            if self._serving:
-                raise RuntimeError("run: another run() is serving the queue")
-            self._check_queued(must, "run: must_finish groups")
-            self._serving = True
-            self._active += 1
-            self.runner.retracted.reset()
-        left = set(must)
-
-        def done(req: Request) -> None:
-            req.keep_routes(self.runner.route_log)  # its records may be built after the log is cleared
-            n, samples = self._groups[req.group]
-            samples[req.index] = req
-            if len(samples) == n:
-                del self._groups[req.group]
-                records = [self._result(samples[j], return_logprob) for j in range(n)]
-                left.discard(req.group)
-                if on_finished is not None:
-                    on_finished(req.group, records)
-                else:
-                    finished.append((req.group, records))
-
-        stop = until
-        if until is None and finished_groups is not None:
-            def stop() -> bool:
-                return len(finished) >= finished_groups and not left
-        try:
-            self.scheduler.run(self._queue, done, stop)
-        finally:
-            with self._lock:
-                for entry in self._queue:  # preempted requests still hold rows of the log
-                    for req in entry:
-                        req.keep_routes(self.runner.route_log)
-                    if entry[0].kept:  # a session's turn never admitted: its kept state is freed
-                        self.runner.free(entry[0])
-                self._serving = False
-                self._active -= 1
-                if not self._active:
-                    self.runner.route_log.clear()
-        return finished
-
-    def cancel(self, group_ids: Iterable[int]) -> None:
-        """Drop these groups from the queue (all their requests, and their samples finished already); an id not
-        queued is a ValueError naming it (and nothing is dropped). Only between runs."""
-        ids = list(group_ids)
-        with self._lock:
-            if self._serving:
-                raise RuntimeError("cancel: a run() is serving the queue; cancel between runs")
-            self._check_queued(ids, "cancel: groups")
-            drop = set(ids)
-            self._queue = deque(e for e in self._queue if e[0].group not in drop)
-            for g in drop:
-                del self._groups[g]
-
-    def _check_queued(self, ids: list[int], what: str) -> None:
-        """ValueError `what` {ids not queued} naming the queued ones (none taken)."""
-        queued = set(self.queued_groups())
-        unknown = [g for g in ids if g not in queued]
-        if unknown:
-            raise ValueError(f"{what} {unknown} are not queued; queued: {sorted(queued)}")
-
-    def queued_groups(self) -> list[int]:
-        """The ids of the queued groups, in queue order (a group once, at its first entry)."""
-        with self._lock:
-            return list(dict.fromkeys(e[0].group for e in self._queue))
-
-    def queue_state(self) -> dict:
-        """The queue as plain data and host tensors (`torch.save` / `torch.load(weights_only=True)`), for
-        `load_queue_state` in another engine over the same model: {"next_group": int, "groups": [{"group", "n"}]
-        (every group not finished, in id order), "requests": [request dicts] (the queued requests, then the
-        finished samples of unfinished groups), "entries": [[indices into requests]] (the queue's entries in
-        order)}. A request: {group, index (its sample in the group), prompt, output, logprobs, unfiltered,
-        token_versions, weight_versions (sorted), finish (None while queued, else {type, matched}), key, lora,
-        record, routes (int16 [num_routed, L, K] or None), num_routed, cached, params (the SamplingParams fields)}.
-        Only between runs."""
-        with self._lock:
-            if self._serving:
-                raise RuntimeError("queue_state: a run() is serving the queue; save between runs")
-            reqs, entries = [], []
-            for entry in self._queue:
-                entries.append(list(range(len(reqs), len(reqs) + len(entry))))
-                reqs.extend(entry)
-            for _, (_, samples) in sorted(self._groups.items()):
-                reqs.extend(samples[j] for j in sorted(samples))
-            for req in reqs:
-                req.keep_routes(self.runner.route_log)
-            return {"next_group": self._next_group,
-                    "groups": [{"group": g, "n": n} for g, (n, _) in sorted(self._groups.items())],
-                    "requests": [_request_state(r) for r in reqs], "entries": entries}
-
-    def load_queue_state(self, state: dict) -> None:
-        """Rebuild a queue saved by `queue_state` (request ids renumbered). RuntimeError unless this engine's queue
-        is empty (no queued group, no unfinished group) and no run is serving; ValueError for an adapter this
-        engine does not serve."""
-        with self._lock:
-            if self._serving or self._queue or self._groups:
-                raise RuntimeError(f"load_queue_state: the queue is not empty (groups {sorted(self._groups)}); "
-                                   "cancel them or load into a fresh engine")
-            reqs = [self._request_from_state(d, i) for i, d in enumerate(state["requests"])]
-            groups = {g["group"]: (g["n"], {}) for g in state["groups"]}
-            in_queue = {i for e in state["entries"] for i in e}
-            for i, req in enumerate(reqs):
-                if req.group not in groups:
-                    raise ValueError(f"load_queue_state: request {i} belongs to group {req.group}, not listed in "
-                                     "the state's groups")
-                if i not in in_queue:
-                    if req.finish is None:
-                        raise ValueError(f"load_queue_state: request {i} is neither queued nor finished")
-                    groups[req.group][1][req.index] = req
-            self._groups = groups
-            self._queue = deque([reqs[i] for i in e] for e in state["entries"])
-            self.runner.sessions.adopt([r.session for r in reqs if r.session is not None])
-            self._next_group = max(self._next_group, state["next_group"])
-
-    def _request_from_state(self, d: dict, i: int) -> Request:
-        if not self.adapters.serves(d["lora"]):
-            raise ValueError(f"load_queue_state: request {i}: unknown LoRA adapter {d['lora']!r}; loaded: "
-                             f"{self.adapters.names()}")
-        finish = None if d["finish"] is None else FinishReason(**d["finish"])
-        return Request(next(self._rids), d["index"], list(d["prompt"]),
-                       SamplingParams.from_dict(d["params"], f"load_queue_state: request {i}"), d["key"], d["lora"],
-                       cached=d["cached"], output=list(d["output"]), logprobs=list(d["logprobs"]),
-                       unfiltered=list(d["unfiltered"]), finish=finish, weight_versions=set(d["weight_versions"]),
-                       record=d["record"], routes=[] if d["routes"] is None else [d["routes"]],
-                       num_routed=d["num_routed"], token_versions=list(d["token_versions"]), group=d["group"],
-                       session=d.get("session"))
 
     def load_lora_adapter_from_tensors(self, name: str, tensors: dict[str, torch.Tensor],
                                        config: LoRAConfig) -> None:
@@ -543,13 +367,3 @@ class RolloutEngine(VersionedEngine):
             meta["routed_experts"] = routes
         return {"output_ids": list(req.output), "meta_info": meta}
 
-
-def _request_state(req: Request) -> dict:
-    """A queued request as plain data (its routes, moved to the host before, as one int16 tensor or None)."""
-    assert not req.log_rows and req.slot is None, "a queued request holds no slot and no route-log rows"
-    return {"group": req.group, "index": req.index, "prompt": list(req.prompt), "output": list(req.output),
-            "logprobs": list(req.logprobs), "unfiltered": list(req.unfiltered),
-            "token_versions": list(req.token_versions), "weight_versions": sorted(req.weight_versions),
-            "finish": None if req.finish is None else req.finish.to_dict(), "key": req.key, "lora": req.lora,
-            "record": req.record, "routes": torch.cat(req.routes) if req.routes else None, "session": req.session,
-            "num_routed": req.num_routed, "cached": req.cached, "params": dataclasses.asdict(req.params)}

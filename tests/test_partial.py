@@ -45,19 +45,21 @@ class Stream:
 
 
 class ScriptedEngine:
-    """submit / run / cancel / queue_state / load_queue_state of the native engine, scripted (see the module
-    docstring); `version` is the weight version a push would set."""
+    """submit / run / cancel / queue_state / load_queue_state of the native engine's queue (`engine.queue`),
+    scripted (see the module docstring): the double is its own queue; `version` is the weight version a push
+    would set."""
 
     capabilities = EngineCapabilities(partial_queue=True)
 
     def __init__(self):
-        self.version, self.next_gid, self.queue, self.params = 0, 0, [], {}
+        self.version, self.next_gid, self.waiting, self.params = 0, 0, [], {}
+        self.queue = self
 
     def submit(self, input_ids, sampling_params, n, lora=None, return_routed_experts=False):
         gids = []
         for ids, sp in zip(input_ids, sampling_params):
             lens = [int(x) for x in "".join(map(chr, ids)).split(",")]
-            self.queue.append({"group": self.next_gid, "samples": [{"len": lens[j], "out": [], "versions": []}
+            self.waiting.append({"group": self.next_gid, "samples": [{"len": lens[j], "out": [], "versions": []}
                                                                     for j in range(n)]})
             self.params[self.next_gid] = sp
             gids.append(self.next_gid)
@@ -72,16 +74,16 @@ class ScriptedEngine:
             ids = {g for g, _ in done}
             return finished_groups is not None and len(done) >= finished_groups and set(must_finish) <= ids
 
-        while self.queue and not satisfied():
-            for g in list(self.queue):
+        while self.waiting and not satisfied():
+            for g in list(self.waiting):
                 for s in g["samples"]:
                     if len(s["out"]) < s["len"]:
                         s["out"].append(ord("x"))
                         s["versions"].append(self.version)
                 if all(len(s["out"]) == s["len"] for s in g["samples"]):
-                    self.queue.remove(g)
+                    self.waiting.remove(g)
                     done.append((g["group"], [self._record(s) for s in g["samples"]]))
-        begun = [len(s["out"]) for g in self.queue for s in g["samples"] if s["out"]]
+        begun = [len(s["out"]) for g in self.waiting for s in g["samples"] if s["out"]]
         self.retracted = SimpleNamespace(requests=len(begun), tokens=sum(begun), bytes=0)
         return done
 
@@ -93,14 +95,14 @@ class ScriptedEngine:
                               "output_token_weight_versions": list(s["versions"])}}
 
     def cancel(self, gids):
-        self.queue = [g for g in self.queue if g["group"] not in gids]
+        self.waiting = [g for g in self.waiting if g["group"] not in gids]
 
     def queue_state(self):
-        return {"requests": [{"group": g["group"], "output": list(s["out"])} for g in self.queue
-                             for s in g["samples"]], "scripted": copy.deepcopy((self.queue, self.next_gid))}
+        return {"requests": [{"group": g["group"], "output": list(s["out"])} for g in self.waiting
+                             for s in g["samples"]], "scripted": copy.deepcopy((self.waiting, self.next_gid))}
 
     def load_queue_state(self, state):
-        self.queue, self.next_gid = copy.deepcopy(state["scripted"])
+        self.waiting, self.next_gid = copy.deepcopy(state["scripted"])
 
 
 def odd_length(responses, golds):

@@ -1,6 +1,6 @@
-"""Partial rollouts in the native engine (`RolloutEngine.submit / run / cancel / queue_state`) on k3_tiny (fp32,
-CPU, eager decode): a run that stops after K groups retracts the rest, which continue in the next run exactly as
-an uninterrupted `generate` (same weights), record the weight version of every token across a push, survive a
+"""Partial rollouts in the native engine (`RolloutEngine.queue`: submit / run / cancel / queue_state) on k3_tiny
+(fp32, CPU, eager decode): a run that stops after K groups retracts the rest, which continue in the next run exactly
+as an uninterrupted `generate` (same weights), record the weight version of every token across a push, survive a
 memory release and a save / load into a fresh engine, and never mix with `generate`."""
 import io
 
@@ -49,7 +49,7 @@ def _engine(model, **kw) -> RolloutEngine:
 
 
 def _submit(engine, prompts=PROMPTS, params=PARAMS):
-    return engine.submit(prompts, params, n=2, lora="policy", return_routed_experts=True)
+    return engine.queue.submit(prompts, params, n=2, lora="policy", return_routed_experts=True)
 
 
 def _generate(engine, prompts=PROMPTS, params=PARAMS):
@@ -86,13 +86,13 @@ def _by_group(results):
 def test_a_run_stops_after_k_groups_and_the_next_continues_the_rest_as_one_generate(trainer):
     engine = _engine(trainer)
     assert _submit(engine) == [0, 1, 2]
-    first = engine.run(finished_groups=1)
+    first = engine.queue.run(finished_groups=1)
     # the short prompt's group finishes first (3 tokens); the others are retracted: nothing held
     assert [gid for gid, _ in first] == [1] and len(first[0][1]) == 2
-    assert engine.queued_groups() == [0, 2]
+    assert engine.queue.queued_groups() == [0, 2]
     assert _pools_free(engine) and engine.runner.route_log.num_rows == 0
-    rest = engine.run()
-    assert [gid for gid, _ in rest] in ([0, 2], [2, 0]) and engine.queued_groups() == []
+    rest = engine.queue.run()
+    assert [gid for gid, _ in rest] in ([0, 2], [2, 0]) and engine.queue.queued_groups() == []
     want = _generate(engine)  # the same weights, uninterrupted
     got = {**_by_group(first), **_by_group(rest)}
     for gid in range(3):
@@ -113,12 +113,13 @@ def test_the_stop_counts_what_it_retracted_tokens_to_recompute_and_bytes_held(tr
 
     engine = _engine(trainer)
     _submit(engine)
-    engine.run(finished_groups=1)
-    r, cfg = engine.retracted, trainer.config
+    engine.queue.run(finished_groups=1)
+    r, cfg = engine.queue.retracted, trainer.config
     assert (r.requests, r.tokens) == (4, 34)
     assert r.bytes == 4 * slot_bytes(cfg, torch.float32) + 8 * page_bytes(cfg, 4, torch.float32)
-    engine.run()  # ran to the end: nothing retracted
-    assert (engine.retracted.requests, engine.retracted.tokens, engine.retracted.bytes) == (0, 0, 0)
+    engine.queue.run()  # ran to the end: nothing retracted
+    r = engine.queue.retracted
+    assert (r.requests, r.tokens, r.bytes) == (0, 0, 0)
 
 
 def _push(engine, trainer, scale=0.2):
@@ -130,11 +131,11 @@ def _push(engine, trainer, scale=0.2):
 def test_each_output_token_records_the_version_that_sampled_it_across_a_push(trainer):
     engine = _engine(trainer)
     _submit(engine, PROMPTS[:2], PARAMS[:2])
-    assert [gid for gid, _ in engine.run(finished_groups=1)] == [1]
+    assert [gid for gid, _ in engine.queue.run(finished_groups=1)] == [1]
     _push(engine, trainer)  # version 0 -> 1 between the runs
     assert engine.weight_version == 1
     (late,) = _submit(engine, PROMPTS[2:], PARAMS[2:])
-    done = _by_group(engine.run())
+    done = _by_group(engine.queue.run())
     for record in done[0]:  # 3 tokens sampled under 0 (while group 1 ran), the rest under 1
         meta = record["meta_info"]
         assert meta["output_token_weight_versions"] == [0] * SHORT + [1] * (LONG - SHORT)
@@ -148,13 +149,13 @@ def test_memory_released_between_runs_and_resumed_changes_nothing(trainer):
     plain, released = _engine(trainer), _engine(trainer)
     for engine in (plain, released):
         _submit(engine)
-        engine.run(finished_groups=1)
+        engine.queue.run(finished_groups=1)
     released.release_memory_occupation(["kv_cache"])
     assert released.cache.storage_MGZL.untyped_storage().nbytes() == 0
     with pytest.raises(RuntimeError, match="resume_memory_occupation"):
-        released.run()
+        released.queue.run()
     released.resume_memory_occupation(["kv_cache"])
-    want, got = _by_group(plain.run()), _by_group(released.run())
+    want, got = _by_group(plain.queue.run()), _by_group(released.queue.run())
     assert sorted(got) == sorted(want) == [0, 2]
     for gid in want:
         for g, w in zip(got[gid], want[gid], strict=True):
@@ -170,18 +171,18 @@ def test_the_queue_saved_and_loaded_into_a_fresh_engine_continues_exactly(traine
     params = [_params(11, LONG, stop_token_ids=[stop_id]), *PARAMS[1:]]
     first = _engine(trainer)
     _submit(first, params=params)
-    assert [gid for gid, _ in first.run(finished_groups=1)] == [1]
-    state = first.queue_state()
+    assert [gid for gid, _ in first.queue.run(finished_groups=1)] == [1]
+    state = first.queue.queue_state()
     assert [r["output"] for r in state["requests"] if r["finish"] is not None] == [[stop_id]]
     buf = io.BytesIO()
     torch.save(state, buf)
     buf.seek(0)
     second = _engine(trainer)
-    second.load_queue_state(torch.load(buf, weights_only=True))
-    assert second.queued_groups() == first.queued_groups() == [0, 2]
+    second.queue.load_queue_state(torch.load(buf, weights_only=True))
+    assert second.queue.queued_groups() == first.queue.queued_groups() == [0, 2]
     with pytest.raises(RuntimeError, match="queue is not empty"):
-        second.load_queue_state(state)
-    want, got = first.run(), second.run()
+        second.queue.load_queue_state(state)
+    want, got = first.queue.run(), second.queue.run()
     assert [gid for gid, _ in got] == [gid for gid, _ in want]
     for (_, gs), (_, ws) in zip(got, want, strict=True):
         for g, w in zip(gs, ws, strict=True):
@@ -193,37 +194,37 @@ def test_the_queue_saved_and_loaded_into_a_fresh_engine_continues_exactly(traine
 def test_cancel_must_finish_and_bad_submits(trainer):
     engine = _engine(trainer)
     _submit(engine)
-    assert engine.run(finished_groups=0) == []  # the condition holds before any step: nothing runs
-    engine.cancel([1])
-    assert engine.queued_groups() == [0, 2]
+    assert engine.queue.run(finished_groups=0) == []  # the condition holds before any step: nothing runs
+    engine.queue.cancel([1])
+    assert engine.queue.queued_groups() == [0, 2]
     with pytest.raises(ValueError, match=r"groups \[7\] are not queued"):
-        engine.cancel([0, 7])
-    assert engine.queued_groups() == [0, 2]
+        engine.queue.cancel([0, 7])
+    assert engine.queue.queued_groups() == [0, 2]
     with pytest.raises(ValueError, match=r"request 1: empty prompt"):
-        engine.submit([[1, 2], []], {"max_new_tokens": 2})
+        engine.queue.submit([[1, 2], []], {"max_new_tokens": 2})
     with pytest.raises(ValueError, match=r"request 2: token ids \[100000\] outside the vocabulary"):
-        engine.submit([[1, 2], [3], [4, 100000]], {"max_new_tokens": 2})
+        engine.queue.submit([[1, 2], [3], [4, 100000]], {"max_new_tokens": 2})
     with pytest.raises(ValueError, match=r"request 0: prompt \(3 tokens\) \+ max_new_tokens \(62\) exceeds"):
-        engine.submit([[1, 2, 3]], {"max_new_tokens": 62})
-    assert engine.queued_groups() == [0, 2]
+        engine.queue.submit([[1, 2, 3]], {"max_new_tokens": 62})
+    assert engine.queue.queued_groups() == [0, 2]
     with pytest.raises(RuntimeError, match="queue is not empty"):
-        engine.load_queue_state({"next_group": 0, "groups": [], "requests": [], "entries": []})
+        engine.queue.load_queue_state({"next_group": 0, "groups": [], "requests": [], "entries": []})
     with pytest.raises(ValueError, match=r"must_finish groups \[1\] are not queued"):
-        engine.run(must_finish=[1])
+        engine.queue.run(must_finish=[1])
     # groups 0 and 2 run side by side and finish in the same step, 0's samples first (running order)
-    assert [gid for gid, _ in engine.run(finished_groups=0, must_finish=[2])] == [0, 2]
-    assert engine.queued_groups() == [] and engine.run() == []
+    assert [gid for gid, _ in engine.queue.run(finished_groups=0, must_finish=[2])] == [0, 2]
+    assert engine.queue.queued_groups() == [] and engine.queue.run() == []
 
 
 def test_generate_between_two_runs_leaves_the_queue_alone(trainer):
     engine = _engine(trainer)
     _submit(engine)
-    engine.run(finished_groups=1)
-    queued = engine.queued_groups()
+    engine.queue.run(finished_groups=1)
+    queued = engine.queue.queued_groups()
     solo = engine.generate(input_ids=[[9, 8, 7]], sampling_params=_params(5, 4), lora="policy")
-    assert engine.queued_groups() == queued == [0, 2]
+    assert engine.queue.queued_groups() == queued == [0, 2]
     assert solo == _engine(trainer).generate(input_ids=[[9, 8, 7]], sampling_params=_params(5, 4), lora="policy")
-    rest = _by_group(engine.run())
+    rest = _by_group(engine.queue.run())
     want = _generate(_engine(trainer))
     for gid in (0, 2):
         for j, record in enumerate(rest[gid]):
@@ -238,9 +239,9 @@ def test_requests_preempted_before_the_stop_keep_their_routes_and_continue_uncha
     want = _generate(_engine(trainer), params=params)
     tight = _engine(trainer, max_context=20, num_pages=6)
     _submit(tight, params=params)
-    first = tight.run(finished_groups=1)
+    first = tight.queue.run(finished_groups=1)
     assert tight.num_preempted > 0 and _pools_free(tight)
-    got = {**_by_group(first), **_by_group(tight.run())}
+    got = {**_by_group(first), **_by_group(tight.queue.run())}
     for gid in range(3):
         for j, record in enumerate(got[gid]):
             _assert_same(record, want[2 * gid + j], logprobs_exact=False)
@@ -271,18 +272,18 @@ def _retract_release_reload(device: str, decode: str, kda_backend: str) -> None:
     a, b = engine(), engine()
     for e in (a, b):
         _submit(e)
-        (first,) = e.run(finished_groups=1)
-        assert first[0] == 1 and _pools_free(e) and e.queued_groups() == [0, 2]
+        (first,) = e.queue.run(finished_groups=1)
+        assert first[0] == 1 and _pools_free(e) and e.queue.queued_groups() == [0, 2]
         for j, record in enumerate(first[1]):
             _assert_same(record, want[2 + j])
     a.release_memory_occupation()
     a.resume_memory_occupation()
     buf = io.BytesIO()
-    torch.save(b.queue_state(), buf)
+    torch.save(b.queue.queue_state(), buf)
     buf.seek(0)
     c = engine()
-    c.load_queue_state(torch.load(buf, weights_only=True))
-    ra, rb, rc = (_by_group(e.run()) for e in (a, b, c))
+    c.queue.load_queue_state(torch.load(buf, weights_only=True))
+    ra, rb, rc = (_by_group(e.queue.run()) for e in (a, b, c))
     assert sorted(ra) == sorted(rb) == sorted(rc) == [0, 2]
     for gid in (0, 2):
         for ga, gb, gc, w in zip(ra[gid], rb[gid], rc[gid], want[2 * gid:2 * gid + 2], strict=True):

@@ -178,7 +178,7 @@ def test_drop_cancels_a_late_groups_turns_and_sessions(model):
         check_versions(samples, version, pool.cfg)
         dropped += m["rollout/groups_dropped"]
         assert all(version - min(s.token_versions) <= 1 for s in samples)
-    queued = set(engine.queued_groups())
+    queued = set(engine.queue.queued_groups())
     assert {k for k, _ in pool.turns.values()} <= set(pool.groups) and set(pool.turns) <= queued
     assert engine.runner.sessions.num_parked == 0
     assert dropped > 0

@@ -1,6 +1,7 @@
 """`rollout.mode=partial`: rollouts that run across weight updates, with bounded staleness.
 
-The engine keeps `rollout.partial.inflight_groups` GRPO groups in flight (`RolloutEngine.submit` / `run`). Each
+The engine keeps `rollout.partial.inflight_groups` GRPO groups in flight in its partial queue (`engine.queue`:
+`rollout.api.PartialQueue`, the native engine's `rollout/partial_queue.py`; its `submit` / `run`). Each
 step tops the pool up from the prompt stream, runs the engine until `prompts_per_step` groups have finished, and
 trains on the groups that finished; the engine pauses the others (their state slots and latent pages are freed, so
 the engine's memory can be released for the train step) and the next step continues them under the adapter the
@@ -52,6 +53,7 @@ from miles_k3.evals.problems import Problem
 from miles_k3.evals.templates import response_text
 from miles_k3.parallel.mesh import SINGLE, ParallelContext
 from miles_k3.parallel.reduce import gather, max_over, sum_over, world_of
+from miles_k3.rollout.api import PartialQueue
 from miles_k3.trainer.batch import Sample
 from miles_k3.trainer.checkpoint_files import ResumeError
 from miles_k3.trainer.episodes import (
@@ -103,6 +105,7 @@ class PartialRollouts:
     def __init__(self, engine, tokenizer, stream, reward_fn, cfg: RolloutConfig, lora: str | None,
                  routes: bool = False, ctx: ParallelContext = SINGLE, env=None):
         self.engine, self.tokenizer, self.stream, self.reward_fn = engine, tokenizer, stream, reward_fn
+        self.queue: PartialQueue = engine.queue  # config validation: an engine with `capabilities.partial_queue`
         self.cfg, self.lora, self.routes, self.ctx = cfg, lora, routes, ctx
         self.env = env or SINGLE_ENV  # (factory, EnvConfig) of the episodes
         self.multi = multi_turn(self.env[0])
@@ -137,7 +140,7 @@ class PartialRollouts:
         starting = [key for key in late if self.groups[key].episodes is None]
         lengths = self._lengths(starting) if starting else {}
         turns = [gid for gid, (key, _) in self.turns.items() if key in late]
-        self.engine.cancel(starting + turns)  # all queued: a first turn or a turn that finished has left the lists
+        self.queue.cancel(starting + turns)  # all queued: a first turn or a turn that finished has left the lists
         for gid in turns:
             del self.turns[gid]
         out = []
@@ -155,7 +158,7 @@ class PartialRollouts:
     def _lengths(self, gids: list[int]) -> dict[int, list[int]]:
         """Each queued group's samples' response lengths so far."""
         wanted, out = set(gids), {}
-        for req in self.engine.queue_state()["requests"]:
+        for req in self.queue.queue_state()["requests"]:
             if req["group"] in wanted:
                 out.setdefault(req["group"], []).append(len(req["output"]))
         return out
@@ -169,9 +172,9 @@ class PartialRollouts:
         cfg, (factory, env_cfg) = self.cfg, self.env
         starts = [reset_group(factory, p, d, cfg, self.tokenizer, env_cfg) for d, p in drawn]
         params = [sampling_params(cfg, group_seed(cfg.seed, d, cfg.group_size)) for d, _ in drawn]
-        gids = self.engine.submit(input_ids=[prompt for _, prompt in starts], sampling_params=params,
-                                  n=cfg.group_size, lora=self.lora, return_routed_experts=self.routes,
-                                  **session_args(self.engine, env_cfg))
+        gids = self.queue.submit(input_ids=[prompt for _, prompt in starts], sampling_params=params,
+                                 n=cfg.group_size, lora=self.lora, return_routed_experts=self.routes,
+                                 **session_args(self.engine, env_cfg))
         for gid, (d, p), (envs, prompt) in zip(gids, drawn, starts):
             self.groups[gid] = _Group(d, p, prompt, version, envs)
 
@@ -219,11 +222,11 @@ class PartialRollouts:
             pending.extend((key, j, st) for j, st in zip(js, start_steps(eps, self.tokenizer, self.ctx)))
 
         if env_cfg.max_turns == 1:
-            for gid, records in self.engine.run(finished_groups=share, must_finish=due):
+            for gid, records in self.queue.run(finished_groups=share, must_finish=due):
                 on_finished(gid, records)
             until()
         else:
-            self.engine.run(until=until, on_finished=on_finished)
+            self.queue.run(until=until, on_finished=on_finished)
         return [self.groups.pop(k) for k in done]
 
     def _advance(self, pending: list[tuple[int, int, EnvStep | None]], limit: int, done: list[int]) -> None:
@@ -240,8 +243,8 @@ class PartialRollouts:
                 params = sampling_params(cfg, turn_seed(ep.seed, len(ep.outs)),
                                          min(cfg.max_new_tokens, limit - ep.length))
                 more = {"keep_state": True, "sessions": [ep.session]} if keeps_state(self.engine, self.env[1]) else {}
-                (gid,) = self.engine.submit([ep.prompt + ep.ids], params, n=1, lora=self.lora,
-                                            return_routed_experts=self.routes, **more)
+                (gid,) = self.queue.submit([ep.prompt + ep.ids], params, n=1, lora=self.lora,
+                                           return_routed_experts=self.routes, **more)
                 self.turns[gid] = (key, j)
             if key not in done and all(e.end for e in self.groups[key].episodes):
                 done.append(key)
@@ -286,7 +289,7 @@ class PartialRollouts:
         """What the stop's retract cost and saved: the requests retracted and the tokens of state the next step
         recomputes for them (all replicas), and the MiB their slots and pages held on the fullest rank, which keeping
         them resident through the train step would have kept allocated."""
-        r = self.engine.retracted
+        r = self.queue.retracted
         requests, tokens = sum_over([r.requests, r.tokens], self.ctx.dp_group)
         (nbytes,) = max_over([r.bytes], world_of(self.ctx))
         return {"rollout/retracted_requests": requests, "rollout/reprefill_tokens": tokens,
@@ -345,7 +348,7 @@ class PartialRollouts:
                   | ({"episodes": None if g.episodes is None else [_episode_state(ep) for ep in g.episodes]}
                      if self.multi else {})
                   for gid, g in self.groups.items()]
-        out = {"mode": self.mode, "groups": groups, "stream": self.stream.state(), "engine": self.engine.queue_state()}
+        out = {"mode": self.mode, "groups": groups, "stream": self.stream.state(), "engine": self.queue.queue_state()}
         if self.multi:
             out["turns"] = [[gid, key, j] for gid, (key, j) in self.turns.items()]
         return out
@@ -373,7 +376,7 @@ class PartialRollouts:
             self._restore_episodes(g, saved.get("episodes"))  # single-turn groups: saved before their first turn ended
         if self.multi:
             self.turns = {int(gid): (int(key), int(j)) for gid, key, j in state["turns"]}
-        self.engine.load_queue_state(state["engine"])
+        self.queue.load_queue_state(state["engine"])
 
     def close(self) -> None:
         """Nothing to stop: the engine, and the groups it holds, are the run's."""
