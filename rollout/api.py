@@ -42,7 +42,7 @@ class EngineCapabilities:
     (SGLang, configured by `sglang:`: its context length, its checks of a K3 checkpoint, its own push channel)."""
     keeps_state: bool = False
     """A multi-turn conversation's state (KDA slot, latent pages) kept in the engine between its turns:
-    `generate(keep_state=True, sessions=[...])` and the rest of `KeptStateEngine`."""
+    `generate(keep_state=True, states=[...])` and the rest of `KeptStateEngine`."""
     partial_queue: bool = False
     """Partial rollouts (rollout.mode=partial): groups queued, served until K finish, the others paused across a push
     and continued (`PartialQueue`: submit / run / cancel / queue_state / load_queue_state)."""
@@ -179,20 +179,21 @@ class Engine(Protocol):
 @runtime_checkable
 class KeptStateEngine(Protocol):
     """An engine with `capabilities.keeps_state`: `generate(keep_state=True)` parks every sample's state when it
-    finishes, under the id in its `meta_info["session_id"]`; `sessions[i]` continues one on prompt i (which
-    extends its tokens), prefilling only the new tokens."""
+    finishes, under the id in its `meta_info["state_id"]`; `states[i]` continues one on prompt i (which extends its
+    tokens), prefilling only the new tokens. (A kept state is the engine's; a *session* is a conversation on the
+    OpenAI-compatible server, `rollout/server/sessions.py`, which keeps one state in the engine.)"""
 
     def generate(self, input_ids: list[list[int]] | None = None, prompts: list[str] | None = None,
                  sampling_params: dict | list[dict] | None = None, n: int = 1, return_logprob: bool = True,
                  lora: str | list[str | None] | None = None, return_routed_experts: bool = False,
-                 keep_state: bool = False, sessions: list[int | None] | None = None) -> list[Record]: ...
+                 keep_state: bool = False, states: list[int | None] | None = None) -> list[Record]: ...
 
-    def close_sessions(self, session_ids: Iterable[int]) -> None:
+    def release_states(self, state_ids: Iterable[int]) -> None:
         """Free these kept states; an id not open is a ValueError naming it."""
         ...
 
     @property
-    def session_stats(self) -> dict[str, int]:
+    def kept_state_stats(self) -> dict[str, int]:
         """Counters of kept states (parked, continued, dropped, recomputed, ...) and every position prefilled."""
         ...
 
@@ -205,7 +206,7 @@ class PartialQueue(Protocol):
 
     def submit(self, input_ids: list[list[int]], sampling_params: dict | list[dict] | None = None, n: int = 1,
                lora: str | list[str | None] | None = None, return_routed_experts: bool = False,
-               keep_state: bool = False, sessions: list[int | None] | None = None) -> list[int]:
+               keep_state: bool = False, states: list[int | None] | None = None) -> list[int]:
         """Queue each prompt's group; the new group ids."""
         ...
 

@@ -144,7 +144,7 @@ class RolloutEngine(VersionedEngine):
     def generate(self, input_ids: list[list[int]] | None = None, prompts: list[str] | None = None,
                  sampling_params: dict | list[dict] | None = None, n: int = 1, return_logprob: bool = True,
                  lora: str | list[str | None] | None = None, return_routed_experts: bool = False,
-                 keep_state: bool = False, sessions: list[int | None] | None = None) -> list[Record]:
+                 keep_state: bool = False, states: list[int | None] | None = None) -> list[Record]:
         """Samples for every prompt: `n` per prompt, in order (prompt i's sample j at i * n + j).
 
         Each entry: `output_ids`, `meta_info` {finish_reason, prompt_tokens, completion_tokens,
@@ -158,22 +158,23 @@ class RolloutEngine(VersionedEngine):
         `error` (with finish_reason {"type": "abort"}) for a request that was rejected. Sample j of a prompt
         with `sampling_seed` s uses seed s + j, so a fork equals n separate requests with those seeds.
 
-        Sessions (`sessions.py`): with `keep_state`, every sample's state (KDA slot, latent pages) is parked when it
-        finishes, under the session id in its `meta_info["session_id"]` (a new id per sample, or the id it
-        continued). `sessions[i]` (n=1): prompt i is session `sessions[i]`'s next turn: its tokens so far (the
-        previous turn's prompt + output ids) followed by the new ones; only the new ones are prefilled (the state is
-        recomputed instead when it gave way for memory, or the weights, adapter or route recording changed). A
-        session continued without `keep_state` ends with that turn; `close_sessions` ends the others.
+        Kept state (`kept_state.py`): with `keep_state`, every sample's state (KDA slot, latent pages) is parked when
+        it finishes, under the state id in its `meta_info["state_id"]` (a new id per sample, or the id it
+        continued). `states[i]` (n=1): prompt i is the next turn of the conversation whose state is `states[i]`: its
+        tokens so far (the previous turn's prompt + output ids) followed by the new ones; only the new ones are
+        prefilled (the state is recomputed instead when it gave way for memory, or the weights, adapter or route
+        recording changed). A state continued without `keep_state` is released with that turn; `release_states`
+        releases the others.
         """
         ids, params, loras = self._checked(input_ids, prompts, sampling_params, n, lora, return_routed_experts,
-                                           sessions)
+                                           states)
         results: list[dict | None] = [None] * (len(ids) * n)
         groups = deque()
         for i, (p, sp, name) in enumerate(zip(ids, params, loras)):
             try:
                 with self._lock:
                     group = self._make_group(i, n, p, sp, name, return_routed_experts)
-                    self._attach_session(group, None if sessions is None else sessions[i], keep_state)
+                    self._attach_state(group, None if states is None else states[i], keep_state)
                 groups.append(group)
             except ValueError as e:
                 for j in range(n):
@@ -187,7 +188,7 @@ class RolloutEngine(VersionedEngine):
 
     def _checked(self, input_ids: list[list[int]] | None, prompts: list[str] | None,
                  sampling_params: dict | list[dict] | None, n: int, lora: str | list[str | None] | None,
-                 return_routed_experts: bool, sessions: list[int | None] | None
+                 return_routed_experts: bool, states: list[int | None] | None
                  ) -> tuple[list[list[int]], list[dict | None], list[str | None]]:
         """The prompts' ids, sampling params and adapters of a `generate` or a `queue.submit`, the call's arguments
         checked (ValueError naming the bad one)."""
@@ -195,8 +196,8 @@ class RolloutEngine(VersionedEngine):
                                                self._released)
         if return_routed_experts and not self.runner.num_moe:
             raise ValueError("return_routed_experts: this model has no MoE layers, so there are no routes")
-        if sessions is not None and len(sessions) != len(ids):
-            raise ValueError(f"sessions: one entry per prompt ({len(ids)}), got {len(sessions)}")
+        if states is not None and len(states) != len(ids):
+            raise ValueError(f"states: one entry per prompt ({len(ids)}), got {len(states)}")
         return ids, params, loras
 
     def _call_ends(self) -> None:
@@ -206,46 +207,46 @@ class RolloutEngine(VersionedEngine):
         if not self._active:
             self.runner.route_log.clear()
 
-    def close_sessions(self, session_ids: Iterable[int]) -> None:
-        """End these sessions (their parked state freed); an id not open is a ValueError naming it (the ids before
-        it are closed)."""
+    def release_states(self, state_ids: Iterable[int]) -> None:
+        """Release these kept states (their parked slots, pages or snapshots freed); an id not open is a ValueError
+        naming it (the ids before it are released)."""
         with self._lock:
-            for sid in session_ids:
-                self.runner.sessions.close(sid)
+            for sid in state_ids:
+                self.runner.kept_states.release(sid)
 
     @property
-    def session_stats(self) -> dict[str, int]:
-        """Sessions parked, continued on kept state, dropped for memory, recomputed; the kept positions those
-        continued turns did not prefill, and every position prefilled over the engine's life (`prefill_tokens`)."""
-        return self.runner.sessions.stats.as_dict() | {"prefill_tokens": self.runner.prefill_tokens}
+    def kept_state_stats(self) -> dict[str, int]:
+        """Kept states parked, continued on, dropped for memory, recomputed; the kept positions those continued turns
+        did not prefill, and every position prefilled over the engine's life (`prefill_tokens`)."""
+        return self.runner.kept_states.stats.as_dict() | {"prefill_tokens": self.runner.prefill_tokens}
 
-    def _attach_session(self, group: list[Request], sid: int | None, keep: bool) -> None:
-        """Make the group's requests sessions (keep: parked when they finish) and, for a session's next turn, hand
-        its head the parked slot and pages (or recompute: see `generate`)."""
-        store = self.runner.sessions
+    def _attach_state(self, group: list[Request], sid: int | None, keep: bool) -> None:
+        """Give the group's requests state ids (keep: parked when they finish) and, for the next turn on kept state
+        `sid`, hand its head the parked slot and pages (or recompute: see `generate`)."""
+        store = self.runner.kept_states
         if sid is None:
             for req in group:
-                req.session = store.new_id() if keep else None
+                req.state_id = store.new_id() if keep else None
             return
         head = group[0]
         where = f"request {head.index}"
         if len(group) != 1:
-            raise ValueError(f"{where}: continuing session {sid} takes n=1, got n={len(group)}")
+            raise ValueError(f"{where}: continuing kept state {sid} takes n=1, got n={len(group)}")
         if not store.known(sid):
-            store.claim(sid)  # the ValueError naming the open sessions
+            store.claim(sid)  # the ValueError naming the open ones
         parked = store.peek(sid)
         if parked is not None and head.prompt[:len(parked.tokens)] != parked.tokens:
             k = next((i for i, (a, b) in enumerate(zip(head.prompt, parked.tokens)) if a != b),
                      min(len(head.prompt), len(parked.tokens)))
-            raise ValueError(f"{where}: its prompt does not extend session {sid}'s tokens (they differ from position "
-                             f"{k} of {len(parked.tokens)}); a turn's prompt is the session's previous prompt and "
-                             "output ids as returned, then the new tokens")
+            raise ValueError(f"{where}: its prompt does not extend kept state {sid}'s tokens (they differ from "
+                             f"position {k} of {len(parked.tokens)}); a turn's prompt is the previous turn's prompt "
+                             "and output ids as returned, then the new tokens")
         if parked is not None and len(head.prompt) == len(parked.tokens):
-            raise ValueError(f"{where}: session {sid}'s next prompt adds no token to its {len(parked.tokens)}")
+            raise ValueError(f"{where}: kept state {sid}'s next prompt adds no token to its {len(parked.tokens)}")
         parked = store.claim(sid)
-        head.session = sid if keep else None
+        head.state_id = sid if keep else None
         if not keep:
-            store.close(sid)
+            store.release(sid)
         if parked is None:
             store.stats.recomputed += 1  # its state gave way for memory, or the pools were released
             return
@@ -355,8 +356,8 @@ class RolloutEngine(VersionedEngine):
     def _result(self, req: Request, return_logprob: bool) -> Record:
         meta = sample_meta(req.finish.to_dict(), len(req.prompt), len(req.output), req.cached, req.weight_versions)
         meta["output_token_weight_versions"] = list(req.token_versions)
-        if req.session is not None:
-            meta["session_id"] = req.session
+        if req.state_id is not None:
+            meta["state_id"] = req.state_id
         if return_logprob:
             meta["output_token_logprobs"] = list(zip(req.logprobs, req.output))
             if req.unfiltered:  # the sampling was filtered: the same tokens under the unfiltered distribution

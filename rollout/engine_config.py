@@ -35,11 +35,11 @@ class EngineConfig:
     """Override the planned number of latent pages (fewer than slots x context: preemption); None: planned."""
     eos_token_ids: list[int] = field(default_factory=list)
     """Token ids that end a sample unless `ignore_eos`."""
-    session_snapshot_bytes: int = 0
-    """Host (CPU) memory for snapshots of parked sessions' KDA states (`sessions.py`). When state slots are short, a
-    parked multi-turn session gives up its slot, its state is copied here and its latent pages stay; its next turn
-    copies it back and prefills only its new tokens. 0: such a session is dropped and its next turn recomputes the
-    whole conversation."""
+    state_snapshot_bytes: int = 0
+    """Host (CPU) memory for snapshots of kept states (a multi-turn conversation's, `kept_state.py`). When state
+    slots are short, a parked state gives up its slot, its KDA state is copied here and its latent pages stay; its
+    next turn copies it back and prefills only its new tokens. 0: such a state is dropped and its next turn
+    recomputes the whole conversation."""
     decode: str = "auto"
     """Decode step: eager (model.step on pooled copies), static (fixed-shape step writing the pools directly,
     `graph_decode.py`), graph (static, captured as CUDA graphs per batch bucket); auto = graph on CUDA, else
@@ -52,12 +52,12 @@ class EngineConfig:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
         if self.decode not in ("auto", "eager", "static", "graph"):
             raise ValueError(f"decode: '{self.decode}' is not one of auto, eager, static, graph")
-        if self.session_snapshot_bytes < 0:
-            raise ValueError(f"session_snapshot_bytes: must be >= 0 (0: no snapshots), got "
-                             f"{self.session_snapshot_bytes}")
-        if self.session_snapshot_bytes and not caps.keeps_state:
-            raise ValueError(f"session_snapshot_bytes: does nothing with backend={self.backend} (the native engine's "
-                             "sessions only); remove it or use backend=native")
+        if self.state_snapshot_bytes < 0:
+            raise ValueError(f"state_snapshot_bytes: must be >= 0 (0: no snapshots), got {self.state_snapshot_bytes}")
+        if self.state_snapshot_bytes and not caps.keeps_state:
+            raise ValueError(f"state_snapshot_bytes: does nothing with backend={self.backend} (it keeps no state "
+                             "between requests: the native engine's kept states only); remove it or use "
+                             "backend=native")
         for name in ("num_slots", "num_pages"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1 or null, got {getattr(self, name)}")

@@ -8,7 +8,7 @@ tokens under the new weights. Each output token records the weight version that 
 (`output_token_weight_versions`). `queue_state` / `load_queue_state` carry the queue through a checkpoint.
 
 The queue is a part of its engine, not an engine of its own: requests are checked and built by the engine's own
-code, as `generate`'s are (`RolloutEngine._checked`, `_make_group`, `_attach_session`, records by `_result`), and
+code, as `generate`'s are (`RolloutEngine._checked`, `_make_group`, `_attach_state`, records by `_result`), and
 served by its scheduler under its lock; the engine's `generate` never serves or touches the queue. A `run` counts as
 a call in flight, as a `generate` does: memory is released only when none is.
 """
@@ -52,21 +52,21 @@ class RolloutQueue:
 
     def submit(self, input_ids: list[list[int]], sampling_params: dict | list[dict] | None = None, n: int = 1,
                lora: str | list[str | None] | None = None, return_routed_experts: bool = False,
-               keep_state: bool = False, sessions: list[int | None] | None = None) -> list[int]:
+               keep_state: bool = False, states: list[int | None] | None = None) -> list[int]:
         """Queue each prompt's `n` samples as a group (behind the groups queued already) for `run`; returns the new
         group ids (increasing from 0 over the engine's life). The arguments are checked as `generate` checks them;
         a bad prompt (empty, a token outside the vocabulary, prompt + max_new_tokens over max_context, bad sampling
-        params, an unknown adapter, a bad session continuation) is a ValueError naming it ("request i", i its place
+        params, an unknown adapter, a bad continuation of a kept state) is a ValueError naming it ("request i", i its place
         in this call), and then nothing is queued. A prompt without `sampling_seed` draws its seed here.
-        `keep_state` / `sessions`: as `generate`'s (a multi-turn episode's turns)."""
+        `keep_state` / `states`: as `generate`'s (a multi-turn episode's turns)."""
         engine = self._engine
         ids, params, loras = engine._checked(input_ids, None, sampling_params, n, lora, return_routed_experts,
-                                             sessions)
+                                             states)
         with engine._lock:
             groups = [engine._make_group(i, n, p, sp, name, return_routed_experts)
                       for i, (p, sp, name) in enumerate(zip(ids, params, loras))]
             for i, group in enumerate(groups):
-                engine._attach_session(group, None if sessions is None else sessions[i], keep_state)
+                engine._attach_state(group, None if states is None else states[i], keep_state)
             new = []
             for group in groups:
                 gid = self._next_group
@@ -140,7 +140,7 @@ class RolloutQueue:
 
     def _end_run(self) -> None:
         """A run ends: the requests left queued keep their routes on the host (preempted ones still hold rows of the
-        route log), and a session's turn never admitted frees its kept state (it recomputes when it runs)."""
+        route log), and a turn on a kept state never admitted frees that state (it recomputes when it runs)."""
         engine = self._engine
         with engine._lock:
             for entry in self._queue:
@@ -183,8 +183,8 @@ class RolloutQueue:
         finished samples of unfinished groups), "entries": [[indices into requests]] (the queue's entries in
         order)}. A request: {group, index (its sample in the group), prompt, output, logprobs, unfiltered,
         token_versions, weight_versions (sorted), finish (None while queued, else {type, matched}), key, lora,
-        record, routes (int16 [num_routed, L, K] or None), num_routed, cached, params (the SamplingParams fields)}.
-        Only between runs."""
+        record, routes (int16 [num_routed, L, K] or None), num_routed, cached, params (the SamplingParams fields),
+        state_id (the kept state its turn continues and parks, or None)}. Only between runs."""
         with self._engine._lock:
             if self._serving:
                 raise RuntimeError("queue_state: a run() is serving the queue; save between runs")
@@ -221,7 +221,7 @@ class RolloutQueue:
                     groups[req.group][1][req.index] = req
             self._groups = groups
             self._queue = deque([reqs[i] for i in e] for e in state["entries"])
-            self._engine.runner.sessions.adopt([r.session for r in reqs if r.session is not None])
+            self._engine.runner.kept_states.adopt([r.state_id for r in reqs if r.state_id is not None])
             self._next_group = max(self._next_group, state["next_group"])
 
     def _request_from_state(self, d: dict, i: int) -> Request:
@@ -236,7 +236,7 @@ class RolloutQueue:
                        unfiltered=list(d["unfiltered"]), finish=finish, weight_versions=set(d["weight_versions"]),
                        record=d["record"], routes=[] if d["routes"] is None else [d["routes"]],
                        num_routed=d["num_routed"], token_versions=list(d["token_versions"]), group=d["group"],
-                       session=d.get("session"))
+                       state_id=d.get("state_id", d.get("session")))  # "session": saved before the rename
 
 
 def _request_state(req: Request) -> dict:
@@ -246,5 +246,5 @@ def _request_state(req: Request) -> dict:
             "logprobs": list(req.logprobs), "unfiltered": list(req.unfiltered),
             "token_versions": list(req.token_versions), "weight_versions": sorted(req.weight_versions),
             "finish": None if req.finish is None else req.finish.to_dict(), "key": req.key, "lora": req.lora,
-            "record": req.record, "routes": torch.cat(req.routes) if req.routes else None, "session": req.session,
+            "record": req.record, "routes": torch.cat(req.routes) if req.routes else None, "state_id": req.state_id,
             "num_routed": req.num_routed, "cached": req.cached, "params": dataclasses.asdict(req.params)}

@@ -32,9 +32,9 @@ class Request:
     num_routed: int = 0  # positions 0 .. num_routed - 1 have routes
     token_versions: list[int] = field(default_factory=list)  # the weight version that sampled each output token
     group: int | None = None  # the engine's partial-queue group id (`RolloutEngine.submit`); None under generate
-    session: int | None = None  # keep_state: the session its slot and pages are parked under when it finishes
-    kept: int = 0  # positions of state its slot and pages hold when admitted (a session's kept state), else 0
-    restore: list | None = None  # a snapshotted session's KDA state (host): copied into the slot it is admitted to
+    state_id: int | None = None  # keep_state: the id its slot and pages are parked under when it finishes
+    kept: int = 0  # positions of state its slot and pages hold when admitted (a kept state's), else 0
+    restore: list | None = None  # a snapshotted kept state's KDA state (host): copied into the slot it is admitted to
 
     def add_routes(self, first: int, routes_TLK: torch.Tensor, log: RouteLog) -> None:
         """Routes of positions first .. first + T - 1 (host); positions already routed keep their first routes

@@ -26,6 +26,7 @@ from miles_k3.parallel.mesh import ParallelContext
 from miles_k3.rollout.adapters import AdapterBank
 from miles_k3.rollout.engine_config import EngineConfig
 from miles_k3.rollout.graph_decode import GraphDecoder
+from miles_k3.rollout.kept_state import KeptStates, Parked
 from miles_k3.rollout.memory import (
     KDAStatePool,
     PagedLatentCache,
@@ -38,7 +39,6 @@ from miles_k3.rollout.memory import (
 from miles_k3.rollout.requests import Request
 from miles_k3.rollout.route_log import RouteLog
 from miles_k3.rollout.sampling import check_stop, filters, sample, unfiltered_logprobs
-from miles_k3.rollout.sessions import Parked, SessionStore
 
 log = logging.getLogger("miles_k3.rollout.engine")
 
@@ -91,11 +91,11 @@ class ModelRunner:
         self._slot_bytes = slot_bytes(self.cfg, self.dtype, ctx.tp_size)
         self._page_bytes = page_bytes(self.cfg, config.page_size, self.dtype)
         self.retracted = Retracted()
-        self.sessions = SessionStore(self.kda.free, self.cache.free, self._copy_out, self._slot_bytes,
-                                     config.session_snapshot_bytes)
-        """States parked between a session's turns (`sessions.py`); they give way when the pools are short."""
+        self.kept_states = KeptStates(self.kda.free, self.cache.free, self._copy_out, self._slot_bytes,
+                                      config.state_snapshot_bytes)
+        """States parked between a conversation's turns (`kept_state.py`); they give way when the pools are short."""
         self.prefill_tokens = 0
-        """Positions prefilled over the engine's life (a session's kept state saves its positions here)."""
+        """Positions prefilled over the engine's life (a kept state saves its positions here)."""
         """What the retracts since the last `Retracted.reset` freed (the engine resets it at every run)."""
         self.graph = self._make_graph_decoder()
         self.route_log = RouteLog()  # decode steps' routes while generate() calls are in flight
@@ -105,42 +105,42 @@ class ModelRunner:
     # ---- slots and pages (the scheduler's `StepRunner`) ----------------------------------------------------
     @property
     def num_free_slots(self) -> int:
-        """Free slots, and the parked sessions' (they give way when taken: `alloc_slots`, `fork_slots`)."""
-        return self.kda.num_free + self.sessions.num_parked_slots
+        """Free slots, and the parked states' (they give way when taken: `alloc_slots`, `fork_slots`)."""
+        return self.kda.num_free + self.kept_states.num_parked_slots
 
     def _slots_free(self, k: int) -> None:
-        while self.kda.num_free < k and self.sessions.give_slot():
+        while self.kda.num_free < k and self.kept_states.give_slot():
             pass
 
     def _copy_out(self, slot: int) -> list[KDALayerState]:
-        """Slot `slot`'s KDA state, copied to the host (a parked session's snapshot)."""
+        """Slot `slot`'s KDA state, copied to the host (a parked state's snapshot)."""
         states = self.kda.read(torch.tensor([slot], device=self.device))
         return [KDALayerState(s.conv_BCW.to("cpu", copy=True), s.recurrent_BHKV.to("cpu", copy=True))
                 for s in states]
 
     def restore(self, req: Request) -> None:
-        """Copy a snapshotted session's KDA state into the slot its turn was admitted to."""
+        """Copy a snapshotted state's KDA state into the slot its turn was admitted to."""
         self.kda.write(torch.tensor([req.slot], device=self.device),
                        [KDALayerState(s.conv_BCW.to(self.device), s.recurrent_BHKV.to(self.device))
                         for s in req.restore])
         req.restore = None
-        self.sessions.snapshot_gone()
-        self.sessions.stats.restored += 1
+        self.kept_states.snapshot_gone()
+        self.kept_states.stats.restored += 1
 
     def unhold(self, req: Request) -> None:
-        """A queued session turn's slot, for a request ahead of it: the turn's state snapshotted (`req.restore`) when
+        """The slot of a queued turn on a kept state, for a request ahead of it: the turn's state snapshotted (`req.restore`) when
         the budget has room, else its slot and pages freed (the turn recomputes; counted as dropped)."""
-        if self.sessions.take_snapshot_bytes():
+        if self.kept_states.take_snapshot_bytes():
             req.restore = self._copy_out(req.slot)
             self.kda.free(req.slot)
             req.slot = None
-            self.sessions.snapshotted(req.session, req.kept)
+            self.kept_states.snapshotted(req.state_id, req.kept)
             return
-        log.info("session %s: its kept state (%d tokens) gave way for memory before its turn ran; the turn "
-                 "recomputes it", req.session, req.kept)
+        log.info("kept state %s (%d tokens) gave way for memory before its turn ran; the turn recomputes it",
+                 req.state_id, req.kept)
         self.free(req)
-        self.sessions.stats.dropped += 1
-        self.sessions.stats.recomputed += 1
+        self.kept_states.stats.dropped += 1
+        self.kept_states.stats.recomputed += 1
 
     def alloc_slots(self, k: int) -> list[int] | None:
         self._slots_free(k)
@@ -154,15 +154,15 @@ class ModelRunner:
         self.cache.new_request(rid)
 
     def reserve(self, rid: int, num_tokens: int) -> bool:
-        """Pages for `num_tokens` more positions of `rid`, parked sessions giving way while they are short."""
+        """Pages for `num_tokens` more positions of `rid`, parked states giving way while they are short."""
         while not self.cache.reserve(rid, num_tokens):
-            if not self.sessions.give_way():
+            if not self.kept_states.give_way():
                 return False
         return True
 
     def fork_pages(self, rid: int, children: list[int]) -> bool:
         while not self.cache.fork(rid, children):
-            if not self.sessions.give_way():
+            if not self.kept_states.give_way():
                 return False
         return True
 
@@ -170,19 +170,19 @@ class ModelRunner:
         self.kda.free(slot)
 
     def finish(self, req: Request) -> None:
-        """A finished request: its slot and pages parked under its session (keep_state), else freed."""
-        if req.session is None:
+        """A finished request: its slot and pages parked under its state id (keep_state), else freed."""
+        if req.state_id is None:
             self.free(req)
             return
         req.keep_routes(self.route_log)
-        self.sessions.park(req.session, Parked(req.rid, req.slot, list(req.tokens), set(req.weight_versions),
-                                               req.lora, req.record, list(req.routes), req.num_routed))
+        self.kept_states.park(req.state_id, Parked(req.rid, req.slot, list(req.tokens), set(req.weight_versions),
+                                                   req.lora, req.record, list(req.routes), req.num_routed))
 
     def free(self, req: Request) -> None:
-        if req.slot is not None:  # a snapshotted session's turn never admitted holds pages only
+        if req.slot is not None:  # a snapshotted state's turn never admitted holds pages only
             self.kda.free(req.slot)
         if req.restore is not None:
-            self.sessions.snapshot_gone()
+            self.kept_states.snapshot_gone()
         self.cache.free(req.rid)
         req.slot, req.kept, req.restore = None, 0, None  # recomputed from its first token if it runs again
 
@@ -204,7 +204,7 @@ class ModelRunner:
     # ---- memory ---------------------------------------------------------------------------------------
     def release(self, tags: list[str]) -> None:
         if "kv_cache" in tags:
-            self.sessions.forget_states()
+            self.kept_states.forget_states()
             self.kda.release()
             self.cache.release()
         if self.graph is not None and ("cuda_graph" in tags or "kv_cache" in tags):
@@ -273,16 +273,16 @@ class ModelRunner:
 
     def prefill(self, heads: list[Request]) -> set[int]:
         """Chunked prefill of each head's tokens but the last, from its first position not kept (`Request.kept`: a
-        session's turn prefills only its new tokens), batched (right-padded) per adapter; returns the rids that
+        turn on a kept state prefills only its new tokens), batched (right-padded) per adapter; returns the rids that
         could not reserve pages (their state is left partial: the caller frees them)."""
         failed: set[int] = set()
         chunk = self.config.prefill_chunk
         by_lora: dict[str | None, list[Request]] = {}
         for h in heads:
             by_lora.setdefault(h.lora, []).append(h)
-            if h.kept:  # a session's turn on its kept (or restored) state
-                self.sessions.stats.continued += 1
-                self.sessions.stats.kept_tokens += h.kept
+            if h.kept:  # a turn on its kept (or restored) state
+                self.kept_states.stats.continued += 1
+                self.kept_states.stats.kept_tokens += h.kept
         for name, reqs in by_lora.items():
             longest = max(len(r.tokens) - 1 - r.kept for r in reqs)
             for start in range(0, longest, chunk):  # start: past each row's kept positions

@@ -46,18 +46,18 @@ class StepRunner(Protocol):
     def free_slot(self, slot: int) -> None: ...
 
     def restore(self, req: Any) -> None:
-        """Copy a snapshotted session's state (`req.restore`) into the slot `req` was just given."""
+        """Copy a snapshotted kept state (`req.restore`) into the slot `req` was just given."""
         ...
 
     def unhold(self, req: Any) -> None:
-        """Take the slot of a queued session turn (`req.slot`) for a request ahead of it: its state snapshotted into
+        """Take the slot of a queued turn on a kept state (`req.slot`) for a request ahead of it: its state snapshotted into
         `req.restore`, or its slot and pages freed (`req.kept` 0: it recomputes)."""
         ...
 
     def free(self, req: Any) -> None: ...
 
     def finish(self, req: Any) -> None:
-        """A finished request's slot and pages: freed, or parked for its session's next turn."""
+        """A finished request's slot and pages: freed, or parked for its conversation's next turn (a kept state)."""
         ...
 
     def retract(self, req: Any) -> None:
@@ -158,9 +158,9 @@ class Scheduler:
 
     def admit(self, waiting: deque, running: list, max_groups: int | None = None) -> None:
         """Admit waiting groups in order while their slots fit: prefill their heads (batched), then fork each group
-        into its requests. A head that holds a slot already (a session's turn on its kept state) needs no new one.
+        into its requests. A head that holds a slot already (a turn on its kept state) needs no new one.
         The slots held by queued heads behind the admitted groups count as free: they are taken (`unhold`), from
-        the back of the queue, when the admitted groups need them (else sessions continued together in one call,
+        the back of the queue, when the admitted groups need them (else kept states continued together in one call,
         more than the slots, would wait on each other). A group that gets no pages goes back to the front of the
         queue, in order."""
         taken, want, free = [], 0, self.runner.num_free_slots
@@ -168,7 +168,7 @@ class Scheduler:
         while waiting and want + len(waiting[0]) <= free + held and len(taken) != max_groups:
             group = waiting.popleft()
             want += len(group)
-            if not group[0].kept:  # a session's turn holds its pages already (and its slot or a snapshot)
+            if not group[0].kept:  # a turn on a kept state holds its pages already (and its slot or a snapshot)
                 self.runner.new_request(group[0].rid)
             taken.append(group)
         fresh = [g for g in taken if not _holds(g)]
@@ -181,7 +181,7 @@ class Scheduler:
                 short -= 1
         for group, slot in zip(fresh, (self.runner.alloc_slots(len(fresh)) or ()) if fresh else ()):
             group[0].slot = slot
-            if group[0].restore is not None:  # a snapshotted session's turn: its state back into the new slot
+            if group[0].restore is not None:  # a snapshotted kept state's turn: its state back into the new slot
                 self.runner.restore(group[0])
         failed = self.runner.prefill([g[0] for g in taken]) if taken else set()
         back = []
@@ -224,5 +224,5 @@ class Scheduler:
 
 
 def _holds(group: list) -> bool:
-    """Whether the group's head holds its slot (and pages) already: a session's turn on its kept state."""
+    """Whether the group's head holds its slot (and pages) already: a turn on its kept state."""
     return group[0].slot is not None

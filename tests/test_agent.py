@@ -194,7 +194,7 @@ class HeldEngine:
                 "output_token_logprobs": [(-0.5, 33), (-0.25, 257)]}
         return [{"output_ids": [33, 257], "meta_info": meta} for _ in input_ids for _ in range(n)]
 
-    def close_sessions(self, ids):
+    def release_states(self, ids):
         pass
 
 

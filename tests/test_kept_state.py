@@ -1,8 +1,8 @@
-"""Sessions in the native engine (`generate(keep_state=..., sessions=...)`, `rollout/sessions.py`) on k3_tiny (fp32,
-CPU, eager decode): a multi-turn conversation whose turns continue on the kept KDA state and latent pages gives the
-tokens, routes and (within LOGPROB_ATOL) log-probs of re-prefilling the whole conversation every turn, and
+"""Kept state in the native engine (`generate(keep_state=..., states=...)`, `rollout/kept_state.py`) on k3_tiny
+(fp32, CPU, eager decode): a multi-turn conversation whose turns continue on the kept KDA state and latent pages
+gives the tokens, routes and (within LOGPROB_ATOL) log-probs of re-prefilling the whole conversation every turn, and
 prefills only each turn's new tokens (hand-counted). Parked states give way when the pools are short, a push or a
-memory release makes the next turn recompute, and bad continuations are refused naming the session."""
+memory release makes the next turn recompute, and bad continuations are refused naming the kept state."""
 import pytest
 import torch
 
@@ -55,11 +55,11 @@ def _conversation(engine, keep: bool, n_first: int = 2):
     first = engine.generate(input_ids=[PROMPT], sampling_params=_params(1), n=n_first, keep_state=keep, **kw)
     turns, ids = [first[0]], PROMPT + first[0]["output_ids"]
     if keep:
-        engine.close_sessions([r["meta_info"]["session_id"] for r in first[1:]])
+        engine.release_states([r["meta_info"]["state_id"] for r in first[1:]])
     for k, obs in enumerate(OBS, start=2):
         ids = ids + obs
-        sessions = [turns[-1]["meta_info"]["session_id"]] if keep else None
-        (out,) = engine.generate(input_ids=[ids], sampling_params=_params(k), keep_state=keep, sessions=sessions,
+        states = [turns[-1]["meta_info"]["state_id"]] if keep else None
+        (out,) = engine.generate(input_ids=[ids], sampling_params=_params(k), keep_state=keep, states=states,
                                  **kw)
         assert "error" not in out, out
         turns.append(out)
@@ -89,32 +89,32 @@ def test_turns_on_kept_state_equal_a_full_reprefill_and_prefill_only_the_new_tok
     got, got_ids = _conversation(kept := _engine(model, decode=decode), keep=True)
     _assert_same_turns(got, want)
     assert got_ids == want_ids and len(got_ids) == 5 + 3 * NEW + 6
-    assert full.session_stats["prefill_tokens"] == 33 and kept.session_stats["prefill_tokens"] == 10
-    s = kept.session_stats
+    assert full.kept_state_stats["prefill_tokens"] == 33 and kept.kept_state_stats["prefill_tokens"] == 10
+    s = kept.kept_state_stats
     assert (s["parked"], s["continued"], s["kept_tokens"], s["dropped"], s["recomputed"]) == (4, 2, 23, 0, 0)
     assert [t["meta_info"]["cached_tokens"] for t in got[1:]] == [8, 15]
-    assert [t["meta_info"]["session_id"] for t in got] == [0, 0, 0]
+    assert [t["meta_info"]["state_id"] for t in got] == [0, 0, 0]
     assert not _pools_free(kept)  # the last turn's state is parked ...
-    kept.close_sessions([0])
-    assert _pools_free(kept)  # ... until its session is closed
+    kept.release_states([0])
+    assert _pools_free(kept)  # ... until its kept state is released
     assert [t["meta_info"]["routed_experts"].shape[0] for t in got] == [8, 15, 22]  # every position but the last
 
 
-def test_parked_states_give_way_when_slots_are_short_and_the_session_recomputes(model):
+def test_parked_states_give_way_when_slots_are_short_and_the_conversation_recomputes(model):
     """Two slots: the first turn's two samples park both; a new two-sample prompt takes their slots (both give way,
-    oldest first); session 0's next turn recomputes its whole conversation: the same tokens as a full re-prefill."""
+    oldest first); kept state 0's next turn recomputes its whole conversation: the same tokens as a full re-prefill."""
     want, _ = _conversation(_engine(model), keep=False)
     engine = _engine(model, num_slots=2)
     first = engine.generate(input_ids=[PROMPT], sampling_params=_params(1), n=2, lora="policy", keep_state=True,
                             return_routed_experts=True)
     engine.generate(input_ids=[[7, 8, 9]], sampling_params=_params(9), n=2, lora="policy")
-    assert engine.session_stats["dropped"] == 2 and _pools_free(engine)
+    assert engine.kept_state_stats["dropped"] == 2 and _pools_free(engine)
     ids = PROMPT + first[0]["output_ids"] + OBS[0]
-    before = engine.session_stats["prefill_tokens"]
+    before = engine.kept_state_stats["prefill_tokens"]
     (out,) = engine.generate(input_ids=[ids], sampling_params=_params(2), lora="policy", keep_state=True,
-                             sessions=[0], return_routed_experts=True)
-    assert engine.session_stats["prefill_tokens"] - before == len(ids) - 1 == 11
-    assert engine.session_stats["recomputed"] == 1 and out["meta_info"]["session_id"] == 0
+                             states=[0], return_routed_experts=True)
+    assert engine.kept_state_stats["prefill_tokens"] - before == len(ids) - 1 == 11
+    assert engine.kept_state_stats["recomputed"] == 1 and out["meta_info"]["state_id"] == 0
     _assert_same_turns([first[0], out], want[:2])
 
 
@@ -126,20 +126,20 @@ fp32) = 125,952 bytes."""
 
 @pytest.fixture(scope="module")
 def four_reprefilled(model):
-    return _four_sessions(_engine(model), keep=False)
+    return _four_conversations(_engine(model), keep=False)
 
 
-def _four_sessions(engine, keep: bool):
-    """Four one-sample prompts, then a second turn of all four in one call; returns both turns, the session
+def _four_conversations(engine, keep: bool):
+    """Four one-sample prompts, then a second turn of all four in one call; returns both turns, the kept-state
     counters after turn 1 and the positions turn 2 prefilled."""
     kw = {"lora": "policy", "return_routed_experts": True, "keep_state": keep}
     first = engine.generate(input_ids=PROMPTS, sampling_params=_params(1), **kw)
-    after_first = dict(engine.session_stats)
+    after_first = dict(engine.kept_state_stats)
     ids = [p + r["output_ids"] + OBS[0] for p, r in zip(PROMPTS, first)]
-    before = engine.session_stats["prefill_tokens"]
-    second = engine.generate(input_ids=ids, sampling_params=_params(2), sessions=[0, 1, 2, 3] if keep else None,
+    before = engine.kept_state_stats["prefill_tokens"]
+    second = engine.generate(input_ids=ids, sampling_params=_params(2), states=[0, 1, 2, 3] if keep else None,
                              **kw)
-    return first, second, after_first, engine.session_stats["prefill_tokens"] - before
+    return first, second, after_first, engine.kept_state_stats["prefill_tokens"] - before
 
 
 @pytest.mark.parametrize("budget_slots, turn1, turn2", [
@@ -147,10 +147,10 @@ def _four_sessions(engine, keep: bool):
     (2, (2, 0), (4, 2, 2, 2, 2, 28)),
     (0, (0, 2), (0, 0, 6, 4, 0, 44)),
 ])
-def test_more_sessions_than_slots_snapshot_their_states_or_drop_them_and_match_a_full_reprefill(
+def test_more_conversations_than_slots_snapshot_their_states_or_drop_them_and_match_a_full_reprefill(
         model, four_reprefilled, budget_slots, turn1, turn2):
-    """Two slots, four sessions, a snapshot budget of `budget_slots` states. Hand run: turn 1 admits sessions 0 and
-    1, which park; 2 and 3 take their slots (the oldest first), snapshotting (turn1 = (snapshotted, dropped)) or, with
+    """Two slots, four conversations, a snapshot budget of `budget_slots` states. Hand run: turn 1 admits states 0
+    and 1, which park; 2 and 3 take their slots (the oldest first), snapshotting (turn1 = (snapshotted, dropped)) or, with
     no budget, dropping them. Turn 2 continues all four in one call: 0 and 1 (queued first) take the slots that 2 and
     3 hold (from the back: 3, then 2), which snapshot while the budget has room (2 states are counted already:
     0's and 1's, until restored) and are dropped otherwise; 0 and 1 restore (or recompute), park, and give their
@@ -159,8 +159,8 @@ def test_more_sessions_than_slots_snapshot_their_states_or_drop_them_and_match_a
     recomputed one 5 + 4 + 3 - 1 = 11. Either way the tokens, routes and (within EPISODE_ATOL: the reference runs
     the four in one batch, these two at a time) log-probs of re-prefilling every turn."""
     want1, want2, _, full_prefill = four_reprefilled
-    engine = _engine(model, num_slots=2, session_snapshot_bytes=budget_slots * SLOT_BYTES)
-    got1, got2, s1, prefill = _four_sessions(engine, keep=True)
+    engine = _engine(model, num_slots=2, state_snapshot_bytes=budget_slots * SLOT_BYTES)
+    got1, got2, s1, prefill = _four_conversations(engine, keep=True)
     for g in zip(got1, got2):
         assert "error" not in g[1], g[1]
     for i in range(4):
@@ -168,21 +168,21 @@ def test_more_sessions_than_slots_snapshot_their_states_or_drop_them_and_match_a
     assert full_prefill == 4 * 11
     assert (s1["snapshotted"], s1["dropped"]) == turn1
     assert s1["snapshot_bytes"] == turn1[0] * SLOT_BYTES
-    s = engine.session_stats
+    s = engine.kept_state_stats
     assert (s["snapshotted"], s["restored"], s["dropped"], s["recomputed"], s["continued"], prefill) == turn2
     assert s["kept_tokens"] == 8 * s["continued"]  # 5 + 4 - 1 positions each
     assert s["snapshot_bytes"] == (2 * SLOT_BYTES if budget_slots else 0)  # 0 and 1, snapshotted for 2 and 3
-    engine.close_sessions([0, 1, 2, 3])
-    assert _pools_free(engine) and engine.session_stats["snapshot_bytes"] == 0
+    engine.release_states([0, 1, 2, 3])
+    assert _pools_free(engine) and engine.kept_state_stats["snapshot_bytes"] == 0
 
 
-def test_session_store_snapshots_within_the_budget_and_frees_them_once():
-    """SessionStore alone, with counting pools: four parked states, a budget of two snapshots of 10 bytes."""
-    from miles_k3.rollout.sessions import Parked, SessionStore
+def test_kept_states_snapshot_within_the_budget_and_free_them_once():
+    """KeptStates alone, with counting pools: four parked states, a budget of two snapshots of 10 bytes."""
+    from miles_k3.rollout.kept_state import KeptStates, Parked
 
     slots, pages, copies = [], [], []
-    store = SessionStore(slots.append, pages.append, lambda slot: copies.append(slot) or [f"state of {slot}"],
-                         slot_bytes=10, snapshot_budget=20)
+    store = KeptStates(slots.append, pages.append, lambda slot: copies.append(slot) or [f"state of {slot}"],
+                       slot_bytes=10, snapshot_budget=20)
     for sid in range(4):
         assert store.new_id() == sid
         store.park(sid, Parked(rid=100 + sid, slot=sid, tokens=[1, 2, 3], versions={0}, lora=None, record=False))
@@ -198,7 +198,7 @@ def test_session_store_snapshots_within_the_budget_and_frees_them_once():
     assert p.snapshot == ["state of 1"] and store.stats.snapshot_bytes == 10
     store.free(p)  # a stale state: freed, its bytes returned
     assert (pages[-1], store.stats.snapshot_bytes) == (101, 0)
-    store.close(3)
+    store.release(3)
     assert (slots[-1], pages[-1], store.num_parked) == (3, 103, 0)
     assert not store.give_slot() and not store.give_way()
     store.park(1, Parked(rid=101, slot=1, tokens=[1, 2], versions={0}, lora=None, record=False))
@@ -208,14 +208,14 @@ def test_session_store_snapshots_within_the_budget_and_frees_them_once():
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["engine.session_snapshot_bytes=-1"], r"must be >= 0 \(0: no snapshots\), got -1$"),
-    (["engine.backend=sglang", "model.hf_path=/ckpt/qwen3", "engine.session_snapshot_bytes=1024"],
+    (["engine.state_snapshot_bytes=-1"], r"must be >= 0 \(0: no snapshots\), got -1$"),
+    (["engine.backend=sglang", "model.hf_path=/ckpt/qwen3", "engine.state_snapshot_bytes=1024"],
      r"does nothing with backend=sglang .* use backend=native$"),
 ])
 def test_bad_snapshot_budgets_are_refused_naming_the_field(overrides, message):
     from miles_k3.config import ConfigFieldError, compose_config
 
-    with pytest.raises(ConfigFieldError, match=r"^engine.session_snapshot_bytes: " + message):
+    with pytest.raises(ConfigFieldError, match=r"^engine.state_snapshot_bytes: " + message):
         compose_config("train", overrides)
 
 
@@ -230,17 +230,17 @@ def test_a_push_between_turns_recomputes_under_the_new_weights(model):
     for e in (a, b):
         e.update_weights_from_tensor(push, lora_name="policy")
     ids = PROMPT + first["output_ids"] + OBS[0]
-    (got,) = a.generate(input_ids=[ids], sampling_params=_params(2), lora="policy", sessions=[0],
+    (got,) = a.generate(input_ids=[ids], sampling_params=_params(2), lora="policy", states=[0],
                         return_routed_experts=True)
     (want,) = b.generate(input_ids=[ids], sampling_params=_params(2), lora="policy", return_routed_experts=True)
     _assert_same_turns([first, got], [ref1, want])
-    assert a.session_stats["recomputed"] == 1 and a.session_stats["continued"] == 0
-    assert "session_id" not in got["meta_info"] and _pools_free(a)  # continued without keep_state: it ended
-    with pytest.raises(ValueError, match="session 0 is not open"):
-        a.close_sessions([0])
+    assert a.kept_state_stats["recomputed"] == 1 and a.kept_state_stats["continued"] == 0
+    assert "state_id" not in got["meta_info"] and _pools_free(a)  # continued without keep_state: it ended
+    with pytest.raises(ValueError, match="kept state 0 is not open"):
+        a.release_states([0])
 
 
-def test_a_memory_release_forgets_the_states_and_the_sessions_recompute(model):
+def test_a_memory_release_forgets_the_states_and_their_turns_recompute(model):
     engine = _engine(model)
     (first,) = engine.generate(input_ids=[PROMPT], sampling_params=_params(1), lora="policy", keep_state=True)
     engine.release_memory_occupation()
@@ -248,32 +248,32 @@ def test_a_memory_release_forgets_the_states_and_the_sessions_recompute(model):
     assert _pools_free(engine)
     ids = PROMPT + first["output_ids"] + OBS[0]
     (out,) = engine.generate(input_ids=[ids], sampling_params=_params(2), lora="policy", keep_state=True,
-                             sessions=[0])
-    assert "error" not in out and engine.session_stats["recomputed"] == 1
+                             states=[0])
+    assert "error" not in out and engine.kept_state_stats["recomputed"] == 1
 
 
-def test_bad_continuations_are_refused_naming_the_session_and_the_rest_are_served(model):
+def test_bad_continuations_are_refused_naming_the_kept_state_and_the_rest_are_served(model):
     engine = _engine(model)
     (first,) = engine.generate(input_ids=[PROMPT], sampling_params=_params(1), lora="policy", keep_state=True)
     ids = PROMPT + first["output_ids"]
     changed = [9] + ids[1:] + OBS[0]
     out = engine.generate(input_ids=[changed, ids, PROMPT, ids + OBS[0]], sampling_params=_params(2),
-                          lora="policy", keep_state=True, sessions=[0, 0, 41, None])
-    assert "does not extend session 0's tokens (they differ from position 0 of 9)" in out[0]["error"]
+                          lora="policy", keep_state=True, states=[0, 0, 41, None])
+    assert "does not extend kept state 0's tokens (they differ from position 0 of 9)" in out[0]["error"]
     assert "adds no token" in out[1]["error"]
-    assert "session 41 is not open" in out[2]["error"]
-    assert "error" not in out[3] and out[3]["meta_info"]["session_id"] == 1  # a new session
+    assert "kept state 41 is not open" in out[2]["error"]
+    assert "error" not in out[3] and out[3]["meta_info"]["state_id"] == 1  # a new kept state
     (two,) = engine.generate(input_ids=[ids + OBS[0]], sampling_params=_params(2), n=2, lora="policy",
-                             sessions=[0])[:1]
+                             states=[0])[:1]
     assert "takes n=1" in two["error"]
     again = engine.generate(input_ids=[ids + OBS[0]] * 2, sampling_params=_params(2), lora="policy",
-                            keep_state=True, sessions=[0, 0])
-    assert "error" not in again[0] and "session 0 has a turn running" in again[1]["error"]
+                            keep_state=True, states=[0, 0])
+    assert "error" not in again[0] and "kept state 0 has a turn running" in again[1]["error"]
     with pytest.raises(ValueError, match="one entry per prompt"):
-        engine.generate(input_ids=[ids], sessions=[0, 1])
+        engine.generate(input_ids=[ids], states=[0, 1])
 
 
-def test_guess_episodes_as_sessions_equal_recomputed_ones_and_prefill_only_the_observations(model):
+def test_guess_episodes_on_kept_state_equal_recomputed_ones_and_prefill_only_the_observations(model):
     """collect_rollouts with env=guess on the real engine, keep_state on and off: the same samples (tokens, masks;
     log-probs within LOGPROB_ATOL). Prefill counted from the samples' own structure: each group prefills its prompt
     but the last token once; after that a kept-state turn prefills the previous turn's last token and the
@@ -295,7 +295,7 @@ def test_guess_episodes_as_sessions_equal_recomputed_ones_and_prefill_only_the_o
         env_cfg = EnvConfig(name="guess", max_turns=3, keep_state=keep)
         samples, m = collect_rollouts(engine, tok, PromptStream(problems, 0), lambda r, g: [
             RewardResult(0.0, False, {}) for _ in r], rcfg, "policy", env=(build_env(env_cfg), env_cfg))
-        assert _pools_free(engine)  # every episode's session closed
+        assert _pools_free(engine)  # every episode's kept state released
         return samples, m
 
     (kept, mk), (full, mf) = run(True), run(False)
@@ -373,7 +373,7 @@ def test_kept_state_turns_under_cuda_graph_decode_score_like_a_full_forward():
     for keep in (True, False):
         e = _gpu_engine(model)
         turns, ids = _conversation(e, keep=keep)
-        assert e.session_stats["prefill_tokens"] == (10 if keep else 33)
+        assert e.kept_state_stats["prefill_tokens"] == (10 if keep else 33)
         gaps[keep] = _forward_gaps(model, PROMPT, turns, ids)
     print(f"max |engine - forward| log-prob: kept {max(gaps[True]):.4f}, re-prefill {max(gaps[False]):.4f}")
     assert max(gaps[True]) < GPU_LOGPROB_ATOL and max(gaps[False]) < GPU_LOGPROB_ATOL
@@ -381,17 +381,17 @@ def test_kept_state_turns_under_cuda_graph_decode_score_like_a_full_forward():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_snapshotted_sessions_under_cuda_graph_decode_score_like_a_full_forward():
-    """The four-sessions-on-two-slots run (hand counts as in the CPU test: 6 snapshots, 4 restores, turn 2
+def test_snapshotted_states_under_cuda_graph_decode_score_like_a_full_forward():
+    """The four-conversations-on-two-slots run (hand counts as in the CPU test: 6 snapshots, 4 restores, turn 2
     prefilling 4 x 3 positions) in bf16 under CUDA-graph decode: states copied to the host and back into the pools
     the captured graphs read; every sampled token's log-prob within GPU_LOGPROB_ATOL of a teacher-forced forward of
-    its session's conversation."""
+    its conversation."""
     model = _gpu_model()
-    e = _gpu_engine(model, num_slots=2, session_snapshot_bytes=64 * 2**20)
-    first, second, _, prefill = _four_sessions(e, keep=True)
-    s = e.session_stats
+    e = _gpu_engine(model, num_slots=2, state_snapshot_bytes=64 * 2**20)
+    first, second, _, prefill = _four_conversations(e, keep=True)
+    s = e.kept_state_stats
     assert (s["snapshotted"], s["restored"], s["dropped"], s["recomputed"], prefill) == (6, 4, 0, 0, 12)
     gaps = [g for p, a, b in zip(PROMPTS, first, second)
             for g in _forward_gaps(model, p, [a, b], p + a["output_ids"] + OBS[0] + b["output_ids"])]
-    print(f"max |engine - forward| log-prob over 4 snapshotted sessions: {max(gaps):.4f}")
+    print(f"max |engine - forward| log-prob over 4 snapshotted states: {max(gaps):.4f}")
     assert max(gaps) < GPU_LOGPROB_ATOL

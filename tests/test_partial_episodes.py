@@ -3,7 +3,7 @@ CPU): a turn that finishes is handed to its environment within the engine's run 
 the queue; a step trains on the groups whose episodes have all ended, the others carry across the push (their tokens
 spanning weight versions, every token's version recorded); the pool saved after a step and loaded into a fresh
 engine continues exactly (environments rebuilt from the answers they gave, recorded in the checkpoint: no step runs
-twice); `drop` cancels a late group's turns and sessions; a step past its deadline is cancelled within the run."""
+twice); `drop` cancels a late group's turns and kept states; a step past its deadline is cancelled within the run."""
 import io
 import threading
 
@@ -164,9 +164,9 @@ def test_episodes_carry_across_pushes_and_resume_exactly(model, tmp_path):
 
 
 @pytest.mark.slow
-def test_drop_cancels_a_late_groups_turns_and_sessions(model):
+def test_drop_cancels_a_late_groups_turns_and_kept_states(model):
     """policy drop, max_staleness 1, 8 groups in flight for a step of 2: a group still in flight two pushes after it
-    was queued is past the bound; its turns and engine sessions are cancelled (nothing of it stays queued or
+    was queued is past the bound; its turns and kept states are cancelled (nothing of it stays queued or
     parked), and no trained token is older than the bound."""
     engine = _engine(model)
     pool = _pool(engine, policy="drop", inflight=8)
@@ -180,7 +180,7 @@ def test_drop_cancels_a_late_groups_turns_and_sessions(model):
         assert all(version - min(s.token_versions) <= 1 for s in samples)
     queued = set(engine.queue.queued_groups())
     assert {k for k, _ in pool.turns.values()} <= set(pool.groups) and set(pool.turns) <= queued
-    assert engine.runner.sessions.num_parked == 0
+    assert engine.runner.kept_states.num_parked == 0
     assert dropped > 0
 
 

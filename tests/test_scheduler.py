@@ -20,7 +20,7 @@ class Req:
     slot: int | None = None
     cached: int = 0
     weight_versions: set[int] = field(default_factory=set)
-    kept: int = 0  # no sessions here: never a kept state or a snapshot to restore
+    kept: int = 0  # no multi-turn conversations here: never a kept state or a snapshot to restore
     restore: list | None = None
 
     @property
@@ -74,7 +74,7 @@ class FakeRunner:
         req.slot = None
         self.events.append(("free", req.name))
 
-    def finish(self, req):  # no sessions here: a finished request is freed
+    def finish(self, req):  # no kept states here: a finished request is freed
         self.free(req)
 
     def retract(self, req):

@@ -46,18 +46,18 @@ class ScriptedEngine:
     def max_context(self):
         return self.engine.max_context
 
-    def generate(self, input_ids, sampling_params, n, return_logprob, lora, keep_state=False, sessions=None):
+    def generate(self, input_ids, sampling_params, n, return_logprob, lora, keep_state=False, states=None):
         self.prompts.append([list(p) for p in input_ids])
         if self.gate is not None:
             self.gate.wait(timeout=30)
         if not self.script:
             return self.engine.generate(input_ids=input_ids, sampling_params=sampling_params, n=n,
                                         return_logprob=return_logprob, lora=lora, keep_state=keep_state,
-                                        sessions=sessions)
+                                        states=states)
         return [self.scripted(p) for p in input_ids for _ in range(n)]
 
-    def close_sessions(self, ids):
-        self.engine.close_sessions(ids)
+    def release_states(self, ids):
+        self.engine.release_states(ids)
 
     def scripted(self, prompt):
         out = self.script(prompt) if callable(self.script) else self.script.pop(0)
@@ -222,10 +222,10 @@ def test_greedy_and_seeded_turns_equal_the_engines_own_generate(served):
     assert lps == pytest.approx([lp for lp, _ in greedy["meta_info"]["output_token_logprobs"]])
 
     msgs += [{"role": "assistant", "content": r1.choices[0].message.content}, {"role": "user", "content": "2+3="}]
-    before = engine.session_stats
+    before = engine.kept_state_stats
     client.chat.completions.create(model="k3_nano", messages=msgs, max_tokens=6, seed=11,
                                    extra_body={"session_id": sid})
-    after = engine.session_stats  # turn 2 continued on the state of turn 1: prompt + out1 but its last token
+    after = engine.kept_state_stats  # turn 2 continued on the state of turn 1: prompt + out1 but its last token
     assert after["continued"] - before["continued"] == 1
     assert after["kept_tokens"] - before["kept_tokens"] == len(prompt) + len(out1) - 1
     new = list(b"user: 2+3=\nassistant: ")
@@ -235,12 +235,12 @@ def test_greedy_and_seeded_turns_equal_the_engines_own_generate(served):
     assert rec["ids"] == prompt + out1 + new + out2
     assert rec["loss_mask"] == [0] * len(prompt) + [1] * len(out1) + [0] * len(new) + [1] * len(out2)
     assert rec["weight_versions"][len(prompt)] == 0 and len(rec["turns"]) == 2
-    parked = engine.runner.sessions.num_parked
+    parked = engine.runner.kept_states.num_parked
     assert httpx.delete(f"{base}/sessions/{sid}").status_code == 200
     deadline = time.time() + 20  # DELETE frees its engine state (on the engine's worker thread)
-    while engine.runner.sessions.num_parked != parked - 1 and time.time() < deadline:
+    while engine.runner.kept_states.num_parked != parked - 1 and time.time() < deadline:
         time.sleep(0.01)
-    assert engine.runner.sessions.num_parked == parked - 1
+    assert engine.runner.kept_states.num_parked == parked - 1
 
 
 def test_n_forks_start_one_session_each(served):
@@ -453,7 +453,7 @@ def _app(overrides=(), script=lambda prompt: [33, END_OF_MSG], **kw):
 
     from miles_k3.model.tokenizer import small_tokenizer
 
-    engine = ScriptedEngine(SimpleNamespace(max_context=MAX_CONTEXT, close_sessions=lambda ids: None))
+    engine = ScriptedEngine(SimpleNamespace(max_context=MAX_CONTEXT, release_states=lambda ids: None))
     engine.script = script
     app = build_app(engine, small_tokenizer(512), compose_config("serve", list(overrides)), **kw)
     return TestClient(app), app.state.server

@@ -69,17 +69,20 @@ def test_entry_points_refuse_bad_settings_with_one_line(prog, overrides, message
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("prog, override, key, leaf, schema", [
-    ("eval", "output_dir=x", "output_dir", "output_dir", "EvalRunConfig"),  # renamed run_dir
-    ("sft", "output_dir=x", "output_dir", "output_dir", "SFTConfig"),
-    ("train", "rollout.backend=sglang", "rollout.backend", "backend", "RolloutConfig"),  # renamed engine.backend
-    ("eval", "backend=sglang", "backend", "backend", "EvalRunConfig"),
-    ("train", "sync.transport=local", "sync.transport", "transport", "WeightSyncConfig"),  # removed with ipc/dist
+@pytest.mark.parametrize("prog, override, key, leaf, schema, new", [
+    ("eval", "output_dir=x", "output_dir", "output_dir", "EvalRunConfig", None),  # renamed run_dir
+    ("sft", "output_dir=x", "output_dir", "output_dir", "SFTConfig", None),
+    ("train", "rollout.backend=sglang", "rollout.backend", "backend", "RolloutConfig", None),  # now engine.backend
+    ("eval", "backend=sglang", "backend", "backend", "EvalRunConfig", None),
+    ("train", "sync.transport=local", "sync.transport", "transport", "WeightSyncConfig", None),  # removed with ipc/dist
+    # the engine's kept state of a multi-turn conversation ("session" is the server's conversation)
+    ("train", "engine.session_snapshot_bytes=1024", "engine.session_snapshot_bytes", "session_snapshot_bytes",
+     "EngineConfig", "engine.state_snapshot_bytes"),
 ])
-def test_old_names_fail_naming_the_key(prog, override, key, leaf, schema, tmp_path):
+def test_old_names_fail_naming_the_key(prog, override, key, leaf, schema, new, tmp_path):
     """run_dir and engine.backend are the one name of each in train, eval and sft: an old name is refused before
     Hydra composes (one line naming the key, not Hydra's advice to add it with a +: `cli.check_overrides`), before
-    anything is written; added with a +, by the config's validation."""
+    anything is written; added with a +, by the config's validation. A renamed key's message names the new one."""
     proc = _entry(prog, override, cwd=tmp_path)
     _assert_user_error(proc, prog, f"{key}: not a field of ")
     assert f"+{key}" not in proc.stderr and "Could not override" not in proc.stderr
@@ -88,6 +91,8 @@ def test_old_names_fail_naming_the_key(prog, override, key, leaf, schema, tmp_pa
     added = _entry(prog, f"+{override}", f"hydra.run.dir={tmp_path}/hydra", cwd=tmp_path)
     _assert_user_error(added, prog, f"{key}: not a field of {schema}, so it would do nothing; remove the +{key} "
                                     "override")
+    if new is not None:
+        assert f"; did you mean {new}?" in proc.stderr and f"; did you mean {new}?" in added.stderr
 
 
 @pytest.mark.parametrize("overrides, message", [

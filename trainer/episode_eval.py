@@ -4,7 +4,7 @@ or by the run's agent code over the in-process server (env=agent: its `sources.E
 `evaluate_episodes(engine, tokenizer, problems, cfg, env, lora)` runs, for each problem, `cfg.samples` episodes of
 the environment with the eval's sampling settings (cfg.temperature, top_p, top_k, max_new_tokens per turn), played
 as training rollouts play them (`sources.episode_player`: the environment's turns through `episodes.first_turns` and
-`run_turns`, engine sessions under env.keep_state; or the agent code, whose turn k of problem i's episode j samples
+`run_turns`, states kept in the engine under env.keep_state; or the agent code, whose turn k of problem i's episode j samples
 with seed (cfg.seed + i * cfg.samples + j) * 1009 + k), and scores each episode: the rewards the environment gave,
 plus, when its final turn (or the agent's returned text) is left to the run's reward (StepResult.reward None:
 `tools`), that turn graded by `cfg.grader`. Problem i's episode j starts with sampling seed

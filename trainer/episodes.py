@@ -10,10 +10,10 @@ final turn's prefill.
 
 Turn 1 is the group's `generate` call (n = group_size forks of one prompt: they share its prefill); each later
 round is one `generate` call over every live episode (n=1, its whole conversation as the prompt). With
-env.keep_state (native engine) every episode is an engine session (`rollout/sessions.py`): a turn's KDA state and
-latent pages stay parked in the engine until the episode's next turn, which prefills only its new tokens (the
-state is recomputed, with the same result, when it gave way for memory); an episode's session is closed when it
-ends. Without it every turn recomputes the whole conversation. Under data parallelism every rank makes the same number of
+env.keep_state (an engine that keeps state: the native one) every episode keeps its state in the engine
+(`rollout/kept_state.py`): a turn's KDA state and latent pages stay parked there until the episode's next turn,
+which prefills only its new tokens (the state is recomputed, with the same result, when it gave way for memory);
+an episode's kept state is released when it ends. Without it every turn recomputes the whole conversation. Under data parallelism every rank makes the same number of
 calls (a max over the ranks of the live episodes decides whether another round runs; a rank with none calls
 `generate` with no prompts), as lockstep needs. The default `single` environment ends every episode after its
 first turn, so a single-turn rollout makes one call and no collective, as before.
@@ -74,7 +74,7 @@ class Episode:
     graded: bool = False  # the final turn is graded by the run's reward
     end: str = ""
     info: dict[str, float] = field(default_factory=dict)
-    session: int | None = None  # the engine session its turns continue (env.keep_state), None: recomputed
+    state_id: int | None = None  # the kept state its turns continue (env.keep_state), None: recomputed
     answer: str | None = None  # graded instead of the final turn's text (an agent's returned answer, env=agent)
     turns: int = 0  # policy turns when `outs` holds them as one record (env=agent); 0: one record per turn
     steps: list[StepResult] = field(default_factory=list)  # the environment's answer to each turn it stepped
@@ -84,7 +84,7 @@ class Episode:
         return len(self.prompt) + len(self.ids)
 
     def add_turn(self, out: dict) -> None:
-        self.session = out["meta_info"].get("session_id")
+        self.state_id = out["meta_info"].get("state_id")
         self.starts.append(self.length)
         self.outs.append(out)
         self.ids += list(out["output_ids"])
@@ -186,25 +186,25 @@ def first_turns(engine, tokenizer, drawn: list[tuple[int, Problem]], seeds: list
     outs = engine.generate(input_ids=[prompt for _, prompt in groups],
                            sampling_params=[sampling_params(settings, seed) for seed in seeds] or None, n=n,
                            return_logprob=True, lora=lora, return_routed_experts=routes,
-                           **session_args(engine, env_cfg))
+                           **kept_state_args(engine, env_cfg))
     bad = next((o for o in outs if "error" in o), None)
     if bad is not None:
-        ids = [o["meta_info"]["session_id"] for o in outs if "session_id" in o.get("meta_info", {})]
+        ids = [o["meta_info"]["state_id"] for o in outs if "state_id" in o.get("meta_info", {})]
         if ids:
-            engine.close_sessions(ids)
+            engine.release_states(ids)
         raise RuntimeError(f"rollout: the engine rejected a request: {bad['error']}")
     return [ep for k, ((envs, prompt), seed) in enumerate(zip(groups, seeds))
             for ep in open_episodes(envs, prompt, seed, outs[k * n:(k + 1) * n])]
 
 
 def keeps_state(engine, env_cfg: EnvConfig) -> bool:
-    """Whether episodes run as engine sessions (multi-turn, env.keep_state, an engine that keeps state:
-    `capabilities.keeps_state`)."""
+    """Whether episodes keep their state in the engine between turns (multi-turn, env.keep_state, an engine that
+    keeps state: `capabilities.keeps_state`)."""
     return env_cfg.max_turns > 1 and env_cfg.keep_state and engine.capabilities.keeps_state
 
 
-def session_args(engine, env_cfg: EnvConfig) -> dict:
-    """The first turn's `generate` arguments for sessions ({} when episodes recompute every turn)."""
+def kept_state_args(engine, env_cfg: EnvConfig) -> dict:
+    """The first turn's `generate` arguments for kept state ({} when episodes recompute every turn)."""
     return {"keep_state": True} if keeps_state(engine, env_cfg) else {}
 
 
@@ -219,7 +219,7 @@ def context_limit(engine, env_cfg: EnvConfig) -> int:
 def run_turns(engine, tokenizer, episodes: list[Episode], cfg, env_cfg: EnvConfig, lora, routes: bool,
               ctx: ParallelContext = SINGLE) -> None:
     """Steps every episode's environment after its first turn (already added) and runs further turns until every
-    episode has ended, on every rank (see the module docstring). Every episode's engine session is closed when it
+    episode has ended, on every rank (see the module docstring). Every episode's kept state is released when it
     ends (and all of them if this raises)."""
     limit = context_limit(engine, env_cfg)
     keep = keeps_state(engine, env_cfg)
@@ -233,7 +233,7 @@ def run_turns(engine, tokenizer, episodes: list[Episode], cfg, env_cfg: EnvConfi
                 break  # no episode left on any rank
             params = [sampling_params(cfg, turn_seed(ep.seed, turn), min(cfg.max_new_tokens, limit - ep.length))
                       for ep in live]
-            more = {"keep_state": True, "sessions": [ep.session for ep in live]} if keep else {}
+            more = {"keep_state": True, "states": [ep.state_id for ep in live]} if keep else {}
             outs = engine.generate(input_ids=[ep.prompt + ep.ids for ep in live], sampling_params=params or None,
                                    n=1, return_logprob=True, lora=lora, return_routed_experts=routes, **more)
             bad = next((o for o in outs if "error" in o), None)
@@ -246,12 +246,12 @@ def run_turns(engine, tokenizer, episodes: list[Episode], cfg, env_cfg: EnvConfi
 
 
 def _close(engine, episodes: list[Episode]) -> None:
-    """End the engine sessions of these episodes (their parked state freed)."""
-    ids = [ep.session for ep in episodes if ep.session is not None]
+    """Release the kept states of these episodes (their parked slots and pages freed)."""
+    ids = [ep.state_id for ep in episodes if ep.state_id is not None]
     if ids:
-        engine.close_sessions(ids)
+        engine.release_states(ids)
     for ep in episodes:
-        ep.session = None
+        ep.state_id = None
 
 
 class EnvStep:
@@ -362,11 +362,11 @@ def apply_outcome(ep: Episode, res: StepResult | tuple[str, str], tokenizer, env
 
 
 def engine_counts(engine) -> dict[str, float]:
-    """The native engine's prefill and session counters now ({} for an engine that keeps no state, so has none):
+    """The native engine's prefill and kept-state counters now ({} for an engine that keeps no state, so has none):
     `env_totals` takes the difference over a step's rollouts."""
     if not engine.capabilities.keeps_state:
         return {}
-    stats = engine.session_stats
+    stats = engine.kept_state_stats
     return {"env_prefill_tokens": float(stats["prefill_tokens"]), "env_kept_tokens": float(stats["kept_tokens"]),
             "env_recomputed_turns": float(stats["recomputed"]), "env_restored_turns": float(stats["restored"])}
 

@@ -65,10 +65,10 @@ from miles_k3.trainer.episodes import (
     env_metrics,
     env_totals,
     keeps_state,
+    kept_state_args,
     multi_turn,
     open_episodes,
     reset_group,
-    session_args,
     start_steps,
     step_episodes,
 )
@@ -133,7 +133,7 @@ class PartialRollouts:
 
     def _drop(self, version: int) -> list[tuple[_Group, list[int]]]:
         """Cancel the groups that could only be trained past the bound: a group's first turn (its forks, still
-        queued) or its episodes' turns in flight, and their sessions; (group, its samples' lengths so far)."""
+        queued) or its episodes' turns in flight, and their kept states; (group, its samples' lengths so far)."""
         late = [gid for gid, g in self.groups.items() if version - g.queued_at > self.cfg.partial.max_staleness]
         if not late:
             return []
@@ -149,9 +149,9 @@ class PartialRollouts:
             if g.episodes is None:
                 out.append((g, lengths.get(key, [])))
                 continue
-            sessions = [ep.session for ep in g.episodes if ep.session is not None]
-            if sessions:
-                self.engine.close_sessions(sessions)
+            states = [ep.state_id for ep in g.episodes if ep.state_id is not None]
+            if states:
+                self.engine.release_states(states)
             out.append((g, [len(ep.ids) for ep in g.episodes]))
         return out
 
@@ -174,7 +174,7 @@ class PartialRollouts:
         params = [sampling_params(cfg, group_seed(cfg.seed, d, cfg.group_size)) for d, _ in drawn]
         gids = self.queue.submit(input_ids=[prompt for _, prompt in starts], sampling_params=params,
                                  n=cfg.group_size, lora=self.lora, return_routed_experts=self.routes,
-                                 **session_args(self.engine, env_cfg))
+                                 **kept_state_args(self.engine, env_cfg))
         for gid, (d, p), (envs, prompt) in zip(gids, drawn, starts):
             self.groups[gid] = _Group(d, p, prompt, version, envs)
 
@@ -236,13 +236,13 @@ class PartialRollouts:
         go = step_episodes(eps, self.tokenizer, self.env[1], limit, self.ctx, [st for _, _, st in pending])
         for (key, j, _), ep, more_turns in zip(pending, eps, go):
             if not more_turns:
-                if ep.session is not None:
-                    self.engine.close_sessions([ep.session])
-                    ep.session = None
+                if ep.state_id is not None:
+                    self.engine.release_states([ep.state_id])
+                    ep.state_id = None
             else:
                 params = sampling_params(cfg, turn_seed(ep.seed, len(ep.outs)),
                                          min(cfg.max_new_tokens, limit - ep.length))
-                more = {"keep_state": True, "sessions": [ep.session]} if keeps_state(self.engine, self.env[1]) else {}
+                more = {"keep_state": True, "states": [ep.state_id]} if keeps_state(self.engine, self.env[1]) else {}
                 (gid,) = self.queue.submit([ep.prompt + ep.ids], params, n=1, lora=self.lora,
                                            return_routed_experts=self.routes, **more)
                 self.turns[gid] = (key, j)
@@ -398,7 +398,7 @@ class PartialRollouts:
                     ep.env.replay(response_text(self.tokenizer, out), res)
 
 
-_EPISODE_FIELDS = ("prompt", "seed", "outs", "starts", "ids", "mask", "reward", "graded", "end", "info", "session")
+_EPISODE_FIELDS = ("prompt", "seed", "outs", "starts", "ids", "mask", "reward", "graded", "end", "info", "state_id")
 
 
 def _episode_state(ep: Episode) -> dict:
@@ -414,7 +414,8 @@ def _episode_from_state(d: dict, env) -> Episode:
                          "(a checkpoint of before they were kept); resuming it would run its environment's steps "
                          "again: start a new run (resume=none, or another run_dir) from its adapter")
     steps = [StepResult(r["observation"], r["reward"], r["done"], dict(r["info"])) for r in d["steps"]]
-    return Episode(env, **{k: d[k] for k in _EPISODE_FIELDS}, steps=steps)
+    saved = {"state_id": d.get("session")} | d  # "session": the kept state's id, as checkpoints before the rename say
+    return Episode(env, **{k: saved[k] for k in _EPISODE_FIELDS}, steps=steps)
 
 
 def interleaved_index(counts: list[int], r: int) -> list[int]:

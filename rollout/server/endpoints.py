@@ -2,9 +2,9 @@
 one engine call of a turn (`generate_turn`).
 
 Engine calls run one at a time on a single worker thread; requests that arrive while the engine is busy share its
-next call. On the native engine each session's KDA state and latent pages stay in the engine between its turns (an
-engine session: `miles_k3.rollout.sessions`), so a turn prefills only its new tokens; a session deleted, evicted or
-ended frees them. Rendering and tokenising prompts run on a thread of their own, never on the event loop.
+next call. On the native engine each session's KDA state and latent pages stay in the engine between its turns (its
+kept state: `miles_k3.rollout.kept_state`), so a turn prefills only its new tokens; a session deleted, evicted or
+ended releases them. Rendering and tokenising prompts run on a thread of their own, never on the event loop.
 
 Agent episodes (training, `miles_k3.agent`): `open_episode` serves one conversation at /episodes/{id}/v1, the id a
 random token that is the episode's credential; the in-training server requires the run's random key (`api_key`)
@@ -40,16 +40,16 @@ from miles_k3.rollout.server.sessions import Session, Sessions
 
 
 def generate_turn(engine, prompts: list[list[int]], params: list[dict], n: int, lora: str | None,
-                  sessions: list[int | None] | None = None) -> list[dict]:
+                  states: list[int | None] | None = None) -> list[dict]:
     """The one engine call of a turn (of every turn batched into it): `n` samples of each prompt (the whole token
     sequence of its session so far) under its own sampling params, with log-probs; prompt i's sample j at
-    i * n + j. On an engine with sessions (the native one) every sample's state is kept between its turns
-    (`meta_info["session_id"]`): `sessions[i]`, the engine session prompt i continues, prefills only its new
-    tokens."""
+    i * n + j. On an engine that keeps state (`capabilities.keeps_state`: the native one) every sample's state is
+    kept between its turns (`meta_info["state_id"]`): `states[i]`, the kept state prompt i continues, prefills only
+    its new tokens."""
     if not engine.capabilities.keeps_state:
         return engine.generate(input_ids=prompts, sampling_params=params, n=n, return_logprob=True, lora=lora)
     return engine.generate(input_ids=prompts, sampling_params=params, n=n, return_logprob=True, lora=lora,
-                           keep_state=True, sessions=sessions or [None] * len(prompts))
+                           keep_state=True, states=states or [None] * len(prompts))
 
 
 class Server:
@@ -57,7 +57,7 @@ class Server:
 
     def __init__(self, engine, tokenizer, cfg: ServerConfig, lora: str | None = None, api_key: str | None = None):
         """`engine`: a native `RolloutEngine`, or anything with its `generate`, `max_context`, `capabilities` and
-        (with `capabilities.keeps_state`) `close_sessions`; `lora`: the engine's adapter name to generate with
+        (with `capabilities.keeps_state`) `release_states`; `lora`: the engine's adapter name to generate with
         (None: the base); `api_key`: the bearer token every request but an episode's must carry (the in-training
         server's random one); None: the value of cfg.api_key_env's variable, if set. ServerConfigError when cfg.chat_format needs a chat template the
         tokenizer lacks."""
@@ -68,7 +68,7 @@ class Server:
         self.max_body_bytes = cfg.max_body_bytes
         self.default_max_tokens = cfg.default_max_tokens
         self.max_n = cfg.max_n
-        self.sessions = Sessions(cfg.max_sessions, cfg.session_idle_s, self.end_engine_session)
+        self.sessions = Sessions(cfg.max_sessions, cfg.session_idle_s, self.release_state)
         self.api_key = api_key or (os.environ.get(cfg.api_key_env) if cfg.api_key_env else None)
         if cfg.api_key_env and not self.api_key:
             raise ServerConfigError(f"api_key_env: the environment variable {cfg.api_key_env} is unset or empty")
@@ -131,7 +131,7 @@ class Server:
                f"({max_tokens if max_tokens is not None else 1}) exceed the engine's max_context {ctx}")
         if session is not None:
             session.end = "truncated"
-            self.end_engine_session(session)
+            self.release_state(session)
             msg += f"; session {session.id} has ended truncated (its record: GET /v1/sessions/{session.id})"
         else:
             msg += "; shorten the prompt or lower max_tokens"
@@ -157,19 +157,20 @@ class Server:
         s.busy = True
         return s
 
-    def end_engine_session(self, session: Session) -> None:
-        """Free a session's engine state (on the worker thread, after the engine calls queued before)."""
-        if session.engine_session is not None:
-            self.worker.submit(self.engine.close_sessions, [session.engine_session])
-            session.engine_session = None
+    def release_state(self, session: Session) -> None:
+        """Release a session's kept state in the engine (on the worker thread, after the engine calls queued
+        before)."""
+        if session.state_id is not None:
+            self.worker.submit(self.engine.release_states, [session.state_id])
+            session.state_id = None
 
-    async def run_engine(self, prompt: list[int], params: dict, n: int, engine_session: int | None = None
+    async def run_engine(self, prompt: list[int], params: dict, n: int, state_id: int | None = None
                          ) -> list[dict]:
-        """The `n` records of one prompt (continuing `engine_session`'s kept state). Requests that arrive while
+        """The `n` records of one prompt (continuing kept state `state_id`). Requests that arrive while
         the engine is busy wait together and go into its next call as one batch (those with the same n; `drain`)."""
         loop = asyncio.get_running_loop()
         done = loop.create_future()
-        self.pending.append((prompt, params, n, engine_session, done))
+        self.pending.append((prompt, params, n, state_id, done))
         if self.drainer is None:
             self.drainer = loop.create_task(self.drain())
         try:
@@ -223,15 +224,15 @@ class Server:
                 outs = await self.run_engine(prompt, params, n)
                 sessions = [self.sessions.new(kind, prompt, episode) for _ in outs]
             for s, out in zip(sessions, outs):
-                s.engine_session = out["meta_info"].get("session_id")
+                s.state_id = out["meta_info"].get("state_id")
                 s.append_turn(0, out)
             return sessions, outs
         try:
             added = await self.off_loop(new_ids, session)
             prompt = session.ids + added
             params["max_new_tokens"] = self.room(prompt, max_tokens, session)
-            outs = await self.run_engine(prompt, params, 1, session.engine_session)
-            session.engine_session = outs[0]["meta_info"].get("session_id")
+            outs = await self.run_engine(prompt, params, 1, session.state_id)
+            session.state_id = outs[0]["meta_info"].get("state_id")
             start = len(session.ids)
             session.append_context(added)
             session.append_turn(start, outs[0])

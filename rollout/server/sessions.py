@@ -3,8 +3,10 @@ prompt's ids, each turn's output ids as sampled, never re-tokenised from the tex
 each later message), with a loss mask (1: sampled, 0: prompt and observations), the engine's log-prob of each
 sampled token (0.0 elsewhere: of the distribution sampled from, and under top-p / top-k also of the unfiltered one,
 which the trainer's log-probs are comparable with) and the weight version that sampled it (null elsewhere).
-`Sessions` bounds them: least recently used idle ones are evicted, never a live one. Bookkeeping only: the engine's
-own state of a session (KDA slots, latent pages: `miles_k3.rollout.sessions`) is freed through `Sessions.on_drop`."""
+`Sessions` bounds them: least recently used idle ones are evicted, never a live one. Bookkeeping only: the state the
+engine keeps for a session between its turns (KDA slot, latent pages: a kept state, `miles_k3.rollout.kept_state`)
+is released through `Sessions.on_drop`. "Session" means this, a conversation on the server, and nothing in the
+engine."""
 from __future__ import annotations
 
 import contextlib
@@ -35,7 +37,7 @@ class Session:
     weight_versions: list[int | None] = field(default_factory=list)
     turns: list[dict] = field(default_factory=list)
     end: str | None = None  # "truncated": a request ran past the engine's context; the session takes no more
-    engine_session: int | None = None  # the engine session holding its state between turns (native engine)
+    state_id: int | None = None  # the engine's kept state of the conversation between turns (native engine)
     busy: bool = False  # a turn is being generated (or its prompt tokenised)
     episode: str | None = None  # the agent episode it belongs to: never evicted, not counted in max_sessions
     drop_when_idle: bool = False  # its episode closed during a turn: deleted when the turn ends
@@ -84,7 +86,7 @@ class Sessions:
     refused with 429 and nothing is evicted. So one client's requests never take another's live session."""
 
     def __init__(self, limit: int, idle_s: float, on_drop=lambda session: None, clock=time.monotonic):
-        """`on_drop(session)`: called for a session evicted or deleted (its engine state is freed there);
+        """`on_drop(session)`: called for a session evicted or deleted (its kept state is released there);
         `clock()`: seconds, for idleness (tests pass their own)."""
         self.limit, self.idle_s, self.on_drop, self.clock = limit, idle_s, on_drop, clock
         self._items: OrderedDict[str, Session] = OrderedDict()
