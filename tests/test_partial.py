@@ -310,3 +310,19 @@ def test_replicas_draw_every_dp_th_prompt_and_their_groups_interleave():
     assert [interleaved_index([3, 1, 2], r) for r in range(3)] == [[0, 3, 5], [1], [2, 4]]
     assert interleaved_index([2, 2], 1) == [1, 3]
     assert interleaved_index([0, 2], 1) == [0, 1]
+
+
+def test_an_episode_saved_before_the_kept_state_rename_resumes_with_its_state_id():
+    """A checkpoint written when the engine's kept state was called a session stores an episode's id under
+    "session": it loads as the episode's state_id (5 here), as a new checkpoint's "state_id" does."""
+    from miles_k3.envs.env import StepResult
+    from miles_k3.trainer.episodes import Episode
+    from miles_k3.trainer.partial import _episode_from_state, _episode_state
+
+    saved = _episode_state(Episode(None, [1, 2], 7, ids=[3], mask=[1], state_id=5,
+                                   steps=[StepResult("again", 0.0, False, {})]))
+    assert saved["state_id"] == 5 and "session" not in saved
+    old = {("session" if k == "state_id" else k): v for k, v in saved.items()}
+    for d in (saved, old):
+        ep = _episode_from_state(d, None)
+        assert (ep.state_id, ep.prompt, ep.ids, ep.steps[0].observation) == (5, [1, 2], [3], "again")
