@@ -45,7 +45,7 @@ from miles_k3.model.kernel_config import KernelsConfig
 from miles_k3.model.lora import LoRAConfig
 from miles_k3.model.weight_files import WeightsError
 from miles_k3.parallel.config import ParallelConfig, ParallelConfigError
-from miles_k3.ray_config import RayConfig, check_launcher, default_ray_dp
+from miles_k3.ray_config import RayConfig, check_fleet, check_launcher, default_ray_dp
 from miles_k3.rollout.api import capabilities
 from miles_k3.rollout.engine_config import EngineConfig
 from miles_k3.rollout.server.config import ServerConfig, ServerConfigError
@@ -171,6 +171,7 @@ class TrainConfig:
         check_release_tags(self.rollout.release_tags, self.engine.backend, self.sglang)
         check_sync(self.sync, self.engine.backend)
         check_routes(self.rollout.return_routed_experts, self.trainer.routing_replay, self.engine.backend)
+        check_fleet(self)
         check_partial(self.rollout.mode, self.trainer.old_logprobs, self.trainer.loss.tis, self.engine.backend)
         check_filtered_logprobs(self.rollout.top_p, self.rollout.top_k, self.trainer.old_logprobs, self.trainer.loss.tis,
                                 self.engine.backend)

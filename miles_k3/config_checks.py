@@ -207,33 +207,33 @@ def check_filtered_logprobs(top_p: float, top_k: int, old_logprobs: str, tis: st
 
 def tis_for_mode(mode: str) -> str:
     """trainer.loss.tis=auto (python -m miles_k3.train's default) for rollout mode `mode`: token_truncate under
-    partial, whose tokens were sampled under up to max_staleness older adapters and are importance weighted against
-    the engine's log-probs (docs/concepts/off-policy.md); none under sync (the trainer's adapter sampled every
-    token)."""
-    return "token_truncate" if mode == "partial" else "none"
+    partial and fleet, whose tokens were sampled under up to max_staleness older adapters and are importance
+    weighted against the engine's log-probs (docs/concepts/off-policy.md); none under sync (the trainer's adapter
+    sampled every token)."""
+    return "token_truncate" if mode in ("partial", "fleet") else "none"
 
 
 def check_partial(mode: str, old_logprobs: str, tis: str, backend: str) -> None:
-    """rollout.mode=partial trains samples whose tokens span weight versions: the PPO ratio is taken against the
-    trainer's own log-probs at the start of the step (old_logprobs=recompute, decoupled PPO) and the tokens the
-    engine drew under an older adapter are importance weighted (trainer.loss.tis). It needs the native engine's
-    paused requests, its partial queue (SGLang 0.5.17 pauses only through its HTTP server's /pause_generation; its
-    offline Engine, which engine.backend=sglang drives, has no pause)."""
-    if mode != "partial":
+    """rollout.mode=partial (and fleet) trains samples whose tokens span weight versions: the PPO ratio is taken
+    against the trainer's own log-probs at the start of the step (old_logprobs=recompute, decoupled PPO) and the
+    tokens the engine drew under an older adapter are importance weighted (trainer.loss.tis). Partial needs the
+    native engine's paused requests, its partial queue (SGLang 0.5.17 pauses only through its HTTP server's
+    /pause_generation; its offline Engine, which engine.backend=sglang drives, has no pause)."""
+    if mode not in ("partial", "fleet"):
         return
-    if not capabilities(backend).partial_queue:
+    if mode == "partial" and not capabilities(backend).partial_queue:
         raise ValueError("rollout.mode=partial: needs engine.backend=native (SGLang 0.5.17's offline Engine cannot "
                          "pause and continue requests: its pause_generation is an HTTP-server endpoint); use "
                          "engine.backend=native or rollout.mode=sync")
     if old_logprobs != "recompute":
-        raise ValueError("trainer.old_logprobs: rollout.mode=partial takes the PPO ratio against the trainer's "
+        raise ValueError(f"trainer.old_logprobs: rollout.mode={mode} takes the PPO ratio against the trainer's "
                          "log-probs at the start of the step (the engine's may come from an older adapter, and "
                          "would clip a stale token as if it were on-policy); set trainer.old_logprobs=recompute")
     if tis == "none":
-        raise ValueError("trainer.loss.tis: rollout.mode=partial trains tokens sampled under older adapters, which "
+        raise ValueError(f"trainer.loss.tis: rollout.mode={mode} trains tokens sampled under older adapters, which "
                          "need an importance weight against the engine's log-probs; set "
                          "trainer.loss.tis=token_truncate (or seq_mask), or leave it unset (auto: token_truncate in "
-                         "partial mode)")
+                         f"{mode} mode)")
 
 
 def check_agent(backend: str, world_size: int, mode: str, routes: bool) -> None:

@@ -53,6 +53,7 @@ from miles_k3.trainer.checkpoint import (
     set_rng_state,
 )
 from miles_k3.trainer.episode_eval import EpisodeEvalHook
+from miles_k3.trainer.fleet import FleetRollouts, served_adapter
 from miles_k3.trainer.optim import BadStepGuard, build_optimizer, build_scheduler
 from miles_k3.trainer.partial import PartialRollouts
 from miles_k3.trainer.rollouts import PromptStream, SyncRollouts
@@ -190,8 +191,10 @@ def build_rollouts(cfg, engine, tokenizer, stream: PromptStream, reward, ctx: Pa
       rollouts and the eval alike.
     * The producer (`trainer.sources.RolloutSource`): rollout.mode=sync, `SyncRollouts` (every sample drawn with
       the trainer's adapter); partial, `PartialRollouts` (groups in flight across weight updates, each of the
-      ctx.dp_size replicas keeping its share: `check_replica_share`, `check_pool_fits`). The samples carry the
-      engine's routes with rollout.return_routed_experts or trainer.routing_replay (not env=agent's: refused).
+      ctx.dp_size replicas keeping its share: `check_replica_share`, `check_pool_fits`); fleet, `FleetRollouts`
+      (the groups sampled by engine actors on Ray, each with its own base, under the partial-mode rules). The
+      samples carry the engine's routes with rollout.return_routed_experts or trainer.routing_replay (not
+      env=agent's nor the fleet's: refused).
 
     Returns (producer, eval episodes): None for env=single (the eval answers in one turn, `EvalHook`), else
     (the environment's factory or the agent's player, EnvConfig) for `EpisodeEvalHook`. A new producer (a fleet of
@@ -202,7 +205,9 @@ def build_rollouts(cfg, engine, tokenizer, stream: PromptStream, reward, ctx: Pa
                                cfg.rollout)
         return agents, (agents, cfg.env)
     env = (build_env(cfg.env), cfg.env)  # unknown tools, or a python tool without a sandbox, fail here
-    if cfg.rollout.mode == "partial":
+    if cfg.rollout.mode == "fleet":  # engine actors on Ray (validated: native, env=single, one process)
+        source = FleetRollouts(cfg, served_adapter(engine, POLICY), tokenizer, stream, reward, env=env)
+    elif cfg.rollout.mode == "partial":
         check_replica_share(cfg.rollout, ctx.dp_size)
         check_pool_fits(cfg.rollout, engine.num_slots, ctx.dp_size)
         source = PartialRollouts(engine, tokenizer, stream, reward, cfg.rollout, POLICY, routes=routes, ctx=ctx,

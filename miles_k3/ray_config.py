@@ -8,6 +8,7 @@ loop as the ranks of one process group that Ray starts, and Ray restarts the gro
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from importlib.util import find_spec
 from typing import Optional
 
 from miles_k3.parallel.config import ParallelConfig, ParallelConfigError
@@ -90,3 +91,31 @@ def check_launcher(launcher: str, ray: RayConfig, parallel: ParallelConfig, resu
     if (device, ray.gpus_per_worker) in (("cpu", 1), ("cuda", 0)):
         raise ValueError(f"ray.gpus_per_worker: {ray.gpus_per_worker} with device={device}; a worker computes on "
                          "the GPU it holds, or on the CPU without one: leave ray.gpus_per_worker null (from device)")
+
+
+def check_fleet(cfg) -> None:
+    """rollout.mode=fleet (`trainer.fleet`, docs/guides/ray.md) in the run config `cfg`: Ray installed; native
+    engines (each builds its own K3 base); env=single's groups; one trainer process that starts the engine actors
+    (launcher=process, no torchrun ranks); no routes (the engines do not return them)."""
+    if cfg.rollout.mode != "fleet":
+        return
+    if find_spec("ray") is None:
+        raise ValueError(f"rollout.mode: fleet runs its engines as Ray actors, and Ray is not installed; install it "
+                         f"with {RAY_INSTALL}")
+    if cfg.engine.backend != "native" or cfg.model.hf_path is not None:
+        raise ValueError("engine.backend: rollout.mode=fleet's engines are native ones over a K3 base of their own; "
+                         "set engine.backend=native (and model.path, not model.hf_path), or rollout.mode=sync")
+    if cfg.env.name != "single":
+        raise ValueError(f"env: {cfg.env.name}: rollout.mode=fleet plays single-turn groups (env=single); for "
+                         "multi-turn episodes use rollout.mode=partial or sync")
+    if cfg.launcher != "process":
+        raise ValueError(f"launcher: {cfg.launcher} runs the loop on Ray Train's workers, and rollout.mode=fleet's "
+                         "engine actors are started by one trainer process; set launcher=process (the engines run "
+                         "on Ray all the same)")
+    if cfg.parallel.world_size != 1:
+        raise ValueError(f"parallel.dp: parallel.dp x parallel.tp = {cfg.parallel.world_size} ranks, and "
+                         "rollout.mode=fleet is driven by one trainer process; set parallel.dp=1 parallel.tp=1, or "
+                         "rollout.mode=partial")
+    if cfg.rollout.return_routed_experts or cfg.trainer.routing_replay:
+        raise ValueError("rollout.return_routed_experts: rollout.mode=fleet's engines do not return routes (nor "
+                         "does trainer.routing_replay get them); set both off, or rollout.mode=partial")

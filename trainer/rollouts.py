@@ -39,7 +39,7 @@ from miles_k3.trainer.seeds import group_seed, order_seed
 from miles_k3.trainer.sources import EpisodePlayer, episode_player
 
 OVERLONG_MODES = ("none", "mask", "penalty")
-ROLLOUT_MODES = ("sync", "partial")
+ROLLOUT_MODES = ("sync", "partial", "fleet")
 STALENESS_POLICIES = ("wait", "drop", "keep")
 log = logging.getLogger("miles_k3.train")
 
@@ -80,6 +80,36 @@ class PartialConfig:
         """The number of groups kept in flight."""
         return self.inflight_groups or -(-3 * prompts_per_step // 2)
 
+
+@dataclass
+class FleetConfig:
+    """rollout.mode=fleet: the rollout engines as Ray actors, each with its own copy of the frozen base
+    (`trainer.fleet`, docs/guides/ray.md); Ray is the optional extra `.[ray]`."""
+
+    engines: int = 2
+    """Engine actors; each builds the base from model.path (or the seed's random init) and a native engine over it."""
+    cpus_per_engine: float = 1.0
+    """CPUs each engine holds (Ray's CPU resource); its torch threads: this, at least 1."""
+    gpus_per_engine: float = 0.0
+    """GPUs each engine holds (a fraction shares a GPU: Ray's fractional GPUs); above 0 the engine runs on CUDA."""
+    max_restarts: int = 3
+    """Times Ray starts an engine again after its process died (its base rebuilt from disk, then the current
+    adapter); -1: no limit. Its calls go back to the queue either way."""
+    start_timeout_s: float = 120.0
+    """How long the engines may take to start, and a dead engine to come back, before the run stops (at the start)
+    or goes on without it."""
+
+    def validate(self) -> None:
+        if isinstance(self.engines, bool) or not isinstance(self.engines, int) or self.engines < 1:
+            raise ValueError(f"rollout.fleet.engines: must be an integer >= 1, got {self.engines!r}")
+        if not self.cpus_per_engine > 0:
+            raise ValueError(f"rollout.fleet.cpus_per_engine: must be > 0, got {self.cpus_per_engine}")
+        if not self.gpus_per_engine >= 0:
+            raise ValueError(f"rollout.fleet.gpus_per_engine: must be >= 0, got {self.gpus_per_engine}")
+        if self.max_restarts < -1:
+            raise ValueError(f"rollout.fleet.max_restarts: must be >= -1 (-1: no limit), got {self.max_restarts}")
+        if not self.start_timeout_s > 0:
+            raise ValueError(f"rollout.fleet.start_timeout_s: must be > 0, got {self.start_timeout_s}")
 
 @dataclass
 class RolloutConfig:
@@ -123,9 +153,13 @@ class RolloutConfig:
     under the new adapter (each token records the version that sampled it; off-policy tokens are importance
     weighted). Native engine; under parallel.dp > 1 each replica keeps and finishes its share of the groups.
     Needs trainer.old_logprobs=recompute (the default) and trainer.loss.tis on: its default, auto, is token_truncate
-    under partial."""
+    under partial. fleet: the groups are sampled by rollout.fleet.engines engine actors on Ray, under the
+    partial-mode rules (rollout.partial.*); the engines sample the next step's groups while the trainer trains
+    (native engine, env=single, one process: `miles_k3.ray_config.check_fleet`)."""
     partial: PartialConfig = field(default_factory=PartialConfig)
-    """rollout.mode=partial only."""
+    """rollout.mode=partial and fleet only."""
+    fleet: FleetConfig = field(default_factory=FleetConfig)
+    """rollout.mode=fleet only."""
     log_samples: int = 4
     """Completions per step logged to the rollout/samples table (W&B and tables/rollout_samples.jsonl)."""
     return_routed_experts: bool = False
@@ -160,15 +194,18 @@ class RolloutConfig:
             raise ValueError(f"template: '{self.template}' is not one of {', '.join(template_names())}")
         if self.mode not in ROLLOUT_MODES:
             raise ValueError(f"mode: '{self.mode}' is not one of {', '.join(ROLLOUT_MODES)}")
-        if self.mode == "partial":
+        if self.mode in ("partial", "fleet"):
             self.partial.check_inflight(self.prompts_per_step)
             if self.dynamic_sampling and self.max_sampling_rounds != 1:
-                raise ValueError(f"max_sampling_rounds={self.max_sampling_rounds}: rollout.mode=partial trains on the "
-                                 "groups that finish and leaves flat ones out (dynamic_sampling) without drawing "
+                raise ValueError(f"max_sampling_rounds={self.max_sampling_rounds}: rollout.mode={self.mode} trains on "
+                                 "the groups that finish and leaves flat ones out (dynamic_sampling) without drawing "
                                  "rounds; set rollout.max_sampling_rounds=1")
         elif self.partial != PartialConfig():
             raise ValueError("partial: rollout.partial.* is set but rollout.mode=sync, where it does nothing; set "
                              "rollout.mode=partial or leave rollout.partial at its defaults")
+        if self.mode != "fleet" and self.fleet != FleetConfig():
+            raise ValueError(f"fleet: rollout.fleet.* is set but rollout.mode={self.mode}, where it does nothing; set "
+                             "rollout.mode=fleet or leave rollout.fleet at its defaults")
         if not (self.temperature >= 0 and 0 < self.top_p <= 1):
             raise ValueError(f"temperature/top_p: need temperature >= 0 and 0 < top_p <= 1, got "
                              f"{self.temperature}, {self.top_p}")
