@@ -36,9 +36,10 @@ def _entry(rank: int, world: int, port: int, out_dir: str, env: dict, fn, args) 
     torch.set_num_threads(1)  # 2 cores shared by every rank
     result = fn(rank, *args)
     Path(out_dir, f"{rank}.pkl").write_bytes(pickle.dumps(result))
-    import torch.distributed as dist
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    # the library's teardown: a barrier, then the groups destroyed and gloo's threads joined before the interpreter
+    # exits (a worker still dropping its last collective's tensors at exit aborts the process: SIGABRT)
+    from miles_k3.parallel.mesh import leave_process_group
+    leave_process_group()
 
 
 def run_ranks(world: int, fn, *args, env: dict | None = None, timeout_s: float = 300.0) -> list:

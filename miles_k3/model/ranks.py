@@ -10,12 +10,11 @@ import logging
 import os
 
 import torch
-import torch.distributed as dist
 
 from miles_k3.model.build import ModelConfig, load_k3_config
 from miles_k3.model.parallelize import check_mesh
 from miles_k3.parallel.config import ParallelConfig
-from miles_k3.parallel.mesh import ParallelContext, init_parallel
+from miles_k3.parallel.mesh import ParallelContext, init_parallel, leave_process_group
 from miles_k3.utils.runtime import resolve_device
 
 
@@ -39,6 +38,6 @@ def start_ranks(model: ModelConfig, parallel: ParallelConfig, device: str) -> tu
 
 
 def end_ranks() -> None:
-    """Leave the process group `start_ranks` joined (every rank, at the command's end); nothing in one process."""
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    """Leave the process group `start_ranks` joined (every rank, at the command's end: `leave_process_group` waits
+    for the others and joins gloo's threads); nothing in one process."""
+    leave_process_group()

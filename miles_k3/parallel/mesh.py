@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import gc
 import logging
 import os
 from dataclasses import dataclass
@@ -174,5 +175,32 @@ def _reconstructible(err: Exception) -> bool:
 
 
 def shutdown(ctx: ParallelContext) -> None:
-    if ctx.distributed and dist.is_initialized():
-        dist.destroy_process_group()
+    """Leave the process group at the run's end (`leave_process_group`); nothing in one process."""
+    if ctx.distributed:
+        leave_process_group()
+
+
+def leave_process_group() -> None:
+    """Every rank of the default group waits for the others, then destroys the groups and collects what held them.
+
+    Why not `destroy_process_group()` alone: it keeps gloo's worker threads running (a group's threads are joined
+    only when its last reference goes), and a worker that finished a collective drops the work's tensors after
+    the caller has moved on: a Python decref, which takes the GIL. Taken during interpreter teardown, the GIL ends
+    that thread inside a C++ destructor and the process aborts (SIGABRT, "terminate called without an active
+    exception": once in a loaded CI run, rank 1 of a 2-rank test). The garbage collection here runs the groups'
+    destructors, which release the GIL and join their threads, while the interpreter is alive (for groups nothing
+    else still holds; a caller's ParallelContext keeps its groups to the end). The barrier waits (GIL released)
+    until every rank is done, so no rank closes its connections while a peer still reads its last collective; a
+    barrier that fails (a peer gone, or a group that already failed, where it was reported) is logged, and the
+    groups are left all the same."""
+    if not dist.is_initialized():
+        return
+    try:
+        if dist.get_backend() == "nccl":
+            dist.barrier(device_ids=[torch.cuda.current_device()])
+        else:
+            dist.barrier()
+    except Exception as err:  # noqa: BLE001 - any failure of the barrier: leave without it
+        log.warning("rank %d: leaving the process group without the final barrier: %s", dist.get_rank(), err)
+    dist.destroy_process_group()
+    gc.collect()
