@@ -6,6 +6,7 @@ if os.environ.get("PYTEST_XDIST_WORKER"):  # `pytest -n 2` (what CI runs): two w
 
 import pytest
 from kernel_testing import results_of
+from xdist_order import pytest_xdist_make_scheduler  # noqa: F401 - the hook: the longest files go first
 
 
 @pytest.fixture(scope="module")
