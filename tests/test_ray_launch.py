@@ -13,7 +13,6 @@ CPUs for the module (the driver is this test process, as `python -m miles_k3.tra
 """
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
@@ -24,9 +23,17 @@ from importlib.util import find_spec
 from pathlib import Path
 
 import pytest
-import torch
 from dist_helpers import run_ranks
-from safetensors.torch import load_file
+from run_helpers import (
+    assert_bitwise_equal,
+    checkpoint_adapter,
+    latest_checkpoint,
+    metrics_rows,
+    rank_state,
+    resumed_steps,
+    tiny_run_overrides,
+    write_sum_data,
+)
 
 from miles_k3.config import ConfigFieldError, compose_config
 from miles_k3.ray_config import RAY_INSTALL
@@ -45,23 +52,9 @@ RUN_TIMEOUT_S = 300
 needs_ray = pytest.mark.skipif(find_spec("ray") is None, reason=f"Ray is not installed ({RAY_INSTALL})")
 
 
-def _write_data(path: Path) -> str:
-    rows = [{"id": f"q{i}", "question": " + ".join([str(i)] * (1 + i % 3)) + " = ?", "answer": str(i * (1 + i % 3))}
-            for i in range(10)]
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return str(path)
-
-
 def _overrides(data: str, run_dir: Path, *extra: str) -> list[str]:
-    """test_restart's tiny run (k3_tiny fp32, the shipped coin reward so every step trains, a checkpoint every
-    step) on 2 data-parallel ranks, one CPU thread each."""
-    return [f"steps={STEPS}", f"data.source={data}", "data.problem_field=null", f"run_dir={run_dir}", "model=k3_tiny",
-            "model.path=null", "model.dtype=fp32", "device=cpu", "threads=1", "eval.every_n_steps=0", "reward=coin",
-            "rollout.prompts_per_step=4", "rollout.group_size=2", "rollout.max_new_tokens=8", "rollout.template=plain",
-            "rollout.log_samples=2", "rollout.dynamic_sampling=false", "engine.max_context=64",
-            "trainer.minibatches=2", "trainer.optim.lr=0.01", "trainer.optim.eps=1e-3",
-            "trainer.optim.total_steps=null", "lora.rank=2", "checkpoint_every=1", "keep_checkpoints=10",
-            "resume=auto", *extra]
+    """test_restart's tiny run (`run_helpers.tiny_run_overrides`) on 2 data-parallel ranks, one CPU thread each."""
+    return [*tiny_run_overrides(data, run_dir, STEPS), "threads=1", *extra]
 
 
 def _ray(data: str, run_dir: Path, *extra: str):
@@ -76,42 +69,7 @@ def _torchrun_rank(rank: int, overrides: list[str]) -> None:
 def _final(run_dir: Path) -> dict:
     """The last checkpoint's PEFT adapter and every rank's adapter shard and optimizer state."""
     ckpt = run_dir / f"checkpoints/step_{STEPS:08d}"
-    out = {"adapter": load_file(ckpt / "adapter/adapter_model.safetensors")}
-    for r in (0, 1):
-        own = ckpt / f"rank-{r:05d}"
-        out[f"rank{r}"] = {"shard": torch.load(own / "adapter_shard.pt", weights_only=True),
-                           "optimizer": torch.load(own / "optimizer.pt", weights_only=True)}
-    return out
-
-
-def _equal(a, b, where: str) -> None:
-    """Nested dicts / lists of tensors and plain values, bitwise."""
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), where
-    elif isinstance(a, dict):
-        assert isinstance(b, dict) and sorted(a, key=str) == sorted(b, key=str), where
-        for k in a:
-            _equal(a[k], b[k], f"{where}.{k}")
-    elif isinstance(a, (list, tuple)):
-        assert isinstance(b, (list, tuple)) and len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            _equal(x, y, f"{where}[{i}]")
-    else:
-        assert a == b, where
-
-
-def _rows(run_dir: Path) -> list[dict]:
-    try:
-        text = (run_dir / "metrics.jsonl").read_text()
-    except FileNotFoundError:
-        return []
-    out = []
-    for line in text.splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            pass  # a row being written
-    return out
+    return {"adapter": checkpoint_adapter(run_dir, STEPS), **{f"rank{r}": rank_state(ckpt, r) for r in (0, 1)}}
 
 
 def _trained(rows: list[dict]) -> list[tuple]:
@@ -127,17 +85,6 @@ def _groups(run_dir: Path) -> list[dict[int, int]]:
     """The pid of every rank of each worker group that started, in order (rank 0's `ray: worker group` line)."""
     return [{int(r): int(p) for r, p in re.findall(r"rank (\d+) pid (\d+)", m)}
             for m in re.findall(r"ray: worker group of \d+: (.*)", _log(run_dir))]
-
-
-def _resumes(run_dir: Path) -> list[int]:
-    return [int(s) for s in re.findall(r"resumed from \S+ at step (\d+)", _log(run_dir))]
-
-
-def _latest(run_dir: Path) -> str | None:
-    try:
-        return (run_dir / "checkpoints/latest").read_text().strip()
-    except FileNotFoundError:
-        return None
 
 
 class _Driver:
@@ -190,7 +137,7 @@ def cluster():
 def runs(cluster, tmp_path_factory):
     """The uninterrupted Ray run (A) and its wall time; the data file; the root directory."""
     root = tmp_path_factory.mktemp("ray")
-    data = _write_data(root / "train.jsonl")
+    data = write_sum_data(root / "train.jsonl")
     wall = _Driver(_ray(data, root / "A")).wait()
     return {"root": root, "data": data, "A": root / "A", "wall_A": wall}
 
@@ -200,9 +147,9 @@ def runs(cluster, tmp_path_factory):
 def test_two_ray_workers_train_the_adapter_of_two_torchrun_ranks_bit_for_bit(runs):
     root, a = runs["root"], runs["A"]
     run_ranks(2, _torchrun_rank, _overrides(runs["data"], root / "T"), timeout_s=RUN_TIMEOUT_S)
-    _equal(_final(a), _final(root / "T"), "final")
-    assert _trained(_rows(a)) == _trained(_rows(root / "T"))
-    assert [s for s, *_ in _trained(_rows(a))] == list(range(1, STEPS + 1))
+    assert_bitwise_equal(_final(a), _final(root / "T"), "final")
+    assert _trained(metrics_rows(a)) == _trained(metrics_rows(root / "T"))
+    assert [s for s, *_ in _trained(metrics_rows(a))] == list(range(1, STEPS + 1))
     assert len(_groups(a)) == 1 and sorted(_groups(a)[0]) == [0, 1]  # one group of 2, no restart
     assert "parallel: rank 0 (dp 0, tp 0, ep 0) of 2 (dp=2 x tp=1, ep=1; gloo)" in _log(a)
     assert any(p.name == ".validate_storage_marker" for p in (a / "ray").iterdir())  # Ray Train's records
@@ -213,18 +160,19 @@ def test_two_ray_workers_train_the_adapter_of_two_torchrun_ranks_bit_for_bit(run
 def test_a_worker_killed_mid_run_is_restarted_by_ray_and_the_run_ends_bit_for_bit(runs):
     b = runs["root"] / "B"
     driver = _Driver(_ray(runs["data"], b, "ray.max_failures=1"))
-    driver.poll("the checkpoint of step 2", lambda: _latest(b) == f"step_{KILL_AFTER:08d}")
+    driver.poll("the checkpoint of step 2", lambda: latest_checkpoint(b) == f"step_{KILL_AFTER:08d}")
     victim = driver.poll("the first worker group's pids", lambda: _groups(b) and _groups(b)[0][1])
     time.sleep(0.1)  # inside step 3
-    assert max(r["step"] for r in _rows(b)) == KILL_AFTER, "the kill came too late: step 3 had already ended"
+    assert max(r["step"] for r in metrics_rows(b, partial_ok=True)) == KILL_AFTER, \
+        "the kill came too late: step 3 had already ended"
     os.kill(victim, signal.SIGKILL)
     t_kill = time.monotonic()
     driver.poll("the second worker group", lambda: len(_groups(b)) == 2, every_s=0.05)
     t_group = time.monotonic()
-    resumed = driver.poll("the restarted group's resume", lambda: _resumes(b), every_s=0.05)
+    resumed = driver.poll("the restarted group's resume", lambda: resumed_steps(b), every_s=0.05)
     t_resumed = time.monotonic()
-    driver.poll("the first step after the resume", lambda: [r for r in _rows(b) if r["step"] > resumed[0]],
-                every_s=0.05)
+    driver.poll("the first step after the resume",
+                lambda: [r for r in metrics_rows(b, partial_ok=True) if r["step"] > resumed[0]], every_s=0.05)
     t_step = time.monotonic()
     wall = driver.wait()
     print(f"\nrun A (uninterrupted) {runs['wall_A']:.1f} s; run B (rank 1 killed in step {KILL_AFTER + 1}) "
@@ -235,14 +183,14 @@ def test_a_worker_killed_mid_run_is_restarted_by_ray_and_the_run_ends_bit_for_bi
     groups = _groups(b)
     assert len(groups) == 2 and groups[1][1] != victim  # Ray started a second group, once
     assert resumed in ([KILL_AFTER], [KILL_AFTER + 1]), resumed  # (+1: step 3's checkpoint beat the kill)
-    _equal(_final(b), _final(runs["A"]), "final")
-    assert _trained(_rows(b)) == _trained(_rows(runs["A"]))  # every step logged once, as in the uninterrupted run
+    assert_bitwise_equal(_final(b), _final(runs["A"]), "final")
+    assert _trained(metrics_rows(b)) == _trained(metrics_rows(runs["A"]))  # every step logged once, as in run A
 
 
 @needs_ray
 @pytest.mark.slow
 def test_a_cluster_without_the_resources_is_refused_within_the_timeout_naming_them(cluster, tmp_path):
-    cfg = compose_config("train", _overrides(_write_data(tmp_path / "d.jsonl"), tmp_path / "run", "launcher=ray",
+    cfg = compose_config("train", _overrides(write_sum_data(tmp_path / "d.jsonl"), tmp_path / "run", "launcher=ray",
                                              "ray.num_workers=2", "ray.gpus_per_worker=1", "device=auto",
                                              "ray.start_timeout_s=2"))
     t0 = time.monotonic()

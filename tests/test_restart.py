@@ -24,19 +24,21 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from run_helpers import (
+    assert_bitwise_equal,
+    checkpoint_adapter,
+    latest_checkpoint,
+    metrics_rows,
+    rank_state,
+    resumed_steps,
+    tiny_run_overrides,
+    write_sum_data,
+)
 
 pytestmark = pytest.mark.slow
 STEPS = 5
 FIRST_KILL_AFTER = 2  # kill 1: inside step 3, once the checkpoint of step 2 is published
 RUN_TIMEOUT_S = 150
-
-
-def _write_data(path: Path) -> str:
-    rows = [{"id": f"q{i}", "question": " + ".join([str(i)] * (1 + i % 3)) + " = ?", "answer": str(i * (1 + i % 3))}
-            for i in range(10)]
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return str(path)
 
 
 def _command(data: str, run_dir: Path) -> list[str]:
@@ -45,13 +47,7 @@ def _command(data: str, run_dir: Path) -> list[str]:
     exist in the workers) so every step trains."""
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
             "--max-restarts", "2", "--monitor-interval", "0.1",
-            "-m", "miles_k3.train", f"steps={STEPS}", f"data.source={data}", "data.problem_field=null",
-            f"run_dir={run_dir}", "model=k3_tiny", "model.path=null", "model.dtype=fp32", "device=cpu",
-            "eval.every_n_steps=0", "reward=coin", "rollout.prompts_per_step=4", "rollout.group_size=2",
-            "rollout.max_new_tokens=8", "rollout.template=plain", "rollout.log_samples=2",
-            "rollout.dynamic_sampling=false", "engine.max_context=64", "trainer.minibatches=2",
-            "trainer.optim.lr=0.01", "trainer.optim.eps=1e-3", "trainer.optim.total_steps=null", "lora.rank=2",
-            "checkpoint_every=1", "keep_checkpoints=10", "resume=auto"]  # parallel.dp: world / tp = 2
+            "-m", "miles_k3.train", *tiny_run_overrides(data, run_dir, STEPS)]  # parallel.dp: world / tp = 2
 
 
 def _env() -> dict:
@@ -87,38 +83,13 @@ def _wait(proc: subprocess.Popen, log: Path) -> str:
 
 
 # ---- the run directory, read while it runs -----------------------------------------------------------------
-def _latest(run_dir: Path) -> int | None:
-    try:
-        name = (run_dir / "checkpoints/latest").read_text().strip()
-    except FileNotFoundError:
-        return None
-    m = re.fullmatch(r"step_(\d+)", name)
-    return int(m.group(1)) if m else None
-
-
 def _published(run_dir: Path) -> set[int]:
     root = run_dir / "checkpoints"
     return {int(p.name[5:]) for p in root.iterdir() if re.fullmatch(r"step_\d+", p.name)} if root.is_dir() else set()
 
 
 def _logged_steps(run_dir: Path) -> list[int]:
-    try:
-        text = (run_dir / "metrics.jsonl").read_text()
-    except FileNotFoundError:
-        return []
-    out = []
-    for line in text.splitlines():
-        try:
-            out.append(json.loads(line)["step"])
-        except (json.JSONDecodeError, KeyError, TypeError):
-            pass  # a row being written
-    return out
-
-
-def _resumes(run_dir: Path) -> list[int]:
-    """The steps of train.log's "resumed from ... at step N" lines, in order."""
-    path = run_dir / "train.log"
-    return [int(m) for m in re.findall(r"resumed from \S+ at step (\d+)", path.read_text())] if path.exists() else []
+    return [r["step"] for r in metrics_rows(run_dir, partial_ok=True)]
 
 
 # ---- torchrun's workers ---------------------------------------------------------------------------------------
@@ -162,48 +133,21 @@ def _poll(what: str, cond, proc: subprocess.Popen, log: Path, timeout_s: float =
     pytest.fail(f"timed out waiting for {what}:\n{log.read_text()[-6000:]}")
 
 
-# ---- what the runs left -------------------------------------------------------------------------------------
-def _rows(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
-def _rank_state(ckpt: Path, rank: int) -> dict:
-    own = ckpt / f"rank-{rank:05d}"
-    return {"shard": torch.load(own / "adapter_shard.pt", weights_only=True),
-            "optimizer": torch.load(own / "optimizer.pt", weights_only=True)}
-
-
-def _equal(a, b, where: str) -> None:
-    """Nested dicts / lists of tensors and plain values, bitwise."""
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), where
-    elif isinstance(a, dict):
-        assert isinstance(b, dict) and sorted(a, key=str) == sorted(b, key=str), where
-        for k in a:
-            _equal(a[k], b[k], f"{where}.{k}")
-    elif isinstance(a, (list, tuple)):
-        assert isinstance(b, (list, tuple)) and len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            _equal(x, y, f"{where}[{i}]")
-    else:
-        assert a == b, where
-
-
 def test_a_rank_killed_mid_step_is_restarted_and_the_run_ends_bitwise_as_the_uninterrupted_one(tmp_path):
-    data = _write_data(tmp_path / "train.jsonl")
+    data = write_sum_data(tmp_path / "train.jsonl")
     run_a, run_b = tmp_path / "A", tmp_path / "B"
 
     t0 = time.monotonic()
     proc, log_a = _start(data, run_a, tmp_path)
     text_a = _wait(proc, log_a)
     t_a = time.monotonic() - t0
-    assert "attempts left" not in text_a and _resumes(run_a) == []
+    assert "attempts left" not in text_a and resumed_steps(run_a) == []
 
     t0 = time.monotonic()
     proc, log_b = _start(data, run_b, tmp_path)
     try:
         # kill 1, mid-step: step 3 is running (its checkpoint's predecessor is published, its row not logged)
-        _poll("the checkpoint of step 2", lambda: _latest(run_b) == FIRST_KILL_AFTER, proc, log_b)
+        _poll("the checkpoint of step 2", lambda: latest_checkpoint(run_b) == f"step_{FIRST_KILL_AFTER:08d}", proc, log_b)
         time.sleep(0.15)
         victim = _poll("rank 1 of the first attempt", lambda: _worker(proc.pid, 1, 0), proc, log_b, every_s=0.01)
         assert max(_published(run_b)) == FIRST_KILL_AFTER and max(_logged_steps(run_b)) == FIRST_KILL_AFTER, \
@@ -211,14 +155,14 @@ def test_a_rank_killed_mid_step_is_restarted_and_the_run_ends_bitwise_as_the_uni
         os.kill(victim, signal.SIGKILL)
 
         # kill 2, after the restart resumed: a step's row is logged, its checkpoint not yet published
-        _poll("the first restart's resume", lambda: len(_resumes(run_b)) == 1, proc, log_b, every_s=0.05)
-        first_resume = _resumes(run_b)[0]
+        _poll("the first restart's resume", lambda: len(resumed_steps(run_b)) == 1, proc, log_b, every_s=0.05)
+        first_resume = resumed_steps(run_b)[0]
         victim = _poll("rank 1 of the second attempt", lambda: _worker(proc.pid, 1, 1), proc, log_b, every_s=0.01)
 
         def logged_not_published():
             steps = _logged_steps(run_b)
             last = steps[-1] if steps else 0
-            return last if last > first_resume and last < STEPS and _latest(run_b) != last else None
+            return last if last > first_resume and last < STEPS and latest_checkpoint(run_b) != f"step_{last:08d}" else None
         cut = _poll("a step logged before its checkpoint", logged_not_published, proc, log_b, every_s=0.001)
         os.kill(victim, signal.SIGKILL)
         text_b = _wait(proc, log_b)
@@ -232,7 +176,7 @@ def test_a_rank_killed_mid_step_is_restarted_and_the_run_ends_bitwise_as_the_uni
 
     # torchrun restarted the worker group twice; each restart resumed from its last complete checkpoint
     assert text_b.count("will restart worker group") == 2, text_b[-6000:]
-    resumes = _resumes(run_b)
+    resumes = resumed_steps(run_b)
     assert resumes[0] == FIRST_KILL_AFTER, resumes
     assert len(resumes) == 2 and resumes[1] in (cut - 1, cut), (resumes, cut)  # cut: rank 1 had written its files
     assert "the run was resumed from an earlier checkpoint" not in text_b  # no newer published step was left behind
@@ -244,7 +188,7 @@ def test_a_rank_killed_mid_step_is_restarted_and_the_run_ends_bitwise_as_the_uni
 def _assert_same_rows(run_a: Path, run_b: Path) -> None:
     """Every step logged once, in order (the rows logged past a resumed checkpoint were cut), with run A's losses,
     rewards and sample tables."""
-    rows_a, rows_b = _rows(run_a), _rows(run_b)
+    rows_a, rows_b = metrics_rows(run_a), metrics_rows(run_b)
     assert [r["step"] for r in rows_a] == [r["step"] for r in rows_b] == list(range(1, STEPS + 1))
     for a, b in zip(rows_a, rows_b):
         for key in a:
@@ -264,16 +208,15 @@ def _assert_same_final_state(run_a: Path, run_b: Path, text_a: str, text_b: str)
         assert mesh == {"dp": 2, "tp": 1, "ep": 1, "world": 2}  # dp defaulted to torchrun's world / tp
         summary = re.findall(r"^\s*adapter:\s+(\S+)$", text, re.MULTILINE)  # rank 0's summary, once: the last attempt's
         assert summary == [str(run / f"checkpoints/step_{STEPS:08d}/adapter")], summary
-    adapter_a, adapter_b = (load_file(str(p / "adapter/adapter_model.safetensors")) for p in (last_a, last_b))
+    adapter_a, adapter_b = (checkpoint_adapter(r, STEPS) for r in (run_a, run_b))
     assert sorted(adapter_a) == sorted(adapter_b) and adapter_a
     for name, t in adapter_a.items():
         assert torch.equal(adapter_b[name], t), name
     assert any(t.abs().sum() > 0 for n, t in adapter_a.items() if "lora_B" in n)  # it trained
     for rank in (0, 1):
-        _equal(_rank_state(last_a, rank), _rank_state(last_b, rank), f"rank {rank}")
+        assert_bitwise_equal(rank_state(last_a, rank), rank_state(last_b, rank), f"rank {rank}")
     for step in range(FIRST_KILL_AFTER, STEPS + 1):  # every checkpoint B (re)wrote is A's
-        a, b = (load_file(str(r / f"checkpoints/step_{step:08d}/adapter/adapter_model.safetensors"))
-                for r in (run_a, run_b))
+        a, b = (checkpoint_adapter(r, step) for r in (run_a, run_b))
         assert all(torch.equal(a[n], b[n]) for n in a), step
         assert json.loads((run_a / f"checkpoints/step_{step:08d}/state.json").read_text()) == \
             json.loads((run_b / f"checkpoints/step_{step:08d}/state.json").read_text()), step
@@ -285,7 +228,7 @@ def test_restarts_sharing_one_store_end_at_once_saying_why(tmp_path):
     minutes at the next): rank 1 is killed by SIGKILL as soon as it runs, torchrun restarts the group, and every
     rank refuses before its process group with one line naming the variable, so torchrun gives up within the
     deadline, nothing trained."""
-    data = _write_data(tmp_path / "train.jsonl")
+    data = write_sum_data(tmp_path / "train.jsonl")
     run_dir, log = tmp_path / "shared", tmp_path / "shared.torchrun.log"
     command = _command(data, run_dir)
     command[command.index("--max-restarts") + 1] = "1"
