@@ -26,8 +26,9 @@ REGENERATE = "python -m miles_k3.config_reference --write"
 
 def commands() -> list[tuple[str, type]]:
     """(command, its config dataclass), in the order the reference lists them."""
-    from miles_k3.config import EvalRunConfig, ModelInfoConfig, ServeConfig, SFTConfig, TrainConfig
+    from miles_k3.config import EvalRunConfig, ModelInfoConfig, ServeConfig, TrainConfig
     from miles_k3.init_checkpoint import InitCheckpointConfig
+    from miles_k3.sft_config import SFTConfig
     return [("python -m miles_k3.train", TrainConfig), ("python -m miles_k3.eval", EvalRunConfig),
             ("python -m miles_k3.sft", SFTConfig), ("python -m miles_k3.serve", ServeConfig),
             ("python -m miles_k3.model_info", ModelInfoConfig),

@@ -8,8 +8,9 @@ import pytest
 from hydra.errors import ConfigCompositionException
 from omegaconf.errors import ConfigKeyError, ValidationError
 
-from miles_k3.config import ConfigFieldError, EvalRunConfig, SFTConfig, TrainConfig, compose_config
+from miles_k3.config import ConfigFieldError, EvalRunConfig, TrainConfig, compose_config
 from miles_k3.model.build import ModelConfig
+from miles_k3.sft_config import SFTConfig
 
 RECIPES = sorted(p.name.removesuffix(".yaml")
                  for p in resources.files("miles_k3.recipes").joinpath("recipe").iterdir()
