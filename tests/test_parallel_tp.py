@@ -72,7 +72,7 @@ def _tokens_and_logprobs(results: list[dict]) -> list[tuple[list[int], list[floa
 
 def _run(model: K3ForCausalLM, vocab_shard=None) -> dict:
     """Everything both sides compute: logits, log-probs/entropy, the LoRA gradients, a decode step."""
-    from miles_k3.trainer.losses import token_logprobs_and_entropy
+    from miles_k3.trainer.logprobs import token_logprobs_and_entropy
     device = model.lm_head.weight.device
     ids, lens = torch.tensor(IDS, device=device), torch.tensor(SEQ_LENS, device=device)
     logits = model(ids, seq_lens=lens).logits
@@ -97,7 +97,7 @@ def _leaf_logits() -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _losses_alone(z: torch.Tensor, tokens: torch.Tensor, vocab_shard=None) -> dict:
-    from miles_k3.trainer.losses import token_logprobs_and_entropy
+    from miles_k3.trainer.logprobs import token_logprobs_and_entropy
     z = z.clone().requires_grad_()  # on the device of the caller's logits
     logp, ent = token_logprobs_and_entropy(z, tokens, CHUNK, vocab_shard=vocab_shard)
     w_logp, w_ent = (w.to(z.device).double() for w in _loss_weights(*tokens.shape))
@@ -236,7 +236,7 @@ def test_sharding_a_model_twice_is_refused():
 
 def test_logits_of_another_shard_are_refused():
     from miles_k3.parallel.comm import VocabShard
-    from miles_k3.trainer.losses import token_logprobs
+    from miles_k3.trainer.logprobs import token_logprobs
     with pytest.raises(ValueError, match=r"logits_BTV: 512 vocabulary rows, but vocab_shard holds rows "
                                          r"\[0, 256\) of 512"):
         token_logprobs(torch.zeros(1, 2, 512), torch.zeros(1, 2, dtype=torch.long), vocab_shard=VocabShard(

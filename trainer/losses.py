@@ -28,8 +28,6 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-# Re-exported for the callers that still import them from here (tests/test_parallel_tp.py); their home is logprobs.
-from miles_k3.trainer.logprobs import token_logprobs, token_logprobs_and_entropy  # noqa: F401
 from miles_k3.utils.registry import check_unclaimed
 
 AGGREGATIONS = ("token_mean", "seq_mean", "seq_sum_norm")
@@ -66,12 +64,16 @@ class LossConfig:
     """Per-token KL estimate from d = logp - ref_logp: k1 = d, k2 = d^2 / 2, k3 = exp(-d) + d - 1."""
     tis: str = "none"
     """Rollout-mismatch correction (needs rollout_logp_BT), a constant weight on the policy term only: none;
-    token_truncate: w_it = min(exp(old_logp - rollout_logp), tis_clip); seq_mask: w_i = 1 when the sequence
-    ratio exp(sum_t (old_logp - rollout_logp)) is in [1 / tis_clip, tis_clip], else 0. python -m miles_k3.train
+    token_truncate: w_it = min(exp(old_logp - rollout_logp), tis_clip); seq_mask: w_i = 1 when the sequence's
+    geometric-mean ratio exp(mean_t (old_logp - rollout_logp)) is in [1 / tis_mask_bound, tis_mask_bound], else 0
+    (per token, so a long sample and a short one that drifted alike are treated alike). python -m miles_k3.train
     defaults it to auto, which its config resolves by rollout.mode before validation: token_truncate under partial,
     none under sync (`config_checks.tis_for_mode`)."""
     tis_clip: float = 2.0
-    """The truncation bound of token_truncate and the range bound of seq_mask; >= 1."""
+    """The truncation bound of token_truncate; >= 1."""
+    tis_mask_bound: float = 1.05
+    """The range bound of seq_mask on the geometric-mean (per-token) ratio: a sequence whose mean log-ratio exceeds
+    ln(tis_mask_bound) = 0.049 nats per token either way is masked; >= 1."""
     dual_clip_c: float | None = None
     """Dual clip: for A < 0 the per-token loss is capped at -c * A (so at most c * |A|); None: off; > 1."""
 
@@ -93,8 +95,10 @@ class LossConfig:
             raise ValueError(f"kl_coef: must be finite and >= 0, got {self.kl_coef}")
         _check_choice("kl_estimator", self.kl_estimator, KL_ESTIMATORS)
         _check_choice("tis", self.tis, TIS_MODES)
-        if not (math.isfinite(self.tis_clip) and self.tis_clip >= 1.0):
-            raise ValueError(f"tis_clip: must be finite and >= 1, got {self.tis_clip}")
+        for name in ("tis_clip", "tis_mask_bound"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 1.0):
+                raise ValueError(f"{name}: must be finite and >= 1, got {value}")
         c = self.dual_clip_c
         if c is not None and not (math.isfinite(c) and c > 1.0):
             raise ValueError(f"dual_clip_c: must be None or finite and > 1, got {c}")
@@ -320,7 +324,10 @@ def _tis_weights(
     if cfg.tis == "token_truncate":
         weight_BT = torch.exp(diff_BT).clamp(max=cfg.tis_clip)
     else:
-        keep_B = diff_BT.sum(dim=1).abs() <= math.log(cfg.tis_clip)  # ratio in [1/c, c], in log space
+        # the geometric mean over the row's tokens: a sum would mask long rows at a per-token drift that short rows
+        # pass (in partial mode the long rows are the stale ones); ratio in [1/b, b], in log space
+        n_B = m_BT.sum(dim=1).clamp(min=1)
+        keep_B = (diff_BT.sum(dim=1) / n_B).abs() <= math.log(cfg.tis_mask_bound)
         weight_BT = keep_B.to(diff_BT.dtype)[:, None].expand_as(diff_BT)
         has_B = m_BT.any(dim=1)
         stats["train/tis_masked_frac"] = (has_B & ~keep_B).sum().to(diff_BT.dtype) / has_B.sum().clamp(min=1)
