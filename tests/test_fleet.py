@@ -15,7 +15,9 @@ its 3rd adapter version, version 2): the run ends, no group or prompt is trained
 the 2 groups of the lost call were sent again. A run resumed from A's step-2 checkpoint (C) sends the 2 calls that
 were in flight there again under version 1 and ends with A's adapter and rows bit for bit; resumed with engine 0
 killed while it replays its call (D: 3 groups sent again), it ends with no group trained twice over both runs.
-An engine that cannot build its base (a bad model.path) stops the fleet's start with that error, once.
+Policy drop and keep follow their own schedules, worked out in their tests. An engine that cannot build its base
+(a bad model.path) stops the fleet's start with that error, once; engines the cluster cannot place are refused
+within rollout.fleet.start_timeout_s. The config refuses what the fleet cannot use.
 """
 from __future__ import annotations
 
@@ -144,6 +146,32 @@ def test_engines_killed_while_decoding_and_while_loading_lose_nothing(cluster, t
     assert sum(r["rollout/fleet_requeued_tokens"] for r in rows) >= requeued * 8  # 8 samples of >= 1 token each
     for s in steps:
         assert all(len(g) == 1 and s["version"] - next(iter(g)) in (0, 1) for g in s["groups"]), s
+
+
+@pytest.mark.slow
+def test_policy_drop_requeues_the_groups_past_the_bound(cluster, tmp_path):
+    """By hand: step 2 (version 1) trains groups 4-7 only, so 8-9 (version 0) are past the bound at step 3 (version
+    2): dropped, their prompts (draws 8, 9) queued again as groups 14-15, which step 4 trains with 16-17."""
+    steps = _run(tmp_path / "drop", "rollout.partial.policy=drop")
+    rows = _rows(tmp_path / "drop")
+    assert [r["rollout/groups_dropped"] for r in rows] == [0, 0, 2, 0]
+    assert [r["rollout/groups_kept"] for r in rows] == [4, 4, 4, 4]
+    assert [r["rollout/staleness_mean"] for r in rows] == [0, 1, 1, 1]
+    assert [s["trained"] for s in steps] == [[(g, g) for g in range(4)], [(g, g) for g in range(4, 8)],
+                                             [(g, g) for g in range(10, 14)], [(14, 8), (15, 9), (16, 14), (17, 15)]]
+
+
+@pytest.mark.slow
+def test_policy_keep_trains_past_the_bound(cluster, tmp_path):
+    """By hand: from step 3 on, each step trains 2 groups sampled 2 versions back (8-9, then 12-13) and 2 sampled one
+    version back: staleness 1.5 on average, half the samples past max_staleness 1."""
+    steps = _run(tmp_path / "keep", "rollout.partial.policy=keep")
+    rows = _rows(tmp_path / "keep")
+    assert [r["rollout/staleness_mean"] for r in rows] == [0, 1, 1.5, 1.5]
+    assert [r["rollout/staleness_max"] for r in rows] == [0, 1, 2, 2]
+    assert [r["rollout/staleness_frac_over"] for r in rows] == [0, 0, 0.5, 0.5]
+    assert [[g for g, _ in s["trained"]] for s in steps] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11],
+                                                            [12, 13, 14, 15]]
 
 
 @pytest.mark.slow

@@ -196,8 +196,8 @@ class FleetRollouts:
     def _serve(self, wanted: list[int]) -> None:
         """Take the fleet's results until every group of `wanted` has its records."""
         while any(self.groups[gid].records is None for gid in wanted):
-            if not self._take(self.fleet.wait()) and not self.calls:
-                raise RuntimeError("rollout.fleet: groups wait for results but no call is in flight")
+            if not self._take(self.fleet.wait()):  # it returns nothing only when nothing is in flight
+                raise RuntimeError("rollout.fleet: the step waits for groups, but no call is in flight")
 
     def _take(self, ended: list[tuple[int, dict | None]]) -> bool:
         """The calls that ended, taken (a lost one's groups queued again and sent at once to the engines that are
