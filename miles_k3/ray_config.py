@@ -4,6 +4,8 @@ extra, imported when a run is launched on it, `miles_k3/ray_launch.py`).
 `launcher=process` (the default) runs the loop in this process: one process, or one rank of a torchrun launch.
 `launcher=ray` makes this process the driver of a Ray Train job (`TorchTrainer`): `ray.num_workers` workers run the
 loop as the ranks of one process group that Ray starts, and Ray restarts the group after a worker dies.
+`check_fleet` checks the run config of rollout.mode=fleet, whose rollouts are sampled by engine actors on Ray
+(`trainer/fleet.py`).
 """
 from __future__ import annotations
 

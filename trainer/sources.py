@@ -9,10 +9,11 @@ of rollout.mode and env.name at run time); the loop only calls
 
 The producers: `rollouts.SyncRollouts` (rollout.mode=sync: every sample drawn with the trainer's adapter, the
 episodes played by the environment's turn loop through the engine, `TurnPlayer`), `partial.PartialRollouts`
-(rollout.mode=partial: groups in flight across weight updates) and `miles_k3.agent.AgentRollouts` (env=agent: sync
-rollouts whose episodes agent code plays over the in-process server; the player of its episode evals too). A new
-producer (a fleet of remote engines, a fully asynchronous one, SFT data as rollouts) implements
-`RolloutSource` and gets a branch in `build_rollouts`; nothing else in the loop changes.
+(rollout.mode=partial: groups in flight across weight updates), `fleet.FleetRollouts` (rollout.mode=fleet: the
+groups sampled by engine actors on Ray, under the partial-mode rules) and `miles_k3.agent.AgentRollouts`
+(env=agent: sync rollouts whose episodes agent code plays over the in-process server; the player of its episode
+evals too). A new producer (a fully asynchronous one, SFT data as rollouts) implements `RolloutSource` and gets a
+branch in `build_rollouts`; nothing else in the loop changes.
 """
 from __future__ import annotations
 
