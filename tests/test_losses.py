@@ -206,22 +206,40 @@ def test_tis_token_truncate():
 
 
 def test_tis_seq_mask():
-    # rows of old - rollout (tis_clip 2: keep iff |sum| <= ln 2 = 0.6931472):
-    #   [0.4, 0.29] sum 0.69 keep; [0.5, 0.2] 0.70 mask; [-0.7, 0] -0.70 mask (below 1/2); [-0.69, pad] keep;
+    # rows of old - rollout (tis_mask_bound 2: keep iff |mean over the row's tokens| <= ln 2 = 0.6931472):
+    #   [0.7, 0.68] mean 0.69 keep; [0.7, 0.7] 0.70 mask; [-0.8, -0.6] -0.70 mask (below 1/2); [-0.69, pad] keep;
+    #   [0.5, 0.5] mean 0.5 keep (its sum, 1.0, is past ln 2: the old sum rule masked it);
     #   [5, 5] with no masked token: weight irrelevant, not counted in tis_masked_frac
-    diff = torch.tensor([[0.4, 0.29], [0.5, 0.2], [-0.7, 0.0], [-0.69, 9.0], [5.0, 5.0]])
-    mask = torch.tensor([[1, 1], [1, 1], [1, 1], [1, 0], [0, 0]], dtype=torch.bool)
-    old = torch.full((5, 2), -1.0)
+    diff = torch.tensor([[0.7, 0.68], [0.7, 0.7], [-0.8, -0.6], [-0.69, 9.0], [0.5, 0.5], [5.0, 5.0]])
+    mask = torch.tensor([[1, 1], [1, 1], [1, 1], [1, 0], [1, 1], [0, 0]], dtype=torch.bool)
+    old = torch.full((6, 2), -1.0)
     logp = old.clone().requires_grad_()  # ratio 1, A = 1: L = -1 per token
-    cfg = LossConfig(tis="seq_mask", tis_clip=2.0)
-    loss, metrics = policy_loss(logp, old, torch.ones(5), mask, cfg, rollout_logp_BT=old - diff)
-    # kept tokens: 2 (row 0) + 1 (row 3) -> (-3) / 7 masked tokens = -0.4285714
-    assert loss.item() == pytest.approx(-3 / 7, rel=1e-6)
-    assert metrics["train/tis_masked_frac"] == pytest.approx(2 / 4)
-    assert metrics["train/tis_weight_mean"] == pytest.approx(3 / 7, rel=1e-6)
+    cfg = LossConfig(tis="seq_mask", tis_mask_bound=2.0)
+    loss, metrics = policy_loss(logp, old, torch.ones(6), mask, cfg, rollout_logp_BT=old - diff)
+    # kept tokens: 2 (row 0) + 1 (row 3) + 2 (row 4) -> (-5) / 9 masked tokens
+    assert loss.item() == pytest.approx(-5 / 9, rel=1e-6)
+    assert metrics["train/tis_masked_frac"] == pytest.approx(2 / 5)
+    assert metrics["train/tis_weight_mean"] == pytest.approx(5 / 9, rel=1e-6)
     loss.backward()
     assert logp.grad.tolist() == [pytest.approx(r) for r in
-                                  [[-1 / 7, -1 / 7], [0, 0], [0, 0], [-1 / 7, 0], [0, 0]]]
+                                  [[-1 / 9, -1 / 9], [0, 0], [0, 0], [-1 / 9, 0], [-1 / 9, -1 / 9], [0, 0]]]
+
+
+@pytest.mark.parametrize("bound, kept", [(1.01, True), (1.004, False)])
+def test_tis_seq_mask_treats_long_and_short_samples_alike(bound, kept):
+    # a 100-token and a 1,000-token sample, both 0.005 nats/token off the engine: their sums, 0.5 and 5.0, put them
+    # on either side of ln 2 = 0.693 (the sum rule kept the short one and masked the long, stale one); their means
+    # are both 0.005, inside ln 1.01 = 0.00995 and outside ln 1.004 = 0.00399: both kept, or both masked
+    mask = torch.zeros(2, 1000, dtype=torch.bool)
+    mask[0, :100], mask[1] = True, True
+    old = torch.full((2, 1000), -1.0, dtype=torch.float64)
+    logp = old.clone().requires_grad_()  # ratio 1: L = -A per token
+    cfg = LossConfig(tis="seq_mask", tis_mask_bound=bound)
+    loss, metrics = policy_loss(logp, old, torch.tensor([1.0, 2.0], dtype=torch.float64), mask, cfg,
+                                rollout_logp_BT=old - 0.005)
+    assert metrics["train/tis_masked_frac"] == (0.0 if kept else 1.0)
+    # token_mean over 1,100 tokens: -(100 * 1 + 1000 * 2) / 1100 with both kept, 0 with both masked
+    assert loss.item() == pytest.approx(-2100 / 1100 if kept else 0.0, rel=1e-12)
 
 
 def test_rollout_logprobs_without_tis_are_only_logged():
@@ -269,7 +287,7 @@ def random_batch(b=6, t=7, seed=0):
 
 MICRO_CFGS = [
     LossConfig(),
-    LossConfig(aggregation="seq_mean", policy="sequence_clip", tis="seq_mask", tis_clip=1.5),
+    LossConfig(aggregation="seq_mean", policy="sequence_clip", tis="seq_mask", tis_mask_bound=1.15),  # masks 2 rows
     LossConfig(aggregation="seq_sum_norm", seq_sum_norm_len=16, tis="token_truncate", kl_coef=0.1,
                entropy_coef=0.01, dual_clip_c=1.2, kl_estimator="k2"),
     LossConfig(kl_coef=0.05, entropy_coef=0.02, tis="token_truncate", tis_clip=1.2),
@@ -335,7 +353,8 @@ def test_gradcheck_float64(cfg):
         ("eps_low", -0.1), ("eps_low", 1.0), ("eps_low", math.nan), ("eps_high", -0.01), ("eps_high", math.inf),
         ("policy", "seq"), ("aggregation", "mean"), ("seq_sum_norm_len", 0), ("seq_sum_norm_len", 2.5),
         ("entropy_coef", -0.1), ("kl_coef", -1.0), ("kl_coef", math.nan), ("kl_estimator", "k4"),
-        ("tis", "icepop"), ("tis_clip", 0.5), ("dual_clip_c", 1.0), ("dual_clip_c", math.inf),
+        ("tis", "icepop"), ("tis_clip", 0.5), ("tis_mask_bound", 0.9), ("tis_mask_bound", math.nan),
+        ("dual_clip_c", 1.0), ("dual_clip_c", math.inf),
     ],
 )
 def test_config_validation_names_the_field(field, value):

@@ -321,7 +321,7 @@ MODES = {"rollout": {"old_logprobs": "rollout", "tis": "token_truncate"},
 
 def _loss_cfg(aggregation, tis):
     return LossConfig(aggregation=aggregation, seq_sum_norm_len=8, kl_coef=0.1, entropy_coef=0.01, tis=tis,
-                      tis_clip=3.0, dual_clip_c=1.05)
+                      tis_clip=3.0, tis_mask_bound=1.25, dual_clip_c=1.05)
 
 
 @pytest.mark.parametrize("mode", list(MODES))
@@ -350,11 +350,11 @@ def test_every_metric_is_the_same_with_one_or_several_micro_batches(aggregation,
         if aggregation == "token_mean":  # sum_i n_i L_i: 2 * 0.525 (dual cap 1.05 * 0.5) - 3 * 0.6 * 0.74082
             # + 4 * 0.7 * 0.8 - 5 * 0.8 * 1.22140 + 6 * 0.9 * 0.98020 - 7 * 1.0 * 1.28 = -6.59601
             assert one["train/pg_loss"] == pytest.approx(-6.59601 / 27, rel=1e-5)
-    else:  # the gap |DELTAS[i]|; tis_clip 3: sample i is masked when n_i |DELTAS[i]| > ln 3 = 1.0986, which holds
-        # for sample 2 (1.2) and 5 (2.1): 2 of 6 rows, 11 of 27 tokens
+    else:  # the gap |DELTAS[i]|; tis_mask_bound 1.25: sample i is masked when its per-token gap |DELTAS[i]| > ln 1.25
+        # = 0.2231, which holds for samples 1, 2 and 5 (0.3): 3 of 6 rows, 14 of 27 tokens
         assert one["train/rollout_logprob_abs_diff"] == pytest.approx(5.52 / 27, rel=1e-5)
-        assert one["train/tis_masked_frac"] == pytest.approx(2 / 6)
-        assert one["train/tis_weight_mean"] == pytest.approx(16 / 27)
+        assert one["train/tis_masked_frac"] == pytest.approx(3 / 6)
+        assert one["train/tis_weight_mean"] == pytest.approx(13 / 27)
         assert one["train/ratio_max"] == 1.0
 
 
@@ -373,10 +373,10 @@ def test_a_step_of_several_updates_merges_their_metrics(mode):
         assert m["train/ratio_max"] == pytest.approx(math.exp(0.3), rel=1e-5)
         assert m["train/pg_loss"] == pytest.approx(-6.59601 / 27, rel=1e-5)
         assert m["train/clip_frac"] == pytest.approx(11 / 27, rel=1e-5)
-    else:  # masked rows per update: 0 of 2, 1 of 2, 1 of 2 -> 2 of 6 (a token-weighted mean would give 11/27)
-        assert m["train/tis_masked_frac"] == pytest.approx(2 / 6)
-        # kept samples 0, 1, 3, 4 at ratio 1: -(2 * -0.5 + 3 * 0.6 + 5 * 0.8 + 6 * -0.9) / 27
-        assert m["train/pg_loss"] == pytest.approx(0.6 / 27, rel=1e-5)
+    else:  # masked rows per update: 1 of 2, 1 of 2, 1 of 2 -> 3 of 6 (a token-weighted mean would give 14/27)
+        assert m["train/tis_masked_frac"] == pytest.approx(3 / 6)
+        # kept samples 0, 3, 4 at ratio 1: -(2 * -0.5 + 5 * 0.8 + 6 * -0.9) / 27
+        assert m["train/pg_loss"] == pytest.approx(2.4 / 27, rel=1e-5)
     assert m["train/updates"] == 3.0 and (m["train/num_tokens"], m["train/num_seqs"]) == (27.0, 6.0)
 
 
