@@ -1,28 +1,44 @@
 """rollout.mode=partial through the whole loop on the shipped quickstart base (k3_nano answers in 2-4 tokens, so
-groups finish at different times and some are carried across a push): a run killed with SIGKILL after its step-2
-checkpoint and resumed with resume=auto ends with the adapter bytes and the metrics of the uninterrupted run, with
-groups in flight in the checkpoint it resumed from; a partial checkpoint cannot be resumed as sync; a sync one
-resumes as partial with nothing in flight."""
+groups finish at different times and some are carried across a push): a run killed with SIGKILL in step 3, after its
+step-2 checkpoint, and resumed with resume=auto from step 2 ends with the adapter bytes, the optimizer and scheduler
+state and the metrics of the uninterrupted run, with groups in flight in the checkpoint it resumed from; a partial
+checkpoint cannot be resumed as sync; a sync one resumes as partial with nothing in flight."""
 import json
-import os
-import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
+from run_helpers import assert_bitwise_equal, rank_state
 from safetensors.torch import load_file
 
 from miles_k3.config import compose_config
 
 pytest.importorskip("reasoning_gym")
 TIMING = ("perf/", "sync/seconds", "sync/gbps")
+# The run killed from inside, at a fixed point: SIGKILL right after step 3's rollouts were collected (the engine's
+# queue and the pool moved on in memory, nothing of step 3 trained or written), so the resume is always from step 2.
+KILLED_IN_STEP_3 = """
+import os, runpy, signal, sys
+from miles_k3.trainer.partial import PartialRollouts
+collect, calls = PartialRollouts.collect, []
+def killed_in_step_3(self, version):
+    out = collect(self, version)
+    calls.append(version)
+    if len(calls) == 3:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return out
+PartialRollouts.collect = killed_in_step_3
+sys.argv = ["miles_k3.train", *sys.argv[1:]]
+runpy.run_module("miles_k3.train", run_name="__main__")
+"""
 
 
 def _overrides(run_dir, *extra):
+    # cosine decay over 5 updates, so step 4 (update 4) still has lr > 0 and resuming needs the scheduler's state
     return ["steps=4", f"run_dir={run_dir}", "eval.every_n_steps=0", "data.size=200", "rollout.prompts_per_step=8",
-            "checkpoint_every=1", "rollout.mode=partial", "trainer.loss.tis=token_truncate", *extra]
+            "checkpoint_every=1", "rollout.mode=partial", "trainer.loss.tis=token_truncate",
+            "trainer.optim.total_steps=5", *extra]
 
 
 def _rows(run_dir):
@@ -50,25 +66,24 @@ def test_kill_9_with_groups_in_flight_then_resume_is_bit_identical(uninterrupted
     rows = _rows(uninterrupted)
     assert any(r["rollout/groups_carried"] > 0 for r in rows[1:3])  # the resumed-from checkpoint holds groups
     assert any(r["rollout/offpolicy_token_frac"] > 0 for r in rows[2:])  # trained tokens spanning a push
+    # the resumed steps train: lr 1e-3 * (1 + cos(pi * k / 5)) / 2 at update k = 3, 4: 3.455e-4, 9.549e-5
+    assert [r["train/lr"] for r in rows[2:]] == pytest.approx([3.4549e-4, 9.5492e-5], rel=1e-4)
+    a3, a4 = _adapter(uninterrupted, 3), _adapter(uninterrupted, 4)
+    assert any(not torch.equal(a3[k], a4[k]) for k in a4)  # the last step moved the adapter
     ckpt = uninterrupted / "checkpoints/step_00000002/rank-00000/rollout.pt"
     state = torch.load(ckpt, weights_only=True)
     assert state["groups"] and state["engine"]["requests"]
     run_dir = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-m", "miles_k3.train", *_overrides(run_dir)], cwd=tmp_path,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    latest = run_dir / "checkpoints/latest"
-    deadline = time.time() + 600
-    while time.time() < deadline and proc.poll() is None:
-        if latest.exists() and latest.read_text().strip() >= "step_00000002":
-            break
-        time.sleep(0.02)
-    assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
-    os.kill(proc.pid, signal.SIGKILL)  # mid-step 3 (or mid-write of its checkpoint)
-    proc.wait()
+    proc = subprocess.run([sys.executable, "-c", KILLED_IN_STEP_3, *_overrides(run_dir)], cwd=tmp_path, check=False,
+                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=600)
+    assert proc.returncode == -9, proc.stderr.decode()[-3000:]
+    assert (run_dir / "checkpoints/latest").read_text().strip() == "step_00000002"
     resumed = train(compose_config("train", _overrides(run_dir, "resume=auto")))
-    assert resumed.start_step in (2, 3)
+    assert resumed.start_step == 2
     a, b = _adapter(uninterrupted, 4), _adapter(run_dir, 4)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert_bitwise_equal(rank_state(uninterrupted / "checkpoints/step_00000004", 0),
+                         rank_state(run_dir / "checkpoints/step_00000004", 0), "step 4's rank 0")
     assert _rows(run_dir) == rows
 
 
