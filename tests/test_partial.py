@@ -235,6 +235,42 @@ def test_a_stale_token_is_ratioed_against_the_proximal_policy_and_weighted_again
     assert logp.grad[0].tolist() == pytest.approx([0.0, -0.5])  # t1 clipped at 1 + 0.2: no gradient
 
 
+@pytest.mark.parametrize("dropout", [0.0, 0.5])
+def test_with_lora_dropout_the_tis_weights_are_the_dropout_free_policy_s(dropout):
+    """One update of k3_tiny (LoRA B != 0, so dropout changes the log-probs) on three samples of 2, 3 and 4 tokens
+    whose engine log-probs are the policy's own (eval mode: no dropout) minus delta = 0.1, -0.3, 0.2. The TIS weight
+    exp(proximal - engine) is then exp(delta) on every token of a sample, with dropout as without:
+    tis_weight_mean = (2 e^0.1 + 3 e^-0.3 + 4 e^0.2) / 9 = 1.0353786 and the gap (2 * 0.1 + 3 * 0.3 + 4 * 0.2) / 9
+    = 0.2111111. (Taken from the gradient forward's log-probs, dropout 0.5 moves them by ~0.1 nats a token.)"""
+    from miles_k3.model import K3Config, K3ForCausalLM
+    from miles_k3.model.lora import LoRAConfig, apply_lora, lora_parameters
+    from miles_k3.trainer.optim import OptimConfig, build_optimizer, build_scheduler
+    from miles_k3.trainer.step import TrainerConfig, sequence_logprobs, train_step
+
+    torch.manual_seed(0)
+    model = K3ForCausalLM(K3Config.from_name("k3_tiny"), expert_format="mxfp4")
+    model.requires_grad_(False)
+    apply_lora(model, LoRAConfig(rank=4, alpha=8.0, dropout=dropout))
+    params = lora_parameters(model)
+    with torch.no_grad():
+        for n, p in params.items():
+            if "lora_B" in n:
+                p.normal_(0, 0.02)
+    model.train()
+    g, samples = torch.Generator().manual_seed(1), []
+    for i, delta in enumerate((0.1, -0.3, 0.2)):
+        prompt, resp = (torch.randint(1, 250, (n,), generator=g).tolist() for n in (3, 2 + i))
+        own = sequence_logprobs(model, prompt + resp)[len(prompt) - 1:]  # eval mode
+        samples.append(Sample(prompt, resp, advantage=1.0 - i, rollout_logprobs=[lp - delta for lp in own]))
+    opt = build_optimizer(params, OptimConfig(lr=1e-3))
+    cfg = TrainerConfig(loss=LossConfig(tis="token_truncate", tis_clip=2.0))
+    m = train_step(model, samples, cfg, opt, build_scheduler(opt, OptimConfig(lr=1e-3)), params, 0,
+                   torch.device("cpu"))
+    assert m["train/tis_weight_mean"] == pytest.approx(1.0353786, rel=1e-5)
+    assert m["train/rollout_logprob_abs_diff"] == pytest.approx(0.2111111, rel=1e-5)
+    assert model.training  # the eval-mode forward restored the flags
+
+
 PARTIAL = ["rollout.mode=partial", "trainer.loss.tis=token_truncate"]
 
 

@@ -14,8 +14,12 @@ PPO minibatches and Miles' several steps per rollout do): every update after the
 ratio is taken against the policy before the step's first update, which `old_logprobs` names: `recompute` (one
 no-grad forward over the step's samples before the first update) or `rollout` (the engine's sampling
 log-probs, no extra forward; the ratio then also carries any trainer/engine mismatch). Under top-p / top-k those
-are the engine's unfiltered log-probs (`pack`), so the ratio starts at 1 up to that mismatch, not below it. A non-finite loss or
-gradient skips that update (the adapter keeps its last good values) and is reported (train/skipped); a step with
+are the engine's unfiltered log-probs (`pack`), so the ratio starts at 1 up to that mismatch, not below it.
+With one minibatch and LoRA dropout on (`lora.dropout` > 0) under TIS, `recompute` makes that no-grad forward
+too: the TIS weight exp(proximal - engine) must compare the policy with the engine, not one dropout sample of it
+(measured on k3_tiny, adapter B ~ N(0, 0.02), dropout 0.1: the gradient forward's log-probs were 0.08 nats/token
+from the policy's, so on-policy tokens, whose weight is 1, got weights from 0.66 to 1.38); the ratio then carries
+the dropout noise, as it does with several minibatches. A non-finite loss or gradient skips that update (the adapter keeps its last good values) and is reported (train/skipped); a step with
 no sample in the loss (no samples at all, e.g. dynamic sampling kept no group, or every one masked) makes no
 update and is reported apart from it (train/empty_step).
 
@@ -81,7 +85,8 @@ class TrainerConfig:
     groups, one update each (fewer when fewer groups are kept). The LR schedule counts updates."""
     old_logprobs: str = "recompute"
     """The ratio's old policy: recompute (the trainer's log-probs before the step's first update; with one
-    minibatch they are the current ones, no extra forward) or rollout (the engine's log-probs of its tokens under
+    minibatch they are the current ones, no extra forward, unless LoRA dropout is on under TIS: then an eval-mode
+    forward, so the TIS weights carry no dropout noise) or rollout (the engine's log-probs of its tokens under
     the whole vocabulary: the unfiltered ones under rollout.top_p < 1 or top_k; refused with engine.backend=sglang
     there, which reports only the filtered ones)."""
     routing_replay: bool = False
@@ -137,12 +142,19 @@ def train_step(model, samples: list[Sample], cfg: TrainerConfig, opt, sched, par
             raise ValueError(f"trainer.old_logprobs=rollout: sample {missing[0]} has no engine log-probs (the rollout "
                              "must return them); use trainer.old_logprobs=recompute")
         old = "rollout"
-    elif cfg.minibatches > 1:
+    elif cfg.minibatches > 1 or (cfg.loss.tis != "none" and _dropout_on(model)):
         fill_old_logprobs(model, [s for s in samples if _in_loss(s)], cfg, pad_id, device, temperature, ctx)
         old = "old"
     results = [_update(model, part, cfg, opt, sched, params, pad_id, device, temperature, old, ctx)
                for part in split_minibatches(samples, cfg.minibatches, ctx)]
     return _combine(results) | {"train/empty_step": 0.0}
+
+
+def _dropout_on(model) -> bool:
+    """The gradient forward drops out (LoRA dropout > 0, the model in train mode): its log-probs are one dropout
+    sample of the policy, so TIS weights taken from them would carry that noise (`train_step` then takes the
+    proximal log-probs from an eval-mode forward)."""
+    return any(isinstance(m, torch.nn.Dropout) and m.p > 0 and m.training for m in model.modules())
 
 
 def _in_loss(s: Sample) -> bool:
