@@ -112,11 +112,11 @@ def odd_length(responses, golds):
 LENGTHS = ["1,1", "2,1", "5,4", "1,2", "3,3", "4,4", "1,1", "1,1"]
 
 
-def _pool(policy, max_staleness, engine=None):
+def _pool(policy, max_staleness, engine=None, lengths=LENGTHS):
     cfg = RolloutConfig(prompts_per_step=2, group_size=2, template="plain", mode="partial",
                         partial=PartialConfig(inflight_groups=3, max_staleness=max_staleness, policy=policy))
     cfg.validate()
-    problems = [Problem(f"p{i}", text, "0") for i, text in enumerate(LENGTHS)]
+    problems = [Problem(f"p{i}", text, "0") for i, text in enumerate(lengths)]
     return PartialRollouts(engine or ScriptedEngine(), Tok(), Stream(problems), odd_length, cfg, "policy")
 
 
@@ -155,19 +155,52 @@ def test_wait_with_no_staleness_is_synchronous():
     assert _lengths(samples) == [1, 1, 2, 1, 5, 4] and not pool.groups and m["rollout/staleness_max"] == 0.0
 
 
-def test_drop_cancels_a_group_past_the_bound_and_queues_its_prompt_again_with_its_seeds():
+def test_drop_cancels_a_group_past_the_bound_and_queues_its_prompt_again_with_fresh_seeds():
     """max_staleness 0, drop. Step 2 (v1): p2 (2 tokens of v0 each) can no longer be on-policy: cancelled and queued
-    again first (draw 2: the same sampling seed), then p3, p4; p3 ends after 2 ticks, p4 after 3."""
+    again first (draw 2, retry 1), then p3, p4; p3 ends after 2 ticks, p4 after 3, p2 has 3 tokens each. Step 3 (v2):
+    p2 is past the bound again: dropped a second time (retry 2), queued before p5 ("4,4") and p6 ("1,1"); p6 ends at
+    tick 1 and p5 at tick 4, p2 (5 and 4 tokens to go) with 4 each. Seeds (rollout.seed 0, group_size 2): draw d's
+    group samples with 2d, its retry r with 2d + r * 1,000,000,000,039."""
     pool = _pool("drop", 0)
     pool.collect(0)
     pool.engine.version = 1
     samples, m = pool.collect(1)
     assert _lengths(samples) == [1, 2, 3, 3] and all(s.token_versions == [1] * len(s.response_ids) for s in samples)
     assert m["rollout/groups_dropped"] == 1.0 and m["rollout/dropped_long_frac"] == 0.0  # 2 tokens < p90 of 3
+    assert (m["rollout/groups_dropped_again"], m["rollout/groups_retried"], m["rollout/drops_max"]) == (0, 0, 1)
     assert m["rollout/offpolicy_token_frac"] == 0.0
-    engine = pool.engine
-    assert engine.params[3]["sampling_seed"] == engine.params[2]["sampling_seed"] and list(pool.groups) == [3]
     check_versions(samples, 1, pool.cfg)
+    saved = pool.state()
+    assert [(g["draw"], g["retry"]) for g in saved["groups"]] == [(2, 1)]
+    seeds = {gid: sp["sampling_seed"] for gid, sp in pool.engine.params.items()}
+    assert [seeds[gid] for gid in range(6)] == [0, 2, 4, 1_000_000_000_043, 6, 8]  # gid 3: p2's retry 1
+    resumed = _pool("drop", 0, ScriptedEngine())
+    resumed.load_state(saved)
+    for p in (pool, resumed):
+        p.engine.version = 2
+        samples, m = p.collect(2)
+        assert _lengths(samples) == [1, 1, 4, 4]  # p6, then p5
+        assert (m["rollout/groups_dropped"], m["rollout/groups_dropped_again"], m["rollout/drops_max"]) == (1, 1, 2)
+        assert [(g.draw, g.retry) for g in p.groups.values()] == [(2, 2)]
+        assert p.engine.params[6]["sampling_seed"] == 4 + 2 * 1_000_000_000_039  # p2's retry 2, resumed or not
+    old = copy.deepcopy(saved)  # a checkpoint of before retries were counted: retry 0
+    del old["groups"][0]["retry"]
+    before = _pool("drop", 0, ScriptedEngine())
+    before.load_state(old)
+    assert [g.retry for g in before.groups.values()] == [0]
+
+
+def test_a_dropped_prompt_that_finishes_is_counted_as_retried():
+    """max_staleness 0, drop, prompts "1,1", "1,1", "3,3", "4,4", "4,4". Step 1 (v0): p0, p1 end at tick 1, p2 has
+    1 token each. Step 2 (v1): p2 dropped and queued again (retry 1) before p3, p4; it ends at tick 3, p3 and p4 at
+    tick 4: three groups trained, p2's a retry."""
+    pool = _pool("drop", 0, lengths=["1,1", "1,1", "3,3", "4,4", "4,4"])
+    pool.collect(0)
+    pool.engine.version = 1
+    samples, m = pool.collect(1)
+    assert _lengths(samples) == [3, 3, 4, 4, 4, 4]
+    assert (m["rollout/groups_dropped"], m["rollout/groups_dropped_again"]) == (1, 0)
+    assert (m["rollout/groups_retried"], m["rollout/drops_max"]) == (1, 1)
 
 
 def test_keep_trains_a_group_past_the_bound_and_reports_it():

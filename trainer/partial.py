@@ -13,7 +13,8 @@ A sample's staleness when trained is the trainer's version minus its oldest toke
 * wait: a group in flight at the bound holds the step until it finishes (the engine admits in queue order, so the
   groups in flight run before the new ones, which take the slots left);
 * drop: a group that can no longer finish within the bound is cancelled at the start of the step and its prompt
-  queued again, with the same sampling seeds; it never reaches the loss;
+  queued again with fresh sampling seeds (`seeds.retry_seed` of its draw and its retry count, which the checkpoint
+  keeps), so a long trajectory is not regrown token for token; it never reaches the loss;
 * keep: no bound: every group is trained, its stale tokens importance weighted (trainer.loss.tis).
 The bound is enforced with a group's version when it was queued: its first token is that version or newer.
 
@@ -81,7 +82,7 @@ from miles_k3.trainer.scoring import (
     rollout_totals,
     score_episodes,
 )
-from miles_k3.trainer.seeds import group_seed, sampling_params, turn_seed
+from miles_k3.trainer.seeds import retry_seed, sampling_params, turn_seed
 
 log = logging.getLogger("miles_k3.train")
 
@@ -92,6 +93,7 @@ class _Group:
     problem: Problem
     prompt: list[int]
     queued_at: int  # the trainer's weight version when it was queued
+    retry: int = 0  # policy drop: how many times its prompt was dropped before (its sampling seeds: `retry_seed`)
     envs: list = field(default_factory=list)  # each episode's environment
     episodes: list[Episode] | None = None  # the group's episodes, once their first turn finished
 
@@ -119,7 +121,7 @@ class PartialRollouts:
         metrics; RuntimeError when a sample breaks the staleness rule (`check_versions`)."""
         pc = self.cfg.partial
         dropped = self._drop(version) if pc.policy == "drop" else []
-        self._top_up(version, [(g.draw, g.problem) for g, _ in dropped])
+        self._top_up(version, [(g.draw, g.problem, g.retry + 1) for g, _ in dropped])
         due = self._due(version) if pc.policy == "wait" else []  # max_staleness=0: the new groups too
         before = engine_counts(self.engine)
         finished = self._run_episodes(self.share, due)
@@ -163,20 +165,25 @@ class PartialRollouts:
                 out.setdefault(req["group"], []).append(len(req["output"]))
         return out
 
-    def _top_up(self, version: int, again: list[tuple[int, Problem]]) -> None:
-        """Queue groups until `inflight_groups` are in flight: the dropped prompts first, then new draws."""
+    def _top_up(self, version: int, again: list[tuple[int, Problem, int]]) -> None:
+        """Queue groups until `inflight_groups` are in flight: the dropped prompts first (draw, problem, retry),
+        then new draws."""
         want = self.inflight - len(self.groups)
-        drawn = again + (self._take(want - len(again)) if want > len(again) else [])
+        drawn = again + ([(d, p, 0) for d, p in self._take(want - len(again))] if want > len(again) else [])
         if not drawn:
             return
         cfg, (factory, env_cfg) = self.cfg, self.env
-        starts = [reset_group(factory, p, d, cfg, self.tokenizer, env_cfg) for d, p in drawn]
-        params = [sampling_params(cfg, group_seed(cfg.seed, d, cfg.group_size)) for d, _ in drawn]
+        starts = [reset_group(factory, p, d, cfg, self.tokenizer, env_cfg) for d, p, _ in drawn]
+        params = [sampling_params(cfg, self._seed(d, r)) for d, _, r in drawn]
         gids = self.queue.submit(input_ids=[prompt for _, prompt in starts], sampling_params=params,
                                  n=cfg.group_size, lora=self.lora, return_routed_experts=self.routes,
                                  **kept_state_args(self.engine, env_cfg))
-        for gid, (d, p), (envs, prompt) in zip(gids, drawn, starts):
-            self.groups[gid] = _Group(d, p, prompt, version, envs)
+        for gid, (d, p, r), (envs, prompt) in zip(gids, drawn, starts):
+            self.groups[gid] = _Group(d, p, prompt, version, r, envs)
+
+    def _seed(self, draw: int, retry: int) -> int:
+        """The sampling seed of draw `draw`'s group after `retry` drops of its prompt (fork j: this + j)."""
+        return retry_seed(self.cfg.seed, draw, self.cfg.group_size, retry)
 
     def _take(self, k: int) -> list[tuple[int, Problem]]:
         """This replica's next k prompts: every dp-th of the global stream, from draw dp_rank on."""
@@ -215,8 +222,7 @@ class PartialRollouts:
                 js = [j]
             else:  # a group's first turn: its episodes begin
                 g, key = self.groups[gid], gid
-                g.episodes = open_episodes(g.envs, g.prompt, group_seed(self.cfg.seed, g.draw, self.cfg.group_size),
-                                           records)
+                g.episodes = open_episodes(g.envs, g.prompt, self._seed(g.draw, g.retry), records)
                 js = list(range(len(records)))
             eps = [self.groups[key].episodes[j] for j in js]
             pending.extend((key, j, st) for j, st in zip(js, start_steps(eps, self.tokenizer, self.ctx)))
@@ -316,10 +322,12 @@ class PartialRollouts:
                 "lengths": [len(s.response_ids) for s in trained],
                 "every": [len(s.response_ids) for group in groups for s in group],
                 "dropped": [max(lens, default=0) for _, lens in dropped],
-                "carried": sum(g.queued_at < version for g in finished), "inflight": len(self.groups)}
+                "carried": sum(g.queued_at < version for g in finished), "inflight": len(self.groups),
+                "again": sum(g.retry > 0 for g, _ in dropped), "retried": sum(g.retry > 0 for g in finished),
+                "drops": [g.retry for g in finished] + [g.retry + 1 for g, _ in dropped]}
         parts = gather(mine, self.ctx.dp_group)
-        stale, lengths, every, dropped_max = ([x for part in parts for x in part[k]]
-                                              for k in ("stale", "lengths", "every", "dropped"))
+        stale, lengths, every, dropped_max, drops = ([x for part in parts for x in part[k]]
+                                                     for k in ("stale", "lengths", "every", "dropped", "drops"))
         tokens, offpolicy = sum(part["tokens"] for part in parts), sum(part["offpolicy"] for part in parts)
         p90 = _p90(lengths)
         out = {"rollout/staleness_mean": sum(stale) / len(stale) if stale else 0.0,
@@ -328,6 +336,9 @@ class PartialRollouts:
                "rollout/groups_dropped": float(len(dropped_max)),
                "rollout/dropped_long_frac": (sum(m >= p90 for m in dropped_max) / len(dropped_max)
                                              if dropped_max else 0.0),
+               "rollout/groups_dropped_again": float(sum(part["again"] for part in parts)),
+               "rollout/groups_retried": float(sum(part["retried"] for part in parts)),
+               "rollout/drops_max": float(max(drops, default=0)),
                "rollout/groups_carried": float(sum(part["carried"] for part in parts)),
                "rollout/groups_inflight": float(sum(part["inflight"] for part in parts)),
                "rollout/trained_len_mean": sum(lengths) / len(lengths) if lengths else 0.0,
@@ -344,7 +355,7 @@ class PartialRollouts:
     def state(self) -> dict:
         """The pool and the engine's queue, as plain data and host tensors (torch.save, weights_only loads)."""
         groups = [{"group": gid, "draw": g.draw, "id": g.problem.id, "problem": g.problem.problem,
-                   "answer": g.problem.answer, "prompt": list(g.prompt), "queued_at": g.queued_at}
+                   "answer": g.problem.answer, "prompt": list(g.prompt), "queued_at": g.queued_at, "retry": g.retry}
                   | ({"episodes": None if g.episodes is None else [_episode_state(ep) for ep in g.episodes]}
                      if self.multi else {})
                   for gid, g in self.groups.items()]
@@ -365,7 +376,8 @@ class PartialRollouts:
             raise ResumeError(f"written by a rollout.mode={state['mode']} run, which rollout.mode=partial cannot "
                               f"continue; resume with rollout.mode={state['mode']}, or start a new run_dir")
         self.groups = {int(g["group"]): _Group(int(g["draw"]), Problem(g["id"], g["problem"], g["answer"]),
-                                               [int(t) for t in g["prompt"]], int(g["queued_at"]))
+                                               [int(t) for t in g["prompt"]], int(g["queued_at"]),
+                                               int(g.get("retry", 0)))  # 0: saved before retries were counted
                        for g in state["groups"]}
         if "stream" in state:  # this replica's stream (under dp > 1 the replicas' positions differ)
             self.stream.load_state(state["stream"])

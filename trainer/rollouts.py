@@ -58,7 +58,8 @@ class PartialConfig:
     policy: str = "wait"
     """What keeps a group within max_staleness. wait: a group at the bound holds the step until it finishes (groups
     in flight are admitted before new ones). drop: a group past the bound is discarded and its prompt
-    queued again (with the same sampling seeds). keep: no bound; every group is trained, with importance weights."""
+    queued again (rollout.mode=partial: with fresh sampling seeds, derived from its draw and its retry count;
+    rollout.mode=fleet: with the same ones). keep: no bound; every group is trained, with importance weights."""
 
     def validate(self) -> None:
         if isinstance(self.max_staleness, bool) or not isinstance(self.max_staleness, int) or self.max_staleness < 0:
