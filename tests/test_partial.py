@@ -16,7 +16,7 @@ from miles_k3.evals.rewards import RewardResult
 from miles_k3.rollout.api import EngineCapabilities
 from miles_k3.trainer.batch import Sample
 from miles_k3.trainer.losses import LossConfig, policy_loss
-from miles_k3.trainer.partial import PartialRollouts, check_versions
+from miles_k3.trainer.partial import PartialRollouts, check_versions, length_bias
 from miles_k3.trainer.rollouts import PartialConfig, RolloutConfig
 
 
@@ -166,7 +166,10 @@ def test_drop_cancels_a_group_past_the_bound_and_queues_its_prompt_again_with_fr
     pool.engine.version = 1
     samples, m = pool.collect(1)
     assert _lengths(samples) == [1, 2, 3, 3] and all(s.token_versions == [1] * len(s.response_ids) for s in samples)
-    assert m["rollout/groups_dropped"] == 1.0 and m["rollout/dropped_long_frac"] == 0.0  # 2 tokens < p90 of 3
+    # the drop's length bias: finished 1, 2, 3, 3 (mean 2.25), dropped p2's 2, 2 so far: mean of all 13 / 6 - 2.25
+    # = -1 / 12; each dropped 2 is longer than 1 and shorter than 3, 3: (1 - 2) * 2 / 8 = -0.25
+    assert m["rollout/groups_dropped"] == 1.0
+    assert (m["rollout/drop_len_bias"], m["rollout/drop_len_rank"]) == (pytest.approx(-1 / 12), -0.25)
     assert (m["rollout/groups_dropped_again"], m["rollout/groups_retried"], m["rollout/drops_max"]) == (0, 0, 1)
     assert m["rollout/offpolicy_token_frac"] == 0.0
     check_versions(samples, 1, pool.cfg)
@@ -201,6 +204,39 @@ def test_a_dropped_prompt_that_finishes_is_counted_as_retried():
     assert _lengths(samples) == [3, 3, 4, 4, 4, 4]
     assert (m["rollout/groups_dropped"], m["rollout/groups_dropped_again"]) == (1, 0)
     assert (m["rollout/groups_retried"], m["rollout/drops_max"]) == (1, 1)
+
+
+@pytest.mark.parametrize("finished, dropped, want", [
+    ([2, 4, 6, 8], [], (0.0, 0.0)),  # no drop
+    # blind to length: the dropped mean 5 is the finished one; 3 beats 1 of 4 and loses to 3, 7 beats 3 and loses to 1
+    ([2, 4, 6, 8], [3, 7], (0.0, 0.0)),
+    # the longest dropped: all 10 samples would average (20 + 19) / 6 = 6.5 against 5; every pair +1
+    ([2, 4, 6, 8], [9, 10], (1.5, 1.0)),
+    ([2, 4, 6, 8], [4, 4], (-1 / 3, -0.25)),  # ties count 0: (1 - 2) per dropped sample, over 8 pairs
+])
+def test_the_length_bias_reads_zero_for_a_drop_blind_to_length(finished, dropped, want):
+    bias, rank = length_bias(finished, dropped)
+    assert (bias, rank) == (pytest.approx(want[0]), pytest.approx(want[1]))
+
+
+def test_the_length_bias_of_random_drops_averages_zero():
+    """Groups of 8 lengths from one distribution, one group in 4 dropped at random (its full lengths), 2,000 steps:
+    both measures average ~0 (the share of dropped groups whose longest sample reaches the p90, the old metric,
+    reads ~1 - 0.9^8 = 57% here); dropping each step's longest group instead reads clearly > 0."""
+    import random
+
+    rng = random.Random(0)
+    neutral, longest = [], []
+    for _ in range(2000):
+        groups = [[rng.randint(1, 100) for _ in range(8)] for _ in range(4)]
+        k = rng.randrange(4)
+        neutral.append(length_bias([n for i, g in enumerate(groups) if i != k for n in g], groups[k]))
+        k = max(range(4), key=lambda i: sum(groups[i]))
+        longest.append(length_bias([n for i, g in enumerate(groups) if i != k for n in g], groups[k]))
+    mean = [(sum(b for b, _ in runs) / 2000, sum(r for _, r in runs) / 2000) for runs in (neutral, longest)]
+    (bias, rank), (long_bias, long_rank) = mean
+    assert abs(bias) < 0.5 and abs(rank) < 0.02  # tokens (lengths 1-100, mean 50.5); pairs
+    assert long_bias > 2.5 and long_rank > 0.2
 
 
 def test_keep_trains_a_group_past_the_bound_and_reports_it():
