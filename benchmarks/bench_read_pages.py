@@ -19,8 +19,8 @@ Beside them: the logical bytes (`LoadStats.bytes_read`, model_info's `load_bytes
 as whole rows (the span of every column slice: safetensors' memory-mapped slices with readahead, the loader before
 this one). Reading the rank's 47 GB of holes took 40 s on 2 cores (the kernel zeroes each page).
 
-The tests run `measure_rank` on a few files of the hollow K3 (tests/test_read_plan.py) and use `resident_pages` /
-`drop_cache` on a real k3_tiny checkpoint (tests/test_read_pages.py).
+The tests run `measure_rank` on a few files of the hollow K3 (tests/model/test_read_plan.py) and use `resident_pages` /
+`drop_cache` on a real k3_tiny checkpoint (tests/model/test_read_pages.py).
 """
 from __future__ import annotations
 

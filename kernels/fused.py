@@ -18,7 +18,7 @@ where the reference rounds: RMSNorm twice (normed, then normed * weight), the ot
 from torch: reductions run in another order, rsqrt / exp / division use the GPU's fast approximations, x / beta
 is x * (1 / beta) (as torch does on CUDA), and the AttnRes score is rsqrt(mean(v^2) + eps) * <q, v> (the
 reference scales v first). So fp32 outputs agree to ~1e-6 relative, and 16-bit outputs are within 1 ulp of the
-reference (RMSNorm: its `normed` is; tests/test_fused_kernels.py states the exact criteria).
+reference (RMSNorm: its `normed` is; tests/kernels/test_fused_kernels.py states the exact criteria).
 tanh is built from exp (tl has no tanh in every Triton version): an odd Taylor polynomial for |x| < 0.3, where
 (1 - e^-2|x|) / (1 + e^-2|x|) would cancel, and that quotient above (it never overflows: the exponent is <= 0);
 sigmoid uses exp(-|x|) likewise. Finite inputs give finite outputs (no NaN) for any magnitude.

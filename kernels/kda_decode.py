@@ -31,7 +31,7 @@ dtype, the gated norm once at the end. Rounding to bf16 uses integer ops (`fused
 fp32 -> bf16 cast truncates. What differs from torch: reductions run in another order (and may use FMA),
 rsqrt / exp / division use the GPU's fast approximations. So fp32 outputs agree to ~1e-6 relative (the conv,
 where its sum cancels, to ~3e-7 of sum_j |w_j x_j| instead) and 16-bit outputs are within 1 ulp (the tests,
-tests/test_kda_decode_kernels.py, state the exact criteria). The pool update is pure data movement plus those
+tests/kernels/test_kda_decode_kernels.py, state the exact criteria). The pool update is pure data movement plus those
 casts: bitwise equal to the reference.
 
 This module imports torch and triton only; launching a kernel needs CUDA tensors (or `TRITON_INTERPRET=1`, set
@@ -405,7 +405,7 @@ def kda_recurrent_step(q, k, v, f, beta_logit, A_log, dt_bias, lower_bound: floa
 
     Numerics against the reference: the same fp32 operations in the same order per element, but the K sums
     run in another order and exp / sigmoid / sqrt / division are the GPU's (Triton's) approximations, so the
-    state agrees to ~1e-6 relative and o to ~1 ulp of its dtype (tests/test_gpu_kda_recurrent.py states the
+    state agrees to ~1e-6 relative and o to ~1 ulp of its dtype (tests/kernels/test_gpu_kda_recurrent.py states the
     tolerances)."""
     fn = "kda_recurrent_step"
     for name, t in (("q", q), ("k", k), ("v", v), ("f", f), ("beta_logit", beta_logit)):

@@ -58,7 +58,7 @@ received rows are read.
 
 Numerics: the products of bf16 x and exact bf16 weights are exact in fp32; only the order of the fp32
 accumulation differs from the reference (dequantize, then an fp32 matmul of the same bf16 values), so results
-agree to fp32 accumulation error before the single rounding to bf16 (tests/test_gpu_mxfp4_moe.py states the
+agree to fp32 accumulation error before the single rounding to bf16 (tests/kernels/test_gpu_mxfp4_moe.py states the
 criterion).
 
 Legend: M rows (token-expert pairs), E experts, O/In a projection's output/input width, K the reduction width

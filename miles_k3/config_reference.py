@@ -6,8 +6,8 @@
 Each command's config (`TrainConfig`, `EvalRunConfig`, `SFTConfig`, `ModelInfoConfig`, `InitCheckpointConfig`) is
 one table of its fields; a field whose type is another config dataclass is a section, documented once in a table
 of its own (linked). A field's documentation is the string literal right under it in the class body (an attribute
-docstring, read with `ast`); a field without one is listed with an empty description. `tests/test_docs.py` checks
-that the committed file equals this module's output.
+docstring, read with `ast`); a field without one is listed with an empty description.
+`tests/commands/test_docs.py` checks that the committed file equals this module's output.
 """
 import argparse
 import ast

@@ -22,7 +22,7 @@ from miles_k3.cli import hydra_app
 from miles_k3.config import ServeConfig, exit_on_user_error, register_schemas, typed_or_exit
 from miles_k3.eval import check_adapter, eval_engine, prompt_template, trained_config, warn_random_weights
 from miles_k3.launch import silence_fla_cpu_warning
-from miles_k3.rollout.server import Server, build_app  # noqa: F401 (Server: tests/test_agent.py's import)
+from miles_k3.rollout.server import Server, build_app  # noqa: F401 (Server: tests/commands/test_agent.py's import)
 
 log = logging.getLogger("miles_k3.serve")
 register_schemas()

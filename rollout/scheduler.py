@@ -1,5 +1,5 @@
 """The native engine's scheduler: which requests run, in which order, on which slots. Bookkeeping only, no torch
-(unit-tested with a fake runner, `tests/test_scheduler.py`); the tensors are the runner's (`runner.py`).
+(unit-tested with a fake runner, `tests/rollout/test_scheduler.py`); the tensors are the runner's (`runner.py`).
 
 A call's prompts arrive as groups (a prompt's `n` samples, in order) in a waiting queue. Every step: admit waiting
 groups in order while their state slots fit (prefill each group's head once, in batched chunks, then fork it into

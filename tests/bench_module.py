@@ -1,9 +1,10 @@
 """The tests' one way to import a script of `benchmarks/` (a folder of scripts, not a package) as a module."""
 import importlib.util
 import sys
-from pathlib import Path
 
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+from repo_helpers import REPO
+
+BENCHMARKS = REPO / "benchmarks"
 
 
 def load_benchmark(name: str):

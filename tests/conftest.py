@@ -4,9 +4,16 @@ import os
 if os.environ.get("PYTEST_XDIST_WORKER"):  # `pytest -n 2` (what CI runs): two workers on two cores, one thread each
     os.environ["OMP_NUM_THREADS"] = "1"  # before torch is imported; spawned ranks inherit it (more threads only contend)
 
+import sys
+
 import pytest
 from kernel_testing import results_of
+from repo_helpers import TEST_DIRS
 from xdist_order import pytest_xdist_make_scheduler  # noqa: F401 - the hook: the longest files go first
+
+# tests/ mirrors the packages in folders without __init__.py (repo_helpers.py): each folder on sys.path, so a test
+# module or helper imports by its name from any folder, and in the processes spawned from this one.
+sys.path.extend(str(d) for d in TEST_DIRS if str(d) not in sys.path)
 
 
 @pytest.fixture(scope="module")

@@ -16,6 +16,7 @@ import sys
 
 import pytest
 import torch
+from repo_helpers import pythonpath
 
 _PREFIX = "RESULTS "
 
@@ -34,11 +35,9 @@ def print_results(cases: dict) -> None:
 
 
 def interpreted(code: str, timeout: int = 600) -> str:
-    """Run python `code` in a subprocess under the Triton interpreter (tests/ importable); its stdout. Fails
-    the calling test, with the subprocess's stderr tail, when the code exits non-zero."""
-    tests_dir = os.path.dirname(os.path.abspath(__file__))
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONWARNINGS": "ignore",
-           "PYTHONPATH": os.pathsep.join([tests_dir, os.environ.get("PYTHONPATH", "")])}
+    """Run python `code` in a subprocess under the Triton interpreter (the test modules and helpers importable by
+    name); its stdout. Fails the calling test, with the subprocess's stderr tail, when the code exits non-zero."""
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONWARNINGS": "ignore", "PYTHONPATH": pythonpath()}
     proc = subprocess.run([sys.executable, "-c", code], check=False, env=env, capture_output=True, text=True,
                           timeout=timeout)
     assert proc.returncode == 0, f"interpreter run failed (rc {proc.returncode}):\n{proc.stdout[-2000:]}" \

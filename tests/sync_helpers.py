@@ -1,6 +1,6 @@
-"""Shared by the weight-sync tests (tests/test_weight_sync.py, and the spawned ranks of tests/test_parallel_loop.py:
-import-light, no pytest): one deterministic k3_tiny base, a trainer copy with a non-zero adapter, an engine
-serving adapter "policy", greedy outputs."""
+"""Shared by the weight-sync tests (tests/weight_sync/test_weight_sync.py, and the spawned ranks of
+tests/parallel/test_parallel_loop.py: import-light, no pytest): one deterministic k3_tiny base, a trainer copy with
+a non-zero adapter, an engine serving adapter "policy", greedy outputs."""
 import functools
 
 import torch

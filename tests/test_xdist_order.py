@@ -41,8 +41,9 @@ def _scheduler(dist: str = "loadfile"):
 
 # 3 quick files of many tests, then 2 long files of one test each and a long one of 4 (collection order)
 COLLECTION = ([f"tests/test_a.py::t{i}" for i in range(6)] + [f"tests/test_b.py::t{i}" for i in range(5)]
-              + [f"tests/test_c.py::t{i}" for i in range(3)] + ["tests/test_quickstart_partial.py::t0"]
-              + ["tests/test_ray_launch.py::t0"] + [f"tests/test_quickstart.py::t{i}" for i in range(4)])
+              + [f"tests/test_c.py::t{i}" for i in range(3)] + ["tests/commands/test_quickstart_partial.py::t0"]
+              + ["tests/commands/test_ray_launch.py::t0"]
+              + [f"tests/commands/test_quickstart.py::t{i}" for i in range(4)])
 
 
 def _files(worker: _Worker) -> list[str]:
@@ -70,8 +71,8 @@ def test_the_longest_files_are_sent_first_then_the_rest_in_xdists_order():
     sched.schedule()
     # gw0: the longest (4 tests: no second file yet); gw1: the next, of one test, so at once the third too (xdist
     # tops a worker up when 2 or fewer of its tests are pending)
-    assert _files(one) == ["tests/test_quickstart.py"]
-    assert _files(two) == ["tests/test_quickstart_partial.py", "tests/test_ray_launch.py"]
+    assert _files(one) == ["tests/commands/test_quickstart.py"]
+    assert _files(two) == ["tests/commands/test_quickstart_partial.py", "tests/commands/test_ray_launch.py"]
     while sched.workqueue or any(sched._pending_of(sched.assigned_work[w]) for w in (one, two)):
         _finish(sched, one)
         _finish(sched, two)

@@ -11,21 +11,21 @@ from __future__ import annotations
 import pytest
 
 LONGEST_FILES = {
-    "tests/test_quickstart.py": 225,
-    "tests/test_quickstart_partial.py": 175,
-    "tests/test_parallel_loop.py": 155,
-    "tests/test_ray_launch.py": 115,
-    "tests/test_console.py": 60,
-    "tests/test_restart.py": 60,
-    "tests/test_agent_quickstart.py": 50,
-    "tests/test_read_plan.py": 36,
-    "tests/test_user_errors.py": 36,
-    "tests/test_sharded_load_memory.py": 33,
-    "tests/test_train_loop.py": 25,
-    "tests/test_sharded_eval_sft.py": 24,
-    "tests/test_model.py": 24,
-    "tests/test_routing_replay.py": 23,
-    "tests/test_parallel_ep.py": 20,
+    "tests/commands/test_quickstart.py": 225,
+    "tests/commands/test_quickstart_partial.py": 175,
+    "tests/parallel/test_parallel_loop.py": 155,
+    "tests/commands/test_ray_launch.py": 115,
+    "tests/commands/test_console.py": 60,
+    "tests/commands/test_restart.py": 60,
+    "tests/commands/test_agent_quickstart.py": 50,
+    "tests/model/test_read_plan.py": 36,
+    "tests/commands/test_user_errors.py": 36,
+    "tests/model/test_sharded_load_memory.py": 33,
+    "tests/commands/test_train_loop.py": 25,
+    "tests/commands/test_sharded_eval_sft.py": 24,
+    "tests/model/test_model.py": 24,
+    "tests/model/test_routing_replay.py": 23,
+    "tests/parallel/test_parallel_ep.py": 20,
 }
 """Seconds of each file's tests in a CI-like run (`pytest -n 2 --dist loadfile` on a quiet 2-core machine, both
 workers busy): the files of 20 s or more. A new long file belongs here, or it runs whenever xdist's order puts it."""

@@ -5,7 +5,7 @@ the installation it links to) as
 
     bwrap <namespaces> <read-only view> -- <python> -I -S -c <bootstrap> <limits> <code>
 
-What the code can reach (each enforced by the kernel; `tests/test_sandbox.py` tries every escape):
+What the code can reach (each enforced by the kernel; `tests/envs/test_sandbox.py` tries every escape):
 
 * Processes: a fresh PID namespace whose PID 1 is the code itself (`--as-pid-1`). It sees only its own processes,
   so it can signal nothing outside. When PID 1 exits, or is killed at the wall limit or on `cancel`, the kernel

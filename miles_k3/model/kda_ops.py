@@ -251,7 +251,7 @@ def _decode_fla(q, k, v, g, beta, state):
 def lowerbound_gate(f: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, lower_bound: float) -> torch.Tensor:
     """KDA's decay gate g = lower_bound * sigmoid(exp(A_log) * (f + dt_bias)) in fp32 from the raw input f
     [..., H, K], A_log [H], dt_bias [H * K]: fla's `naive_kda_lowerbound_gate`, the same operations in the same
-    order (bitwise equal: tests/test_kda_ops.py), restated here because importing fla costs seconds on every CPU
+    order (bitwise equal: tests/model/test_kda_ops.py), restated here because importing fla costs seconds on every CPU
     start and the CPU path uses nothing else of it."""
     h = f.shape[-2]
     g = f.float() + dt_bias.view(h, -1)
