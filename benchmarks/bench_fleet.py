@@ -3,6 +3,7 @@ steps of the 1,000-step schedule, held-out avg@4 at step 0 and at the end), and 
 
     python benchmarks/bench_fleet.py --steps 200              # both learning runs, then the kill run
     python benchmarks/bench_fleet.py --steps 200 --modes fleet
+    python benchmarks/bench_fleet.py --modes --kill_steps 200 --kill_eval --out F   # learning through a dead engine
 
 Each learning run is `python -m miles_k3.train steps=N eval.every_n_steps=N trainer.optim.total_steps=1000
 rollout.mode=MODE` in a subprocess (the fleet's run starts a local Ray cluster on this machine: 2 engine actors of
@@ -50,7 +51,7 @@ def learning_run(mode: str, steps: int, tmp: Path) -> dict:
             "offpolicy_token_frac_mean": round(sum(r["rollout/offpolicy_token_frac"] for r in train) / len(train), 3)}
 
 
-def kill_run(steps: int, call: int, tmp: Path) -> dict:
+def kill_run(steps: int, call: int, tmp: Path, evaluate: bool = False) -> dict:
     import logging
 
     from miles_k3.config import compose_config
@@ -69,12 +70,15 @@ def kill_run(steps: int, call: int, tmp: Path) -> dict:
     logging.getLogger("miles_k3.rollout").setLevel(logging.INFO)
     fleet.FAULTS = {0: (Fault("decode", call),)}
     try:
-        train(compose_config("train", [f"steps={steps}", "eval.every_n_steps=0", "rollout.mode=fleet",
+        every = steps if evaluate else 0  # --kill_eval: held-out avg@4 at step 0 and at the end, as a learning run
+        train(compose_config("train", [f"steps={steps}", f"eval.every_n_steps={every}", "rollout.mode=fleet",
                                        "trainer.optim.total_steps=1000", f"run_dir={tmp / 'kill'}"]), "")
     finally:
         fleet.FAULTS = {}
         logging.getLogger("miles_k3.rollout").removeHandler(handler)
     rows = _rows(tmp / "kill")
+    evals = [r for r in rows if "eval/avg@4" in r]
+    rows = [r for r in rows if "train/num_tokens" in r]
     seen = next(r for r in rows if r["rollout/fleet_failovers"] > 0)
     back = [float(m.group(1)) for _, text in lines if (m := re.search(r"is back .* ([0-9.]+) s after it died", text))]
     return {"steps": steps, "killed": f"engine 0, while decoding its call {call}",
@@ -84,15 +88,18 @@ def kill_run(steps: int, call: int, tmp: Path) -> dict:
             "trained_tokens": sum(r["train/num_tokens"] for r in rows),
             "death_seen_at_step": seen["step"], "that_step_s": round(seen["perf/step_s"], 3),
             "median_step_s": round(median(r["perf/step_s"] for r in rows), 3),
-            "engine_back_after_s": back[0] if back else None}
+            "engine_back_after_s": back[0] if back else None,
+            **({"held_out_avg4": {f"step_{r['step']}": r["eval/avg@4"] for r in evals},
+                "gain_points": round(100 * (evals[-1]["eval/avg@4"] - evals[0]["eval/avg@4"]), 1)} if evals else {})}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=200)
-    ap.add_argument("--modes", nargs="+", default=["partial", "fleet"], choices=["partial", "fleet"])
     ap.add_argument("--kill_steps", type=int, default=30, help="0: no kill run")
     ap.add_argument("--kill_call", type=int, default=20)
+    ap.add_argument("--kill_eval", action="store_true", help="the kill run evaluates at step 0 and at its end")
+    ap.add_argument("--modes", dest="modes", nargs="*", default=["partial", "fleet"], choices=["partial", "fleet"])
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     figures: dict = {"model": f"k3_nano (shipped quickstart base), seed 0, {args.steps} steps of the 1,000-step "
@@ -103,7 +110,7 @@ def main() -> None:
             figures[mode] = learning_run(mode, args.steps, Path(tmp))
             print(mode, figures[mode], flush=True)
         if args.kill_steps:
-            figures["dead_engine"] = kill_run(args.kill_steps, args.kill_call, Path(tmp))
+            figures["dead_engine"] = kill_run(args.kill_steps, args.kill_call, Path(tmp), args.kill_eval)
             print("dead_engine", figures["dead_engine"], flush=True)
     write_result("quickstart_fleet", figures, out=args.out)
 
