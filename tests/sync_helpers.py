@@ -4,10 +4,11 @@ a non-zero adapter, an engine serving adapter "policy", greedy outputs."""
 import functools
 
 import torch
+from engine_helpers import small_engine
 
 from miles_k3.model import K3Config, K3ForCausalLM
 from miles_k3.model.lora import LoRAConfig, apply_lora, lora_parameters, lora_state_dict
-from miles_k3.rollout.engine import EngineConfig, RolloutEngine
+from miles_k3.rollout.engine import RolloutEngine
 
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7], [5, 6, 7], [300, 17]]
 LORA = LoRAConfig(rank=4, alpha=8.0, targets=["q_proj", "o_proj", "kv_b_proj", "w1", "w2", "w3"])
@@ -51,8 +52,7 @@ def engine_with_adapter() -> RolloutEngine:
     model)."""
     trainer = base_model()
     apply_lora(trainer, LORA)  # lora_B = 0: the adapter starts as the identity
-    engine = RolloutEngine(trainer, EngineConfig(memory_budget_bytes=4 * 2**20, max_context=64, page_size=4,
-                                                 prefill_chunk=4, decode="eager"), lora=LORA)
+    engine = small_engine(trainer, LORA, decode="eager")
     engine.load_lora_adapter_from_tensors(ADAPTER, {n: torch.zeros_like(t) for n, t in
                                                     adapter_tensors(trainer).items()}, LORA)
     return engine

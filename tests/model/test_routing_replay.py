@@ -19,13 +19,13 @@ import json
 
 import pytest
 import torch
+from engine_helpers import small_engine
 from lora_helpers import tiny
 
 from miles_k3.model.experts import RoutedExperts
 from miles_k3.model.lora import LoRAConfig, apply_lora, lora_parameters
 from miles_k3.model.routing import mismatched_tokens, moe_layers, recording, replaying
 from miles_k3.rollout import route_log
-from miles_k3.rollout.engine import EngineConfig, RolloutEngine
 from miles_k3.trainer.batch import Sample
 from miles_k3.trainer.losses import LossConfig
 from miles_k3.trainer.optim import OptimConfig, build_optimizer, build_scheduler
@@ -36,8 +36,8 @@ NUM_MOE, TOP_K = 8, 4  # k3_tiny: 8 MoE layers (1..8), 4 experts per token
 
 
 def _engine(model, **kw):
-    cfg = {"memory_budget_bytes": 4 * 2**20, "max_context": 64, "page_size": 4, "prefill_chunk": 3, **kw}
-    return RolloutEngine(model, EngineConfig(**cfg))
+    """The module docstring's chunked prefill: 3 tokens per prefill chunk."""
+    return small_engine(model, prefill_chunk=3, **kw)
 
 
 def _own_routes(model, seq):

@@ -57,10 +57,10 @@ def _loss_weights(b: int, t: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _engine_outputs(model: K3ForCausalLM, decode: str, ctx=None) -> list[dict]:
+    from engine_helpers import small_engine
+
     from miles_k3.parallel.mesh import SINGLE
-    from miles_k3.rollout.engine import EngineConfig, RolloutEngine
-    cfg = EngineConfig(memory_budget_bytes=4 * 2**20, max_context=64, page_size=4, prefill_chunk=4, decode=decode)
-    engine = RolloutEngine(model, cfg, lora=LORA, ctx=ctx or SINGLE)
+    engine = small_engine(model, LORA, decode=decode, ctx=ctx or SINGLE)
     engine.load_lora_adapter_from_tensors("policy", lora_state_dict(model), LORA)
     return engine.generate(input_ids=PROMPTS, sampling_params={"temperature": 0, "max_new_tokens": NEW_TOKENS},
                            lora="policy")

@@ -2,10 +2,11 @@
 group fork against independent requests, preemption, release/resume, in-place LoRA updates, bad requests."""
 import pytest
 import torch
+from engine_helpers import small_engine
 
 from miles_k3.model import K3Config, K3ForCausalLM
 from miles_k3.model.lora import LoRAConfig, apply_lora, lora_parameters, lora_state_dict
-from miles_k3.rollout.engine import EngineConfig, RolloutEngine
+from miles_k3.rollout.engine import EngineConfig
 
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [5, 6, 7], [300]]
 # fp32 logprobs of the same tokens through the engine (chunked prefill + pooled decode steps) and through one
@@ -25,12 +26,6 @@ def base():
     return model
 
 
-def _engine(model, **kw):
-    cfg = {"memory_budget_bytes": 4 * 2**20, "max_context": 64, "page_size": 4, "prefill_chunk": 4}
-    lora = kw.pop("lora", None)
-    return RolloutEngine(model, EngineConfig(**{**cfg, **kw}), lora=lora)
-
-
 @torch.no_grad()
 def _greedy_loop(model, prompt, steps):
     tokens, out = list(prompt), []
@@ -43,7 +38,7 @@ def _greedy_loop(model, prompt, steps):
 
 @pytest.mark.parametrize("decode", ["eager", "static"])
 def test_greedy_output_and_logprobs_equal_the_full_sequence_model(base, decode):
-    res = _engine(base, decode=decode).generate(input_ids=PROMPTS, sampling_params={"temperature": 0, "max_new_tokens": 6})
+    res = small_engine(base, decode=decode).generate(input_ids=PROMPTS, sampling_params={"temperature": 0, "max_new_tokens": 6})
     for prompt, r in zip(PROMPTS, res):
         assert r["output_ids"] == _greedy_loop(base, prompt, 6)
         with torch.no_grad():
@@ -57,7 +52,7 @@ def test_greedy_output_and_logprobs_equal_the_full_sequence_model(base, decode):
 
 
 def test_group_fork_equals_independent_requests_with_the_same_seeds(base):
-    engine = _engine(base)
+    engine = small_engine(base)
     params = {"temperature": 1.0, "top_k": 50, "max_new_tokens": 5, "sampling_seed": 7}
     forked = engine.generate(input_ids=[PROMPTS[0]], sampling_params=params, n=3)
     alone = [engine.generate(input_ids=[PROMPTS[0]], sampling_params={**params, "sampling_seed": 7 + j})[0]
@@ -76,9 +71,9 @@ def test_group_fork_equals_independent_requests_with_the_same_seeds(base):
 @pytest.mark.parametrize("decode", ["eager", "static"])
 def test_preemption_under_a_tiny_page_budget_completes_every_request_unchanged(base, decode):
     params = {"temperature": 0, "max_new_tokens": 8}
-    roomy = _engine(base).generate(input_ids=PROMPTS, sampling_params=params, n=2)
+    roomy = small_engine(base).generate(input_ids=PROMPTS, sampling_params=params, n=2)
     # 6 pages of 4 tokens for 6 requests of up to 19 tokens (static decode keeps one page for padding rows)
-    tight = _engine(base, max_context=20, num_pages=6 + (decode == "static"), decode=decode)
+    tight = small_engine(base, max_context=20, num_pages=6 + (decode == "static"), decode=decode)
     got = tight.generate(input_ids=PROMPTS, sampling_params=params, n=2)
     assert tight.num_preempted > 0
     assert [r["output_ids"] for r in got] == [r["output_ids"] for r in roomy]
@@ -95,7 +90,7 @@ def _assert_same_samples(got: list[dict], want: list[dict]) -> None:
 
 @pytest.mark.parametrize("decode", ["eager", "static"])
 def test_release_and_resume_leave_outputs_unchanged(base, decode):
-    engine = _engine(base, decode=decode)
+    engine = small_engine(base, decode=decode)
     params = {"temperature": 0.8, "max_new_tokens": 4, "sampling_seed": 3}
     before = engine.generate(input_ids=PROMPTS, sampling_params=params)
     engine.release_memory_occupation(["kv_cache"])
@@ -138,7 +133,7 @@ def test_in_place_lora_update_gives_exactly_the_adapted_model(base, decode):
         for name, p in lora_parameters(trainer).items():
             if "lora_B" in name:
                 p.copy_(torch.randn(p.shape, generator=g) * 0.3)
-    engine = _engine(trainer, lora=cfg, decode=decode)
+    engine = small_engine(trainer, lora=cfg, decode=decode)
     engine.load_lora_adapter_from_tensors("policy", lora_state_dict(trainer), cfg)
     addresses = {n: t.data_ptr() for n, t in engine.adapters.buffers("policy").items()}
 
@@ -166,7 +161,7 @@ def test_in_place_lora_update_gives_exactly_the_adapted_model(base, decode):
 
 
 def test_bad_requests_get_an_error_each_and_the_others_are_served(base):
-    engine = _engine(base)
+    engine = small_engine(base)
     good = [5, 6, 7]
     res = engine.generate(
         input_ids=[good, [], [1] * 70, [9999], good, good],
@@ -183,7 +178,7 @@ def test_bad_requests_get_an_error_each_and_the_others_are_served(base):
 
 def test_stop_token_ends_a_sample(base):
     out = _greedy_loop(base, PROMPTS[1], 6)
-    engine = _engine(base, eos_token_ids=[out[2]])
+    engine = small_engine(base, eos_token_ids=[out[2]])
     r = engine.generate(input_ids=[PROMPTS[1]], sampling_params={"temperature": 0, "max_new_tokens": 6})[0]
     assert r["output_ids"] == out[:3]
     assert r["meta_info"]["finish_reason"] == {"type": "stop", "matched": out[2]}
@@ -192,7 +187,7 @@ def test_stop_token_ends_a_sample(base):
 def test_pause_blocks_scheduling_and_release_is_refused_while_generate_runs(base):
     import threading
 
-    engine = _engine(base)
+    engine = small_engine(base)
     params = {"temperature": 0, "max_new_tokens": 3}
     expected = engine.generate(input_ids=PROMPTS, sampling_params=params)
     engine.pause_generation()
@@ -215,8 +210,7 @@ def test_text_prompts_and_stop_strings_through_the_small_tokenizer(base, tmp_pat
 
     save_small_tokenizer(tmp_path, base.config.vocab_size)
     tok = load_tokenizer(tmp_path)
-    engine = RolloutEngine(base, EngineConfig(memory_budget_bytes=4 * 2**20, max_context=64, page_size=4),
-                           tokenizer=tok)
+    engine = small_engine(base, prefill_chunk=EngineConfig.prefill_chunk, tokenizer=tok)  # whole-prompt prefill
     params = {"temperature": 0, "max_new_tokens": 8}
     free = engine.generate(prompts=["Hello, K3"], sampling_params=params)[0]
     assert free["output_ids"] == _greedy_loop(base, tok.encode("Hello, K3"), 8)
@@ -234,7 +228,7 @@ def test_prefill_packs_rows_by_the_chunk_width_and_splitting_changes_nothing(bas
     params = {"temperature": 0, "max_new_tokens": 3}
     outputs = {}
     for budget, forwards in ((10, 1), (2, 5)):
-        engine = _engine(base, prefill_chunk=64, max_prefill_tokens=budget)
+        engine = small_engine(base, prefill_chunk=64, max_prefill_tokens=budget)
         calls = []
         engine.model.register_forward_pre_hook(lambda m, a, kw, c=calls: c.append(a[0].shape), with_kwargs=True)
         outputs[budget] = [r["output_ids"] for r in engine.generate(input_ids=prompts, sampling_params=params)]
@@ -246,7 +240,7 @@ def test_prefill_packs_rows_by_the_chunk_width_and_splitting_changes_nothing(bas
 def test_filtered_requests_also_report_the_unfiltered_logprobs_of_their_tokens(base):
     """top-k: output_token_logprobs are the filtered distribution's, output_token_logprobs_unfiltered the full
     one's (what the trainer computes); requests that do not filter carry no second list."""
-    res = _engine(base).generate(input_ids=PROMPTS[:2], sampling_params=[
+    res = small_engine(base).generate(input_ids=PROMPTS[:2], sampling_params=[
         {"temperature": 1.0, "top_k": 3, "max_new_tokens": 5, "sampling_seed": 1},
         {"temperature": 1.0, "max_new_tokens": 5, "sampling_seed": 2}])
     filtered, plain = res
@@ -267,7 +261,7 @@ def test_filtered_requests_also_report_the_unfiltered_logprobs_of_their_tokens(b
 def test_num_slots_requests_run_at_once_whatever_the_decode_mode(base, decode):
     """num_slots=3: three requests decode together (4 steps for 4 tokens each), also under static decode, whose
     padding rows use a slot of their own beside the three."""
-    engine = _engine(base, num_slots=3, decode=decode)
+    engine = small_engine(base, num_slots=3, decode=decode)
     steps = []
     real = engine.runner.step
 
@@ -292,7 +286,7 @@ def test_static_decode_runs_a_pool_smaller_than_a_power_of_two_and_splits_batche
     sp = {"temperature": 0, "max_new_tokens": 4}
 
     def run(decode, buckets=None):
-        engine = _engine(base, num_slots=5, decode=decode)
+        engine = small_engine(base, num_slots=5, decode=decode)
         calls = []
         if buckets is not None:
             engine.runner.graph.buckets = buckets
@@ -325,7 +319,7 @@ def test_a_push_between_prefill_and_first_decode_leaves_the_prefills_version_as_
     trainer = K3ForCausalLM(base.config, expert_format="mxfp4").eval()
     trainer.load_state_dict(base.state_dict())
     apply_lora(trainer, cfg)
-    engine = _engine(trainer, lora=cfg)
+    engine = small_engine(trainer, lora=cfg)
     engine.load_lora_adapter_from_tensors("policy", lora_state_dict(trainer), cfg)
     real, pushed = engine.runner.decode, []
 

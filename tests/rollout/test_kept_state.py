@@ -5,6 +5,7 @@ prefills only each turn's new tokens (hand-counted). Parked states give way when
 memory release makes the next turn recompute, and bad continuations are refused naming the kept state."""
 import pytest
 import torch
+from engine_helpers import small_engine
 
 from miles_k3.model import K3Config, K3ForCausalLM
 from miles_k3.model.lora import LoRAConfig, apply_lora, lora_parameters, lora_state_dict
@@ -36,9 +37,7 @@ def model():
 
 
 def _engine(model, **kw) -> RolloutEngine:
-    cfg = {"memory_budget_bytes": 4 * 2**20, "max_context": 64, "page_size": 4, "prefill_chunk": 4,
-           "decode": "eager", "eos_token_ids": [], **kw}
-    engine = RolloutEngine(model, EngineConfig(**cfg), lora=LORA)
+    engine = small_engine(model, LORA, **{"decode": "eager", "eos_token_ids": [], **kw})
     engine.load_lora_adapter_from_tensors("policy", lora_state_dict(model), LORA)
     engine.empty_pools = (engine.kda.num_free, engine.cache.num_free_pages)  # a static decoder holds a padding slot
     return engine

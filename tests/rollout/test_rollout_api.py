@@ -5,6 +5,7 @@ import dataclasses
 
 import pytest
 import torch
+from engine_helpers import small_engine
 
 from miles_k3.config import ConfigFieldError, compose_config
 from miles_k3.model import K3Config, K3ForCausalLM
@@ -21,7 +22,7 @@ from miles_k3.rollout.api import (
     error_record,
     sample_meta,
 )
-from miles_k3.rollout.engine import EngineConfig, RolloutEngine
+from miles_k3.rollout.engine import EngineConfig
 from tests.sglang_helpers import double_engine
 
 
@@ -64,7 +65,7 @@ def test_records_carry_sglangs_keys():
 def native():
     torch.manual_seed(0)
     model = K3ForCausalLM(K3Config.from_name("k3_tiny")).eval().requires_grad_(False)
-    return RolloutEngine(model, EngineConfig(memory_budget_bytes=4 * 2**20, max_context=64, page_size=4))
+    return small_engine(model, prefill_chunk=EngineConfig.prefill_chunk)
 
 
 def test_both_engines_satisfy_the_protocol(native):
