@@ -11,7 +11,7 @@ rollout.mode=MODE` in a subprocess (the fleet's run starts a local Ray cluster o
 seconds (perf/step_s: rollouts, train step, push; the evals left out). The kill run (in this process, --kill_steps
 steps, no eval): engine 0 SIGKILLs itself while decoding its --kill_call-th call (`trainer.fleet.FAULTS`); it
 reports the groups and tokens sampled again, the step the death was seen in against the median step, and how
-long Ray took to bring the engine back (its log line). Writes benchmarks/results/quickstart_fleet.json.
+long Ray took to bring the engine back (its log line). Writes benchmarks/results/quickstart_fleet.json (or --out).
 """
 import argparse
 import json
@@ -112,7 +112,7 @@ def main() -> None:
         if args.kill_steps:
             figures["dead_engine"] = kill_run(args.kill_steps, args.kill_call, Path(tmp), args.kill_eval)
             print("dead_engine", figures["dead_engine"], flush=True)
-    write_result("quickstart_fleet", figures, out=args.out)
+    write_result("bench_fleet", figures, out=args.out or ROOT / "benchmarks" / "results" / "quickstart_fleet.json")
 
 
 if __name__ == "__main__":
