@@ -11,32 +11,41 @@ from __future__ import annotations
 import pytest
 
 LONGEST_FILES = {
-    "tests/commands/test_quickstart.py": 225,
-    "tests/commands/test_quickstart_partial.py": 175,
-    "tests/parallel/test_parallel_loop.py": 155,
-    "tests/commands/test_ray_launch.py": 115,
-    "tests/commands/test_console.py": 60,
-    "tests/commands/test_restart.py": 60,
-    "tests/commands/test_agent_quickstart.py": 50,
-    "tests/model/test_read_plan.py": 36,
-    "tests/commands/test_user_errors.py": 36,
-    "tests/model/test_sharded_load_memory.py": 33,
-    "tests/commands/test_train_loop.py": 25,
-    "tests/commands/test_sharded_eval_sft.py": 24,
-    "tests/model/test_model.py": 24,
-    "tests/model/test_routing_replay.py": 23,
-    "tests/parallel/test_parallel_ep.py": 20,
+    "test_quickstart.py": 225,
+    "test_quickstart_partial.py": 175,
+    "test_parallel_loop.py": 155,
+    "test_ray_launch.py": 115,
+    "test_fleet.py": 100,
+    "test_console.py": 70,
+    "test_restart.py": 65,
+    "test_user_errors.py": 60,
+    "test_agent_quickstart.py": 50,
+    "test_read_plan.py": 40,
+    "test_sharded_load_memory.py": 35,
+    "test_trainer_step.py": 30,
+    "test_partial_loop.py": 30,
+    "test_sharded_eval_sft.py": 28,
+    "test_partial_episodes.py": 28,
+    "test_model.py": 27,
+    "test_train_loop.py": 27,
+    "test_routing_replay.py": 26,
+    "test_parallel_ep.py": 24,
+    "test_adapter_shards.py": 20,
+    "test_recipes.py": 20,
 }
-"""Seconds of each file's tests in a CI-like run (`pytest -n 2 --dist loadfile` on a quiet 2-core machine, both
-workers busy): the files of 20 s or more. A new long file belongs here, or it runs whenever xdist's order puts it."""
+"""Seconds of each test file (by name: test files' names are unique, whatever folder holds them) in a CI-like run
+(`pytest -n 2 --dist loadfile` on a quiet 2-core machine, both workers busy), the files of about 20 s or more; where
+only a loaded run timed a file, its CPU seconds / 1.22 (the two quickstarts' ratio between that run and a quiet
+one). A new long file belongs here, or it runs wherever xdist's order puts it."""
 
 
 def longest_first(workqueue: dict) -> None:
-    """Move the files of LONGEST_FILES in `workqueue` (an OrderedDict of file -> its tests) to its front, longest
-    first; the other files keep their order after them."""
-    for path in sorted(LONGEST_FILES, key=LONGEST_FILES.__getitem__):  # each moves to the front: the longest last
-        if path in workqueue:
-            workqueue.move_to_end(path, last=False)
+    """Move the files of LONGEST_FILES in `workqueue` (an OrderedDict of file path -> its tests) to its front,
+    longest first; the other files keep their order after them."""
+    listed = sorted((LONGEST_FILES[path.rsplit("/", 1)[-1]], -i, path) for i, path in enumerate(workqueue)
+                    if path.rsplit("/", 1)[-1] in LONGEST_FILES)  # equal times: in the queue's order
+    for _, _, path in listed:  # each moves to the front: the longest goes last, so it ends first
+        workqueue.move_to_end(path, last=False)
 
 
 @pytest.hookimpl(optionalhook=True)

@@ -5,7 +5,7 @@ from types import SimpleNamespace
 import pytest
 
 pytest.importorskip("xdist")
-from xdist_order import pytest_xdist_make_scheduler
+from xdist_order import LONGEST_FILES, pytest_xdist_make_scheduler
 
 
 class _Worker:
@@ -39,7 +39,8 @@ def _scheduler(dist: str = "loadfile"):
     return pytest_xdist_make_scheduler(config=config, log=_Quiet())
 
 
-# 3 quick files of many tests, then 2 long files of one test each and a long one of 4 (collection order)
+# 3 quick files of many tests, then 2 long files of one test each and a long one of 4 (collection order; all three
+# in LONGEST_FILES, test_quickstart.py the longest, then test_quickstart_partial.py, then test_ray_launch.py)
 COLLECTION = ([f"tests/test_a.py::t{i}" for i in range(6)] + [f"tests/test_b.py::t{i}" for i in range(5)]
               + [f"tests/test_c.py::t{i}" for i in range(3)] + ["tests/commands/test_quickstart_partial.py::t0"]
               + ["tests/commands/test_ray_launch.py::t0"]
@@ -97,3 +98,11 @@ def test_the_quick_files_keep_xdists_order_most_tests_first():
 @pytest.mark.parametrize("dist", ["load", "loadscope", "worksteal"])
 def test_other_modes_keep_xdists_scheduler(dist):
     assert _scheduler(dist) is None
+
+
+def test_every_listed_file_exists():
+    """A file renamed without its entry would silently lose its place at the front."""
+    from repo_helpers import REPO
+
+    names = {p.name for p in (REPO / "tests").rglob("test_*.py")}
+    assert set(LONGEST_FILES) <= names, sorted(set(LONGEST_FILES) - names)
