@@ -6,6 +6,7 @@ import io
 
 import pytest
 import torch
+from engine_helpers import small_engine
 
 from miles_k3.model import K3Config, K3ForCausalLM
 from miles_k3.model.lora import LoRAConfig, apply_lora, lora_parameters, lora_state_dict
@@ -41,9 +42,7 @@ def trainer():
 
 
 def _engine(model, **kw) -> RolloutEngine:
-    cfg = {"memory_budget_bytes": 4 * 2**20, "max_context": 64, "page_size": 4, "prefill_chunk": 4,
-           "decode": "eager", **kw}
-    engine = RolloutEngine(model, EngineConfig(**cfg), lora=LORA)
+    engine = small_engine(model, LORA, **{"decode": "eager", **kw})
     engine.load_lora_adapter_from_tensors("policy", lora_state_dict(model), LORA)
     return engine
 

@@ -10,6 +10,7 @@ import math
 
 import pytest
 import torch
+from engine_helpers import small_engine
 
 from miles_k3.model import K3Config, K3ForCausalLM
 from miles_k3.model.lora import LoRAConfig, apply_lora, lora_parameters, lora_state_dict
@@ -114,10 +115,11 @@ def test_kl_reference_is_the_adapter_off_base():
 
 
 def test_trainer_logprobs_match_the_engines_rollout_logprobs():
-    from miles_k3.rollout.engine import EngineConfig, RolloutEngine
+    from miles_k3.rollout.engine import EngineConfig
 
     model, params, opt, sched = _policy()
-    engine = RolloutEngine(model, EngineConfig(memory_budget_bytes=8 * 2**20, max_context=64), lora=LORA)
+    engine = small_engine(model, LORA, memory_budget_bytes=8 * 2**20, page_size=EngineConfig.page_size,
+                          prefill_chunk=EngineConfig.prefill_chunk)  # EngineConfig's pages and chunks
     engine.load_lora_adapter_from_tensors("policy", lora_state_dict(model), LORA)
     prompts = [[5, 6, 7, 8], [9, 10]]
     outs = engine.generate(input_ids=prompts, sampling_params={"temperature": 0.7, "max_new_tokens": 6,

@@ -9,6 +9,7 @@ import threading
 
 import pytest
 import torch
+from engine_helpers import small_engine
 
 from miles_k3.envs.env import EnvConfig, Guess, build_env
 from miles_k3.evals.problems import Problem
@@ -16,7 +17,7 @@ from miles_k3.evals.rewards import RewardResult
 from miles_k3.model import K3Config, K3ForCausalLM
 from miles_k3.model.lora import LoRAConfig, apply_lora, lora_parameters, lora_state_dict
 from miles_k3.model.tokenizer import small_tokenizer
-from miles_k3.rollout.engine import EngineConfig, RolloutEngine
+from miles_k3.rollout.engine import RolloutEngine
 from miles_k3.trainer.partial import PartialRollouts, check_versions
 from miles_k3.trainer.rollouts import PartialConfig, PromptStream, RolloutConfig
 
@@ -41,8 +42,7 @@ def model():
 
 
 def _engine(model) -> RolloutEngine:
-    engine = RolloutEngine(model, EngineConfig(memory_budget_bytes=4 * 2**20, max_context=96, page_size=4,
-                                               prefill_chunk=8, decode="eager", eos_token_ids=STOPS), lora=LORA)
+    engine = small_engine(model, LORA, max_context=96, prefill_chunk=8, decode="eager", eos_token_ids=STOPS)
     engine.load_lora_adapter_from_tensors("policy", lora_state_dict(model), LORA)
     return engine
 
