@@ -11,32 +11,32 @@ from __future__ import annotations
 import pytest
 
 LONGEST_FILES = {
-    "test_quickstart.py": 225,
-    "test_quickstart_partial.py": 175,
-    "test_parallel_loop.py": 155,
-    "test_ray_launch.py": 115,
-    "test_fleet.py": 100,
-    "test_console.py": 70,
-    "test_restart.py": 65,
-    "test_user_errors.py": 60,
-    "test_agent_quickstart.py": 50,
-    "test_read_plan.py": 40,
-    "test_sharded_load_memory.py": 35,
+    "test_quickstart.py": 259,
+    "test_quickstart_partial.py": 201,
+    "test_parallel_loop.py": 201,
+    "test_ray_launch.py": 174,
+    "test_console.py": 100,
+    "test_restart.py": 69,
+    "test_fleet.py": 69,
+    "test_user_errors.py": 68,
+    "test_agent_quickstart.py": 66,
+    "test_read_plan.py": 49,
+    "test_routing_replay.py": 38,
+    "test_train_loop.py": 34,
+    "test_sharded_eval_sft.py": 33,
+    "test_model.py": 33,
     "test_trainer_step.py": 30,
-    "test_partial_loop.py": 30,
-    "test_sharded_eval_sft.py": 28,
-    "test_partial_episodes.py": 28,
-    "test_model.py": 27,
-    "test_train_loop.py": 27,
-    "test_routing_replay.py": 26,
-    "test_parallel_ep.py": 24,
-    "test_adapter_shards.py": 20,
-    "test_recipes.py": 20,
+    "test_recipes.py": 30,
+    "test_sharded_load_memory.py": 25,
+    "test_parallel_ep.py": 25,
+    "test_eval_harness.py": 22,
+    "test_sft.py": 20,
+    "test_parallel_base.py": 19,
+    "test_engine.py": 19,
 }
 """Seconds of each test file (by name: test files' names are unique, whatever folder holds them) in a CI-like run
-(`pytest -n 2 --dist loadfile` on a quiet 2-core machine, both workers busy), the files of about 20 s or more; where
-only a loaded run timed a file, its CPU seconds / 1.22 (the two quickstarts' ratio between that run and a quiet
-one). A new long file belongs here, or it runs wherever xdist's order puts it."""
+(`pytest -n 2 --dist loadfile` on a quiet 2-core machine, both workers busy; 2026-12-06), the files of 18 s or more.
+A new long file belongs here, or it runs wherever xdist's order puts it."""
 
 
 def longest_first(workqueue: dict) -> None:
