@@ -48,6 +48,7 @@ from __future__ import annotations
 import bisect
 import logging
 import math
+import time
 from dataclasses import dataclass, field
 
 from miles_k3.envs.env import StepResult
@@ -116,6 +117,7 @@ class PartialRollouts:
         self.share = cfg.prompts_per_step // ctx.dp_size  # groups this replica finishes per step
         self.inflight = -(-cfg.partial.groups(cfg.prompts_per_step) // ctx.dp_size)  # groups this replica keeps
         self.groups: dict[int, _Group] = {}  # engine group id -> the group, in the order they were queued
+        self.env_wait_s = 0.0  # the last step's: how long the engine's run waited for environment steps
 
     def collect(self, version: int) -> tuple[list[Sample], dict[str, float]]:
         """The step's samples (the finished groups, trained by the adapter of weight `version`) and its rollout/
@@ -128,7 +130,7 @@ class PartialRollouts:
         finished = self._run_episodes(self.share, due)
         samples, metrics = self._episode_samples(finished, dropped, version, before)
         check_versions(samples, version, self.cfg)
-        return samples, metrics | self._retract_metrics()
+        return samples, metrics | self._retract_metrics() | self._wait_metrics()
 
     # ---- the pool -------------------------------------------------------------------------------------------
     def _due(self, version: int) -> list[int]:
@@ -198,20 +200,38 @@ class PartialRollouts:
         served. The groups finished, in order. With one turn per episode (env.max_turns 1: no turn follows
         another) the engine stops by its own count of finished groups, and their environments step after it.
 
-        The environments of the turns that finish in one decode step step together (each in its own thread, its
-        time its own: `EnvStep`), started as the turns finish (`on_finished`) and applied, in the order they
-        finished, after the decode step's last one (the engine checks `until` then, before it admits anything), so
-        the next turns join the queue in the same order whatever the steps' timing."""
+        The environments of finished turns step in threads of their own (`EnvStep`), started as the turns finish
+        (`on_finished`), while the engine decodes on: a turn finished in decode step t is applied (its step's
+        outcome waited for, then its next turn queued) after decode step t + rollout.partial.env_lag_steps, in the
+        order the turns finished; when nothing is left to decode, the earliest turns are applied at once; when the
+        step's groups have finished, every turn still stepping is applied before the run ends (its next turn waits
+        in the queue for the next step). Decode steps, not the steps' timing, decide when a turn's next turn joins
+        the queue, so the samples are the same however long the environments take."""
         env_cfg = self.env[1]
-        limit = context_limit(self.engine, env_cfg)
+        limit, lag = context_limit(self.engine, env_cfg), self.cfg.partial.env_lag_steps
         done: list[int] = []
-        pending: list[tuple[int, int, EnvStep | None]] = []  # (group, episode, its step) in the order they finished
+        pending: list[tuple[int, int, int, EnvStep | None]] = []  # (due tick, group, episode, its step), in order
+        tick = 0  # the engine's stop checks so far: one before its first decode step, then one after each (a turn
+        # that finishes in decode step k is seen at tick k and applied at the check after step k + lag)
+
+        def apply(items: list) -> None:
+            for item in items:
+                pending.remove(item)
+            self._advance([item[1:] for item in items], limit, done)
 
         def until() -> bool:
-            if pending:
-                self._advance(pending, limit, done)
-                pending.clear()
-            return len(done) >= share and all(k in done for k in due)
+            nonlocal tick
+            tick += 1
+            ready = [p for p in pending if p[0] <= tick]
+            if not ready and pending and not self._queued():  # nothing to decode: the earliest turns now
+                ready = [p for p in pending if p[0] == pending[0][0]]
+            if ready:
+                apply(ready)
+            if len(done) < share or any(k not in done for k in due):
+                return False
+            if pending:  # turns still stepping: applied now, their next turns queued for the next step
+                apply(list(pending))
+            return True
 
         def on_finished(gid: int, records: list[dict]) -> None:
             bad = next((r for r in records if "error" in r), None)
@@ -226,21 +246,34 @@ class PartialRollouts:
                 g.episodes = open_episodes(g.envs, g.prompt, self._seed(g.draw, g.retry), records)
                 js = list(range(len(records)))
             eps = [self.groups[key].episodes[j] for j in js]
-            pending.extend((key, j, st) for j, st in zip(js, start_steps(eps, self.tokenizer, self.ctx)))
+            steps = start_steps(eps, self.tokenizer, self.ctx)
+            pending.extend((tick + 1 + lag, key, j, st) for j, st in zip(js, steps))
 
+        self.env_wait_s = 0.0
         if env_cfg.max_turns == 1:
             for gid, records in self.queue.run(finished_groups=share, must_finish=due):
                 on_finished(gid, records)
-            until()
+            if pending:
+                apply(list(pending))
         else:
             self.queue.run(until=until, on_finished=on_finished)
+            while pending:  # the queue ran empty with turns stepping: the earliest first, and serve on
+                apply([p for p in pending if p[0] == pending[0][0]])
+                if not until():
+                    self.queue.run(until=until, on_finished=on_finished)
         return [self.groups.pop(k) for k in done]
 
+    def _queued(self) -> bool:
+        """Whether the engine's queue holds a turn: a group's first turn not finished, or a later turn."""
+        return bool(self.turns) or any(g.episodes is None for g in self.groups.values())
+
     def _advance(self, pending: list[tuple[int, int, EnvStep | None]], limit: int, done: list[int]) -> None:
-        """The episodes of `pending` after a turn: their environments' steps applied, then each one's next turn
-        queued, or its end; a group whose episodes have all ended joins `done`."""
+        """The episodes of `pending` after a turn: their environments' steps applied (waited for: env_wait_s), then
+        each one's next turn queued, or its end; a group whose episodes have all ended joins `done`."""
         cfg, eps = self.cfg, [self.groups[key].episodes[j] for key, j, _ in pending]
+        t0 = time.perf_counter()
         go = step_episodes(eps, self.tokenizer, self.env[1], limit, self.ctx, [st for _, _, st in pending])
+        self.env_wait_s += time.perf_counter() - t0
         for (key, j, _), ep, more_turns in zip(pending, eps, go):
             if not more_turns:
                 if ep.state_id is not None:
@@ -301,6 +334,14 @@ class PartialRollouts:
         (nbytes,) = max_over([r.bytes], world_of(self.ctx))
         return {"rollout/retracted_requests": requests, "rollout/reprefill_tokens": tokens,
                 "rollout/retracted_mib": nbytes / 2**20}
+
+    def _wait_metrics(self) -> dict[str, float]:
+        """Multi-turn: rollout/env_wait_s, how long the engine's run waited for environment steps (the longest of
+        the ranks): a step still running rollout.partial.env_lag_steps decode steps after its turn finished."""
+        if not self.multi:
+            return {}
+        (wait,) = max_over([self.env_wait_s], world_of(self.ctx))
+        return {"rollout/env_wait_s": wait}
 
     def _global_index(self, n: int) -> list[int]:
         """The indices among the step's kept groups of all replicas of this replica's `n` kept groups: the replicas'

@@ -60,6 +60,13 @@ class PartialConfig:
     in flight are admitted before new ones). drop: a group past the bound is discarded and its prompt
     queued again (rollout.mode=partial: with fresh sampling seeds, derived from its draw and its retry count;
     rollout.mode=fleet: with the same ones). keep: no bound; every group is trained, with importance weights."""
+    env_lag_steps: int = 8
+    """Multi-turn episodes: decode steps the engine runs on while a finished turn's environment steps (in its own
+    thread) before the episode's next turn joins the queue; decoding waits for a step only if it is still running
+    then (rollout/env_wait_s). A fixed count, not the step's end, decides when a turn is applied, so the samples do
+    not depend on how long the steps take (and a resume continues exactly). 0: decoding waits for every finished
+    turn's step at the end of the decode step that finished it. With nothing left to decode, the earliest turns
+    are applied at once."""
 
     def validate(self) -> None:
         if isinstance(self.max_staleness, bool) or not isinstance(self.max_staleness, int) or self.max_staleness < 0:
@@ -67,6 +74,9 @@ class PartialConfig:
                              f"{self.max_staleness!r}")
         if self.policy not in STALENESS_POLICIES:
             raise ValueError(f"rollout.partial.policy: '{self.policy}' is not one of {', '.join(STALENESS_POLICIES)}")
+        if isinstance(self.env_lag_steps, bool) or not isinstance(self.env_lag_steps, int) or self.env_lag_steps < 0:
+            raise ValueError(f"rollout.partial.env_lag_steps: must be an integer >= 0 (decode steps), got "
+                             f"{self.env_lag_steps!r}")
         if isinstance(self.inflight_groups, bool) or self.inflight_groups < 0:
             raise ValueError(f"rollout.partial.inflight_groups: must be >= 0 (0: 1.5 x prompts_per_step), got "
                              f"{self.inflight_groups!r}")

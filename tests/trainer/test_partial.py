@@ -348,6 +348,7 @@ PARTIAL = ["rollout.mode=partial", "trainer.loss.tis=token_truncate"]
      "trainer.loss.tis: rollout.mode=partial trains tokens sampled under older adapters"),
     ([*PARTIAL, "trainer.old_logprobs=rollout"], "trainer.old_logprobs: rollout.mode=partial takes the PPO ratio"),
     ([*PARTIAL, "rollout.partial.max_staleness=-1"], "rollout.partial.max_staleness: must be an integer >= 0"),
+    ([*PARTIAL, "rollout.partial.env_lag_steps=-1"], "rollout.partial.env_lag_steps: must be an integer >= 0"),
     ([*PARTIAL, "rollout.partial.policy=discard"], "rollout.partial.policy: 'discard' is not one of wait, drop, keep"),
     ([*PARTIAL, "rollout.partial.inflight_groups=31"], ("rollout.partial.inflight_groups=31: fewer than "
                                                         "rollout.prompts_per_step=32")),

@@ -6,6 +6,7 @@ engine continues exactly (environments rebuilt from the answers they gave, recor
 twice); `drop` cancels a late group's turns and kept states; a step past its deadline is cancelled within the run."""
 import io
 import threading
+import time
 
 import pytest
 import torch
@@ -47,10 +48,13 @@ def _engine(model) -> RolloutEngine:
     return engine
 
 
-def _pool(engine, policy="wait", inflight=4, factory=None, timeout_s=10.0):
+def _pool(engine, policy="wait", inflight=4, factory=None, timeout_s=10.0, lag=0):
+    """2 groups of 2 a step, `inflight` in flight; env_lag_steps `lag`. Turns here are 1-4 tokens: at lag >= 1 the
+    turns that finish late in a step are applied at its end, and here that ends every group in flight (4 groups
+    trained, none carried, at lag 1 to 3): lag 0 keeps episodes in flight across pushes."""
     cfg = RolloutConfig(prompts_per_step=2, group_size=2, template="plain", mode="partial", max_new_tokens=NEW,
-                        dynamic_sampling=False,
-                        partial=PartialConfig(inflight_groups=inflight, max_staleness=1, policy=policy))
+                        dynamic_sampling=False, partial=PartialConfig(inflight_groups=inflight, max_staleness=1,
+                                                                      policy=policy, env_lag_steps=lag))
     cfg.validate()
     env_cfg = EnvConfig(name="guess", max_turns=3, step_timeout_s=timeout_s)
     return PartialRollouts(engine, TOK, PromptStream(PROBLEMS, 0), lambda r, g: [
@@ -217,3 +221,63 @@ def test_a_step_past_its_deadline_within_the_engines_run_is_cancelled(model):
     waiting = [ep for g in pool.groups.values() if g.episodes for ep in g.episodes if ep.end == "env_timeout"]
     assert out and len(CANCELLED) == len(out) + len(waiting) and set(CANCELLED) == {2}
     assert m["env/timeout_rate"] == len(out) / len(samples) and len(out) < len(samples)
+
+
+class Slow(Guess):
+    """env=guess whose step sleeps `SLOW.sleep(problem)` seconds, recording how many decode steps the engine ran
+    (`SLOW.engine`'s counter) while it slept."""
+
+    def reset(self, problem, rng):
+        self.pause = SLOW["sleep"](problem)
+        return super().reset(problem, rng)
+
+    def step(self, turn):
+        clock = SLOW["engine"].scheduler.timing
+        before = clock.decode_steps
+        time.sleep(self.pause)
+        SLOW["ran"].append(clock.decode_steps - before)
+        return super().step(turn)
+
+
+SLOW: dict = {}
+
+
+def _slow_run(model, lag: int, sleep, saved: bytes | None = None, steps: int = 3
+              ) -> tuple[list, list[int], list[float], bytes]:
+    """`steps` steps (pushes between) of a pool of Slow episodes at env_lag_steps `lag` (`saved`: the last two, from
+    the pool state saved after the first): the samples' keys, the decode steps run during each environment step,
+    rollout/env_wait_s, and the pool's state after the first step."""
+    engine = _engine(model)
+    SLOW.update(engine=engine, sleep=sleep, ran=[])
+    pool = _pool(engine, factory=Slow, lag=lag)
+    if saved is not None:
+        pool.load_state(torch.load(io.BytesIO(saved), weights_only=True))
+    keys, waits = [], []
+    for version in range(0 if saved is None else 1, steps):
+        if version:
+            _push(engine, model, version)
+        samples, m = pool.collect(version)
+        keys += [_key(s) for s in samples]
+        waits.append(m["rollout/env_wait_s"])
+        if version == 0:
+            buf = io.BytesIO()
+            torch.save(pool.state(), buf)
+            saved = buf.getvalue()
+    return keys, SLOW["ran"], waits, saved
+
+
+def test_the_engine_decodes_while_environments_step_and_their_timing_changes_no_sample(model):
+    """rollout.partial.env_lag_steps: at 0 the engine waits for each finished turn's environment step (no decode
+    step runs while one sleeps 20 ms); at 4 it decodes on while steps run (up to 4 decode steps during one), and
+    the samples are the same whether the steps take 0 ms or 0-40 ms (by problem): a decode step count, not the
+    steps' end, decides when each next turn joins the queue; a pool saved after step 1 and resumed in a fresh
+    engine (steps of 10 ms) continues with the same samples."""
+    keys0, ran0, waits0, _ = _slow_run(model, 0, lambda p: 0.02, steps=1)
+    assert ran0 and set(ran0) == {0} and all(w > 0 for w in waits0)
+    keys4, _, _, saved = _slow_run(model, 4, lambda p: 0.0)
+    slow4, ran_slow, _, _ = _slow_run(model, 4, lambda p: 0.01 * (int(p.id[1:]) % 5))
+    assert keys4 == slow4 and len(keys4) >= 12  # >= 2 groups of 2 episodes a step
+    assert keys4[:len(keys0)] != keys0  # the lag moves when later turns start
+    assert max(ran_slow) <= 4 and sum(ran_slow) > 0
+    resumed, _, _, _ = _slow_run(model, 4, lambda p: 0.01, saved=saved)  # from the pool saved after step 1
+    assert resumed == keys4[-len(resumed):] and len(resumed) >= 8
