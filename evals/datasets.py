@@ -53,7 +53,7 @@ class DatasetConfig:
     (save_to_disk), reasoning_gym:<generator> (problems generated offline, e.g. reasoning_gym:chain_sum), or
     guess (the guess-the-number problems of env=guess, `evals/guess.py`: task_args min_n, max_n), or worked_sum
     (multi-step sums with worked solutions, `evals/worked.py`: task_args min_terms, max_terms, min_value,
-    max_value)."""
+    max_value, form)."""
     split: str | None = None
     """The split to read; None: the preset's split for a known hub id (e.g. "test" for math-ai/aime25), else
     "train". A local file has only the split "train"; a reasoning_gym source has train and test (disjoint)."""

@@ -16,14 +16,17 @@ from miles_k3.trainer.batch import Sample
 
 def test_a_problem_and_its_worked_solution_by_hand():
     terms = [48, 27, -93, 15]
-    assert question(terms) == "48 + 27 - 93 + 15"
-    assert solution(terms) == "= 75 - 93 + 15\n= -18 + 15\n= -3\nAnswer: -3"
-    assert solution([-5, -7]) == "= -12\nAnswer: -12"  # a negative first term keeps its own sign
-    assert render_prompt("worked", question(terms)) == "Compute step by step: 48 + 27 - 93 + 15\n"
+    assert question(terms) == "a+b+c+d with a=48, b=27, c=-93, d=15"
+    assert solution(terms) == "a=48\n48 + b=27 = 75\n75 + c=-93 = -18\n-18 + d=15 = -3\nAnswer: -3"
+    assert solution([-5, -7]) == "a=-5\n-5 + b=-7 = -12\nAnswer: -12"
+    assert question(terms, "chain") == "48 + 27 - 93 + 15"
+    assert solution(terms, "chain") == "= 75 - 93 + 15\n= -18 + 15\n= -3\nAnswer: -3"
+    assert solution([-5, -7], "chain") == "= -12\nAnswer: -12"  # a negative first term keeps its own sign
+    assert render_prompt("worked", question(terms, "chain")) == "Compute step by step: 48 + 27 - 93 + 15\n"
 
 
 def test_rows_are_reproducible_and_the_splits_disjoint():
-    args = {"min_terms": 2, "max_terms": 3, "min_value": 1, "max_value": 9}
+    args = {"min_terms": 2, "max_terms": 3, "min_value": 1, "max_value": 9, "form": "chain"}
     train = generate_rows("train", 300, 0, args)
     assert train == generate_rows("train", 300, 0, args)
     test = generate_rows("test", 40, 0, args)
@@ -35,20 +38,39 @@ def test_rows_are_reproducible_and_the_splits_disjoint():
 
 
 def test_the_default_lengths_are_reasoning_lengths():
-    """8-16 terms of 1-49 (the defaults): the worked solutions are 100-1000 bytes (one token per byte with the
-    small tokenizer). Bounds by hand: n terms give n-1 lines "= " + a chain of n-1, n-2, ..., 1 numbers, joined by
-    newlines, then "Answer: N"; in a chain the first number (a running total, |total| <= 16 x 49 = 784) takes 1-4
-    bytes and each later one " + v" 4-5 bytes."""
-    rows = generate_rows("train", 500, 0, {})
-    lengths = [len(r["solution"]) for r in rows]
-    shortest = sum(2 + 1 + 4 * (k - 1) for k in range(1, 8)) + 7 + len("Answer: 8")  # 8 terms, one-digit
-    longest = sum(2 + 4 + 5 * (k - 1) for k in range(1, 16)) + 15 + len("Answer: -784")  # 16 terms, widest
+    """8-16 terms of 1-49 (the defaults), one token per byte with the small tokenizer. Bounds by hand, with a running
+    total |total| <= 16 x 49 = 784 of 1-4 bytes and a term of 1-3 ("-49"). Named (the default): "a=v" (3-4 bytes),
+    then n-1 lines "total + x=v = total" of 1+3+2+1+3+1 = 11 to 4+3+2+3+3+4 = 19 bytes, n newlines and "Answer: N";
+    a mean near 4 + 11 x 15.5 + 12 + 11 ~ 200 (12 terms, lines of ~15.5 bytes). Chain: n-1 lines "= " + a chain of
+    n-1, n-2, ..., 1 numbers, the first 1-4 bytes and each later one " + v" 4-5 bytes."""
+    lengths = [len(r["solution"]) for r in generate_rows("train", 500, 0, {})]
+    shortest = 3 + 11 * 7 + 8 + len("Answer: 8")  # 8 terms, one-digit
+    longest = 4 + 19 * 15 + 16 + len("Answer: -784")  # 16 terms, widest
+    assert (shortest, longest) == (97, 317)
+    assert shortest <= min(lengths) and max(lengths) <= longest and 150 <= sum(lengths) / len(lengths) <= 260
+    lengths = [len(r["solution"]) for r in generate_rows("train", 500, 0, {"form": "chain"})]
+    shortest = sum(2 + 1 + 4 * (k - 1) for k in range(1, 8)) + 7 + len("Answer: 8")
+    longest = sum(2 + 4 + 5 * (k - 1) for k in range(1, 16)) + 15 + len("Answer: -784")
     assert (shortest, longest) == (121, 642)
     assert shortest <= min(lengths) and max(lengths) <= longest and 250 <= sum(lengths) / len(lengths) <= 450
 
 
+def test_both_forms_draw_the_same_problems_and_the_same_split():
+    """The form changes the text only: the same seed draws the same terms and the same held-out problems."""
+    args = {"min_terms": 2, "max_terms": 4, "min_value": 1, "max_value": 9}
+    for split in ("train", "test"):
+        named = generate_rows(split, 50, 3, args)
+        chain = generate_rows(split, 50, 3, args | {"form": "chain"})
+        assert [(r["id"], r["answer"], r["terms"]) for r in named] == [(r["id"], r["answer"], r["terms"]) for r in chain]
+        for n, c in zip(named, chain):
+            values = [int(v.split("=")[1]) for v in n["question"].split(" with ")[1].split(", ")]
+            assert question(values, "chain") == c["question"] and solution(values) == n["solution"]
+
+
 @pytest.mark.parametrize("args, message", [
-    ({"terms": 3}, "takes min_terms, max_terms, min_value, max_value, not terms"),
+    ({"terms": 3}, "takes min_terms, max_terms, min_value, max_value, form, not terms"),
+    ({"form": "tree"}, "data.task_args.form: 'tree' is not one of named, chain"),
+    ({"max_terms": 27}, "data.task_args.max_terms: the named form has 26 letters, got 27"),
     ({"min_terms": 1}, "need 2 <= min_terms <= max_terms"),
     ({"min_value": 5, "max_value": 4}, "need 1 <= min_value <= max_value"),
 ])
@@ -64,7 +86,7 @@ def test_sft_trains_on_the_solution_and_the_reward_grades_the_answer():
     assert [p.problem for p in graded] == [p.problem for p in worked]
     grade = get_grader("answer_integer")
     for g, w in zip(graded, worked):
-        assert w.answer.startswith("= ") and grade(w.answer, g.answer).score == 1.0
+        assert w.answer.startswith("a=") and grade(w.answer, g.answer).score == 1.0
 
 
 @pytest.mark.parametrize("response, gold, score, reason", [
