@@ -223,10 +223,10 @@ class PartialRollouts:
             nonlocal tick
             tick += 1
             ready = [p for p in pending if p[0] <= tick]
-            if not ready and pending and not self._queued():  # nothing to decode: the earliest turns now
-                ready = [p for p in pending if p[0] == pending[0][0]]
             if ready:
                 apply(ready)
+            while pending and not self._queued():  # nothing to decode: the earliest turns now (the run ends
+                apply([p for p in pending if p[0] == pending[0][0]])  # only with none stepping: one run a step)
             if len(done) < share or any(k not in done for k in due):
                 return False
             if pending:  # turns still stepping: applied now, their next turns queued for the next step
@@ -257,10 +257,6 @@ class PartialRollouts:
                 apply(list(pending))
         else:
             self.queue.run(until=until, on_finished=on_finished)
-            while pending:  # the queue ran empty with turns stepping: the earliest first, and serve on
-                apply([p for p in pending if p[0] == pending[0][0]])
-                if not until():
-                    self.queue.run(until=until, on_finished=on_finished)
         return [self.groups.pop(k) for k in done]
 
     def _queued(self) -> bool:
@@ -336,12 +332,12 @@ class PartialRollouts:
                 "rollout/retracted_mib": nbytes / 2**20}
 
     def _wait_metrics(self) -> dict[str, float]:
-        """Multi-turn: rollout/env_wait_s, how long the engine's run waited for environment steps (the longest of
+        """Multi-turn: perf/env_wait_s, how long the engine's run waited for environment steps (the longest of
         the ranks): a step still running rollout.partial.env_lag_steps decode steps after its turn finished."""
         if not self.multi:
             return {}
         (wait,) = max_over([self.env_wait_s], world_of(self.ctx))
-        return {"rollout/env_wait_s": wait}
+        return {"perf/env_wait_s": wait}
 
     def _global_index(self, n: int) -> list[int]:
         """The indices among the step's kept groups of all replicas of this replica's `n` kept groups: the replicas'

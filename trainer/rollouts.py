@@ -63,7 +63,7 @@ class PartialConfig:
     env_lag_steps: int = 8
     """Multi-turn episodes: decode steps the engine runs on while a finished turn's environment steps (in its own
     thread) before the episode's next turn joins the queue; decoding waits for a step only if it is still running
-    then (rollout/env_wait_s). A fixed count, not the step's end, decides when a turn is applied, so the samples do
+    then (perf/env_wait_s). A fixed count, not the step's end, decides when a turn is applied, so the samples do
     not depend on how long the steps take (and a resume continues exactly). 0: decoding waits for every finished
     turn's step at the end of the decode step that finished it. With nothing left to decode, the earliest turns
     are applied at once."""

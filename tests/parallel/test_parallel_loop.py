@@ -101,10 +101,12 @@ PARTIAL = ["rollout.mode=partial", "trainer.loss.tis=token_truncate", "rollout.d
 near uniform), so responses of 1 to 5 tokens end at different decode steps and some groups are carried across a
 push; 4 prompts per step (2 per replica under dp=2), 6 groups in flight."""
 MULTI_TURN_SYNC = ["env=guess", "env.name=guess_per_rank", "env.max_turns=3"]
-MULTI_TURN = [*PARTIAL, *MULTI_TURN_SYNC]
+MULTI_TURN = [*PARTIAL, *MULTI_TURN_SYNC, "rollout.partial.env_lag_steps=2"]
 """Multi-turn episodes in rollout.mode=partial: three-turn guess episodes (a random base's turns are not guesses, so
 each episode plays its 3 turns), sessions kept across turns and across pushes while their groups are in flight;
-rank 1's environments answer in other words (`guess_per_rank`)."""
+rank 1's environments answer in other words (`guess_per_rank`). Each turn's environment answer is applied 2 decode
+steps after it finished (measured in one process: at 0-2 some groups cross a push, at the default 8 none do, the
+turns here being 1-5 tokens)."""
 
 
 def _adapter(run) -> dict[str, torch.Tensor]:

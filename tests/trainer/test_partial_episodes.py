@@ -246,7 +246,7 @@ def _slow_run(model, lag: int, sleep, saved: bytes | None = None, steps: int = 3
               ) -> tuple[list, list[int], list[float], bytes]:
     """`steps` steps (pushes between) of a pool of Slow episodes at env_lag_steps `lag` (`saved`: the last two, from
     the pool state saved after the first): the samples' keys, the decode steps run during each environment step,
-    rollout/env_wait_s, and the pool's state after the first step."""
+    perf/env_wait_s, and the pool's state after the first step."""
     engine = _engine(model)
     SLOW.update(engine=engine, sleep=sleep, ran=[])
     pool = _pool(engine, factory=Slow, lag=lag)
@@ -258,7 +258,7 @@ def _slow_run(model, lag: int, sleep, saved: bytes | None = None, steps: int = 3
             _push(engine, model, version)
         samples, m = pool.collect(version)
         keys += [_key(s) for s in samples]
-        waits.append(m["rollout/env_wait_s"])
+        waits.append(m["perf/env_wait_s"])
         if version == 0:
             buf = io.BytesIO()
             torch.save(pool.state(), buf)
