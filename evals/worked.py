@@ -17,9 +17,10 @@ grades), `solution` the worked text above (what SFT trains on: `data.answer_fiel
 each term has a letter and each line starts with the running total (the end of the line before), names the next
 letter and copies that term's value from the question (found by its letter: "c=" is written in both places), then
 the new total. In the chain form each line folds the first two numbers of the chain before it and copies the rest.
-Measured on the CPU (k3_tiny from its random init, 3-5 terms of 1-9, 300 steps of 16, lr 1e-3): teacher-forced
-token accuracy 0.90 and exact 0.016 in the named form against 0.77 and 0 in the chain form (0.84 and 0 after 600
-steps), whose copies go wrong where the chain's numbers repeat; on one GPU a k3_m2 of the chain form stalled at
+Measured on the CPU (k3_tiny from its random init, 3-5 terms of 1-9, 300 steps of 16, lr 1e-3; 64 held-out
+problems, benchmarks/results/worked_form_cpu.json): teacher-forced token accuracy 0.88 and 0.90 in two runs of the
+named form against 0.77 in the chain form (0.84 after 600 steps), whose copies go wrong where the chain's numbers
+repeat; whole solutions right: 1 of 64 in one named run, none in the others; on one GPU a k3_m2 of the chain form stalled at
 0.6-0.77 (exact 0) within 6 minutes. (The first form, "total + term = new total" without letters, made every step
 find its term by position: exact 0 after 61 steps on the GPU.) A policy that gets a step right with probability p
 solves an n-term problem with about p^(n-1), so accuracy falls with length and RL has a per-step error rate to
