@@ -20,7 +20,7 @@ import statistics
 import time
 
 import torch
-from record import write_result
+from record import RESULTS, write_result
 
 from miles_k3.envs.env import EnvConfig, Guess
 from miles_k3.evals.problems import Problem
@@ -111,7 +111,7 @@ def main() -> None:
     a, b = (figures["modes"][f"lag_{k}"]["ms_per_token_median"] for k in runs)
     figures["speedup_per_token"] = a / b
     print(f"lag 0: {a:.2f} ms per sampled token; lag {args.lag}: {b:.2f}; x{a / b:.2f}")
-    write_result(args.out, figures)
+    write_result("bench_env_lag", figures, out=RESULTS / f"{args.out}.json")
 
 
 if __name__ == "__main__":
