@@ -117,7 +117,6 @@ class PartialRollouts:
         self.share = cfg.prompts_per_step // ctx.dp_size  # groups this replica finishes per step
         self.inflight = -(-cfg.partial.groups(cfg.prompts_per_step) // ctx.dp_size)  # groups this replica keeps
         self.groups: dict[int, _Group] = {}  # engine group id -> the group, in the order they were queued
-        self.env_wait_s = 0.0  # the last step's: how long the engine's run waited for environment steps
 
     def collect(self, version: int) -> tuple[list[Sample], dict[str, float]]:
         """The step's samples (the finished groups, trained by the adapter of weight `version`) and its rollout/
@@ -214,23 +213,23 @@ class PartialRollouts:
         tick = 0  # the engine's stop checks so far: one before its first decode step, then one after each (a turn
         # that finishes in decode step k is seen at tick k and applied at the check after step k + lag)
 
-        def apply(items: list) -> None:
-            for item in items:
-                pending.remove(item)
-            self._advance([item[1:] for item in items], limit, done)
+        def apply(last_tick: float) -> None:
+            """Apply the pending turns due by `last_tick`: a prefix of `pending` (its due ticks never decrease)."""
+            k = sum(1 for p in pending if p[0] <= last_tick)
+            if k:
+                items = pending[:k]
+                del pending[:k]
+                self._advance([item[1:] for item in items], limit, done)
 
         def until() -> bool:
             nonlocal tick
             tick += 1
-            ready = [p for p in pending if p[0] <= tick]
-            if ready:
-                apply(ready)
+            apply(tick)
             while pending and not self._queued():  # nothing to decode: the earliest turns now (the run ends
-                apply([p for p in pending if p[0] == pending[0][0]])  # only with none stepping: one run a step)
+                apply(pending[0][0])  # only with none stepping: one run a step)
             if len(done) < share or any(k not in done for k in due):
                 return False
-            if pending:  # turns still stepping: applied now, their next turns queued for the next step
-                apply(list(pending))
+            apply(math.inf)  # turns still stepping: applied now, their next turns queued for the next step
             return True
 
         def on_finished(gid: int, records: list[dict]) -> None:
@@ -249,12 +248,11 @@ class PartialRollouts:
             steps = start_steps(eps, self.tokenizer, self.ctx)
             pending.extend((tick + 1 + lag, key, j, st) for j, st in zip(js, steps))
 
-        self.env_wait_s = 0.0
+        self.env_wait_s = 0.0  # this step's: how long the engine's run waited for environment steps
         if env_cfg.max_turns == 1:
             for gid, records in self.queue.run(finished_groups=share, must_finish=due):
                 on_finished(gid, records)
-            if pending:
-                apply(list(pending))
+            apply(math.inf)
         else:
             self.queue.run(until=until, on_finished=on_finished)
         return [self.groups.pop(k) for k in done]
