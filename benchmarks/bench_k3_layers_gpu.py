@@ -178,18 +178,32 @@ def build_model(cfg: K3Config) -> K3ForCausalLM:
 
 # ---- parts ---------------------------------------------------------------------------------------------------
 # bm,bn,bk,warps,stages,decode[,swap][,s2d: per-group scale loads][,nopf: Triton's pipeliner, no hand prefetch]
-# [,fast: one-multiply decode][,split: lo/hi halves into two dots]; the first of each list is the legacy pick
+# [,fast: one-multiply decode][,split: lo/hi halves into two dots][,chunks=C1-C2-C3: the chunked kernel, bm their
+# sum]; the first of each list is the legacy pick
 TUNE_TRAIN = ["128,64,128,4,3,asm,swap,s2d,nopf", "128,64,128,4,3,asm,swap,s2d,nopf,fast",
-              "128,128,128,8,3,asm,swap,s2d,nopf,fast", "128,64,128,4,4,asm,swap,s2d,nopf,fast"]
+              "128,128,128,8,3,asm,swap,s2d,nopf,fast", "128,64,128,4,4,asm,swap,s2d,nopf,fast",
+              "112,128,128,8,3,asm,swap,s2d,nopf,fast,chunks=64-32-16",
+              "112,64,128,4,3,asm,swap,s2d,nopf,fast,chunks=64-32-16",
+              "112,128,64,8,4,asm,swap,s2d,nopf,fast,chunks=64-32-16"]
 TUNE_DECODE = ["16,128,128,4,4,asm,s2d,nopf", "16,256,128,4,3,asm,s2d,nopf,fast,split",
                "16,256,128,4,4,asm,s2d,nopf,fast,split", "16,256,128,4,2,asm,s2d,nopf,fast,split",
                "16,256,64,4,4,asm,s2d,nopf,fast,split", "16,512,64,4,3,asm,s2d,nopf,fast,split",
                "16,256,256,8,2,asm,s2d,nopf,fast,split", "16,512,128,8,3,asm,s2d,nopf,fast,split"]
 
 
+def tile_config(spec: str):
+    """The TileConfig of a spec string (the TUNE_* lists' syntax above)."""
+    from miles_k3.kernels.mxfp4_moe import TileConfig
+
+    bm, bn, bk, nw, ns, dec, *flags = spec.split(",")
+    chunks = [tuple(int(c) for c in f.removeprefix("chunks=").split("-")) for f in flags if f.startswith("chunks=")]
+    return TileConfig(int(bm), int(bn), int(bk), int(nw), int(ns), dec, "swap" in flags, "s2d" in flags,
+                      "nopf" not in flags, "fast" in flags, "split" in flags, chunks[0] if chunks else None)
+
+
 def kernels_part(args, bw: float, rate: float) -> list[dict]:
     """One projection's kernel (w1/w3 shape O=3072, In=3584; forward and input gradient) per tile config."""
-    from miles_k3.kernels.mxfp4_moe import TileConfig, mxfp4_moe_matmul
+    from miles_k3.kernels.mxfp4_moe import mxfp4_moe_matmul
 
     with torch.device("cuda"):
         m = RoutedExperts(NUM_EXPERTS, LATENT, INTER, 4.0, 25.0, expert_format="mxfp4")
@@ -207,9 +221,7 @@ def kernels_part(args, bw: float, rate: float) -> list[dict]:
         for transpose in (False, True) if n_tok not in args.batches else (False,):  # decode: forward only
             x = torch.randn(m_rows, INTER if transpose else LATENT, device="cuda", dtype=torch.bfloat16)
             for spec in configs:
-                bm, bn, bk, nw, ns, dec, *flags = spec.split(",")
-                cfg = TileConfig(int(bm), int(bn), int(bk), int(nw), int(ns), dec, "swap" in flags,
-                                 "s2d" in flags, "nopf" not in flags, "fast" in flags, "split" in flags)
+                cfg = tile_config(spec)
                 try:
                     rows_of = ends if n_tok in args.batches else counts  # decode: device ends, as captured
                     ms = timed_ms(lambda x=x, cfg=cfg, t=transpose, r=rows_of: mxfp4_moe_matmul(

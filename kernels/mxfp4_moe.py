@@ -56,6 +56,22 @@ each expert); `ends_E` on
 the device, a grid fixed by (M, E) alone, so `sync_free_experts()` steps capture it, and only the experts that
 received rows are read.
 
+Chunked tiling (opt-in, `TileConfig.chunks`; the kernel is `mxfp4_moe_chunked.py`). Triton's block shapes are
+powers of two, so at K3 training width (4,096 tokens, top-16 over 896 experts: ~73 rows per expert) a BM = 128 tile
+pads the MMA 1.75x. With chunks (C1, C2, C3), powers of two >= 16 with C1 >= C2 >= C3 (e.g. 64, 32, 16), a program
+takes a group of up to G = C1 + C2 + C3 rows of one expert (bm = G, which need not be a power of two: the groups are
+cut as the M-tiles above), decodes each weight tile once and multiplies it with up to three row chunks, each with
+its own [BN, Ci] accumulator (swap orientation). For a group of n rows: chunk 1, rows [0, C1), is used when
+n > C2 + C3; chunk 2 starts after chunk 1 if that is used (else at row 0) and is used when the rows left exceed C3;
+chunk 3 takes what is left (`chunk_plan`, the kernel's own rule run on ints). With (64, 32, 16) the MMA width is n
+rounded up to a multiple of 16: 73 rows -> chunks 1 and 3 (80 wide, not 128), 40 -> 2 and 3 (48), 50 -> 1 (64).
+A chunk a group does not use loads and multiplies nothing: the choice is made once per group, outside the k-loop,
+among 7 loops specialised to their chunks (a runtime branch around the dots inside the k-loop turns Triton's
+software pipeliner off for the whole loop: no cp.async loads and synchronous wgmma in the sm_90 TTGIR of Triton 3.6
+and 3.9); the price is compile time (~6-12 s a kernel on a CPU, ~1.5 s for the M-tile kernel). Swap tiles only, no
+SPLIT, no hand prefetch (refused). Not the default: `pick_config` takes it only once a GPU measurement
+(benchmarks/bench_k3_layers_gpu.py --parts kernels, its TUNE_TRAIN candidates) shows it faster than BM = 128.
+
 Numerics: the products of bf16 x and exact bf16 weights are exact in fp32; only the order of the fp32
 accumulation differs from the reference (dequantize, then an fp32 matmul of the same bf16 values), so results
 agree to fp32 accumulation error before the single rounding to bf16 (tests/kernels/test_gpu_mxfp4_moe.py states the
@@ -63,8 +79,8 @@ criterion).
 
 Legend: M rows (token-expert pairs), E experts, O/In a projection's output/input width, K the reduction width
 (In forward, O backward), N the output width (O forward, In backward), G scale groups of 32.
-The Triton kernel itself is `mxfp4_moe_kernel.py`. This module imports torch and triton only; launching the kernel
-needs CUDA (or `TRITON_INTERPRET=1`).
+The Triton kernels themselves are `mxfp4_moe_kernel.py` and `mxfp4_moe_chunked.py`. This module imports torch and
+triton only; launching a kernel needs CUDA (or `TRITON_INTERPRET=1`).
 """
 from __future__ import annotations
 
@@ -75,6 +91,7 @@ import torch
 import triton
 
 from miles_k3.kernels.mxfp4 import GROUP_SIZE, dequantize_mxfp4_reference
+from miles_k3.kernels.mxfp4_moe_chunked import _chunk_rule, _mxfp4_moe_chunked_kernel
 from miles_k3.kernels.mxfp4_moe_kernel import _mxfp4_moe_kernel
 
 DECODES = ("tl", "asm")
@@ -96,6 +113,17 @@ class TileConfig:
     prefetch: bool = True  # hand-pipelined loads (else Triton's pipeliner, num_stages)
     fast: bool = False  # one-multiply decode, exact for scale bytes <= 128, other tiles recomputed (needs scale_2d)
     split: bool = False  # lo/hi-nibble halves into two dots, no interleave (`mxfp4_moe_kernel._mma_step`)
+    chunks: tuple[int, int, int] | None = None  # the chunked kernel's row chunks (C1, C2, C3), bm = their sum
+
+
+def chunk_plan(n: int, chunks: tuple[int, int, int]) -> tuple[tuple[int, int], ...]:
+    """The row chunks the chunked kernel multiplies for a group of n rows (1 <= n <= sum(chunks)): (first row in
+    the group, width) of each chunk used, in order; the widths sum to the group's MMA width. The kernel's own rule
+    (`mxfp4_moe_chunked._chunk_rule`) run on Python ints."""
+    if not 1 <= n <= sum(chunks):
+        raise ValueError(f"chunk_plan: a group has 1..{sum(chunks)} rows for chunks {chunks}, got n={n}")
+    use1, use2, use3, base, base2 = _chunk_rule.fn(n, *chunks)
+    return tuple((int(r), c) for used, r, c in zip((use1, use2, use3), (0, base, base2), chunks) if used)
 
 
 def pick_config(m: int, num_experts: int, n: int, k: int, transpose: bool, decode: str) -> TileConfig:
@@ -234,10 +262,7 @@ def mxfp4_moe_matmul(x_MK: torch.Tensor, counts: list[int] | torch.Tensor, packe
     cfg = config or pick_config(m, num_experts, n, k, transpose, decode)
     if cfg.decode == "asm" and _interpreting():
         raise ValueError(f"{fn}: decode='asm' (inline PTX) cannot run under TRITON_INTERPRET=1; use 'tl'")
-    if cfg.fast and not cfg.scale_2d:
-        raise ValueError(f"{fn}: the fast decode needs scale_2d, got {cfg}")
-    if (cfg.bk if not transpose else cfg.bn) % GROUP_SIZE:
-        raise ValueError(f"{fn}: the tile's extent along In must be a multiple of 32, got {cfg}")
+    _check_config(fn, cfg, transpose)
     y = torch.empty(m, n, dtype=x_MK.dtype, device=x_MK.device)
     if m == 0:
         return y
@@ -249,14 +274,44 @@ def mxfp4_moe_matmul(x_MK: torch.Tensor, counts: list[int] | torch.Tensor, packe
     x = x_MK.contiguous()
     args = (x, ends_E, packed_EOH, scale_EOG, y, num_experts, n, k, half, half * 2 // GROUP_SIZE, o * half,
             o * half * 2 // GROUP_SIZE)
-    meta = {"TRANS": transpose, "SWAP": cfg.swap, "ASM": cfg.decode == "asm",
-            "DOT_F32": _interpreting(),
-            "SCALE_2D": cfg.scale_2d, "PREFETCH": cfg.prefetch, "FAST": cfg.fast, "SPLIT": cfg.split, "BM": cfg.bm, "BN": cfg.bn, "BK": cfg.bk,
-            "BLOCK_E": triton.next_power_of_2(num_experts), "num_warps": cfg.num_warps,
-            "num_stages": cfg.num_stages}
+    kernel, meta = _kernel_and_meta(cfg, transpose, num_experts)
     if x.is_cuda:
         with torch.cuda.device(x.device):
-            _mxfp4_moe_kernel[grid](*args, **meta)
+            kernel[grid](*args, **meta)
     else:
-        _mxfp4_moe_kernel[grid](*args, **meta)
+        kernel[grid](*args, **meta)
     return y
+
+
+def _check_config(fn: str, cfg: TileConfig, transpose: bool) -> None:
+    """Refuse tile configs the kernels cannot run, naming the TileConfig field."""
+    if cfg.fast and not cfg.scale_2d:
+        raise ValueError(f"{fn}: the fast decode needs scale_2d, got {cfg}")
+    if (cfg.bk if not transpose else cfg.bn) % GROUP_SIZE:
+        raise ValueError(f"{fn}: the tile's extent along In must be a multiple of 32, got {cfg}")
+    if cfg.chunks is None:
+        return
+    c = tuple(cfg.chunks)
+    if len(c) != 3 or any(not isinstance(v, int) or v < 16 or v & (v - 1) for v in c) or not c[0] >= c[1] >= c[2]:
+        raise ValueError(f"{fn}: TileConfig.chunks must be three powers of two >= 16 with C1 >= C2 >= C3 "
+                         f"(e.g. (64, 32, 16)), got chunks={cfg.chunks}")
+    if cfg.bm != sum(c):
+        raise ValueError(f"{fn}: TileConfig.bm must equal sum(chunks) = {sum(c)} (the rows of a group) with "
+                         f"chunks={c}, got bm={cfg.bm}")
+    for field, bad in (("swap", not cfg.swap), ("split", cfg.split), ("prefetch", cfg.prefetch)):
+        if bad:
+            raise ValueError(f"{fn}: the chunked kernel (TileConfig.chunks) has only swap tiles, no split dots and "
+                             f"no hand prefetch: set swap=True, split=False, prefetch=False; got {field}="
+                             f"{getattr(cfg, field)} in {cfg}")
+
+
+def _kernel_and_meta(cfg: TileConfig, transpose: bool, num_experts: int) -> tuple:
+    """The Triton kernel of a (checked) config and its constexpr / launch arguments."""
+    meta = {"TRANS": transpose, "ASM": cfg.decode == "asm", "DOT_F32": _interpreting(), "SCALE_2D": cfg.scale_2d,
+            "FAST": cfg.fast, "BN": cfg.bn, "BK": cfg.bk, "BLOCK_E": triton.next_power_of_2(num_experts),
+            "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+    if cfg.chunks is not None:
+        c1, c2, c3 = cfg.chunks
+        return _mxfp4_moe_chunked_kernel, {**meta, "C1": c1, "C2": c2, "C3": c3}
+    return _mxfp4_moe_kernel, {**meta, "SWAP": cfg.swap, "PREFETCH": cfg.prefetch, "SPLIT": cfg.split,
+                               "BM": cfg.bm}

@@ -10,7 +10,8 @@ bf16. So |y - ref32| <= 2^-8 |ref32| (the bf16 rounding, 2^-9, with margin) + 2^
 bound on fp32 accumulation error over K <= 4096 terms), and y equals bf16(ref32) for at least 95% of elements
 (a 1-ulp difference needs an fp32 sum within accumulation error of a bf16 rounding midpoint). The one-multiply
 decode (`fast`) is checked bit for bit against the general decode (same dots, same order), with tiles that read
-scale bytes above 128 (recomputed in the kernel); `split` (two dots) against the reference by the criterion above.
+scale bytes above 128 (recomputed in the kernel); `split` (two dots) against the reference by the criterion above;
+the chunked tiling (`TileConfig.chunks`) against the reference with every choice of chunks.
 Run with `python -m pytest -m gpu tests/kernels/test_gpu_mxfp4_moe.py`."""
 import pytest
 import torch
@@ -102,6 +103,40 @@ def test_every_decode_and_tiling_matches_reference(variant, transpose):
     x = torch.randn(sum(counts), 640 if transpose else 448, device="cuda").bfloat16()
     y = mxfp4_moe_matmul(x, counts, packed, scale, transpose=transpose, config=cfg)
     _assert_accumulation_close(y, x, counts, packed, scale, transpose, f"{variant} t={transpose}")
+
+
+def _chunk_counts(seed=3):
+    """Rows per expert for chunks (64, 32, 16): one count drawn from each range of n that picks another set of
+    chunks (1-16: {3}, 17-32: {2}, 33-48: {2, 3}, 49-64: {1}, 65-80: {1, 3}, 81-96: {1, 2}, 97-112: all three;
+    `mxfp4_moe` module docstring), the boundaries 112 and 113, empty experts and an expert of three groups."""
+    g = torch.Generator().manual_seed(seed)
+    drawn = [int(torch.randint(lo, lo + 16, (1,), generator=g)) for lo in range(1, 113, 16)]
+    return [0, *drawn[:4], 0, *drawn[4:], 112, 113, 250]
+
+
+@pytest.mark.parametrize("transpose", [False, True], ids=["forward", "input_grad"])
+@pytest.mark.parametrize("bn,warps", [(128, 8), (64, 4)])
+@pytest.mark.parametrize("out_f,in_f", [(256, 512), (200, 96)], ids=["O256_In512", "O200_In96"])
+def test_chunked_tiling_matches_reference(out_f, in_f, bn, warps, transpose):
+    """The chunked kernel (chunks 64, 32, 16; "asm" fast decode) against the reference by the criterion above,
+    with a scale byte above 128 in one expert (its groups recomputed): bit for bit the general decode's output,
+    and host counts give the device row ends' bits."""
+    from miles_k3.kernels.mxfp4_moe import TileConfig, mxfp4_moe_matmul
+
+    counts = _chunk_counts()
+    packed, scale = _weights(len(counts), out_f, in_f)
+    scale[7, 5, 1] = 133
+    x = torch.randn(sum(counts), out_f if transpose else in_f, device="cuda").bfloat16()
+    kw = {"num_warps": warps, "num_stages": 3, "decode": "asm", "swap": True, "scale_2d": True, "prefetch": False,
+          "chunks": (64, 32, 16)}
+    y = mxfp4_moe_matmul(x, counts, packed, scale, transpose=transpose, config=TileConfig(112, bn, 128, fast=True,
+                                                                                          **kw))
+    _assert_accumulation_close(y, x, counts, packed, scale, transpose, f"chunked {out_f}x{in_f} bn{bn} t={transpose}")
+    general = mxfp4_moe_matmul(x, counts, packed, scale, transpose=transpose, config=TileConfig(112, bn, 128, **kw))
+    assert torch.equal(y, general)
+    ends = torch.tensor(counts, device="cuda").cumsum(0).int()
+    assert torch.equal(mxfp4_moe_matmul(x, ends, packed, scale, transpose=transpose,
+                                        config=TileConfig(112, bn, 128, fast=True, **kw)), y)
 
 
 @pytest.mark.parametrize("decode", ["tl", "asm", "tl_fast", "asm_fast", "asm_fast_split"])
