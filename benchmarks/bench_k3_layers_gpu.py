@@ -119,7 +119,8 @@ def kernel_configs(name: str):
     import miles_k3.kernels.mxfp4_moe as mk
 
     before = mk.pick_config
-    mk.pick_config = {"new": before, "legacy": mk.legacy_config}[name]
+    mk.pick_config = {"new": before, "legacy": mk.legacy_config,
+                      "nochunk": lambda *a: mk._tiling(*a, chunked=False)}[name]
     try:
         yield
     finally:
@@ -494,7 +495,8 @@ def main() -> None:
     ap.add_argument("--batches", default="64,256")
     ap.add_argument("--json", default=None)
     ap.add_argument("--configs", default="new",
-                    help="fused-kernel tilings, comma-separated: new (pick_config), legacy (before the fast decode)")
+                    help="fused-kernel tilings, comma-separated: new (pick_config), nochunk (pick_config without the "
+                         "chunked kernel), legacy (before the fast decode)")
     ap.add_argument("--no-train", dest="train", action="store_false",
                     help="experts part: decode steps only (no training forward/backward)")
     ap.add_argument("--no-tune-train", dest="tune_train", action="store_false",

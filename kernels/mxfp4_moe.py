@@ -131,7 +131,8 @@ def pick_config(m: int, num_experts: int, n: int, k: int, transpose: bool, decod
     return _tiling(m, num_experts, n, k, transpose, decode)
 
 
-def _tiling(m: int, num_experts: int, n: int, k: int, transpose: bool, decode: str) -> TileConfig:
+def _tiling(m: int, num_experts: int, n: int, k: int, transpose: bool, decode: str,
+            chunked: bool = True) -> TileConfig:
     """The tiling for M rows over E experts: a function of the shapes only, so an eager step and a captured
     one use the same kernel and give the same bits. BM: 16 for decode-sized groups (a few rows per expert), up
     to 128 when experts get many rows (each weight tile is decoded once per M-tile). Tiles of BM >= 64 (Hopper
@@ -143,7 +144,10 @@ def _tiling(m: int, num_experts: int, n: int, k: int, transpose: bool, decode: s
     before, ~4.0 after). Sizes from benchmarks/bench_k3_layers_gpu.py --parts kernels on an H200 (K3 widths,
     one projection O 3072 x In 3584): decode forward at batch 64 / 256, 2.20 / 3.21 ms before (BN 128, general
     decode), 1.78 / 2.56 ms (BN 256, fast, split); training (4,096 tokens, BM 128) forward 8.73 -> 8.26 ms
-    (BN 128, 8 warps, fast), input gradient 9.80 -> 8.72 ms (fast)."""
+    (BN 128, 8 warps, fast), input gradient 9.80 -> 8.72 ms (fast). Groups of 49..112 rows per expert (training
+    at 4,096 tokens: ~73) take the chunked kernel (`chunks` 64 + 32 + 16, BN 64, 4 warps): on an H100, one
+    projection forward 8.16 -> 6.64 ms (best BM-128 tiling -> chunked), input gradient 8.65 -> 7.50 ms; above 112
+    rows per expert (not measured with chunks) BM stays 128. `chunked=False`: the tiling before the chunks."""
     rows_per_expert = m / max(1, num_experts)
     bm = 16 if rows_per_expert <= 16 else 32 if rows_per_expert <= 32 else 64 if rows_per_expert <= 48 else 128
     if bm <= 32 and not transpose:
@@ -152,6 +156,9 @@ def _tiling(m: int, num_experts: int, n: int, k: int, transpose: bool, decode: s
     if bm <= 32:
         return TileConfig(bm, 64, 128, num_warps=4, num_stages=4, decode=decode, swap=True, scale_2d=True,
                           prefetch=False, fast=True)
+    if chunked and bm == 128 and rows_per_expert <= 112:
+        return TileConfig(112, 64, 128, num_warps=4, num_stages=3, decode=decode, swap=True, scale_2d=True,
+                          prefetch=False, fast=True, chunks=(64, 32, 16))
     if bm == 128 and not transpose:
         return TileConfig(bm, 128, 128, num_warps=8, num_stages=3, decode=decode, swap=True, scale_2d=True,
                           prefetch=False, fast=True)
@@ -162,7 +169,7 @@ def _tiling(m: int, num_experts: int, n: int, k: int, transpose: bool, decode: s
 def legacy_config(m: int, num_experts: int, n: int, k: int, transpose: bool, decode: str) -> TileConfig:
     """`pick_config` before the fast decode (two multiplies per pair, interleaved halves): kept for the
     benchmark's before/after rows and the parity tests."""
-    cfg = replace(_tiling(m, num_experts, n, k, transpose, decode), fast=False, split=False)
+    cfg = replace(_tiling(m, num_experts, n, k, transpose, decode, chunked=False), fast=False, split=False)
     if cfg.bm <= 32 and not transpose:
         cfg = replace(cfg, bn=128, num_stages=4)
     if cfg.bm == 128 and not transpose:
