@@ -56,7 +56,7 @@ each expert); `ends_E` on
 the device, a grid fixed by (M, E) alone, so `sync_free_experts()` steps capture it, and only the experts that
 received rows are read.
 
-Chunked tiling (opt-in, `TileConfig.chunks`; the kernel is `mxfp4_moe_chunked.py`). Triton's block shapes are
+Chunked tiling (`TileConfig.chunks`; the kernel is `mxfp4_moe_chunked.py`). Triton's block shapes are
 powers of two, so at K3 training width (4,096 tokens, top-16 over 896 experts: ~73 rows per expert) a BM = 128 tile
 pads the MMA 1.75x. With chunks (C1, C2, C3), powers of two >= 16 with C1 >= C2 >= C3 (e.g. 64, 32, 16), a program
 takes a group of up to G = C1 + C2 + C3 rows of one expert (bm = G, which need not be a power of two: the groups are
@@ -69,8 +69,8 @@ A chunk a group does not use loads and multiplies nothing: the choice is made on
 among 7 loops specialised to their chunks (a runtime branch around the dots inside the k-loop turns Triton's
 software pipeliner off for the whole loop: no cp.async loads and synchronous wgmma in the sm_90 TTGIR of Triton 3.6
 and 3.9); the price is compile time (~6-12 s a kernel on a CPU, ~1.5 s for the M-tile kernel). Swap tiles only, no
-SPLIT, no hand prefetch (refused). Not the default: `pick_config` takes it only once a GPU measurement
-(benchmarks/bench_k3_layers_gpu.py --parts kernels, its TUNE_TRAIN candidates) shows it faster than BM = 128.
+SPLIT, no hand prefetch (refused). `pick_config` takes it for 49..112 rows per expert, where an H100 measured it
+faster than every BM = 128 tiling (benchmarks/bench_k3_layers_gpu.py --parts kernels; numbers in `_tiling`).
 
 Numerics: the products of bf16 x and exact bf16 weights are exact in fp32; only the order of the fp32
 accumulation differs from the reference (dequantize, then an fp32 matmul of the same bf16 values), so results
