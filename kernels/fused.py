@@ -1,14 +1,17 @@
-"""Fused forward-only Triton kernels for the eager fp32 elementwise chains of `miles_k3.model.layers`.
+"""Fused Triton kernels for the eager fp32 elementwise chains of `miles_k3.model.layers`.
 
 Each kernel replaces a chain of ~8-14 small torch kernels (one launch each in the captured decode graph) with one
-launch. They compute in fp32 like their references and are meant for inference: no autograd (the callers in
-`layers.py` use them only on CUDA when no gradient is needed; training keeps the differentiable torch code).
+launch. They compute in fp32 like their references. The first three are forward-only, meant for inference (the
+callers in `layers.py` use them only on CUDA when no gradient is needed); `situ_glu_train` is SiTU-GLU for training:
+an autograd function whose forward is `situ_glu`'s kernel (bit for bit the inference output) and whose backward is
+one more kernel. RMSNorm and the AttnRes mix keep their differentiable torch references in training.
 
 | kernel | reference (pure torch, `miles_k3.model.layers`) | launches |
 | --- | --- | --- |
 | `rms_norm(x, weight, eps, out_dtype=None)` | `_rms_norm_torch` (`RMSNorm.forward`) | 1 |
 | `attn_res_mix(sources, norm_weight, proj_weight, eps)` | `_attn_res_mix_torch` (`attn_res_mix`) | 2: stack, mix |
 | `situ_glu(gate, up, beta, linear_beta)` | `_situ_glu_torch` (`situ_glu`) | 1 |
+| `situ_glu_train(gate, up, beta, linear_beta)` (differentiable) | `_situ_glu_torch` + autograd (`situ_glu` with grad) | 1 forward, 1 backward |
 
 Legend for tensor suffixes: R rows (all leading dims flattened), D hidden size (last dim), N residual sources.
 Accepted activation dtypes: torch.float32, torch.bfloat16, torch.float16 (weights may be any of these).
@@ -22,6 +25,12 @@ reference (RMSNorm: its `normed` is; tests/kernels/test_fused_kernels.py states 
 tanh is built from exp (tl has no tanh in every Triton version): an odd Taylor polynomial for |x| < 0.3, where
 (1 - e^-2|x|) / (1 + e^-2|x|) would cancel, and that quotient above (it never overflows: the exponent is <= 0);
 sigmoid uses exp(-|x|) likewise. Finite inputs give finite outputs (no NaN) for any magnitude.
+SiTU-GLU's backward recomputes the activation from the saved g and u (no fp32 intermediate is kept between forward
+and backward) and uses the derivatives by hand, t = tanh(g / beta), s = sigmoid(g), gate = beta * t * s:
+d gate / dg = (1 - t^2) * s + gate * (1 - s), d up / du = 1 - tanh^2(u / linear_beta) (1 without linear_beta);
+grad_g = grad_out * up * d gate / dg, grad_u = grad_out * gate * d up / du, each rounded once to its input's
+dtype. Torch's autograd of the reference evaluates the same terms in another order (its tanh and sigmoid
+backwards), so the two differ by fp32 rounding before that last rounding (criteria: the test file).
 
 This module imports torch and triton only; launching a kernel needs CUDA tensors (or `TRITON_INTERPRET=1`, set
 before this module is imported, for CPU tensors).
@@ -298,11 +307,35 @@ def _situ_glu_kernel(g_ptr, u_ptr, out_ptr, n, beta, inv_beta, lin_beta, inv_lin
     tl.store(out_ptr + offs, _round(h * u, ROUND).to(odt), mask=mask)
 
 
-def situ_glu(gate: torch.Tensor, up: torch.Tensor, beta: float, linear_beta: float | None) -> torch.Tensor:
-    """Fused SiTU-GLU: beta*tanh(g/beta)*sigmoid(g) * (linear_beta*tanh(u/linear_beta), or u when linear_beta is
-    None), fp32 math, returned in gate.dtype with gate's shape. gate and up: one shape (no broadcasting), any
-    dtype of ACT_DTYPES each; non-contiguous inputs are copied first. One launch."""
-    fn = "situ_glu"
+@triton.jit
+def _situ_glu_bwd_kernel(g_ptr, u_ptr, go_ptr, gg_ptr, gu_ptr, n, beta, inv_beta, lin_beta, inv_lin_beta,
+                         HAS_LIN: tl.constexpr, BLOCK: tl.constexpr, ROUND_G: tl.constexpr, ROUND_U: tl.constexpr):
+    """Elementwise backward of `_situ_glu_kernel`: reads g, u, grad_out, writes grad_g (g's dtype) and grad_u
+    (u's dtype); the activation is recomputed in fp32 exactly as the forward computes it."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    go = tl.load(go_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    t = _tanh(g * inv_beta)
+    s = _sigmoid(g)
+    h = beta * t * s
+    dh = (1.0 - t * t) * s + h * (1.0 - s)  # d/dg beta*tanh(g/beta)*sigmoid(g)
+    if HAS_LIN:
+        tu = _tanh(u * inv_lin_beta)
+        up = lin_beta * tu
+        grad_u = go * h * (1.0 - tu * tu)
+    else:
+        up = u
+        grad_u = go * h
+    grad_g = go * up * dh
+    tl.store(gg_ptr + offs, _round(grad_g, ROUND_G).to(gg_ptr.dtype.element_ty), mask=mask)
+    tl.store(gu_ptr + offs, _round(grad_u, ROUND_U).to(gu_ptr.dtype.element_ty), mask=mask)
+
+
+def _check_situ(fn: str, gate: torch.Tensor, up: torch.Tensor, beta: float,
+                linear_beta: float | None) -> tuple[float, float | None]:
+    """Validate SiTU-GLU's arguments; (beta, linear_beta) as floats."""
     _check_act(fn, "gate", gate)
     _check_act(fn, "up", up)
     if gate.shape != up.shape or gate.device != up.device:
@@ -315,14 +348,83 @@ def situ_glu(gate: torch.Tensor, up: torch.Tensor, beta: float, linear_beta: flo
         linear_beta = float(linear_beta)
         if not linear_beta > 0.0:
             raise ValueError(f"{fn}: linear_beta must be > 0 or None, got {linear_beta}")
-    out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    return beta, linear_beta
+
+
+def _situ_glu_fwd(g: torch.Tensor, u: torch.Tensor, beta: float, linear_beta: float | None) -> torch.Tensor:
+    """The forward launch on contiguous, validated g and u: the output in g's dtype and shape."""
+    out = torch.empty(g.shape, dtype=g.dtype, device=g.device)
     n = out.numel()
     if n == 0:
         return out
-    g, u = gate.contiguous(), up.contiguous()
     lin = 1.0 if linear_beta is None else linear_beta
-    with _on_device(gate):
+    with _on_device(g):
         _situ_glu_kernel[(triton.cdiv(n, _SITU_BLOCK),)](g, u, out, n, beta, 1.0 / beta, lin, 1.0 / lin,
                                                          HAS_LIN=linear_beta is not None, BLOCK=_SITU_BLOCK,
-                                                         ROUND=_ROUND_KIND[gate.dtype], num_warps=4)
+                                                         ROUND=_ROUND_KIND[g.dtype], num_warps=4)
     return out
+
+
+def situ_glu(gate: torch.Tensor, up: torch.Tensor, beta: float, linear_beta: float | None) -> torch.Tensor:
+    """Fused SiTU-GLU: beta*tanh(g/beta)*sigmoid(g) * (linear_beta*tanh(u/linear_beta), or u when linear_beta is
+    None), fp32 math, returned in gate.dtype with gate's shape. gate and up: one shape (no broadcasting), any
+    dtype of ACT_DTYPES each; non-contiguous inputs are copied first. One launch. Forward only (no autograd:
+    `situ_glu_train` is the differentiable form)."""
+    beta, linear_beta = _check_situ("situ_glu", gate, up, beta, linear_beta)
+    return _situ_glu_fwd(gate.contiguous(), up.contiguous(), beta, linear_beta)
+
+
+def situ_glu_backward(gate: torch.Tensor, up: torch.Tensor, grad_out: torch.Tensor, beta: float,
+                      linear_beta: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(grad_gate, grad_up) of `situ_glu(gate, up, beta, linear_beta)` for the output gradient `grad_out` (gate's
+    shape, any dtype of ACT_DTYPES): fp32 math, returned in gate's and up's dtypes (contiguous, their shape).
+    One launch."""
+    fn = "situ_glu_backward"
+    beta, linear_beta = _check_situ(fn, gate, up, beta, linear_beta)
+    _check_act(fn, "grad_out", grad_out)
+    if grad_out.shape != gate.shape or grad_out.device != gate.device:
+        raise ValueError(f"{fn}: grad_out must have gate's shape and device, got {tuple(grad_out.shape)} on "
+                         f"{grad_out.device} for {tuple(gate.shape)} on {gate.device}")
+    g, u, go = gate.contiguous(), up.contiguous(), grad_out.contiguous()  # an expanded grad (sum()) is copied
+    grad_g = torch.empty(g.shape, dtype=g.dtype, device=g.device)
+    grad_u = torch.empty(u.shape, dtype=u.dtype, device=u.device)
+    n = g.numel()
+    if n == 0:
+        return grad_g, grad_u
+    lin = 1.0 if linear_beta is None else linear_beta
+    with _on_device(g):
+        _situ_glu_bwd_kernel[(triton.cdiv(n, _SITU_BLOCK),)](g, u, go, grad_g, grad_u, n, beta, 1.0 / beta, lin,
+                                                             1.0 / lin, HAS_LIN=linear_beta is not None,
+                                                             BLOCK=_SITU_BLOCK, ROUND_G=_ROUND_KIND[g.dtype],
+                                                             ROUND_U=_ROUND_KIND[u.dtype], num_warps=4)
+    return grad_g, grad_u
+
+
+class _SiTUGLUFunction(torch.autograd.Function):
+    """SiTU-GLU with the fused kernels both ways; saves only g and u (contiguous), never an fp32 intermediate."""
+
+    @staticmethod
+    def forward(ctx, gate: torch.Tensor, up: torch.Tensor, beta: float, linear_beta: float | None) -> torch.Tensor:
+        g, u = gate.contiguous(), up.contiguous()
+        ctx.save_for_backward(g, u)
+        ctx.beta, ctx.linear_beta = beta, linear_beta
+        return _situ_glu_fwd(g, u, beta, linear_beta)
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        g, u = ctx.saved_tensors
+        if torch.is_grad_enabled() and (grad_out.requires_grad or g.requires_grad or u.requires_grad):
+            raise RuntimeError("situ_glu_train is not twice differentiable (a backward with create_graph=True "
+                               "through it); use the torch reference (miles_k3.model.layers.reference_kernels())")
+        grad_g, grad_u = situ_glu_backward(g, u, grad_out, ctx.beta, ctx.linear_beta)
+        need_g, need_u = ctx.needs_input_grad[:2]
+        return (grad_g if need_g else None), (grad_u if need_u else None), None, None
+
+
+def situ_glu_train(gate: torch.Tensor, up: torch.Tensor, beta: float, linear_beta: float | None) -> torch.Tensor:
+    """Differentiable fused SiTU-GLU (training): the output is `situ_glu(gate, up, beta, linear_beta)`, bit for bit
+    (the same kernel), and backward is one launch of `situ_glu_backward`, which recomputes the activation from
+    the saved gate and up. Same arguments and refusals as `situ_glu`; gradients come back in gate's and up's dtypes.
+    Not twice differentiable: a backward through it with create_graph=True raises."""
+    beta, linear_beta = _check_situ("situ_glu_train", gate, up, beta, linear_beta)
+    return _SiTUGLUFunction.apply(gate, up, beta, linear_beta)

@@ -6,10 +6,12 @@ are cast back to the activation dtype.
 
 Fused kernels: on CUDA, when no gradient is needed (`torch.no_grad()`/`inference_mode()`, or no input requires
 grad), `RMSNorm.forward`, `situ_glu` and `attn_res_mix` run one fused Triton kernel each
-(`miles_k3.kernels.fused`, forward only) instead of their eager fp32 chains; training and every CPU call keep the
-differentiable pure-torch references `_rms_norm_torch`, `_situ_glu_torch` and `_attn_res_mix_torch`. The same
-switch (`use_fused_kernels`) gates the router's and the KDA decode's kernels (`moe`, `kda`). `kernels.reference=true`
-forces the references everywhere for a whole run (set once at startup: `set_reference_kernels`, called by
+(`miles_k3.kernels.fused`, forward only) instead of their eager fp32 chains. When autograd is needed, `situ_glu` on
+CUDA runs `fused.situ_glu_train` (the same forward kernel, so the same values bit for bit, and one fused backward
+kernel); RMSNorm, the AttnRes mix and every CPU call keep the differentiable pure-torch references
+`_rms_norm_torch`, `_situ_glu_torch` and `_attn_res_mix_torch`. The same switch (`use_fused_kernels`) gates the
+router's and the KDA decode's kernels (`moe`, `kda`). `kernels.reference=true` forces the references everywhere,
+training included, for a whole run (set once at startup: `set_reference_kernels`, called by
 `miles_k3.model.kernel_config.apply_kernels`); tests force them within a block: `with reference_kernels():`.
 """
 from __future__ import annotations
@@ -52,13 +54,20 @@ def fused_kernels_active() -> bool:
     return not _force_reference
 
 
-def use_fused_kernels(x: torch.Tensor, *tensors: torch.Tensor) -> bool:
-    """Take the fused Triton path: x on CUDA, supported dtypes, no autograd needed, not forced off."""
+def _fused_eligible(x: torch.Tensor, *tensors: torch.Tensor) -> bool:
+    """x on CUDA, supported dtypes, the fused kernels not forced off (autograd aside)."""
     if not x.is_cuda or _force_reference or x.dtype not in _FUSED_DTYPES:
         return False
-    if any(t.dtype not in _FUSED_DTYPES for t in tensors):
-        return False
-    return not torch.is_grad_enabled() or not (x.requires_grad or any(t.requires_grad for t in tensors))
+    return all(t.dtype in _FUSED_DTYPES for t in tensors)
+
+
+def _needs_grad(*tensors: torch.Tensor) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
+def use_fused_kernels(x: torch.Tensor, *tensors: torch.Tensor) -> bool:
+    """Take the fused Triton path: x on CUDA, supported dtypes, no autograd needed, not forced off."""
+    return _fused_eligible(x, *tensors) and not _needs_grad(x, *tensors)
 
 
 class RMSNorm(nn.Module):
@@ -100,9 +109,15 @@ def situ_up(u: torch.Tensor, linear_beta: float | None) -> torch.Tensor:
 
 
 def situ_glu(gate: torch.Tensor, up: torch.Tensor, beta: float, linear_beta: float | None) -> torch.Tensor:
-    """SiTU-GLU(g, u) = situ_gate(g) * situ_up(u), computed in fp32 and returned in gate's dtype."""
-    if use_fused_kernels(gate, up) and gate.shape == up.shape:
+    """SiTU-GLU(g, u) = situ_gate(g) * situ_up(u), computed in fp32 and returned in gate's dtype.
+
+    On CUDA (not forced to the references): `fused.situ_glu` when no gradient is needed, else
+    `fused.situ_glu_train`, whose forward is the same kernel (the same values, bit for bit) and whose backward is
+    one fused kernel; otherwise the torch reference `_situ_glu_torch`."""
+    if _fused_eligible(gate, up) and gate.shape == up.shape:
         from miles_k3.kernels import fused
+        if _needs_grad(gate, up):
+            return fused.situ_glu_train(gate, up, beta, linear_beta)
         return fused.situ_glu(gate, up, beta, linear_beta)
     return _situ_glu_torch(gate, up, beta, linear_beta)
 
