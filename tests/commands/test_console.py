@@ -67,13 +67,27 @@ def test_python_m_miles_k3_lists_every_command_one_line_each(tmp_path):
         assert callable(importlib.import_module(module).main), module
 
 
+@pytest.fixture(scope="module")
+def help_of(tmp_path_factory):
+    """`python -m miles_k3.<app> --help` as (the process, its working directory, empty before), run once per app for
+    the module: test_help_is_short_and_lists_its_own_recipes_only and the console script's test read the same."""
+    done: dict[str, tuple[subprocess.CompletedProcess, Path]] = {}
+
+    def get(app: str) -> tuple[subprocess.CompletedProcess, Path]:
+        if app not in done:
+            cwd = tmp_path_factory.mktemp(f"help-{app}")
+            done[app] = _run([f"miles_k3.{app}", "--help"], cwd), cwd
+        return done[app]
+    return get
+
+
 @pytest.mark.slow
-def test_installed_console_script_runs_the_module(tmp_path):
+def test_installed_console_script_runs_the_module(tmp_path, help_of):
     script = Path(sys.executable).parent / "miles-k3-train"
     if not script.exists():
         pytest.skip("the console scripts are not installed in this environment: pip install -e .")
-    via_script, via_module = _run([str(script), "--help"], tmp_path), _run(["miles_k3.train", "--help"], tmp_path)
-    assert via_script.returncode == 0 and via_script.stdout == via_module.stdout
+    via_script, (via_module, _) = _run([str(script), "--help"], tmp_path), help_of("train")
+    assert via_script.returncode == 0 and via_module.returncode == 0 and via_script.stdout == via_module.stdout
 
 
 def _recipes_by_app() -> dict[str, set[str]]:
@@ -88,8 +102,8 @@ def _recipes_by_app() -> dict[str, set[str]]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("app", ["train", "eval", "sft"])
-def test_help_is_short_and_lists_its_own_recipes_only(app, tmp_path):
-    proc = _run([f"miles_k3.{app}", "--help"], tmp_path)
+def test_help_is_short_and_lists_its_own_recipes_only(app, help_of):
+    proc, cwd = help_of(app)
     assert proc.returncode == 0, proc.stderr
     text = proc.stdout
     assert len(text.splitlines()) < 60 and "== Config ==" not in text  # not the full config dump
@@ -103,20 +117,20 @@ def test_help_is_short_and_lists_its_own_recipes_only(app, tmp_path):
     overrides = re.findall(r"^\s+([\w.]+)=\S*\s{2,}\S", text, re.MULTILINE)
     assert 8 <= len(overrides) <= 10, overrides
     assert f"python -m miles_k3.{app} [overrides] --cfg job" in text
-    assert not list(tmp_path.iterdir())  # --help writes nothing
+    assert not list(cwd.iterdir())  # --help writes nothing
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("flag", ["--help", "-h"])
 @pytest.mark.parametrize("app, fields", [
     ("model_info", ["model", "model.path", "model.experts", "parallel.tp", "parallel.ep", "gpus", "batch",
                     "context", "micro_batch_tokens", "lora.rank"]),
     ("init_checkpoint", ["model", "model.path", "out", "seed", "format", "overwrite", "max_shard_bytes", "hollow"]),
 ])
-def test_module_commands_print_their_usage(app, fields, flag, tmp_path):
+def test_module_commands_print_their_usage(app, fields, tmp_path, monkeypatch, capsys):
     """The commands that are not Hydra apps: --help is a short usage text (what it does, its fields, an example
-    that composes), not Hydra's override parse error; another --flag is refused in one line."""
-    proc = _run([f"miles_k3.{app}", flag], tmp_path)
+    that composes), not Hydra's override parse error; -h prints the same (in-process, through the command's main:
+    what `python -m` calls with sys.argv[1:]); another --flag is refused in one line."""
+    proc = _run([f"miles_k3.{app}", "--help"], tmp_path)
     assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     text = proc.stdout
     assert text.startswith(f"python -m miles_k3.{app} ") and len(text.splitlines()) < 30
@@ -126,6 +140,12 @@ def test_module_commands_print_their_usage(app, fields, flag, tmp_path):
     if app == "init_checkpoint":
         importlib.import_module("miles_k3.init_checkpoint").register_schema()
     compose_config(app, example.split())
+    assert not list(tmp_path.iterdir())
+    monkeypatch.chdir(tmp_path)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as short:
+        importlib.import_module(f"miles_k3.{app}").main(["-h"])
+    assert short.value.code == 0 and capsys.readouterr().out == text
     assert not list(tmp_path.iterdir())
     bad = _run([f"miles_k3.{app}", "--tp=2"], tmp_path)
     assert bad.returncode == 1 and "Traceback" not in bad.stderr, bad.stderr[-3000:]

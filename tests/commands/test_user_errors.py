@@ -48,11 +48,6 @@ def no_cuda(monkeypatch):
      "device: cuda but CUDA is not available here ("),
     ("eval", ["device=cuda", "eval.data.source={tmp}/missing.jsonl"],
      "device: cuda but CUDA is not available here ("),
-    ("train", ["rollout.max_new_tokens=64"],  # the quickstart's engine.max_context is 64
-     "rollout.max_new_tokens: 64 leaves no room for the prompt in engine.max_context=64"),
-    ("train", ["rollout.group_size=1"], "rollout.group_size: must be >= 2, got 1: GRPO-family advantages"),
-    ("train", ["kernels.mxfp4_experts=triton"],  # the quickstart runs on the CPU
-     "kernels.mxfp4_experts: triton is a CUDA kernel and device=cpu runs on the CPU here; use "),
     # a prompt too long for the context with the budget: found before generating, one line as well
     ("eval", ["eval.data.source={tmp}/p.jsonl", "eval.max_new_tokens=2040", "eval.template=boxed", "device=cpu"],
      "problem 0: its prompt is "),
@@ -68,31 +63,76 @@ def test_entry_points_refuse_bad_settings_with_one_line(prog, overrides, message
         assert proc.stderr.strip().splitlines()[-1].endswith("; use device=cpu or device=auto")
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("prog, override, key, leaf, schema, new", [
-    ("eval", "output_dir=x", "output_dir", "output_dir", "EvalRunConfig", None),  # renamed run_dir
-    ("sft", "output_dir=x", "output_dir", "output_dir", "SFTConfig", None),
-    ("train", "rollout.backend=sglang", "rollout.backend", "backend", "RolloutConfig", None),  # now engine.backend
-    ("eval", "backend=sglang", "backend", "backend", "EvalRunConfig", None),
-    ("train", "sync.transport=local", "sync.transport", "transport", "WeightSyncConfig", None),  # removed with ipc/dist
-    # the engine's kept state of a multi-turn conversation ("session" is the server's conversation)
-    ("train", "engine.session_snapshot_bytes=1024", "engine.session_snapshot_bytes", "session_snapshot_bytes",
-     "EngineConfig", "engine.state_snapshot_bytes"),
+@pytest.mark.parametrize("overrides, message", [
+    (["rollout.max_new_tokens=64"],  # the quickstart's engine.max_context is 64
+     "rollout.max_new_tokens: 64 leaves no room for the prompt in engine.max_context=64"),
+    (["rollout.group_size=1"], "rollout.group_size: must be >= 2, got 1: GRPO-family advantages"),
+    (["kernels.mxfp4_experts=triton"],  # the quickstart runs on the CPU
+     "kernels.mxfp4_experts: triton is a CUDA kernel and device=cpu runs on the CPU here; use "),
 ])
-def test_old_names_fail_naming_the_key(prog, override, key, leaf, schema, new, tmp_path):
+def test_the_quickstart_refuses_bad_settings_with_the_config(overrides, message):
+    """More of the refusals above, each in the config train composes (`config.to_typed`, which its main runs
+    before anything loads: typed_or_exit); the entry point's one-line exit for such an error is the device case
+    above, run as a user runs it."""
+    with pytest.raises(ConfigFieldError) as err:
+        compose_config("train", overrides)
+    assert str(err.value).startswith(message) and "\n" not in str(err.value), str(err.value)
+
+
+OLD_NAMES = [
+    ("eval", "output_dir=x", "output_dir", "EvalRunConfig", None),  # renamed run_dir
+    ("sft", "output_dir=x", "output_dir", "SFTConfig", None),
+    ("train", "rollout.backend=sglang", "rollout.backend", "RolloutConfig", None),  # now engine.backend
+    ("eval", "backend=sglang", "backend", "EvalRunConfig", None),
+    ("train", "sync.transport=local", "sync.transport", "WeightSyncConfig", None),  # removed with ipc/dist
+    # the engine's kept state of a multi-turn conversation ("session" is the server's conversation)
+    ("train", "engine.session_snapshot_bytes=1024", "engine.session_snapshot_bytes", "EngineConfig",
+     "engine.state_snapshot_bytes"),
+]
+
+
+def _added_refusal(key: str, schema: str) -> str:
+    return f"{key}: not a field of {schema}, so it would do nothing; remove the +{key} override"
+
+
+@pytest.mark.parametrize("prog, override, key, schema, new", OLD_NAMES)
+def test_old_names_fail_naming_the_key(prog, override, key, schema, new, monkeypatch, tmp_path):
     """run_dir and engine.backend are the one name of each in train, eval and sft: an old name is refused before
-    Hydra composes (one line naming the key, not Hydra's advice to add it with a +: `cli.check_overrides`), before
-    anything is written; added with a +, by the config's validation. A renamed key's message names the new one."""
+    Hydra composes (one line naming the key, not Hydra's advice to add it with a +: `cli.check_overrides`, run
+    here by the command's own main), before anything is written; added with a +, by the config's validation
+    (`config.to_typed`, as the command composes it). A renamed key's message names the new one. In-process;
+    test_an_old_name_fails_on_the_command_line runs one of them as a user does."""
+    import importlib
+
+    main = importlib.import_module(f"miles_k3.{prog}").main
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", [f"miles_k3.{prog}", override])
+    with pytest.raises(SystemExit) as refused:
+        main()
+    message = str(refused.value)
+    assert message.startswith(f"miles_k3.{prog}: {key}: not a field of ") and "\n" not in message, message
+    assert f"+{key}" not in message and "Could not override" not in message
+    assert not list(tmp_path.iterdir())
+    # Hydra's message suggests +KEY=VALUE, which adds the key: refused too (OmegaConf would drop it silently)
+    with pytest.raises(ConfigFieldError) as added:
+        compose_config(prog, [f"+{override}"])
+    assert str(added.value).startswith(_added_refusal(key, schema)), str(added.value)
+    if new is not None:
+        assert f"; did you mean {new}?" in message and f"; did you mean {new}?" in str(added.value)
+
+
+@pytest.mark.slow
+def test_an_old_name_fails_on_the_command_line(tmp_path):
+    """One of OLD_NAMES as a user runs it, with and without the +: exit status 1, no traceback, one last line
+    `miles_k3.train: <key>: ...` naming the new key, nothing written in the working directory."""
+    prog, override, key, schema, new = OLD_NAMES[-1]
     proc = _entry(prog, override, cwd=tmp_path)
     _assert_user_error(proc, prog, f"{key}: not a field of ")
     assert f"+{key}" not in proc.stderr and "Could not override" not in proc.stderr
     assert not list(tmp_path.iterdir())
-    # Hydra's message suggests +KEY=VALUE, which adds the key: refused too (OmegaConf would drop it silently)
     added = _entry(prog, f"+{override}", f"hydra.run.dir={tmp_path}/hydra", cwd=tmp_path)
-    _assert_user_error(added, prog, f"{key}: not a field of {schema}, so it would do nothing; remove the +{key} "
-                                    "override")
-    if new is not None:
-        assert f"; did you mean {new}?" in proc.stderr and f"; did you mean {new}?" in added.stderr
+    _assert_user_error(added, prog, _added_refusal(key, schema))
+    assert f"; did you mean {new}?" in proc.stderr and f"; did you mean {new}?" in added.stderr
 
 
 @pytest.mark.parametrize("overrides, message", [
