@@ -58,6 +58,12 @@ def gpu_test(fn):
     return pytest.mark.gpu(pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")(fn))
 
 
+# SiTU-GLU inputs that reach every branch of the fused kernels: large magnitudes (saturation), the 0.3 switch of
+# their tanh, tiny values and signed zeros
+SITU_SPECIALS = [1e4, -1e4, 3e3, -3e3, 200.0, -200.0, 100.0, -100.0, 88.0, -88.0, 40.0, -40.0, 1.2, -1.2, 0.6,
+                 -0.6, 0.3, -0.3, 0.29, -0.29, 1e-3, -1e-3, 1e-20, -1e-20, 0.0, -0.0]
+
+
 def ordered16(t: torch.Tensor) -> torch.Tensor:
     """16-bit floats as integers that count ulps across zero (+0 and -0 both map to 0)."""
     i = t.view(torch.int16).to(torch.int32)
@@ -67,6 +73,22 @@ def ordered16(t: torch.Tensor) -> torch.Tensor:
 def ulps16(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """|a - b| in ulps, elementwise, for two 16-bit float tensors of one dtype."""
     return (ordered16(a) - ordered16(b)).abs()
+
+
+def assert_ulps16(got: torch.Tensor, ref: torch.Tensor, max_ulps: int = 1, ref32: torch.Tensor | None = None,
+                  floor: float = 0.0, what: str = "") -> None:
+    """16-bit `got` within `max_ulps` of `ref`, except elements within `floor` of the fp32 value `ref32`."""
+    assert got.dtype == ref.dtype and got.shape == ref.shape, (got.dtype, ref.dtype, got.shape, ref.shape)
+    assert not bool(got.isnan().any()), f"{what}: NaN in output"
+    d = ulps16(got, ref)
+    bad = d > max_ulps
+    if ref32 is not None:
+        bad &= (got.float() - ref32).abs() > floor
+    if bool(bad.any()):
+        idx = int(bad.reshape(-1).nonzero()[0])
+        raise AssertionError(f"{what}: {int(bad.sum())} of {bad.numel()} outputs more than {max_ulps} ulp apart "
+                             f"(max {int(d.max())}); first at {idx}: got {got.reshape(-1)[idx].item()!r}, "
+                             f"ref {ref.reshape(-1)[idx].item()!r}")
 
 
 def cuda_kernels(fn) -> list[str]:
