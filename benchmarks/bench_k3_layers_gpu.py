@@ -5,11 +5,14 @@ each against its bound measured in the same run.
     python benchmarks/bench_k3_layers_gpu.py [--parts kernels,experts,kda,model,engine] [--backends triton,torch]
                                              [--tokens 4096] [--batches 64,256] [--engine-backends triton]
                                              [--engine-variants fla,kda]
-                                             [--configs new,legacy] [--no-train] [--no-tune-train] [--json OUT]
+                                             [--configs new,nochunk,legacy] [--elementwise fused,reference]
+                                             [--no-train] [--no-tune-train] [--json OUT]
 
 `--configs`: the fused kernel's tilings, `pick_config` ("new") and/or `legacy_config` ("legacy": before the
 one-multiply decode and split dots), each run in turn in the experts and engine parts (before/after rows of one
-run). `--no-train`: the experts part's decode steps only; `--no-tune-train`: the kernels part's decode batches
+run); "nochunk": `pick_config` without the chunked kernel. `--elementwise`: the experts part with the fused
+SiTU-GLU (forward and, in training, backward: "fused") and/or its torch reference ("reference"), each in turn.
+`--no-train`: the experts part's decode steps only; `--no-tune-train`: the kernels part's decode batches
 only.
 
 * kernels: one projection's fused kernel (O 3072 x In 3584, forward and input gradient) per candidate tile
@@ -47,6 +50,7 @@ from record import write_result
 from miles_k3.kernels.mxfp4 import mxfp4_nbytes
 from miles_k3.model import K3Config, K3ForCausalLM
 from miles_k3.model.experts import RoutedExperts, mxfp4_experts_backend, sync_free_experts
+from miles_k3.model.layers import reference_kernels
 
 TOP_K, NUM_EXPERTS, LATENT, INTER = 16, 896, 3584, 3072
 
@@ -248,9 +252,10 @@ def experts_part(args, bw: float, rate: float) -> dict:
     bound = expert_bound(ids, bw, rate)
     out = {"train_bound": bound, "rows": []}
     print(f"experts bound at {args.tokens} tokens: {json.dumps(bound)}", flush=True)
-    runs = [(b, c) for b in args.backends for c in (args.configs if b == "triton" else ["new"])]
-    for backend, configs in runs:
-        with mxfp4_experts_backend(backend), kernel_configs(configs):
+    runs = [(b, c, e) for b in args.backends for c in (args.configs if b == "triton" else ["new"])
+            for e in args.elementwise]
+    for backend, configs, elementwise in runs:
+        with mxfp4_experts_backend(backend), kernel_configs(configs), reference_kernels(elementwise == "reference"):
             holder: dict = {}
 
             def fwd(holder=holder):
@@ -259,7 +264,7 @@ def experts_part(args, bw: float, rate: float) -> dict:
             def bwd(holder=holder):
                 holder["y"].backward(grad)
 
-            row = {"backend": backend, "configs": configs, "tokens": args.tokens}
+            row = {"backend": backend, "configs": configs, "elementwise": elementwise, "tokens": args.tokens}
             if args.train:
                 fwd(), bwd()  # compile
                 fwd_ms, bwd_ms = [], []
@@ -497,6 +502,9 @@ def main() -> None:
     ap.add_argument("--configs", default="new",
                     help="fused-kernel tilings, comma-separated: new (pick_config), nochunk (pick_config without the "
                          "chunked kernel), legacy (before the fast decode)")
+    ap.add_argument("--elementwise", default="fused",
+                    help="experts part, comma-separated: fused (the Triton SiTU-GLU, in training too) and/or reference "
+                         "(its pure-torch reference: reference_kernels()), each row in turn")
     ap.add_argument("--no-train", dest="train", action="store_false",
                     help="experts part: decode steps only (no training forward/backward)")
     ap.add_argument("--no-tune-train", dest="tune_train", action="store_false",
@@ -506,6 +514,9 @@ def main() -> None:
     args.engine_backends = [b for b in args.engine_backends.split(",") if b]
     args.batches = [int(b) for b in args.batches.split(",")]
     args.configs = args.configs.split(",")
+    args.elementwise = args.elementwise.split(",")
+    if set(args.elementwise) - {"fused", "reference"}:
+        ap.error(f"--elementwise: fused and/or reference, got {','.join(args.elementwise)}")
     args.engine_variants = args.engine_variants.split(",")
     parts = args.parts.split(",")
     bw, rate = copy_bandwidth(), gemm_rate()
