@@ -189,7 +189,11 @@ TUNE_TRAIN = ["128,64,128,4,3,asm,swap,s2d,nopf", "128,64,128,4,3,asm,swap,s2d,n
               "128,128,128,8,3,asm,swap,s2d,nopf,fast", "128,64,128,4,4,asm,swap,s2d,nopf,fast",
               "112,128,128,8,3,asm,swap,s2d,nopf,fast,chunks=64-32-16",
               "112,64,128,4,3,asm,swap,s2d,nopf,fast,chunks=64-32-16",
-              "112,128,64,8,4,asm,swap,s2d,nopf,fast,chunks=64-32-16"]
+              "112,128,64,8,4,asm,swap,s2d,nopf,fast,chunks=64-32-16",
+              "112,64,256,4,3,asm,swap,s2d,nopf,fast,chunks=64-32-16",
+              "112,64,128,4,4,asm,swap,s2d,nopf,fast,chunks=64-32-16",
+              "112,64,64,4,4,asm,swap,s2d,nopf,fast,chunks=64-32-16",
+              "96,64,128,4,3,asm,swap,s2d,nopf,fast,chunks=64-16-16"]
 TUNE_DECODE = ["16,128,128,4,4,asm,s2d,nopf", "16,256,128,4,3,asm,s2d,nopf,fast,split",
                "16,256,128,4,4,asm,s2d,nopf,fast,split", "16,256,128,4,2,asm,s2d,nopf,fast,split",
                "16,256,64,4,4,asm,s2d,nopf,fast,split", "16,512,64,4,3,asm,s2d,nopf,fast,split",
