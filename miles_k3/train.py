@@ -53,6 +53,8 @@ def train(cfg, raw_yaml: str = "") -> Run:
     t0 = time.perf_counter()
     run = build_run(cfg)
     log_adapter(cfg.lora, run.model, f"; run dir {run.run_dir}")
+    if (mismatch := eval_task_mismatch(cfg)) and run.ctx.is_main:
+        log.warning(mismatch)
     try:
         with naming_rank(run.ctx):
             step, evals = run_loop(run, raw_yaml)
@@ -62,6 +64,23 @@ def train(cfg, raw_yaml: str = "") -> Run:
     if run.ctx.is_main:
         print(format_summary(run.summary), flush=True)
     return run
+
+
+def eval_task_mismatch(cfg) -> str | None:
+    """A warning when the held-out eval draws the training source with other task_args (an override of
+    data.task_args without eval.data.task_args: the eval then measures a task the policy never trained on), naming
+    the keys that differ and the overrides that align them; None when they agree or nothing is evaluated."""
+    if not (cfg.eval.every_n_steps > 0 or cfg.eval.at_start) or cfg.eval.data.source != cfg.data.source:
+        return None
+    train_args, eval_args = dict(cfg.data.task_args or {}), dict(cfg.eval.data.task_args or {})
+    keys = sorted(k for k in train_args.keys() | eval_args.keys() if train_args.get(k) != eval_args.get(k))
+    if not keys:
+        return None
+    diff = ", ".join(f"{k}: {train_args.get(k)} vs {eval_args.get(k)}" for k in keys)
+    fix = " ".join(f"eval.data.task_args.{k}={train_args[k]}" if k in train_args else f"~eval.data.task_args.{k}"
+                   for k in keys)
+    return (f"eval.data.task_args differ from data.task_args on {cfg.data.source} ({diff}: training vs eval): the "
+            f"held-out eval measures another task than the one trained; to evaluate the trained task set {fix}")
 
 
 def run_loop(run: Run, raw_yaml: str) -> tuple[int, dict[int, dict]]:
