@@ -58,6 +58,15 @@ def gpu_test(fn):
     return pytest.mark.gpu(pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")(fn))
 
 
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+"""The fused kernels' activation dtypes by the names their tests are parametrized with."""
+
+
+def seeded(seed: int) -> torch.Generator:
+    """A CPU generator seeded with `seed` (inputs drawn on the CPU, then moved, are the same on every device)."""
+    return torch.Generator().manual_seed(seed)
+
+
 # SiTU-GLU inputs that reach every branch of the fused kernels: large magnitudes (saturation), the 0.3 switch of
 # their tanh, tiny values and signed zeros
 SITU_SPECIALS = [1e4, -1e4, 3e3, -3e3, 200.0, -200.0, 100.0, -100.0, 88.0, -88.0, 40.0, -40.0, 1.2, -1.2, 0.6,

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_testing import SITU_SPECIALS, capture, cuda_kernels, gpu_test, print_results
+from kernel_testing import DTYPES, SITU_SPECIALS, capture, cuda_kernels, gpu_test, print_results, seeded
 from kernel_testing import assert_ulps16 as _assertulps16
 from torch import nn
 
@@ -40,7 +40,6 @@ from miles_k3.model.layers import (
     situ_glu,
 )
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 BITS16 = {torch.bfloat16, torch.float16}
 
 
@@ -50,9 +49,6 @@ def _assert_fp32(got: torch.Tensor, ref: torch.Tensor, atol: float, what: str = 
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=atol, msg=lambda m: f"{what}: {m}")
 
 
-def _gen(seed: int) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
-
 
 # ---- the checks (device-agnostic: run under the interpreter on CPU, and on CUDA) --------------------------------
 def check_rms_norm(device: str, dtype: torch.dtype, shape: tuple[int, ...], eps: float = 1e-5,
@@ -60,7 +56,7 @@ def check_rms_norm(device: str, dtype: torch.dtype, shape: tuple[int, ...], eps:
                    seed: int = 0, out_dtype: torch.dtype | None = None) -> None:
     from miles_k3.kernels import fused
 
-    g = _gen(seed)
+    g = seeded(seed)
     d = shape[-1]
     x = torch.randn(*shape[:-1], d + 5 if strided else d, generator=g) * 3
     rows = x.reshape(-1, x.shape[-1])
@@ -95,7 +91,7 @@ def check_attn_res_mix(device: str, dtype: torch.dtype, shape: tuple[int, ...], 
                        q_scale: float = 0.1, block_d: int | None = None, seed: int = 0) -> None:
     from miles_k3.kernels import fused
 
-    g = _gen(seed)
+    g = seeded(seed)
     d = shape[-1]
     sources = [(torch.randn(*shape, generator=g) * (i + 1)).to(device=device, dtype=dtype) for i in range(n)]
     nw = torch.empty(d).uniform_(0.5, 1.5, generator=g).to(device)
@@ -116,7 +112,7 @@ def check_situ_glu(device: str, dtype: torch.dtype, shape: tuple[int, ...], line
                    seed: int = 0) -> None:
     from miles_k3.kernels import fused
 
-    gen = _gen(seed)
+    gen = seeded(seed)
     g = torch.randn(*shape, generator=gen) * scale
     u = torch.randn(*shape, generator=gen) * scale
     g[..., ::5] *= 1e-2  # plenty of small |g / beta| (the polynomial branch of tanh)

@@ -19,18 +19,13 @@ import math
 
 import pytest
 import torch
-from kernel_testing import SITU_SPECIALS, gpu_test, print_results
+from kernel_testing import DTYPES, SITU_SPECIALS, gpu_test, print_results, seeded
 from kernel_testing import assert_ulps16 as _assertulps16
 
 from miles_k3.model import layers
 from miles_k3.model.layers import _situ_glu_torch, reference_kernels, situ_glu
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 F32, BF16 = torch.float32, torch.bfloat16
-
-
-def _gen(seed: int) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
 
 
 # ---- the checks (device-agnostic: run under the interpreter on CPU, and on CUDA) --------------------------------
@@ -89,7 +84,7 @@ def _assert_within(got: torch.Tensor, truth: torch.Tensor, bound: torch.Tensor, 
 def _situ_inputs(shape, dtype, up_dtype, device, scale, seed, strided=False):
     """g, u (SITU_SPECIALS up front, many small |g|) and grad_out (gate's dtype), on `device`; with `strided`,
     g and u are non-contiguous (transposed) views."""
-    gen = _gen(seed)
+    gen = seeded(seed)
     stored = (*shape[:-2], shape[-1], shape[-2]) if strided else shape
     g = torch.randn(*stored, generator=gen) * scale
     u = torch.randn(*stored, generator=gen) * scale
