@@ -45,6 +45,7 @@ import statistics
 import time
 
 import torch
+from gpu_measure import capture, copy_bandwidth, gemm_rate, timed_ms, top_kernels
 from record import write_result
 
 from miles_k3.kernels.mxfp4 import mxfp4_nbytes
@@ -55,71 +56,11 @@ from miles_k3.model.layers import reference_kernels
 TOP_K, NUM_EXPERTS, LATENT, INTER = 16, 896, 3584, 3072
 
 
-# ---- measuring ---------------------------------------------------------------------------------------------
-def timed_ms(fn, iters: int = 3, warmup: int = 1) -> float:
-    """Median CUDA-event time of fn() in ms."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
-def copy_bandwidth() -> float:
-    """Bytes moved (read + written) per second by a 4 GiB device-to-device copy."""
-    src = torch.empty(2**31, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    ms = timed_ms(lambda: dst.copy_(src), iters=5)
-    return 2 * 2**31 / (ms / 1e3)
-
-
-def gemm_rate() -> float:
-    """bf16 FLOP/s of an 8192^3 torch.mm."""
-    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    ms = timed_ms(lambda: a @ b, iters=10)
-    return 2 * 8192**3 / (ms / 1e3)
-
-
-def capture(step):
-    """(graph, outputs) of step() captured after a warm-up on a side stream."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step()
-    return graph, out
-
-
-def top_kernels(fn, n: int = 10) -> dict[str, float]:
-    """GPU ms per kernel name (the n largest) of one fn() call."""
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    per: dict[str, float] = {}
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            per[e.name[:90]] = per.get(e.name[:90], 0.0) + e.device_time_total / 1e3
-    return dict(sorted(per.items(), key=lambda kv: -kv[1])[:n])
-
-
 @contextlib.contextmanager
 def kernel_configs(name: str):
-    """Within the block the fused kernel takes its tilings from `pick_config` ("new") or `legacy_config`
-    ("legacy": the kernel before the one-multiply decode and split dots), for before/after rows in one run."""
+    """Within the block the fused kernel takes its tilings from `pick_config` ("new"), `pick_config` without the
+    chunked kernel ("nochunk") or `legacy_config` ("legacy": the kernel before the one-multiply decode and split
+    dots), for before/after rows in one run."""
     import miles_k3.kernels.mxfp4_moe as mk
 
     before = mk.pick_config

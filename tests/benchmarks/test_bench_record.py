@@ -31,7 +31,7 @@ def test_default_path_is_results_folder_by_name():
 
 def test_every_benchmark_script_writes_its_result():
     """Each script under benchmarks/ (but the shared helpers) calls write_result with its own name."""
-    helpers = {"record.py", "logprob_compare.py"}
+    helpers = {"record.py", "logprob_compare.py", "gpu_measure.py"}
     missing = [p.name for p in sorted((ROOT / "benchmarks").glob("*.py"))
                if p.name not in helpers and f'write_result("{p.stem}"' not in p.read_text()]
     assert not missing, missing
