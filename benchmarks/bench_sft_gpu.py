@@ -27,7 +27,7 @@ from miles_k3.sft import build_full_optimizer, encode_example, sft_backward
 from miles_k3.trainer.optim import OptimConfig, build_scheduler, optimizer_step
 from miles_k3.utils.runtime import resolve_device
 
-TASK_ARGS = {"min_terms": 8, "max_terms": 16, "min_value": 1, "max_value": 49}  # recipe=reasoning_base's
+TASK_ARGS = {"min_terms": 6, "max_terms": 12, "min_value": 1, "max_value": 19}  # recipe=reasoning_base's
 
 
 def _step(model, params, opt, sched, optim, examples, pad_id, device, micro, ckpt) -> tuple[float, int]:
@@ -93,20 +93,29 @@ def main() -> None:
                "peak_gb": round(torch.cuda.max_memory_allocated(device) / 1e9, 2) if device.type == "cuda" else None}
         results.append(row)
         print(row, flush=True)
-    profile = None
+    profile = gpu_busy = None
     ok = next((s for s, r in zip(settings, results) if not r.get("oom")), None)
     if args.profile_steps and ok is not None:
         acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA]
                                                          if device.type == "cuda" else [])
+        wall = 0.0
         with torch.profiler.profile(activities=acts) as prof:
             for b in batches[args.steps + 1:]:
-                _step(model, params, opt, sched, optim, b, pad_id, device, *ok)
+                wall += _step(model, params, opt, sched, optim, b, pad_id, device, *ok)[0]
+        averages = prof.key_averages()
         key = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
-        profile = prof.key_averages().table(sort_by=key, row_limit=30)
+        profile = averages.table(sort_by=key, row_limit=30)
         print(profile, flush=True)
+        if device.type == "cuda":  # how much of the profiled steps' wall time the GPU was busy (kernels only)
+            busy = sum(e.self_device_time_total for e in averages if e.device_type.name == "CUDA") / 1e6
+            launches = sum(e.count for e in averages if e.device_type.name == "CUDA")
+            gpu_busy = {"wall_s": round(wall, 3), "kernel_s": round(busy, 3), "busy_share": round(busy / wall, 3),
+                        "kernels_per_step": round(launches / len(batches[args.steps + 1:]))}
+            print(gpu_busy, flush=True)
     write_result("bench_sft_gpu", {"model": args.model, "batch": args.batch, "settings": results,
                                    "profile_setting": None if ok is None else f"micro={ok[0]} checkpointing={ok[1]}",
-                                   "profile_top": profile}, out=args.out)
+                                   "profile_top": profile,
+                                   "gpu_busy": gpu_busy}, out=args.out)
 
 
 if __name__ == "__main__":

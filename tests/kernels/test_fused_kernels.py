@@ -343,7 +343,7 @@ def test_gpu_layers_dispatch_to_fused(monkeypatch):
 @gpu_test
 def test_gpu_fused_path_launch_counts():
     """torch.profiler: the fused RMSNorm and SiTU-GLU are one kernel, AttnRes two (stack + mix); SiTU-GLU in training
-    is two (forward, backward; the leaves' gradients accumulate without a kernel)."""
+    is two (forward, backward; a leaf's first gradient is assigned, not added: no kernel)."""
     norm, mix_norm, proj, x, srcs, g, u = _k3m_modules(torch.bfloat16)
     calls = {"rms_norm": lambda: norm(x), "attn_res_mix": lambda: attn_res_mix(srcs, mix_norm, proj),
              "situ_glu": lambda: situ_glu(g, u, 4.0, 25.0)}
@@ -360,9 +360,13 @@ def test_gpu_fused_path_launch_counts():
         assert len(ref) > len(got), (name, ref)
     gg, uu, grad = g.clone().requires_grad_(), u.clone().requires_grad_(), torch.randn_like(g)
 
+    def step():  # fresh leaves' gradients each call (cuda_kernels calls twice: a second call would accumulate)
+        gg.grad = uu.grad = None
+        situ_glu(gg, uu, 4.0, 25.0).backward(grad)
+
     def train(reference: bool):  # SiTU-GLU in training: the forward kernel, then the backward kernel
         with reference_kernels(reference):
-            return cuda_kernels(lambda: situ_glu(gg, uu, 4.0, 25.0).backward(grad))
+            return cuda_kernels(step)
 
     got, ref = train(False), train(True)
     assert len(got) == 2 and "_situ_glu_kernel" in got[0] and "_situ_glu_bwd_kernel" in got[1], got
