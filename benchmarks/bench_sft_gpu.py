@@ -2,7 +2,8 @@
 time goes (the top CUDA kernels and CPU ops by time, torch.profiler).
 
     python benchmarks/bench_sft_gpu.py [--model k3_m2] [--batch 64] [--micro-batch-tokens 6144,16384]
-                                       [--checkpointing off,on] [--steps 6] [--profile-steps 2] [--out FILE]
+                                       [--checkpointing off,on] [--kernels fused,reference] [--steps 6]
+                                       [--profile-steps 2] [--out FILE]
 
 Builds `--model` from its random init (bf16 weights and routed experts, every parameter trained, as
 `recipe=reasoning_base` trains it), draws `--batch` worked_sum problems per step (the recipe's task_args) and runs,
@@ -23,6 +24,7 @@ from record import write_result
 
 from miles_k3.evals.datasets import DatasetConfig, load_problems
 from miles_k3.model.build import ModelConfig, build_model, build_tokenizer
+from miles_k3.model.layers import set_reference_kernels
 from miles_k3.sft import build_full_optimizer, encode_example, sft_backward
 from miles_k3.trainer.optim import OptimConfig, build_scheduler, optimizer_step
 from miles_k3.utils.runtime import resolve_device
@@ -46,6 +48,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--micro-batch-tokens", default="6144,16384")
     ap.add_argument("--checkpointing", default="off,on")
+    ap.add_argument("--kernels", default="fused")
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--profile-steps", type=int, default=2)
     ap.add_argument("--out", default=None)
@@ -66,10 +69,12 @@ def main() -> None:
                                            distinct=False, task_args=TASK_ARGS))
     examples = [encode_example(p, "worked", tokenizer, stop_ids[0]) for p in problems]
     batches = [examples[i:i + args.batch] for i in range(0, n, args.batch)]
-    settings = [(int(m), c == "on") for m in args.micro_batch_tokens.split(",") for c in args.checkpointing.split(",")]
+    settings = [(int(m), c == "on", k) for m in args.micro_batch_tokens.split(",")
+                for c in args.checkpointing.split(",") for k in args.kernels.split(",")]
     results = []
-    for micro, ckpt in settings:
-        name = f"micro={micro} checkpointing={'on' if ckpt else 'off'}"
+    for micro, ckpt, kern in settings:
+        name = f"micro={micro} checkpointing={'on' if ckpt else 'off'} kernels={kern}"
+        set_reference_kernels(kern == "reference")
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         try:
@@ -99,9 +104,10 @@ def main() -> None:
         acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA]
                                                          if device.type == "cuda" else [])
         wall = 0.0
+        set_reference_kernels(ok[2] == "reference")
         with torch.profiler.profile(activities=acts) as prof:
             for b in batches[args.steps + 1:]:
-                wall += _step(model, params, opt, sched, optim, b, pad_id, device, *ok)[0]
+                wall += _step(model, params, opt, sched, optim, b, pad_id, device, *ok[:2])[0]
         averages = prof.key_averages()
         key = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
         profile = averages.table(sort_by=key, row_limit=30)
@@ -113,7 +119,7 @@ def main() -> None:
                         "kernels_per_step": round(launches / len(batches[args.steps + 1:]))}
             print(gpu_busy, flush=True)
     write_result("bench_sft_gpu", {"model": args.model, "batch": args.batch, "settings": results,
-                                   "profile_setting": None if ok is None else f"micro={ok[0]} checkpointing={ok[1]}",
+                                   "profile_setting": None if ok is None else f"micro={ok[0]} checkpointing={ok[1]} kernels={ok[2]}",
                                    "profile_top": profile,
                                    "gpu_busy": gpu_busy}, out=args.out)
 

@@ -6,10 +6,11 @@ are cast back to the activation dtype.
 
 Fused kernels: on CUDA, when no gradient is needed (`torch.no_grad()`/`inference_mode()`, or no input requires
 grad), `RMSNorm.forward`, `situ_glu` and `attn_res_mix` run one fused Triton kernel each
-(`miles_k3.kernels.fused`, forward only) instead of their eager fp32 chains. When autograd is needed, `situ_glu` on
-CUDA runs `fused.situ_glu_train` (the same forward kernel, so the same values bit for bit, and one fused backward
-kernel); RMSNorm, the AttnRes mix and every CPU call keep the differentiable pure-torch references
-`_rms_norm_torch`, `_situ_glu_torch` and `_attn_res_mix_torch`. The same switch (`use_fused_kernels`) gates the
+(`miles_k3.kernels.fused`, forward only) instead of their eager fp32 chains. When autograd is needed they run
+differentiable fused functions whose forward is the same kernel (so the same values bit for bit) and whose backward
+is one fused kernel (plus one sum over rows for the weights' gradients): `fused.situ_glu_train`,
+`fused_norm_train.rms_norm_train`, `fused_attn_res_train.attn_res_mix_train`. Every CPU call keeps the
+differentiable pure-torch references `_rms_norm_torch`, `_situ_glu_torch` and `_attn_res_mix_torch`. The same switch (`use_fused_kernels`) gates the
 router's and the KDA decode's kernels (`moe`, `kda`). `kernels.reference=true` forces the references everywhere,
 training included, for a whole run (set once at startup: `set_reference_kernels`, called by
 `miles_k3.model.kernel_config.apply_kernels`); tests force them within a block: `with reference_kernels():`.
@@ -81,7 +82,10 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         """Normalised x in x.dtype, then rounded once to `out_dtype` when given (an fp32 residual stream read by
         bf16 sublayers: `model.fp32_residual`)."""
-        if use_fused_kernels(x, self.weight):
+        if _fused_eligible(x, self.weight):
+            if _needs_grad(x, self.weight):
+                from miles_k3.kernels import fused_norm_train
+                return fused_norm_train.rms_norm_train(x, self.weight, self.eps, out_dtype=out_dtype)
             from miles_k3.kernels import fused
             return fused.rms_norm(x, self.weight, self.eps, out_dtype=out_dtype)
         return _rms_norm_torch(x, self.weight, self.eps, out_dtype)
@@ -156,7 +160,11 @@ def attn_res_mix(sources: list[torch.Tensor], norm: RMSNorm, proj: nn.Linear) ->
     out = sum_i alpha_i v_i. All in fp32; returns the input dtype. `sources`: N tensors [..., D];
     `proj.weight` is the pseudo-query [1, D] and `norm.weight` the RMS weight gamma [D].
     """
-    if use_fused_kernels(sources[-1], *sources[:-1], norm.weight, proj.weight):
+    tensors = (*sources[:-1], norm.weight, proj.weight)
+    if _fused_eligible(sources[-1], *tensors):
+        if _needs_grad(sources[-1], *tensors):
+            from miles_k3.kernels import fused_attn_res_train
+            return fused_attn_res_train.attn_res_mix_train(sources, norm.weight, proj.weight, norm.eps)
         from miles_k3.kernels import fused
         return fused.attn_res_mix(sources, norm.weight, proj.weight, norm.eps)
     return _attn_res_mix_torch(sources, norm.weight, proj.weight, norm.eps)
