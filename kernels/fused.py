@@ -4,7 +4,8 @@ Each kernel replaces a chain of ~8-14 small torch kernels (one launch each in th
 launch. They compute in fp32 like their references. The first three are forward-only, meant for inference (the
 callers in `layers.py` use them only on CUDA when no gradient is needed); `situ_glu_train` is SiTU-GLU for training:
 an autograd function whose forward is `situ_glu`'s kernel (bit for bit the inference output) and whose backward is
-one more kernel. RMSNorm and the AttnRes mix keep their differentiable torch references in training.
+one more kernel. RMSNorm and the AttnRes mix have their training functions beside this module
+(`fused_norm_train.rms_norm_train`, `fused_attn_res_train.attn_res_mix_train`).
 
 | kernel | reference (pure torch, `miles_k3.model.layers`) | launches |
 | --- | --- | --- |
