@@ -11,7 +11,8 @@ capture are not counted, and are reported apart as `wall_overhead_s` where the t
 breakdown is the median over the run's steps of each perf/ figure (rollout: prefill, decode, of which the tail;
 reward; train: forward/backward, optimizer; sync) and their shares of perf/step_s. `--sft` adds the bases' SFT
 figures (tokens/s and step time per log window, and their medians after the first window, which holds the kernels'
-compiles; the teacher-forced held-out exact match by step). Writes
+compiles; the teacher-forced held-out exact match by step); with two or more, rebuilds of one base, how close they
+are (`rebuild_closeness`). Two or more runs (seeds) add the mean gain and its spread (`seeds`). Writes
 benchmarks/results/bench_reasoning.json (or --out).
 """
 import argparse
@@ -33,7 +34,7 @@ def read_rows(run_dir: Path) -> list[dict]:
     for r in rows:  # a step logged twice (a call cut after logging it, resumed from an older checkpoint): the last
         kind = "eval" if any(k.startswith("eval/") for k in r) else "step"
         by_key[(r.get("step"), kind)] = by_key.get((r.get("step"), kind), {}) | r
-    return [by_key[k] for k in sorted(by_key, key=lambda k: (k[0] or 0, k[1] == "step"))]
+    return [by_key[k] for k in sorted(by_key, key=lambda k: (k[0] or 0, k[1] == "eval"))]  # step N, then its eval
 
 
 def accuracy_key(rows: list[dict]) -> str:
@@ -83,6 +84,31 @@ def sft_figures(run_dir: Path) -> dict:
             "step_s_after_first_window": round(statistics.median(w["step_s"] for w in warm), 3) if warm else None}
 
 
+def rebuild_closeness(bases: list[dict]) -> dict:
+    """How close rebuilds of one base are: at every step all of them measured, the spread (largest minus smallest)
+    of their teacher-forced held-out token accuracy and exact share, and the largest spreads."""
+    by_step = [{h["step"]: h for h in b["heldout_teacher_forced"]} for b in bases]
+    rows = []
+    for step in sorted(set.intersection(*(set(d) for d in by_step))):
+        token = [d[step]["token"] for d in by_step]
+        exact = [d[step]["exact"] for d in by_step]
+        rows.append({"step": step, "token_spread": round(max(token) - min(token), 4),
+                     "exact_spread": round(max(exact) - min(exact), 4)})
+    return {"bases": len(bases), "steps_compared": len(rows),
+            "max_token_spread": max((r["token_spread"] for r in rows), default=None),
+            "max_exact_spread": max((r["exact_spread"] for r in rows), default=None), "rows": rows}
+
+
+def seeds_summary(runs: list[dict]) -> dict:
+    """Gain over seeds at the last eval step every run has: mean, sample standard deviation, smallest; and how many
+    reached +15 points by then."""
+    last = max(set.intersection(*({e["step"] for e in r["evals"]} for r in runs)))
+    gains = [next(e["gain_points"] for e in r["evals"] if e["step"] == last) for r in runs]
+    return {"at_step": last, "gain_points": gains, "mean": round(statistics.mean(gains), 2),
+            "sd": round(statistics.stdev(gains), 2), "min": min(gains),
+            "reached_plus_15": sum(g >= GOAL_POINTS for g in gains)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("runs", nargs="+", type=Path)
@@ -97,6 +123,10 @@ def main() -> None:
                "gain_points": [r["gain_points"] for r in runs],
                "rl_minutes_to_plus_15": [r["rl_minutes_to_plus_15"] for r in runs],
                "bases": [sft_figures(s) for s in args.sft], "note": args.note}
+    if len(runs) > 1:
+        figures["seeds"] = seeds_summary(runs)
+    if len(args.sft) > 1:
+        figures["rebuild_closeness"] = rebuild_closeness(figures["bases"])
     path = write_result("bench_reasoning", figures, out=args.out)
     print(json.dumps({k: figures[k] for k in ("gain_points", "rl_minutes_to_plus_15")}), path)
 
