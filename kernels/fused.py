@@ -232,15 +232,10 @@ def _attn_res_mix_kernel(v_ptr, nw_ptr, pw_ptr, out_ptr, D, eps, N: tl.constexpr
         tl.store(o_row + c, _round(acc, ROUND).to(odt), mask=mask)
 
 
-def attn_res_mix(sources: list[torch.Tensor] | tuple[torch.Tensor, ...], norm_weight: torch.Tensor,
-                 proj_weight: torch.Tensor, eps: float, *, block_d: int | None = None) -> torch.Tensor:
-    """Fused Block-AttnRes mixer: N sources [..., D] (one shape) -> [..., D] in sources[-1].dtype.
-
-    out = sum_i alpha_i v_i, alpha = softmax_i(<norm_weight * proj_weight[0], v_i * rsqrt(mean(v_i^2) + eps)>),
-    all in fp32. The sources are stacked once into [R, N, D] (one copy kernel), then one program per row mixes
-    them (one launch). `norm_weight` [D], `proj_weight` [1, D] or [D]. `block_d` overrides the row tile (tests).
-    """
-    fn = "attn_res_mix"
+def _check_mix(fn: str, sources, norm_weight: torch.Tensor, proj_weight: torch.Tensor,
+               eps: float) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """Validate the mixer's inputs (`attn_res_mix`, `fused_attn_res_train.attn_res_mix_train`), naming `fn`; return
+    (norm_weight, proj_weight) as contiguous [D] and eps."""
     if not isinstance(sources, (list, tuple)) or len(sources) == 0:
         raise ValueError(f"{fn}: sources must be a non-empty list of tensors [..., D], got "
                          f"{type(sources).__name__} {'(empty)' if isinstance(sources, (list, tuple)) else ''}")
@@ -254,7 +249,20 @@ def attn_res_mix(sources: list[torch.Tensor] | tuple[torch.Tensor, ...], norm_we
     d = last.shape[-1]
     nw = _check_weight(fn, "norm_weight", norm_weight, d, last.device)
     pw = _check_weight(fn, "proj_weight", proj_weight, d, last.device)
-    eps = _check_eps(fn, eps)
+    return nw, pw, _check_eps(fn, eps)
+
+
+def attn_res_mix(sources: list[torch.Tensor] | tuple[torch.Tensor, ...], norm_weight: torch.Tensor,
+                 proj_weight: torch.Tensor, eps: float, *, block_d: int | None = None) -> torch.Tensor:
+    """Fused Block-AttnRes mixer: N sources [..., D] (one shape) -> [..., D] in sources[-1].dtype.
+
+    out = sum_i alpha_i v_i, alpha = softmax_i(<norm_weight * proj_weight[0], v_i * rsqrt(mean(v_i^2) + eps)>),
+    all in fp32. The sources are stacked once into [R, N, D] (one copy kernel), then one program per row mixes
+    them (one launch). `norm_weight` [D], `proj_weight` [1, D] or [D]. `block_d` overrides the row tile (tests).
+    """
+    nw, pw, eps = _check_mix("attn_res_mix", sources, norm_weight, proj_weight, eps)
+    last = sources[-1]
+    d = last.shape[-1]
     out = torch.empty(last.shape, dtype=last.dtype, device=last.device)
     if out.numel() == 0:
         return out

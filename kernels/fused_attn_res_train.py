@@ -44,9 +44,7 @@ from miles_k3.kernels.fused import (
     _ROUND_KIND,
     MAX_BLOCK_D,
     _attn_res_mix_kernel,
-    _check_act,
-    _check_eps,
-    _check_weight,
+    _check_mix,
     _on_device,
     _round,
     _rows,
@@ -159,25 +157,6 @@ def _attn_res_mix_bwd_kernel(v_ptr, go_ptr, nw_ptr, pw_ptr, gv_ptr, part_ptr, R,
             dq = tl.load(p0 + c, mask=mask, other=0.0)
             tl.store(p1 + c, dq * tl.load(nw_ptr + c, mask=mask, other=0.0).to(tl.float32), mask=mask)
             tl.store(p0 + c, dq * tl.load(pw_ptr + c, mask=mask, other=0.0).to(tl.float32), mask=mask)
-
-
-def _check_mix(fn: str, sources, norm_weight: torch.Tensor, proj_weight: torch.Tensor,
-               eps: float) -> tuple[torch.Tensor, torch.Tensor, float]:
-    """`fused.attn_res_mix`'s validation, in its words: (norm_weight, proj_weight) as contiguous [D], eps."""
-    if not isinstance(sources, (list, tuple)) or len(sources) == 0:
-        raise ValueError(f"{fn}: sources must be a non-empty list of tensors [..., D], got "
-                         f"{type(sources).__name__} {'(empty)' if isinstance(sources, (list, tuple)) else ''}")
-    for i, s in enumerate(sources):
-        _check_act(fn, f"sources[{i}]", s)
-    last = sources[-1]
-    for i, s in enumerate(sources):
-        if s.shape != last.shape or s.device != last.device:
-            raise ValueError(f"{fn}: all sources must share one shape and device; sources[{i}] is "
-                             f"{tuple(s.shape)} on {s.device}, sources[-1] {tuple(last.shape)} on {last.device}")
-    d = last.shape[-1]
-    nw = _check_weight(fn, "norm_weight", norm_weight, d, last.device)
-    pw = _check_weight(fn, "proj_weight", proj_weight, d, last.device)
-    return nw, pw, _check_eps(fn, eps)
 
 
 def _rows_per_program(rows: int) -> int:
