@@ -20,6 +20,7 @@ import statistics
 import time
 
 import torch
+from gpu_measure import step_profile
 from record import write_result
 
 from miles_k3.evals.datasets import DatasetConfig, load_problems
@@ -101,23 +102,12 @@ def main() -> None:
     profile = gpu_busy = None
     ok = next((s for s, r in zip(settings, results) if not r.get("oom")), None)
     if args.profile_steps and ok is not None:
-        acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA]
-                                                         if device.type == "cuda" else [])
-        wall = 0.0
         set_reference_kernels(ok[2] == "reference")
-        with torch.profiler.profile(activities=acts) as prof:
-            for b in batches[args.steps + 1:]:
-                wall += _step(model, params, opt, sched, optim, b, pad_id, device, *ok[:2])[0]
-        averages = prof.key_averages()
-        key = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
-        profile = averages.table(sort_by=key, row_limit=30)
-        print(profile, flush=True)
-        if device.type == "cuda":  # how much of the profiled steps' wall time the GPU was busy (kernels only)
-            busy = sum(e.self_device_time_total for e in averages if e.device_type.name == "CUDA") / 1e6
-            launches = sum(e.count for e in averages if e.device_type.name == "CUDA")
-            gpu_busy = {"wall_s": round(wall, 3), "kernel_s": round(busy, 3), "busy_share": round(busy / wall, 3),
-                        "kernels_per_step": round(launches / len(batches[args.steps + 1:]))}
-            print(gpu_busy, flush=True)
+        rest = iter(batches[args.steps + 1:])
+        profile, gpu_busy = step_profile(
+            lambda: _step(model, params, opt, sched, optim, next(rest), pad_id, device, *ok[:2]),
+            len(batches) - args.steps - 1, device.type == "cuda")
+        print(profile, gpu_busy, flush=True)
     write_result("bench_sft_gpu", {"model": args.model, "batch": args.batch, "settings": results,
                                    "profile_setting": None if ok is None else f"micro={ok[0]} checkpointing={ok[1]} kernels={ok[2]}",
                                    "profile_top": profile,

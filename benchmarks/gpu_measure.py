@@ -1,6 +1,7 @@
-"""GPU measuring helpers of the real-width benchmarks (bench_k3_layers_gpu.py, profile_decode_gpu.py through it):
-CUDA-event timing, the device's copy bandwidth and bf16 GEMM rate (the bounds' denominators, measured in the same
-run), CUDA-graph capture and a per-kernel profile. Needs CUDA."""
+"""GPU measuring helpers of the benchmarks (bench_k3_layers_gpu.py, profile_decode_gpu.py through it,
+bench_sft_gpu.py, bench_train_step.py): CUDA-event timing, the device's copy bandwidth and bf16 GEMM rate (the
+bounds' denominators, measured in the same run), CUDA-graph capture, a per-kernel profile, and a whole step's
+profile with how busy the GPU was. Need CUDA, except `step_profile` (on the CPU: the CPU ops' table alone)."""
 from __future__ import annotations
 
 import statistics
@@ -66,3 +67,30 @@ def top_kernels(fn, n: int = 10) -> dict[str, float]:
         if e.device_type == torch.autograd.DeviceType.CUDA:
             per[e.name[:90]] = per.get(e.name[:90], 0.0) + e.device_time_total / 1e3
     return dict(sorted(per.items(), key=lambda kv: -kv[1])[:n])
+
+
+def step_profile(step, calls: int, on_cuda: bool, rows: int = 30) -> tuple[str, dict | None]:
+    """torch.profiler over `calls` calls of step() (each synchronising before it returns; step() returns nothing
+    needed): the table of the top `rows` ops and kernels by CUDA time (CPU time without CUDA), and, on CUDA, how busy
+    the GPU was: the calls' wall seconds, the kernels' seconds, their ratio, and kernels launched per call. A step
+    that keeps the GPU busy a small share of its wall time is bound by the host's launches, not by its kernels."""
+    import time
+
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
+    wall = 0.0
+    with profile(activities=acts) as prof:
+        for _ in range(calls):
+            t0 = time.perf_counter()
+            step()
+            wall += time.perf_counter() - t0
+    averages = prof.key_averages()
+    table = averages.table(sort_by="cuda_time_total" if on_cuda else "cpu_time_total", row_limit=rows)
+    if not on_cuda:
+        return table, None
+    kernels = [e for e in averages if e.device_type == torch.autograd.DeviceType.CUDA]
+    busy = sum(e.self_device_time_total for e in kernels) / 1e6
+    return table, {"wall_s": round(wall, 3), "kernel_s": round(busy, 3), "busy_share": round(busy / wall, 3),
+                   "kernels_per_step": round(sum(e.count for e in kernels) / calls)}
+
