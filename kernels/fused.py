@@ -261,19 +261,30 @@ def attn_res_mix(sources: list[torch.Tensor] | tuple[torch.Tensor, ...], norm_we
     them (one launch). `norm_weight` [D], `proj_weight` [1, D] or [D]. `block_d` overrides the row tile (tests).
     """
     nw, pw, eps = _check_mix("attn_res_mix", sources, norm_weight, proj_weight, eps)
+    return _mix_stacked(sources, nw, pw, eps, _mix_block(sources[-1].shape[-1], block_d))[0]
+
+
+def _mix_block(d: int, block_d: int | None) -> int:
+    """The mixer's row tile: `block_d` when given (tests), else the row width's power of two up to MAX_BLOCK_D."""
+    return block_d or min(triton.next_power_of_2(d), MAX_BLOCK_D)
+
+
+def _mix_stacked(sources, nw: torch.Tensor, pw: torch.Tensor, eps: float, block: int
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, v): the sources stacked once into v [R, N, D] (one copy; dtype promoted like the reference), then one
+    program per row mixes them (one launch, none without rows). Inputs validated (`_check_mix`); the forward of
+    both `attn_res_mix` and `fused_attn_res_train.attn_res_mix_train`, which keeps v for its backward."""
     last = sources[-1]
-    d = last.shape[-1]
+    d, n = last.shape[-1], len(sources)
     out = torch.empty(last.shape, dtype=last.dtype, device=last.device)
-    if out.numel() == 0:
-        return out
-    n = len(sources)
-    v_RND = torch.stack([s.reshape(-1, d) for s in sources], dim=1)  # one copy; dtype promoted like the reference
-    block = block_d or min(triton.next_power_of_2(d), MAX_BLOCK_D)
-    with _on_device(last):
-        _attn_res_mix_kernel[(v_RND.shape[0],)](v_RND, nw, pw, out, d, eps, N=n, BLOCK_N=triton.next_power_of_2(n),
-                                                BLOCK_D=block, NUM_TILES=triton.cdiv(d, block),
-                                                ROUND=_ROUND_KIND[last.dtype], num_warps=_warps(block))
-    return out
+    v_RND = torch.stack([s.reshape(-1, d) for s in sources], dim=1)
+    if out.numel():
+        with _on_device(last):
+            _attn_res_mix_kernel[(v_RND.shape[0],)](v_RND, nw, pw, out, d, eps, N=n,
+                                                    BLOCK_N=triton.next_power_of_2(n), BLOCK_D=block,
+                                                    NUM_TILES=triton.cdiv(d, block), ROUND=_ROUND_KIND[last.dtype],
+                                                    num_warps=_warps(block))
+    return out, v_RND
 
 
 # ---- SiTU-GLU -----------------------------------------------------------------------------------------------

@@ -42,9 +42,9 @@ import triton.language as tl
 
 from miles_k3.kernels.fused import (
     _ROUND_KIND,
-    MAX_BLOCK_D,
-    _attn_res_mix_kernel,
     _check_mix,
+    _mix_block,
+    _mix_stacked,
     _on_device,
     _round,
     _rows,
@@ -53,6 +53,15 @@ from miles_k3.kernels.fused import (
 
 _MAX_ROWS_PER_PROGRAM = 16
 _MIN_PROGRAMS = 256  # rows per program grow (powers of two, up to 16) only while at least this many programs remain
+
+
+@triton.jit
+def _q_and_g(nw_ptr, pw_ptr, g_row, c, D, d_row):
+    """Columns c of q = norm_weight * proj_weight (fp32; masked at D) and of a row's grad_out (masked at d_row:
+    0 for the rows past R)."""
+    q = (tl.load(nw_ptr + c, mask=c < D, other=0.0).to(tl.float32)
+         * tl.load(pw_ptr + c, mask=c < D, other=0.0).to(tl.float32))
+    return q, tl.load(g_row + c, mask=c < d_row, other=0.0).to(tl.float32)
 
 
 @triton.jit
@@ -92,13 +101,10 @@ def _attn_res_mix_bwd_kernel(v_ptr, go_ptr, nw_ptr, pw_ptr, gv_ptr, part_ptr, R,
             da = tl.zeros([BLOCK_D], dtype=tl.float32)
             for t in range(NUM_TILES):
                 c = t * BLOCK_D + cols
-                mask = c < D
                 if NUM_TILES == 1:
                     q, g = q1, g1
                 else:
-                    q = (tl.load(nw_ptr + c, mask=mask, other=0.0).to(tl.float32)
-                         * tl.load(pw_ptr + c, mask=mask, other=0.0).to(tl.float32))
-                    g = tl.load(g_row + c, mask=c < d_row, other=0.0).to(tl.float32)
+                    q, g = _q_and_g(nw_ptr, pw_ptr, g_row, c, D, d_row)
                 v = tl.load(v_i + c, mask=c < d_row, other=0.0).to(tl.float32)
                 dot += q * v
                 sq += v * v
@@ -121,9 +127,7 @@ def _attn_res_mix_bwd_kernel(v_ptr, go_ptr, nw_ptr, pw_ptr, gv_ptr, part_ptr, R,
             if NUM_TILES == 1:
                 q, g = q1, g1
             else:
-                q = (tl.load(nw_ptr + c, mask=mask, other=0.0).to(tl.float32)
-                     * tl.load(pw_ptr + c, mask=mask, other=0.0).to(tl.float32))
-                g = tl.load(g_row + c, mask=c < d_row, other=0.0).to(tl.float32)
+                q, g = _q_and_g(nw_ptr, pw_ptr, g_row, c, D, d_row)
             contrib = tl.zeros([BLOCK_D], dtype=tl.float32)
             v_i = v_row
             gv_i = gv_ptr + row.to(tl.int64) * D
@@ -175,17 +179,9 @@ class _AttnResMixFunction(torch.autograd.Function):
     def forward(ctx, norm_weight, proj_weight, eps, block_d, rows_per_program, *sources):
         last = sources[-1]
         d = last.shape[-1]
-        nw, pw = norm_weight.reshape(d).contiguous(), proj_weight.reshape(d).contiguous()
-        out = torch.empty(last.shape, dtype=last.dtype, device=last.device)
-        v_RND = torch.stack([s.reshape(-1, d) for s in sources], dim=1)  # as fused.attn_res_mix stacks
-        block = block_d or min(triton.next_power_of_2(d), MAX_BLOCK_D)
-        n = len(sources)
-        if out.numel():
-            with _on_device(last):
-                _attn_res_mix_kernel[(v_RND.shape[0],)](v_RND, nw, pw, out, d, eps, N=n,
-                                                        BLOCK_N=triton.next_power_of_2(n), BLOCK_D=block,
-                                                        NUM_TILES=triton.cdiv(d, block),
-                                                        ROUND=_ROUND_KIND[last.dtype], num_warps=_warps(block))
+        block = _mix_block(d, block_d)
+        out, v_RND = _mix_stacked(sources, norm_weight.reshape(d).contiguous(), proj_weight.reshape(d).contiguous(),
+                                  eps, block)
         ctx.save_for_backward(v_RND, norm_weight, proj_weight)
         ctx.eps, ctx.block, ctx.rows_per_program = eps, block, rows_per_program
         ctx.src_shape, ctx.src_dtypes = last.shape, [s.dtype for s in sources]
