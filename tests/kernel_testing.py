@@ -62,6 +62,13 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 """The fused kernels' activation dtypes by the names their tests are parametrized with."""
 
 
+HALF_ULP = {torch.float32: 0.0, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
+"""An upper bound on half an ulp relative to |value|, per output dtype: the last rounding of a 16-bit result
+(fp32 results are compared against their own bounds)."""
+SUBNORMAL_FLOOR = {torch.float32: 1e-30, torch.bfloat16: 1e-30, torch.float16: 2.0**-25}
+"""An absolute floor for the same comparisons: fp16's subnormal step is 2^-24."""
+
+
 def seeded(seed: int) -> torch.Generator:
     """A CPU generator seeded with `seed` (inputs drawn on the CPU, then moved, are the same on every device)."""
     return torch.Generator().manual_seed(seed)

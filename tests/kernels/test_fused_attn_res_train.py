@@ -18,14 +18,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_testing import cuda_kernels, gpu_test, print_results, seeded
+from kernel_testing import HALF_ULP, SUBNORMAL_FLOOR, cuda_kernels, gpu_test, print_results, seeded
 
 from miles_k3.model.layers import _attn_res_mix_torch
 
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
 ATTN_BWD_C = 16  # fp32 roundings allowed, in units of 2^-24 * S (see attn_res_grad_bounds)
-_HALF_ULP = {F32: 0.0, BF16: 2.0**-8, F16: 2.0**-11}  # relative, of |value|
-_SUBNORMAL_FLOOR = {F32: 1e-30, BF16: 1e-30, F16: 2.0**-25}
 
 
 # ---- the truth and the bounds ---------------------------------------------------------------------------------
@@ -99,7 +97,7 @@ def _assert_within(got: torch.Tensor, truth: torch.Tensor, bound: torch.Tensor, 
     assert got.shape == truth.shape, (what, got.shape, truth.shape)
     assert not bool(got.isnan().any()), f"{what}: NaN"
     got64 = got.double()
-    allowed = bound + _HALF_ULP[got.dtype] * torch.maximum(got64.abs(), truth.abs()) + _SUBNORMAL_FLOOR[got.dtype]
+    allowed = bound + HALF_ULP[got.dtype] * torch.maximum(got64.abs(), truth.abs()) + SUBNORMAL_FLOOR[got.dtype]
     err = (got64 - truth).abs()
     bad = err > allowed
     if bool(bad.any()):
@@ -109,7 +107,7 @@ def _assert_within(got: torch.Tensor, truth: torch.Tensor, bound: torch.Tensor, 
                              f"truth {truth.reshape(-1)[i].item()!r}, allowed {allowed.reshape(-1)[i].item():.3g}")
     if err.numel() == 0:
         return 0.0, 0.0
-    units = float((err / (bound / ATTN_BWD_C + _SUBNORMAL_FLOOR[got.dtype])).max()) if got.dtype == F32 else 0.0
+    units = float((err / (bound / ATTN_BWD_C + SUBNORMAL_FLOOR[got.dtype])).max()) if got.dtype == F32 else 0.0
     return units, float((err / allowed).max())
 
 

@@ -23,14 +23,12 @@ import math
 
 import pytest
 import torch
-from kernel_testing import DTYPES, cuda_kernels, gpu_test, print_results, seeded
+from kernel_testing import DTYPES, HALF_ULP, SUBNORMAL_FLOOR, cuda_kernels, gpu_test, print_results, seeded
 
 from miles_k3.model.layers import _rms_norm_torch
 
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
 NORM_BWD_C = 16  # fp32 roundings allowed, in units of 2^-24 * S (see rms_norm_grad_bounds)
-_HALF_ULP = {F32: 0.0, BF16: 2.0**-8, F16: 2.0**-11}  # an upper bound on half an ulp, relative to |value|
-_FLOOR = {F32: 1e-30, BF16: 1e-30, F16: 2.0**-25}  # subnormals (fp16's smallest step is 2^-24)
 _NEAR_MID = 2.0**-18  # n's fp32 relative error budget when telling whether round(n) may differ from the truth's
 
 
@@ -72,7 +70,7 @@ def rms_norm_grad_bounds(x, weight, g, eps):
         lo, hi = (n * (1 - _NEAR_MID)).to(xdt).double(), (n * (1 + _NEAR_MID)).to(xdt).double()
         straddle = (g64.abs() * (hi - lo).abs()).sum(lead)  # 0 for fp32 x (round() is the identity)
     eps32 = NORM_BWD_C * 2.0**-24
-    h16 = 3 * _HALF_ULP[xdt]
+    h16 = 3 * HALF_ULP[xdt]
     return ((x64.grad, eps32 * s_x, h16 * s_x),
             (w16.grad.reshape(weight.shape), eps32 * s_w + straddle, (h16 * s_w).reshape(weight.shape)))
 
@@ -82,8 +80,8 @@ def _assert_within(got: torch.Tensor, truth: torch.Tensor, bound: torch.Tensor, 
     largest |got - truth| / that allowance (the fraction of it used; fp32 outputs: of the bound)."""
     assert not bool(got.isnan().any()), f"{what}: NaN"
     got64 = got.double()
-    allowed = (bound.reshape(got.shape) + _HALF_ULP[got.dtype] * torch.maximum(got64.abs(), truth.abs())
-               + _FLOOR[got.dtype])
+    allowed = (bound.reshape(got.shape) + HALF_ULP[got.dtype] * torch.maximum(got64.abs(), truth.abs())
+               + SUBNORMAL_FLOOR[got.dtype])
     err = (got64 - truth).abs()
     bad = err > allowed
     if bool(bad.any()):

@@ -19,7 +19,7 @@ import math
 
 import pytest
 import torch
-from kernel_testing import DTYPES, SITU_SPECIALS, gpu_test, print_results, seeded
+from kernel_testing import DTYPES, HALF_ULP, SITU_SPECIALS, SUBNORMAL_FLOOR, gpu_test, print_results, seeded
 from kernel_testing import assert_ulps16 as _assertulps16
 
 from miles_k3.model import layers
@@ -35,8 +35,6 @@ def _situ_glu64(g: torch.Tensor, u: torch.Tensor, beta: float, linear_beta: floa
     return h * (u if linear_beta is None else linear_beta * torch.tanh(u / linear_beta))
 
 
-_HALF_ULP = {torch.float32: 0.0, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}  # relative, of |value|
-_SUBNORMAL_FLOOR = {torch.float32: 1e-30, torch.bfloat16: 1e-30, torch.float16: 2.0**-25}
 SITU_BWD_C = 16  # fp32 roundings allowed, in units of eps32 * S (see situ_glu_grad_bounds)
 
 
@@ -71,7 +69,7 @@ def _assert_within(got: torch.Tensor, truth: torch.Tensor, bound: torch.Tensor, 
     """|got - truth| <= bound (fp32 computation) + half an ulp of got's dtype (its final rounding) + subnormals."""
     assert not bool(got.isnan().any()), f"{what}: NaN"
     got64 = got.double()
-    allowed = bound + _HALF_ULP[got.dtype] * torch.maximum(got64.abs(), truth.abs()) + _SUBNORMAL_FLOOR[got.dtype]
+    allowed = bound + HALF_ULP[got.dtype] * torch.maximum(got64.abs(), truth.abs()) + SUBNORMAL_FLOOR[got.dtype]
     err = (got64 - truth).abs()
     bad = err > allowed
     if bool(bad.any()):
