@@ -11,30 +11,14 @@ bitwise equal to the reference's.
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import torch
+from gpu_measure import timed_ms
 from record import write_result
 
 from miles_k3.kernels.mxfp4 import dequantize_mxfp4_reference, dequantize_mxfp4_triton
 
 SHAPES = [(3072, 3584), (5760, 2880)]
-
-
-def time_us(fn, iters: int, warmup: int) -> float:
-    """Median wall time of fn() on the current stream, microseconds (CUDA events)."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(times)
 
 
 def bench_shape(n: int, k: int, dtype: torch.dtype, iters: int, warmup: int) -> dict:
@@ -58,7 +42,7 @@ def bench_shape(n: int, k: int, dtype: torch.dtype, iters: int, warmup: int) -> 
     }
     res: dict = {"shape": [n, k], "dtype": str(dtype).removeprefix("torch."), "bitwise_equal": bitwise_equal}
     for name, (fn, nbytes) in methods.items():
-        us = time_us(fn, iters, warmup)
+        us = timed_ms(fn, iters, warmup) * 1e3
         res[name] = {"us": round(us, 2), "GB_per_s": round(nbytes / us / 1e3, 1), "bytes": nbytes}
     res["speedup_triton_over_reference"] = round(res["reference"]["us"] / res["triton"]["us"], 2)
     res["triton_time_over_reference"] = round(res["triton"]["us"] / res["reference"]["us"], 4)

@@ -1,5 +1,5 @@
 """GPU measuring helpers of the benchmarks (bench_k3_layers_gpu.py, profile_decode_gpu.py through it,
-bench_sft_gpu.py, bench_train_step.py): CUDA-event timing, the device's copy bandwidth and bf16 GEMM rate (the
+bench_sft_gpu.py, bench_train_step.py, bench_mxfp4_gpu.py, micro_decode_gpu.py): CUDA-event timing, the device's copy bandwidth and bf16 GEMM rate (the
 bounds' denominators, measured in the same run), CUDA-graph capture, a per-kernel profile, and a whole step's
 profile with how busy the GPU was. Need CUDA, except `step_profile` (on the CPU: the CPU ops' table alone)."""
 from __future__ import annotations

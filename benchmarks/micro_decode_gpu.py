@@ -12,6 +12,7 @@ import argparse
 import json
 
 import torch
+from gpu_measure import capture
 from record import write_result
 
 from miles_k3.kernels.kda_decode import short_conv_step, short_conv_step_reference
@@ -19,15 +20,7 @@ from miles_k3.kernels.kda_decode import short_conv_step, short_conv_step_referen
 
 def us_per_call(fn, calls: int = 10, replays: int = 200) -> float:
     """Microseconds per `fn()` inside a captured graph of `calls` calls (launch overheads as in a decode graph)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(calls):
-            fn()
+    g, _ = capture(lambda: [fn() for _ in range(calls)])
     g.replay()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
