@@ -174,6 +174,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, out_dtype: to
     out_dtype = x.dtype if out_dtype is None else out_dtype
     if out_dtype not in ACT_DTYPES:
         raise ValueError(f"{fn}: out_dtype must be float32, bfloat16 or float16, got {out_dtype}")
+    return _rms_norm_fwd(x, w, eps, out_dtype, block_d)
+
+
+def _rms_norm_fwd(x: torch.Tensor, w: torch.Tensor, eps: float, out_dtype: torch.dtype,
+                  block_d: int | None) -> torch.Tensor:
+    """`rms_norm` on validated inputs (w a contiguous [D]): the forward of both `rms_norm` and
+    `fused_norm_train.rms_norm_train`."""
+    d = x.shape[-1]
     out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
     if out.numel() == 0:
         return out

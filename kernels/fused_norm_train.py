@@ -40,10 +40,10 @@ from miles_k3.kernels.fused import (
     _check_eps,
     _check_weight,
     _on_device,
+    _rms_norm_fwd,
     _round,
     _rows,
     _warps,
-    rms_norm,
 )
 
 _PROGRAMS_PER_SM = 2  # backward programs per SM (each holds a row tile of up to 8192 fp32 values)
@@ -188,7 +188,7 @@ class _RMSNormFunction(torch.autograd.Function):
         x2 = _rows(x) if x.numel() else x  # what the kernels read (a copy only for rows without unit stride)
         ctx.save_for_backward(x2, weight)
         ctx.shape, ctx.eps, ctx.block_d, ctx.block_rows = x.shape, eps, block_d, block_rows
-        return rms_norm(x2, weight, eps, out_dtype=out_dtype, block_d=block_d).view(x.shape)
+        return _rms_norm_fwd(x2, weight.reshape(-1).contiguous(), eps, out_dtype or x.dtype, block_d).view(x.shape)
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
