@@ -82,15 +82,17 @@ class StepRunner(Protocol):
 class RunTiming:
     """Wall seconds of the scheduler's calls over the engine's life (a caller takes differences): `prefill_s` in
     admission (prefill and forks), `decode_s` in decode steps, of which `tail_s` in the steps a run took with fewer
-    than a quarter of its requests unfinished (the long tail of a batch: a few long samples decoding alone). A GPU's
-    work is counted where the scheduler waits for it (a decode step reads its tokens back), so the split is of wall
-    time, not of kernel time."""
+    than a quarter of its requests unfinished (the long tail of a batch: a few long samples decoding alone), and
+    `decode_rows` the requests those steps decoded (one token each: decode_rows / decode_steps is the mean decode
+    batch). A GPU's work is counted where the scheduler waits for it (a decode step reads its tokens back), so the
+    split is of wall time, not of kernel time."""
 
     prefill_s: float = 0.0
     decode_s: float = 0.0
     tail_s: float = 0.0
     decode_steps: int = 0
     tail_steps: int = 0
+    decode_rows: int = 0
 
     def as_dict(self) -> dict[str, float]:
         return {k: float(v) for k, v in dataclasses.asdict(self).items()}
@@ -137,6 +139,7 @@ class Scheduler:
                 dt = time.perf_counter() - t_decode
                 clock.decode_s += dt
                 clock.decode_steps += 1
+                clock.decode_rows += len(running)
                 if 4 * (len(running) + sum(map(len, waiting))) < total:
                     clock.tail_s += dt
                     clock.tail_steps += 1

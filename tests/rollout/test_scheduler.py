@@ -212,7 +212,7 @@ def test_the_tail_is_the_decode_steps_with_fewer_than_a_quarter_of_the_requests_
     """8 one-sample groups, max_new 1,1,1,1,1,1,3,10 tokens, slots for all: decode step 1 runs with 8 unfinished
     (6 finish), step 2 with 2, then 1 request decodes alone until step 10. A step is tail when 4 x unfinished < 8,
     i.e. unfinished <= 1: steps 4..10 (after step 3 only the 10-token one is left), 7 of 10 steps. Each decode step
-    sleeps 10 ms, so tail_s is about 7/10 of decode_s."""
+    sleeps 10 ms, so tail_s is about 7/10 of decode_s. The steps decoded 8 + 2 + 2 + 7 x 1 = 19 rows."""
     import time
 
     runner = FakeRunner(num_slots=8, num_pages=1000)
@@ -226,6 +226,6 @@ def test_the_tail_is_the_decode_steps_with_fewer_than_a_quarter_of_the_requests_
     groups = [[Req(f"R{i}", i, [1, 2], n)] for i, n in enumerate([1, 1, 1, 1, 1, 1, 3, 10])]
     sched, done = _run(runner, groups)
     t = sched.timing
-    assert len(done) == 8 and (t.decode_steps, t.tail_steps) == (10, 7)
+    assert len(done) == 8 and (t.decode_steps, t.tail_steps, t.decode_rows) == (10, 7, 19)
     assert 0.6 < t.tail_s / t.decode_s < 0.8
     assert t.prefill_s >= 0.0 and t.decode_s >= 0.1
