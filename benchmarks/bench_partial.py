@@ -35,7 +35,8 @@ and the first step of every later call that continued the run (graphs captured a
 Per pair: partial / sync trained tokens/s and sync / partial time to the equal samples. Summary: the median of the
 pairs' ratios, their smallest and largest, and the per-mode medians. `--out` (default benchmarks/results/
 bench_partial.json) gets the figures and, beside it, <stem>_curves.png (reward by trained samples, every run).
-Partial mode keeps 1.5 x prompts_per_step groups in flight, max_staleness 1, policy wait (`--staleness`, `--policy`).
+Partial mode keeps 1.5 x prompts_per_step groups in flight, max_staleness 1, policy wait (`--staleness`, `--policy`;
+`--partial-override` for any other field of the partial runs, e.g. rollout.partial.refill=true).
 """
 from __future__ import annotations
 
@@ -155,7 +156,7 @@ def _overrides(mode: str, args, run_dir: Path, data: Path) -> list[str]:
            "trainer.loss.tis=token_truncate", "trainer.optim.total_steps=null", *args.override]
     if mode == "partial":
         out += ["rollout.mode=partial", f"rollout.partial.max_staleness={args.staleness}",
-                f"rollout.partial.policy={args.policy}"]
+                f"rollout.partial.policy={args.policy}", *args.partial_override]
     return out
 
 
@@ -212,7 +213,8 @@ def figures_of(root: Path, args, modes: list[str]) -> dict:
     return {"model": args.model, "steps": args.steps, "repeats": args.repeats, "max_new_tokens": args.max_new_tokens,
             "mean_length": args.mean_length, "prompts_per_step": args.prompts_per_step,
             "group_size": args.group_size, "skip_steps": args.skip_steps, "staleness": args.staleness,
-            "policy": args.policy, "summary": summary(pairs, modes), "pair_figures": pairs}
+            "policy": args.policy, "partial_overrides": args.partial_override, "summary": summary(pairs, modes),
+            "pair_figures": pairs}
 
 
 def plot_curves(figures: dict, path: Path) -> None:
@@ -270,6 +272,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--skip-steps", type=int, default=1, help="first steps of each run left out of the figures "
                     "(kernel compilation and graph capture land in them)")
     ap.add_argument("--override", action="append", default=[], help="one more Hydra override (repeatable)")
+    ap.add_argument("--partial-override", action="append", default=[],
+                    help="one more Hydra override of the partial runs only (repeatable): rollout.partial.refill=true")
     ap.add_argument("--out", default=None, help="results file (default benchmarks/results/bench_partial.json)")
     args = ap.parse_args(argv)
     if args.steps <= args.skip_steps:

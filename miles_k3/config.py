@@ -163,6 +163,10 @@ class TrainConfig:
             raise ValueError("env.keep_state: keeping an episode's state in the engine between turns needs "
                              f"engine.backend=native (the {self.engine.backend} engine keeps no state between "
                              "requests); set env.keep_state=false")
+        if self.rollout.partial.refill and (self.rollout.mode != "partial" or self.env.max_turns > 1):
+            raise ValueError("rollout.partial.refill: refills the pool of rollout.mode=partial with single-turn "
+                             f"episodes (here rollout.mode={self.rollout.mode}, env.max_turns={self.env.max_turns}); "
+                             "set rollout.partial.refill=false")
         if self.env.name == "agent":
             check_agent(self.engine.backend, self.parallel.world_size, self.rollout.mode,
                         self.rollout.return_routed_experts or self.trainer.routing_replay)

@@ -117,6 +117,7 @@ class PartialRollouts:
         self.share = cfg.prompts_per_step // ctx.dp_size  # groups this replica finishes per step
         self.inflight = -(-cfg.partial.groups(cfg.prompts_per_step) // ctx.dp_size)  # groups this replica keeps
         self.groups: dict[int, _Group] = {}  # engine group id -> the group, in the order they were queued
+        self.refilled = 0  # groups queued during this step's run (rollout.partial.refill)
 
     def collect(self, version: int) -> tuple[list[Sample], dict[str, float]]:
         """The step's samples (the finished groups, trained by the adapter of weight `version`) and its rollout/
@@ -126,7 +127,7 @@ class PartialRollouts:
         self._top_up(version, [(g.draw, g.problem, g.retry + 1) for g, _ in dropped])
         due = self._due(version) if pc.policy == "wait" else []  # max_staleness=0: the new groups too
         before = engine_counts(self.engine)
-        finished = self._run_episodes(self.share, due)
+        finished = self._run_episodes(self.share, due, version)
         samples, metrics = self._episode_samples(finished, dropped, version, before)
         check_versions(samples, version, self.cfg)
         return samples, metrics | self._retract_metrics() | self._wait_metrics()
@@ -172,6 +173,10 @@ class PartialRollouts:
         then new draws."""
         want = self.inflight - len(self.groups)
         drawn = again + ([(d, p, 0) for d, p in self._take(want - len(again))] if want > len(again) else [])
+        self._queue_groups(version, drawn)
+
+    def _queue_groups(self, version: int, drawn: list[tuple[int, Problem, int]]) -> None:
+        """Submit a group of `group_size` samples for each (draw, problem, retry), queued under `version`."""
         if not drawn:
             return
         cfg, (factory, env_cfg) = self.cfg, self.env
@@ -193,7 +198,7 @@ class PartialRollouts:
         return self.stream.take(k) if dp == 1 else [self.stream.take(dp)[r] for _ in range(k)]
 
     # ---- episodes --------------------------------------------------------------------------------------------
-    def _run_episodes(self, share: int, due: list[int]) -> list[_Group]:
+    def _run_episodes(self, share: int, due: list[int], version: int) -> list[_Group]:
         """Serve the pool until `share` groups have finished every episode (and every group of `due` has): a turn
         that finishes is handed to its environment at once, and the episode's next turn joins the queue being
         served. The groups finished, in order. With one turn per episode (env.max_turns 1: no turn follows
@@ -249,13 +254,34 @@ class PartialRollouts:
             pending.extend((tick + 1 + lag, key, j, st) for j, st in zip(js, steps))
 
         self.env_wait_s = 0.0  # this step's: how long the engine's run waited for environment steps
+        self.refilled = 0
         if env_cfg.max_turns == 1:
-            for gid, records in self.queue.run(finished_groups=share, must_finish=due):
+            for gid, records in self._run_single(share, due, version):
                 on_finished(gid, records)
             apply(math.inf)
         else:
             self.queue.run(until=until, on_finished=on_finished)
         return [self.groups.pop(k) for k in done]
+
+    def _run_single(self, share: int, due: list[int], version: int) -> list[tuple[int, list[dict]]]:
+        """One-turn groups: the engine's run until `share` groups (and every group of `due`) have finished; the
+        groups finished, in order. rollout.partial.refill: each group that finishes queues a new draw at once
+        (under the version being served), so the pool keeps inflight_groups in flight through the run."""
+        if not self.cfg.partial.refill:
+            return self.queue.run(finished_groups=share, must_finish=due)
+        finished: list[tuple[int, list[dict]]] = []
+
+        def on_finished(gid: int, records: list[dict]) -> None:
+            finished.append((gid, records))
+            self._queue_groups(version, [(d, p, 0) for d, p in self._take(1)])
+            self.refilled += 1
+
+        def until() -> bool:
+            ids = {gid for gid, _ in finished}
+            return len(finished) >= share and all(k in ids for k in due)
+
+        self.queue.run(until=until, on_finished=on_finished)
+        return finished
 
     def _queued(self) -> bool:
         """Whether the engine's queue holds a turn: a group's first turn not finished, or a later turn."""
@@ -359,6 +385,7 @@ class PartialRollouts:
                 "every": [len(s.response_ids) for group in groups for s in group],
                 "dropped": [lens for _, lens in dropped],
                 "carried": sum(g.queued_at < version for g in finished), "inflight": len(self.groups),
+                "refilled": self.refilled,
                 "again": sum(g.retry > 0 for g, _ in dropped), "retried": sum(g.retry > 0 for g in finished),
                 "drops": [g.retry for g in finished] + [g.retry + 1 for g, _ in dropped]}
         parts = gather(mine, self.ctx.dp_group)
@@ -377,6 +404,7 @@ class PartialRollouts:
                "rollout/drops_max": float(max(drops, default=0)),
                "rollout/groups_carried": float(sum(part["carried"] for part in parts)),
                "rollout/groups_inflight": float(sum(part["inflight"] for part in parts)),
+               "rollout/groups_refilled": float(sum(part["refilled"] for part in parts)),
                "rollout/trained_len_mean": sum(lengths) / len(lengths) if lengths else 0.0,
                "rollout/trained_len_p90": float(p90),
                "rollout/finished_len_mean": sum(every) / len(every) if every else 0.0,

@@ -109,3 +109,24 @@ def test_a_sync_checkpoint_resumes_as_partial_with_nothing_in_flight(tmp_path):
     assert resumed.start_step == 1 and resumed.summary["last_step"] == 2
     row = _rows(tmp_path / "run")[-1]
     assert row["step"] == 2 and row["rollout/groups_carried"] == 0.0 and row["rollout/staleness_max"] == 0.0
+
+
+@pytest.mark.slow
+def test_refill_keeps_the_pool_full_in_the_real_engine_and_resumes_exactly(tmp_path):
+    """rollout.partial.refill on the native engine: every step queues as many groups as finished in its run, so 12
+    groups (1.5 x 8) are in flight at each step's end; a run stopped after step 2 and resumed with resume=auto ends
+    step 3 with the adapter bytes and metrics of the run that went straight through (the refilled groups, queued
+    mid-run, are in the checkpoint's pool)."""
+    from miles_k3.train import train
+
+    refill = ("rollout.partial.refill=true", "steps=3")
+    train(compose_config("train", _overrides(tmp_path / "a", *refill)))
+    rows = _rows(tmp_path / "a")
+    assert all(r["rollout/groups_inflight"] == 12.0 for r in rows)
+    assert all(r["rollout/groups_refilled"] >= 8.0 for r in rows)  # at least the step's finished groups
+    train(compose_config("train", _overrides(tmp_path / "b", "rollout.partial.refill=true", "steps=2")))
+    resumed = train(compose_config("train", _overrides(tmp_path / "b", *refill, "resume=auto")))
+    assert resumed.start_step == 2
+    a, b = _adapter(tmp_path / "a", 3), _adapter(tmp_path / "b", 3)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert _rows(tmp_path / "b") == rows

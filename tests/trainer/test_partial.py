@@ -66,11 +66,15 @@ class ScriptedEngine:
             self.next_gid += 1
         return gids
 
-    def run(self, finished_groups=None, must_finish=()):
+    def run(self, finished_groups=None, must_finish=(), until=None, on_finished=None):
+        """`until` is checked before the first tick and after each; `on_finished` gets each group as it finishes
+        (a group it submits gets its first token in the next tick), else the finished groups are returned."""
         done = []
         self.retracted = SimpleNamespace(requests=0, tokens=0, bytes=0)
 
         def satisfied():
+            if until is not None:
+                return until()
             ids = {g for g, _ in done}
             return finished_groups is not None and len(done) >= finished_groups and set(must_finish) <= ids
 
@@ -82,7 +86,11 @@ class ScriptedEngine:
                         s["versions"].append(self.version)
                 if all(len(s["out"]) == s["len"] for s in g["samples"]):
                     self.waiting.remove(g)
-                    done.append((g["group"], [self._record(s) for s in g["samples"]]))
+                    finished = (g["group"], [self._record(s) for s in g["samples"]])
+                    if on_finished is not None:
+                        on_finished(*finished)
+                    else:
+                        done.append(finished)
         begun = [len(s["out"]) for g in self.waiting for s in g["samples"] if s["out"]]
         self.retracted = SimpleNamespace(requests=len(begun), tokens=sum(begun), bytes=0)
         return done
@@ -112,9 +120,10 @@ def odd_length(responses, golds):
 LENGTHS = ["1,1", "2,1", "5,4", "1,2", "3,3", "4,4", "1,1", "1,1"]
 
 
-def _pool(policy, max_staleness, engine=None, lengths=LENGTHS):
+def _pool(policy, max_staleness, engine=None, lengths=LENGTHS, refill=False):
     cfg = RolloutConfig(prompts_per_step=2, group_size=2, template="plain", mode="partial",
-                        partial=PartialConfig(inflight_groups=3, max_staleness=max_staleness, policy=policy))
+                        partial=PartialConfig(inflight_groups=3, max_staleness=max_staleness, policy=policy,
+                                              refill=refill))
     cfg.validate()
     problems = [Problem(f"p{i}", text, "0") for i, text in enumerate(lengths)]
     return PartialRollouts(engine or ScriptedEngine(), Tok(), Stream(problems), odd_length, cfg, "policy")
@@ -146,6 +155,35 @@ def test_wait_holds_the_step_until_the_group_at_the_bound_finishes():
     assert m2["rollout/retracted_requests"] == 0.0
     assert (m2["rollout/trained_len_mean"], m2["rollout/trained_len_p90"]) == (3.0, 5.0)
     check_versions(s2, 1, pool.cfg)
+
+
+def test_refill_queues_a_group_as_each_one_finishes_and_keeps_the_pool_full():
+    """max_staleness 1, wait, refill. Step 1 (v0): p0, p1, p2 queued. Tick 1: p0 ends, p3 is queued (v0); tick 2:
+    p1 ends, p4 is queued (v0), p3's sample 0 ends: 2 groups, the run stops with p2 (2 tokens each), p3 (1, 1) and
+    p4 (none) in flight, 3 groups as at the start. Step 2 (v1): all three are at the bound, nothing is topped up.
+    Tick 3: p3 ends (its sample 1: a v0 token, then a v1 one), p5 is queued (v1); tick 4: p2's sample 1 ends; tick 5:
+    p2 ends (p6 queued), p4 ends (p7 queued) and every due group has: p5 is left with 2 tokens each, p6, p7 none.
+    Without refill step 1 leaves p2 alone in flight and step 2 queues p3, p4 under v1 (the test above)."""
+    pool = _pool("wait", 1, refill=True)
+    s1, m1 = pool.collect(0)
+    assert _lengths(s1) == [1, 1, 2, 1] and list(pool.groups) == [2, 3, 4]
+    assert (m1["rollout/groups_refilled"], m1["rollout/groups_inflight"]) == (2.0, 3.0)
+    assert [g.queued_at for g in pool.groups.values()] == [0, 0, 0]
+    pool.engine.version = 1
+    s2, m2 = pool.collect(1)
+    assert _lengths(s2) == [1, 2, 5, 4, 3, 3] and [s.group for s in s2] == [0, 0, 1, 1, 2, 2]
+    assert [s.token_versions for s in s2[:4]] == [[0], [0, 1], [0, 0, 1, 1, 1], [0, 0, 1, 1]]
+    assert s2[4].token_versions == [1, 1, 1]  # p4, queued under v0, began under v1: staleness 0
+    assert (m2["rollout/groups_refilled"], m2["rollout/groups_inflight"]) == (3.0, 3.0)
+    assert m2["rollout/staleness_max"] == 1.0 and m2["rollout/staleness_frac_0"] == pytest.approx(2 / 6)
+    assert list(pool.groups) == [5, 6, 7] and [g.queued_at for g in pool.groups.values()] == [1, 1, 1]
+    assert [len(s["out"]) for g in pool.engine.waiting for s in g["samples"]] == [2, 2, 0, 0, 0, 0]
+    check_versions(s2, 1, pool.cfg)
+
+
+def test_without_refill_no_group_is_queued_during_the_run():
+    _, m = _pool("wait", 1).collect(0)
+    assert m["rollout/groups_refilled"] == 0.0
 
 
 def test_wait_with_no_staleness_is_synchronous():
@@ -356,6 +394,9 @@ PARTIAL = ["rollout.mode=partial", "trainer.loss.tis=token_truncate"]
     (["rollout.partial.max_staleness=2"], "rollout.partial: rollout.partial.* is set but rollout.mode=sync"),
     ([*PARTIAL, "rollout.group_size=1"], "rollout.group_size: must be >= 2"),
     ([*PARTIAL, "rollout.max_new_tokens=64"], "rollout.max_new_tokens: 64 leaves no room for the prompt"),
+    ([*PARTIAL, "rollout.partial.refill=true", "env=guess"],
+     "rollout.partial.refill: refills the pool of rollout.mode=partial with single-turn episodes (here "
+     "rollout.mode=partial, env.max_turns=6)"),
 ])
 def test_partial_settings_that_cannot_work_are_refused_naming_the_field(overrides, message):
     from miles_k3.config import ConfigFieldError, compose_config
