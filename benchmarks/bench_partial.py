@@ -16,8 +16,9 @@ off) from the same seed; the pairs alternate their order (sync, partial / partia
 the machine over the measurement falls on both modes. `--work-dir` keeps the runs (DIR/pair<i>_<mode>, each with
 `resume=auto` and a checkpoint every `--checkpoint-every` steps): the same command run again skips the finished runs
 and continues the unfinished one, so a measurement longer than one sitting is several calls of one command.
-Without it the runs live in a temporary directory. After every run the results file is rewritten with what has
-finished.
+Without it the runs live in a temporary directory. `--merge A.json B.json ...` runs nothing: it writes the pairs of
+results files measured in separate sessions (on separate machines: each pair's ratio is of one machine) as one.
+After every run the results file is rewritten with what has finished.
 
 Counted steps: each run's first `--skip-steps` steps (default 1: on a fresh GPU host fla-core's kernels compile and
 the decode graphs are captured in them; seen: a first sync step of 372 s on k3_m2 against ~23 s for the next ones)
@@ -217,6 +218,28 @@ def figures_of(root: Path, args, modes: list[str]) -> dict:
             "pair_figures": pairs}
 
 
+def merged(results: list[dict], modes: list[str]) -> dict:
+    """Several results files' pairs as one measurement: every pair keeps its own figures (a pair's two runs ran on
+    one machine, so its ratio stands) and where it came from (the file's command, commit, date and GPU); the
+    summary is taken over all of them. The files must measure one workload (the same figures apart from the
+    pairs)."""
+    same = ("model", "steps", "max_new_tokens", "mean_length", "prompts_per_step", "group_size", "skip_steps",
+            "staleness", "policy", "partial_overrides")
+    first = results[0]["figures"]
+    for r in results[1:]:
+        diff = [f"{k}: {r['figures'].get(k)!r} vs {first.get(k)!r}" for k in same if r["figures"].get(k) != first.get(k)]
+        if diff:
+            raise ValueError(f"--merge: {r.get('command')} measured another workload than {results[0].get('command')} "
+                             f"({', '.join(diff)})")
+    pairs = []
+    for r in results:
+        source = {"command": r.get("command"), "commit": r.get("commit"), "date": r.get("date"),
+                  "device": (r.get("hardware") or {}).get("device")}
+        pairs += [{**p, "pair": len(pairs) + i, "source": source} for i, p in enumerate(r["figures"]["pair_figures"])]
+    return {**{k: first.get(k) for k in same}, "repeats": len(pairs), "summary": summary(pairs, modes),
+            "pair_figures": pairs}
+
+
 def plot_curves(figures: dict, path: Path) -> None:
     """Reward by trained samples of every run: sync solid, partial dashed, one colour per pair."""
     import matplotlib
@@ -275,6 +298,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--partial-override", action="append", default=[],
                     help="one more Hydra override of the partial runs only (repeatable): rollout.partial.refill=true")
     ap.add_argument("--out", default=None, help="results file (default benchmarks/results/bench_partial.json)")
+    ap.add_argument("--merge", nargs="+", default=None, metavar="FILE",
+                    help="run nothing: the pairs of these results files (one workload, measured in separate calls or "
+                    "on separate machines) as one measurement, written to --out")
     args = ap.parse_args(argv)
     if args.steps <= args.skip_steps:
         ap.error(f"--steps ({args.steps}) must exceed --skip-steps ({args.skip_steps}): no step would be counted")
@@ -286,6 +312,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     modes = args.modes.split(",")
+    if args.merge:
+        figures = merged([json.loads(Path(f).read_text()) for f in args.merge], modes)
+        path = write_result("bench_partial", figures, out=args.out)
+        plot_curves(figures, path.with_name(path.stem + "_curves.png"))
+        _print(figures)
+        return
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(args.work_dir) if args.work_dir else Path(tmp)
         root.mkdir(parents=True, exist_ok=True)

@@ -97,3 +97,31 @@ def test_two_pairs_on_the_cpu_continued_by_a_second_call(tmp_path):
     assert len(fig["summary"]["partial_over_sync_tokens_per_s"]["values"]) == 2
     assert "partial_over_sync_tokens_per_s" in fig["pair_figures"][1]
     assert (tmp_path / "res_curves.png").stat().st_size > 0
+
+
+def _result(ratios, device, **workload):
+    figures = {"model": "k3_m2", "steps": 20, "max_new_tokens": 2048, "mean_length": 250.0, "prompts_per_step": 8,
+               "group_size": 8, "skip_steps": 1, "staleness": 1, "policy": "wait", "partial_overrides": [],
+               **workload, "pair_figures": []}
+    for i, r in enumerate(ratios):
+        figures["pair_figures"].append({"pair": i, "order": ["sync", "partial"], "partial_over_sync_tokens_per_s": r,
+                                        "sync": {"trained_tokens_per_s": 1000.0},
+                                        "partial": {"trained_tokens_per_s": 1000.0 * r}})
+    return {"command": f"python bench_partial.py on {device}", "commit": "abc", "date": "2026-12-08",
+            "hardware": {"device": device}, "figures": figures}
+
+
+def test_merged_files_are_one_measurement_of_their_pairs():
+    """Two pairs from an H100 session (1.3, 1.6) and one from an H200 session (1.5): three pairs, median 1.5,
+    numbered 0-2, each with its source machine."""
+    m = bench.merged([_result([1.3, 1.6], "NVIDIA H100"), _result([1.5], "NVIDIA H200")], ["sync", "partial"])
+    assert m["repeats"] == 3 and [p["pair"] for p in m["pair_figures"]] == [0, 1, 2]
+    assert [p["source"]["device"] for p in m["pair_figures"]] == ["NVIDIA H100", "NVIDIA H100", "NVIDIA H200"]
+    assert m["summary"]["partial_over_sync_tokens_per_s"] == {"median": 1.5, "min": 1.3, "max": 1.6,
+                                                             "values": [1.3, 1.6, 1.5]}
+    assert m["summary"]["sync_tokens_per_s"]["median"] == 1000.0
+
+
+def test_files_of_another_workload_are_not_merged():
+    with pytest.raises(ValueError, match="measured another workload.*max_new_tokens: 1024 vs 2048"):
+        bench.merged([_result([1.3], "H100"), _result([1.5], "H100", max_new_tokens=1024)], ["sync", "partial"])

@@ -395,8 +395,8 @@ PARTIAL = ["rollout.mode=partial", "trainer.loss.tis=token_truncate"]
     ([*PARTIAL, "rollout.group_size=1"], "rollout.group_size: must be >= 2"),
     ([*PARTIAL, "rollout.max_new_tokens=64"], "rollout.max_new_tokens: 64 leaves no room for the prompt"),
     ([*PARTIAL, "rollout.partial.refill=true", "env=guess"],
-     "rollout.partial.refill: refills the pool of rollout.mode=partial with single-turn episodes (here "
-     "rollout.mode=partial, env.max_turns=6)"),
+     ("rollout.partial.refill: refills the pool of rollout.mode=partial with single-turn episodes (here "
+      "rollout.mode=partial, env.max_turns=6)")),
 ])
 def test_partial_settings_that_cannot_work_are_refused_naming_the_field(overrides, message):
     from miles_k3.config import ConfigFieldError, compose_config
