@@ -6,7 +6,9 @@ step tops the pool up from the prompt stream, runs the engine until `prompts_per
 trains on the groups that finished; the engine pauses the others (their state slots and latent pages are freed, so
 the engine's memory can be released for the train step) and the next step continues them under the adapter the
 push brought, recomputing their prompt and tokens so far first (SGLang's "retract"). Every token records the
-weight version that sampled it (`Sample.token_versions`).
+weight version that sampled it (`Sample.token_versions`). With `rollout.partial.refill` (single-turn groups) each
+group that finishes within the run queues the next draw at once, so the pool stays full while the engine decodes
+instead of draining to the groups' slowest samples.
 
 A sample's staleness when trained is the trainer's version minus its oldest token's. `max_staleness` bounds it, by
 `policy`:
