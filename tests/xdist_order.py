@@ -32,14 +32,15 @@ LONGEST_FILES = {
     "test_parallel_ep.py": 25,
     "test_eval_harness.py": 22,
     "test_partial_episodes.py": 22,
+    "test_partial_loop.py": 22,
     "test_sft.py": 20,
     "test_parallel_base.py": 19,
     "test_engine.py": 19,
 }
 """Seconds of each test file (by name: test files' names are unique, whatever folder holds them) in a CI-like run
 (`pytest -n 2 --dist loadfile` on a quiet 2-core machine, both workers busy; 2026-12-06; test_ray_launch.py and
-test_partial_episodes.py from a later quiet run, after their changes; test_fused_train_model.py alone on the dev
-machine, 2026-12-07), the files of 18 s or more.
+test_partial_episodes.py from a later quiet run, after their changes; test_fused_train_model.py and
+test_partial_loop.py, after its refill test, alone on the dev machine, 2026-12-07), the files of 18 s or more.
 A new long file belongs here, or it runs wherever xdist's order puts it."""
 
 
