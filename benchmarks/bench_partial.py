@@ -170,18 +170,23 @@ def _last_step(run_dir: Path) -> int:
     return max((r["step"] for r in _rows(run_dir) if "train/num_tokens" in r), default=0)
 
 
+def _checkpoint_step(run_dir: Path) -> int:
+    """The step of the run's latest checkpoint (where resume=auto continues it), 0 without one."""
+    latest = run_dir / "checkpoints" / "latest"
+    return int(latest.read_text().strip().removeprefix("step_")) if latest.exists() else 0
+
+
 def _run(mode: str, args, run_dir: Path, data: Path) -> bool:
-    """Run (or continue) one run to --steps; whether it got there. The first step of a continuing call is noted
-    in run_dir/calls.json (left out of the figures)."""
+    """Run (or continue) one run to --steps; whether it got there. The first step of a continuing call (the one
+    after the latest checkpoint: steps logged after it are trained again) is noted in run_dir/calls.json and left
+    out of the figures."""
     from miles_k3.config import compose_config
     from miles_k3.train import train
 
-    start = _last_step(run_dir)
-    if start >= args.steps:
+    if _last_step(run_dir) >= args.steps:
         return True
-    calls = run_dir / "calls.json"
+    calls, start = run_dir / "calls.json", _checkpoint_step(run_dir)
     if start > 0:
-        run_dir.mkdir(parents=True, exist_ok=True)
         starts = json.loads(calls.read_text()) if calls.exists() else []
         calls.write_text(json.dumps([*starts, start + 1]))
     run = train(compose_config("train", _overrides(mode, args, run_dir, data)), "")

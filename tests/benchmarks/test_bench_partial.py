@@ -125,3 +125,27 @@ def test_merged_files_are_one_measurement_of_their_pairs():
 def test_files_of_another_workload_are_not_merged():
     with pytest.raises(ValueError, match="measured another workload.*max_new_tokens: 1024 vs 2048"):
         bench.merged([_result([1.3], "H100"), _result([1.5], "H100", max_new_tokens=1024)], ["sync", "partial"])
+
+
+def test_a_run_cut_after_its_checkpoint_continues_from_the_checkpoint(tmp_path, monkeypatch):
+    """A call cut at step 13 with its latest checkpoint at step 10: the next call resumes from step 10, so its first
+    step is 11 (trained again, graphs captured again): noted in calls.json, and steps 11-13 count once (their last
+    rows)."""
+    import miles_k3.train
+
+    run_dir = tmp_path / "pair0_sync"
+    (run_dir / "checkpoints").mkdir(parents=True)
+    (run_dir / "checkpoints" / "latest").write_text("step_00000010\n")
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(_row(s, reward=0.9)) + "\n" for s in range(1, 14)))
+
+    def resumed(cfg, raw_yaml):
+        with open(run_dir / "metrics.jsonl", "a") as f:
+            f.writelines(json.dumps(_row(s, reward=0.5)) + "\n" for s in range(11, 21))
+
+    monkeypatch.setattr(miles_k3.train, "train", resumed)
+    args = bench.parse_args(["--steps", "20", "--repeats", "1", "--modes", "sync", "--model", "k3_nano"])
+    assert bench._run("sync", args, run_dir, tmp_path / "problems.jsonl")
+    assert json.loads((run_dir / "calls.json").read_text()) == [11]
+    rows = bench.counted_rows(bench._rows(run_dir), 1, [11])
+    assert [r["step"] for r in rows] == [2, 3, 4, 5, 6, 7, 8, 9, 10, *range(12, 21)]
+    assert [r["rollout/reward_mean"] for r in rows if r["step"] in (12, 13)] == [0.5, 0.5]
