@@ -167,6 +167,10 @@ class TrainConfig:
             raise ValueError("rollout.partial.refill: refills the pool of rollout.mode=partial with single-turn "
                              f"episodes (here rollout.mode={self.rollout.mode}, env.max_turns={self.env.max_turns}); "
                              "set rollout.partial.refill=false")
+        if self.rollout.partial.refill and self.parallel.world_size > 1:
+            raise ValueError(f"rollout.partial.refill: runs in one process for now (here {self.parallel.world_size} "
+                             "ranks: refilling under dp/tp/ep is not tested yet); run it without torchrun / "
+                             "parallel.*, or set rollout.partial.refill=false")
         if self.env.name == "agent":
             check_agent(self.engine.backend, self.parallel.world_size, self.rollout.mode,
                         self.rollout.return_routed_experts or self.trainer.routing_replay)

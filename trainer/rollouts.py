@@ -64,7 +64,7 @@ class PartialConfig:
     """Queue a new group as each group finishes within a step's run, so that inflight_groups stay in flight while
     the engine decodes (off: the pool is topped up between steps only and drains during the run, its last decode
     steps running the groups' slowest samples at a small batch). A refilled group is queued under the version
-    being served, as one topped up at the step's start. Single-turn episodes (env.max_turns 1)."""
+    being served, as one topped up at the step's start. Single-turn episodes (env.max_turns 1), one process."""
     env_lag_steps: int = 8
     """Multi-turn episodes: decode steps the engine runs on while a finished turn's environment steps (in its own
     thread) before the episode's next turn joins the queue; decoding waits for a step only if it is still running

@@ -397,6 +397,8 @@ PARTIAL = ["rollout.mode=partial", "trainer.loss.tis=token_truncate"]
     ([*PARTIAL, "rollout.partial.refill=true", "env=guess"],
      ("rollout.partial.refill: refills the pool of rollout.mode=partial with single-turn episodes (here "
       "rollout.mode=partial, env.max_turns=6)")),
+    ([*PARTIAL, "rollout.partial.refill=true", "parallel.dp=2"],
+     "rollout.partial.refill: runs in one process for now (here 2 ranks"),
 ])
 def test_partial_settings_that_cannot_work_are_refused_naming_the_field(overrides, message):
     from miles_k3.config import ConfigFieldError, compose_config
