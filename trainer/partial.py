@@ -119,7 +119,6 @@ class PartialRollouts:
         self.share = cfg.prompts_per_step // ctx.dp_size  # groups this replica finishes per step
         self.inflight = -(-cfg.partial.groups(cfg.prompts_per_step) // ctx.dp_size)  # groups this replica keeps
         self.groups: dict[int, _Group] = {}  # engine group id -> the group, in the order they were queued
-        self.refilled = 0  # groups queued during this step's run (rollout.partial.refill)
 
     def collect(self, version: int) -> tuple[list[Sample], dict[str, float]]:
         """The step's samples (the finished groups, trained by the adapter of weight `version`) and its rollout/
@@ -256,7 +255,6 @@ class PartialRollouts:
             pending.extend((tick + 1 + lag, key, j, st) for j, st in zip(js, steps))
 
         self.env_wait_s = 0.0  # this step's: how long the engine's run waited for environment steps
-        self.refilled = 0
         if env_cfg.max_turns == 1:
             for gid, records in self._run_single(share, due, version):
                 on_finished(gid, records)
@@ -276,7 +274,6 @@ class PartialRollouts:
         def on_finished(gid: int, records: list[dict]) -> None:
             finished.append((gid, records))
             self._queue_groups(version, [(d, p, 0) for d, p in self._take(1)])
-            self.refilled += 1
 
         def until() -> bool:
             ids = {gid for gid, _ in finished}
@@ -387,7 +384,7 @@ class PartialRollouts:
                 "every": [len(s.response_ids) for group in groups for s in group],
                 "dropped": [lens for _, lens in dropped],
                 "carried": sum(g.queued_at < version for g in finished), "inflight": len(self.groups),
-                "refilled": self.refilled,
+                "refilled": len(finished) if self.cfg.partial.refill else 0,  # one new group per finished one
                 "again": sum(g.retry > 0 for g, _ in dropped), "retried": sum(g.retry > 0 for g in finished),
                 "drops": [g.retry for g in finished] + [g.retry + 1 for g, _ in dropped]}
         parts = gather(mine, self.ctx.dp_group)
