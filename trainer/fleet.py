@@ -43,7 +43,6 @@ from miles_k3.rollout.fleet_actor import Fault
 from miles_k3.trainer.batch import Sample
 from miles_k3.trainer.checkpoint_files import ResumeError
 from miles_k3.trainer.episodes import SINGLE_ENV, multi_turn, open_episodes, reset_group, step_episodes
-from miles_k3.trainer.partial import check_versions
 from miles_k3.trainer.rollouts import reward_metrics
 from miles_k3.trainer.scoring import (
     is_flat,
@@ -53,6 +52,7 @@ from miles_k3.trainer.scoring import (
     score_episodes,
 )
 from miles_k3.trainer.seeds import group_seed, sampling_params
+from miles_k3.trainer.staleness import check_versions
 
 log = logging.getLogger("miles_k3.train")
 FAULTS: dict[int, tuple[Fault, ...]] = {}
@@ -125,7 +125,7 @@ class FleetRollouts:
 
     def collect(self, version: int) -> tuple[list[Sample], dict[str, float]]:
         """The step's samples (trained by the adapter of weight `version`) and its rollout/ metrics; RuntimeError
-        when a sample breaks the staleness rule (`partial.check_versions`)."""
+        when a sample breaks the staleness rule (`staleness.check_versions`)."""
         pc = self.cfg.partial
         self._send_replay()
         if self.fleet.version != version:

@@ -47,7 +47,6 @@ continues with an empty pool.
 """
 from __future__ import annotations
 
-import bisect
 import logging
 import math
 import time
@@ -87,6 +86,7 @@ from miles_k3.trainer.scoring import (
     score_episodes,
 )
 from miles_k3.trainer.seeds import retry_seed, sampling_params, turn_seed
+from miles_k3.trainer.staleness import check_versions, length_bias, p90
 
 log = logging.getLogger("miles_k3.train")
 
@@ -391,7 +391,6 @@ class PartialRollouts:
         stale, lengths, every, dropped, drops = ([x for part in parts for x in part[k]]
                                                  for k in ("stale", "lengths", "every", "dropped", "drops"))
         tokens, offpolicy = sum(part["tokens"] for part in parts), sum(part["offpolicy"] for part in parts)
-        p90 = _p90(lengths)
         bias, rank = length_bias(every, [n for lens in dropped if any(lens) for n in lens])  # begun groups only
         out = {"rollout/staleness_mean": sum(stale) / len(stale) if stale else 0.0,
                "rollout/staleness_max": float(max(stale, default=0)),
@@ -405,9 +404,9 @@ class PartialRollouts:
                "rollout/groups_inflight": float(sum(part["inflight"] for part in parts)),
                "rollout/groups_refilled": float(sum(part["refilled"] for part in parts)),
                "rollout/trained_len_mean": sum(lengths) / len(lengths) if lengths else 0.0,
-               "rollout/trained_len_p90": float(p90),
+               "rollout/trained_len_p90": float(p90(lengths)),
                "rollout/finished_len_mean": sum(every) / len(every) if every else 0.0,
-               "rollout/finished_len_p90": float(_p90(every))}
+               "rollout/finished_len_p90": float(p90(every))}
         for k in range(bound + 1):
             out[f"rollout/staleness_frac_{k}"] = sum(x == k for x in stale) / len(stale) if stale else 0.0
         if self.cfg.partial.policy == "keep":
@@ -497,49 +496,3 @@ def interleaved_index(counts: list[int], r: int) -> list[int]:
     """Replica r's groups' indices when replica q contributes counts[q] groups and the groups are numbered round by
     round (every replica's first group, in replica order, then every second group, ...)."""
     return [sum(min(c, i) for c in counts) + sum(c > i for c in counts[:r]) for i in range(counts[r])]
-
-
-def length_bias(finished: list[int], dropped: list[int]) -> tuple[float, float]:
-    """How much the drop (policy drop) shortens the step's samples, from the response lengths of the samples that
-    finished in the step and of those dropped in it (their lengths so far). (bias, rank):
-    bias = the mean length over both minus the mean over the finished ones, in tokens: what the step's samples would
-      have averaged without the drop less what they do;
-    rank = the mean over (dropped, finished) pairs of sign(dropped - finished), in [-1, 1] (Cliff's delta): +1 when
-      every dropped sample is longer than every finished one.
-    Both read 0 with no drop, or a drop blind to length, and > 0 when the drop takes the long samples. A dropped
-    sample's length is a lower bound of the one it would have reached, so both understate the bias (never
-    overstate it). (A share of dropped groups past the trained p90 length, the metric these replace, read ~57% for a
-    drop blind to length at group size 8: the longest of 8 samples reaches a p90 that often.)"""
-    if not dropped or not finished:
-        return 0.0, 0.0
-    bias = (sum(finished) + sum(dropped)) / (len(finished) + len(dropped)) - sum(finished) / len(finished)
-    order = sorted(finished)
-    signs = sum(bisect.bisect_left(order, d) - (len(order) - bisect.bisect_right(order, d)) for d in dropped)
-    return bias, signs / (len(dropped) * len(order))
-
-
-def _p90(values: list[int]) -> int:
-    """The 90th percentile by nearest rank (0 for none)."""
-    if not values:
-        return 0
-    return sorted(values)[math.ceil(0.9 * len(values)) - 1]
-
-
-def check_versions(samples: list[Sample], version: int, cfg: RolloutConfig) -> None:
-    """rollout.mode=partial's on-policy check: every response token's weight version is recorded, none is newer than
-    the adapter being trained (`version`), and (policy wait or drop) none is more than max_staleness versions older.
-    RuntimeError naming the first sample that breaks it."""
-    bound, keep = cfg.partial.max_staleness, cfg.partial.policy == "keep"
-    for i, s in enumerate(samples):
-        if len(s.token_versions) != len(s.response_ids):
-            raise RuntimeError(f"rollout: sample {i} has weight versions for {len(s.token_versions)} of its "
-                               f"{len(s.response_ids)} tokens; the engine must record the version of every token")
-        if not s.token_versions:
-            continue
-        if max(s.token_versions) > version:
-            raise RuntimeError(f"rollout: sample {i} has a token of weight version {max(s.token_versions)}, newer than "
-                               f"the trainer's adapter (version {version})")
-        if not keep and version - min(s.token_versions) > bound:
-            raise RuntimeError(f"rollout: sample {i} has a token of weight version {min(s.token_versions)}, "
-                               f"{version - min(s.token_versions)} versions behind the trainer's adapter (version "
-                               f"{version}); rollout.partial.max_staleness is {bound}")

@@ -16,8 +16,9 @@ from miles_k3.evals.rewards import RewardResult
 from miles_k3.rollout.api import EngineCapabilities
 from miles_k3.trainer.batch import Sample
 from miles_k3.trainer.losses import LossConfig, policy_loss
-from miles_k3.trainer.partial import PartialRollouts, check_versions, length_bias
+from miles_k3.trainer.partial import PartialRollouts
 from miles_k3.trainer.rollouts import PartialConfig, RolloutConfig
+from miles_k3.trainer.staleness import check_versions, length_bias
 
 
 class Tok:

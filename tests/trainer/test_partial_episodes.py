@@ -19,8 +19,9 @@ from miles_k3.model import K3Config, K3ForCausalLM
 from miles_k3.model.lora import LoRAConfig, apply_lora, lora_parameters, lora_state_dict
 from miles_k3.model.tokenizer import small_tokenizer
 from miles_k3.rollout.engine import RolloutEngine
-from miles_k3.trainer.partial import PartialRollouts, check_versions
+from miles_k3.trainer.partial import PartialRollouts
 from miles_k3.trainer.rollouts import PartialConfig, PromptStream, RolloutConfig
+from miles_k3.trainer.staleness import check_versions
 
 LORA = LoRAConfig(rank=2, alpha=4.0, targets=["q_proj", "w1"])
 TOK = small_tokenizer(512)
