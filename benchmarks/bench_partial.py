@@ -48,6 +48,7 @@ import statistics
 import tempfile
 from pathlib import Path
 
+import torch
 from record import write_result
 
 from miles_k3.evals.rewards import RewardResult, register_reward
@@ -189,15 +190,10 @@ def _run(mode: str, args, run_dir: Path, data: Path) -> bool:
     if start > 0:
         starts = json.loads(calls.read_text()) if calls.exists() else []
         calls.write_text(json.dumps([*starts, start + 1]))
-    run = train(compose_config("train", _overrides(mode, args, run_dir, data)), "")
-    del run
-    gc.collect()
-    try:
-        import torch
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-    except ImportError:
-        pass
+    train(compose_config("train", _overrides(mode, args, run_dir, data)), "")
+    gc.collect()  # the run's model and engine, before the next run builds its own
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
     return _last_step(run_dir) >= args.steps
 
 
