@@ -1,7 +1,8 @@
 """GPU measuring helpers of the benchmarks (bench_k3_layers_gpu.py, profile_decode_gpu.py through it,
-bench_sft_gpu.py, bench_train_step.py, bench_mxfp4_gpu.py, micro_decode_gpu.py): CUDA-event timing, the device's copy bandwidth and bf16 GEMM rate (the
-bounds' denominators, measured in the same run), CUDA-graph capture, a per-kernel profile, and a whole step's
-profile with how busy the GPU was. Need CUDA, except `step_profile` (on the CPU: the CPU ops' table alone)."""
+bench_sft_gpu.py, bench_train_step.py, bench_mxfp4_gpu.py, micro_decode_gpu.py): CUDA-event timing, the device's
+copy bandwidth and bf16 GEMM rate (the bounds' denominators, measured in the same run), CUDA-graph capture, a
+per-kernel profile, and a whole step's profile with how busy the GPU was. Need CUDA, except `step_profile` (on the
+CPU: the CPU ops' table alone)."""
 from __future__ import annotations
 
 import statistics
@@ -93,4 +94,3 @@ def step_profile(step, calls: int, on_cuda: bool, rows: int = 30) -> tuple[str, 
     busy = sum(e.self_device_time_total for e in kernels) / 1e6
     return table, {"wall_s": round(wall, 3), "kernel_s": round(busy, 3), "busy_share": round(busy / wall, 3),
                    "kernels_per_step": round(sum(e.count for e in kernels) / calls)}
-
