@@ -72,3 +72,53 @@ def test_seeds_need_a_common_eval(tmp_path):
             {"evals": [{"step": 5, "gain_points": 1.0}]}]
     with pytest.raises(ValueError):
         bench.seeds_summary(runs)
+
+
+def test_seeds_from_the_run_config_and_a_shared_rollout_seed(tmp_path):
+    """Runs that share rollout.seed drew the same prompts and sampling seeds: the summary says so. A config written
+    before rollout.seed followed seed has no rollout.seed: the dataclass default, 0."""
+    a, b = _run(tmp_path, "a", [0.3, 0.5]), _run(tmp_path, "b", [0.3, 0.6])
+    (a / "config.yaml").write_text("seed: 1\nrollout:\n  seed: 7\n")
+    (b / "config.yaml").write_text("seed: 2\nrollout:\n  group_size: 8\n")
+    runs = [bench.run_figures(a), bench.run_figures(b)]
+    assert [(r["seed"], r["rollout_seed"]) for r in runs] == [(1, 7), (2, 0)]
+    s = bench.seeds_summary(runs)
+    assert s["rollout_seeds"] == [7, 0] and s["shared_rollout_seed"] is False
+    c = bench.run_figures(_run(tmp_path, "c", [0.3, 0.4]))
+    assert (c["seed"], c["rollout_seed"]) == (None, None)  # no config.yaml came back
+    s = bench.seeds_summary([runs[1], bench.with_seeds(c, "3:0")])
+    assert s["rollout_seeds"] == [0, 0] and s["shared_rollout_seed"] is True
+
+
+def test_seeds_given_must_agree_with_the_run(tmp_path):
+    a = _run(tmp_path, "a", [0.3, 0.5])
+    (a / "config.yaml").write_text("seed: 1\nrollout:\n  seed: 1\n")
+    run = bench.run_figures(a)
+    assert bench.with_seeds(run, "1:1")["rollout_seed"] == 1
+    with pytest.raises(SystemExit, match="rollout_seed=1"):
+        bench.with_seeds(run, "1:0")
+    with pytest.raises(SystemExit, match="SEED:ROLLOUT_SEED"):
+        bench.with_seeds(run, "1")
+
+
+def test_prior_file_runs_and_bases_keep_their_source(tmp_path):
+    record = {"name": "bench_reasoning_h100", "figures": {"runs": [{"run_dir": "/r/0", "evals": []}],
+                                                          "bases": [{"run_dir": "/b/0"}]}}
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(record))
+    runs, bases = bench.prior(path)
+    assert runs == [{"run_dir": "/r/0", "evals": [], "source": "old.json"}]
+    assert bases == [{"run_dir": "/b/0", "source": "old.json"}]
+    path.write_text(json.dumps({"name": "bench_partial", "figures": {}}))
+    with pytest.raises(SystemExit, match="not a bench_reasoning result"):
+        bench.prior(path)
+
+
+def test_reward_by_step_for_the_curves(tmp_path):
+    rows = [{"step": 0, "eval/avg@4": 0.5, "eval/seconds": 1.0},
+            {"step": 1, "perf/step_s": 5.0, "rollout/reward_mean": 0.25},
+            {"step": 2, "perf/step_s": 5.0, "rollout/reward_mean": 0.375}]
+    fig = bench.run_figures(_write(tmp_path / "r", rows))
+    assert fig["reward_by_step"] == [[1, 0.25], [2, 0.375]]
+    bench.plot_curves([fig], tmp_path / "c.png")
+    assert (tmp_path / "c.png").stat().st_size > 1000
