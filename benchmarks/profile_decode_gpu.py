@@ -6,7 +6,9 @@
 Per batch: the replay time of the captured decode graph alone, the sampling time, the engine's wall time per
 generated token (decode + sampling + scheduling), and the top GPU kernels of one graph replay
 (torch.profiler); a cProfile of the host side of one `generate` at the largest batch. Writes profile.json
-(and the kernel / host tables as text) into --out.
+(and the kernel / host tables as text) into --out, again after every batch, so that a run cut short (a cold
+machine compiles the engine's kernels for minutes in the first batch) keeps what it measured; each phase's start
+is printed with the seconds since the start.
 
 `--model k3_4layers`: the real-width 4-layer K3 of `bench_k3_layers_gpu.py` (random MXFP4 experts, LoRA rank
 32, adapter "policy") in that benchmark's engine configuration; per batch it also reports the benchmark's
@@ -93,7 +95,13 @@ def main() -> None:
     args.new = args.new or (64 if real else 32)
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+
+    def phase(what: str) -> None:
+        print(f"[{time.perf_counter() - t0:7.1f} s] {what}", flush=True)
+
     lora = None
+    phase(f"build {args.model}")
     if real:
         cfg, model, lora, lora_state_dict = build_k3_4layers()
     else:
@@ -118,7 +126,9 @@ def main() -> None:
                 engine.generate(input_ids=prompts, sampling_params={**params, "max_new_tokens": new}, lora=name)
 
             row = {"batch": b}
+            phase(f"batch {b}: first generate (kernel compiles, graph capture)")
             gen(8 if real else 2)  # capture (the shorter page buckets)
+            phase(f"batch {b}: timed generates")
             if real:
                 row["bench_style_s"] = timed(lambda: gen(args.new))  # captures the longer buckets inside
                 row["bench_style_tok_s"] = b * args.new / row["bench_style_s"]
@@ -162,6 +172,8 @@ def main() -> None:
             row["sample_top_kernels"] = by_name(profile_gpu(lambda a=(sample_logits, sp, keys, pos): sample(*a)), 5)
             print(json.dumps({k: v for k, v in row.items() if "top_kernels" not in k}), flush=True)
             report["rows"].append(row)
+            (out / f"profile_{args.model}_p{args.prompt}.json").write_text(json.dumps(report, indent=2))
+        phase("host profile")
         b = int(args.batches.split(",")[-1])
         prompts = torch.randint(0, cfg.vocab_size, (b, args.prompt)).tolist()
         prof = cProfile.Profile()
