@@ -90,7 +90,8 @@ class TrainConfig:
     OMP_NUM_THREADS)."""
 
     seed: int = 0
-    """Seed for torch, python and numpy RNGs."""
+    """Seed for torch, python and numpy RNGs (the adapter's init, a random base) and, unless rollout.seed is given,
+    the rollouts' prompt order and sampling seeds (rollout.seed is `${seed}` in recipes/train.yaml)."""
     device: str = "auto"
     """auto (cuda if available, else cpu), cpu, cuda or cuda:N."""
     model: ModelConfig = field(default_factory=ModelConfig)

@@ -161,7 +161,8 @@ class RolloutConfig:
     gets (max_new_tokens - L_buf - L) / L_buf added to its reward (-1 at max_new_tokens; multi-turn: L is the
     episode's longest policy turn); 0: -1 for L = max_new_tokens, nothing below."""
     seed: int = 0
-    """Prompt order and sampling seeds."""
+    """Prompt order and sampling seeds; defaults to the run's `seed` (recipes/train.yaml sets `${seed}`: seed=S
+    reseeds the whole run), rollout.seed=N sets it apart."""
     mode: str = "sync"
     """sync: every step samples its groups from scratch with the adapter it trains, and waits for the longest
     response. partial: the engine keeps rollout.partial.inflight_groups groups in flight; a step trains on the first

@@ -23,12 +23,8 @@ def test_recipes_are_found():
     assert {"quickstart", "aime_grpo", "aime_eval"} <= set(RECIPES)
 
 
-@pytest.mark.parametrize("recipe", RECIPES)
-def test_every_recipe_composes_and_starts_with_its_command(recipe, monkeypatch):
-    import torch
-
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # composed as on the machine it is written for
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)  # (device=cuda recipes: one GPU)
+def recipe_command(recipe: str) -> tuple[str, list[str]]:
+    """(the entry point recipe/<recipe>.yaml's first line runs, the overrides it cannot run without)."""
     text = resources.files("miles_k3.recipes").joinpath(f"recipe/{recipe}.yaml").read_text()
     commands = [line for line in text.splitlines() if line.startswith("# python -m miles_k3.")]
     assert commands, f"recipe/{recipe}.yaml must start with the command that runs it"
@@ -36,9 +32,57 @@ def test_every_recipe_composes_and_starts_with_its_command(recipe, monkeypatch):
     app = words[2].removeprefix("miles_k3.")
     assert app in APPS, f"recipe/{recipe}.yaml runs miles_k3.{app}, which has no recipes/{app}.yaml"
     assert words[3] == f"recipe={recipe}" or recipe == "quickstart", commands[0]
-    required = [w for w in words[4:] if "=" in w and not w.startswith("[")]  # the overrides it cannot run without
+    return app, [w for w in words[4:] if "=" in w and not w.startswith("[")]
+
+
+@pytest.fixture
+def as_on_one_gpu(monkeypatch):
+    """Recipes composed as on the machine they are written for (device=cuda recipes: one GPU)."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_every_recipe_composes_and_starts_with_its_command(recipe, as_on_one_gpu):
+    app, required = recipe_command(recipe)
     cfg = compose_config(app, [f"recipe={recipe}", *required])
     assert isinstance(cfg, APPS[app]) and isinstance(cfg.model, ModelConfig)
+
+
+@pytest.mark.parametrize("overrides, seeds", [
+    ([], (0, 0)),
+    (["seed=3"], (3, 3)),
+    (["seed=3", "rollout.seed=5"], (3, 5)),
+    (["rollout.seed=5"], (0, 5)),
+    (["recipe=agent_quickstart", "seed=2"], (2, 2)),
+    (["recipe=k3_m2_reasoning", "model.path=/ckpt/k3_m2", "seed=2"], (2, 2)),
+])
+def test_rollout_seed_is_the_run_seed_unless_set(overrides, seeds, as_on_one_gpu):
+    """seed=S reseeds the whole run: rollout.seed (prompt order, sampling seeds) follows it unless given itself."""
+    cfg = compose_config("train", overrides)
+    assert (cfg.seed, cfg.rollout.seed) == seeds
+
+
+@pytest.mark.parametrize("recipe", [r for r in RECIPES if recipe_command(r)[0] == "train"])
+def test_no_train_recipe_pins_rollout_seed(recipe, as_on_one_gpu):
+    cfg = compose_config("train", [f"recipe={recipe}", *recipe_command(recipe)[1], "seed=2"])
+    assert (cfg.seed, cfg.rollout.seed) == (2, 2)
+
+
+def test_saved_run_config_holds_the_resolved_rollout_seed():
+    """train.py writes OmegaConf.to_yaml(raw, resolve=True) as the run's config.yaml: the number, not ${seed}."""
+    from hydra import compose, initialize_config_module
+    from omegaconf import OmegaConf
+
+    from miles_k3.cli import RECIPES_MODULE
+    from miles_k3.config import register_schemas
+
+    register_schemas()
+    with initialize_config_module(config_module=RECIPES_MODULE, version_base=None):
+        raw = compose(config_name="train", overrides=["seed=3"])
+    assert OmegaConf.create(OmegaConf.to_yaml(raw, resolve=True)).rollout.seed == 3
 
 
 def test_aime_eval_recipe_values():
