@@ -219,8 +219,20 @@ def one_step(run: Run, step: int) -> tuple[dict[str, float], list]:
     if "perf/optimizer_s" in metrics:
         metrics["perf/train_fwd_bwd_s"] = metrics["perf/train_s"] - metrics["perf/optimizer_s"]
     if torch.cuda.is_available() and run.device.type == "cuda":
-        metrics["mem/peak_gb"] = torch.cuda.max_memory_allocated(run.device) / 1e9
+        metrics |= cuda_memory_metrics(run.device)
     return metrics, samples
+
+
+def cuda_memory_metrics(device: torch.device) -> dict[str, float]:
+    """The process's CUDA memory after a step: its peak allocation, what the caching allocator holds, how often it
+    had to free its cache and retry a cudaMalloc (each retry synchronises the device: steps that slow down with the
+    same work show it), and the device's memory in use by every process (more than `mem/reserved_gb` plus the
+    engine's pools: another process holds the rest)."""
+    free, total = torch.cuda.mem_get_info(device)
+    return {"mem/peak_gb": torch.cuda.max_memory_allocated(device) / 1e9,
+            "mem/reserved_gb": torch.cuda.memory_reserved(device) / 1e9,
+            "mem/alloc_retries": float(torch.cuda.memory_stats(device).get("num_alloc_retries", 0)),
+            "mem/device_used_gb": (total - free) / 1e9}
 
 
 def engine_timing(engine) -> dict[str, float]:

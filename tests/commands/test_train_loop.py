@@ -265,3 +265,17 @@ def test_filtered_sampling_is_announced_at_start(caplog):
     with caplog.at_level("WARNING", logger="miles_k3.train"):
         _warn_filtered_logprobs(RolloutConfig(top_k=20), "sglang")
     assert "SGLang: not the unfiltered ones" in caplog.text
+
+
+def test_cuda_memory_metrics_name_what_holds_the_device(monkeypatch):
+    """A step's CUDA memory figures from torch's allocator counters (stubbed with hand values: no GPU here)."""
+    from miles_k3 import train
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d: (30e9, 80e9))  # (free, total)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda d: 50.5e9)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda d: 54e9)
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda d: {"num_alloc_retries": 7})
+    assert train.cuda_memory_metrics(torch.device("cuda")) == {
+        "mem/peak_gb": 50.5, "mem/reserved_gb": 54.0, "mem/alloc_retries": 7.0, "mem/device_used_gb": 50.0}
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda d: {})  # an allocator that never retried has no key
+    assert train.cuda_memory_metrics(torch.device("cuda"))["mem/alloc_retries"] == 0.0
