@@ -59,6 +59,7 @@ class AdapterBank:
         self._params: dict[str, torch.Tensor] = {}
         if lora is not None:
             apply_lora(model, lora)
+            model.eval()  # the new LoRA modules are built in training mode: lora.dropout is for training only
             self._params = lora_parameters(model)
             self._buffers[None] = {n: torch.zeros_like(p) for n, p in self._params.items()}  # base: B = 0
         self._bound: tuple | None = None  # (adapter name, version) copied into the LoRA parameters

@@ -336,3 +336,29 @@ def test_a_push_between_prefill_and_first_decode_leaves_the_prefills_version_as_
     assert [(o["meta_info"]["weight_version"], o["meta_info"]["weight_versions"]) for o in outs] == [(1, [0, 1])] * 2
     sample = _sample(PROMPTS[0], outs[1], 0.0, RolloutConfig())
     assert (sample.weight_version, sample.weight_version_max) == (0, 1)
+
+
+def test_lora_dropout_is_off_in_the_engine(base):
+    """lora.dropout is a training regulariser: the engine's adapter modules run in eval mode, so an adapter sampled
+    with dropout 0.5 gives exactly the logprobs of the same adapter with none (it randomised every rollout token)."""
+    params = {"temperature": 0, "max_new_tokens": 5}
+    trainer = K3ForCausalLM(base.config, expert_format="mxfp4").eval()
+    trainer.load_state_dict(base.state_dict())
+    cfg = LoRAConfig(rank=4, alpha=8.0, targets=["q_proj", "o_proj", "w1"])
+    apply_lora(trainer, cfg)
+    g = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for name, p in lora_parameters(trainer).items():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    tensors = lora_state_dict(trainer)
+
+    def logprobs(dropout):
+        lora = LoRAConfig(rank=4, alpha=8.0, dropout=dropout, targets=cfg.targets)
+        engine = small_engine(trainer, lora=lora)
+        assert not any(m.training for m in engine.model.modules())
+        engine.load_lora_adapter_from_tensors("policy", tensors, lora)
+        out = engine.generate(input_ids=PROMPTS, sampling_params=params, lora="policy")
+        return [[lp for lp, _ in r["meta_info"]["output_token_logprobs"]] for r in out]
+
+    assert logprobs(0.5) == logprobs(0.0)
