@@ -5,7 +5,9 @@ of adapter buffers per adapter name, copied into the model's LoRA parameters whe
 no adapters). `AdapterBank(model, lora)` attaches LoRA parameters to it (their addresses never change: captured
 CUDA graphs read them) and keeps each adapter's tensors in buffers allocated once at registration; pushes are
 checked in full (names, shapes, finiteness) before any byte is copied, so a bad push changes nothing
-(`push_copy.py`).
+(`push_copy.py`). Every adapter module also keeps `InferenceCopies` (A and B in the compute dtype; kv_b_proj's
+merged weight, which MLA's absorbed decode reads), refreshed when an adapter is bound: a decode step does not
+recast or re-merge the adapter it serves.
 """
 from __future__ import annotations
 
@@ -13,7 +15,15 @@ import torch
 from torch import nn
 
 from miles_k3.model.k3 import K3ForCausalLM
-from miles_k3.model.lora import LoRAConfig, applied_lora_config, apply_lora, lora_parameters
+from miles_k3.model.lora import (
+    ExpertLoRA,
+    InferenceCopies,
+    LoRAConfig,
+    LoRALinear,
+    applied_lora_config,
+    apply_lora,
+    lora_parameters,
+)
 from miles_k3.model.parallelize import parallelize
 from miles_k3.model.weight_files import meta_model
 from miles_k3.parallel.mesh import SINGLE, ParallelContext
@@ -60,9 +70,12 @@ class AdapterBank:
         if lora is not None:
             apply_lora(model, lora)
             model.eval()  # the new LoRA modules are built in training mode: lora.dropout is for training only
+            self._copies = attach_inference_copies(model)
             self._params = lora_parameters(model)
             self._buffers[None] = {n: torch.zeros_like(p) for n, p in self._params.items()}  # base: B = 0
         self._bound: tuple | None = None  # (adapter name, version) copied into the LoRA parameters
+        if lora is None:
+            self._copies = []
         self._copiers: dict[str, PushCopier] = {}
 
     def names(self) -> list[str]:
@@ -118,6 +131,8 @@ class AdapterBank:
         if self.config is None or self._bound == (name, version):
             return
         torch._foreach_copy_(list(self._params.values()), [self._buffers[name][n] for n in self._params])
+        for module, copies in self._copies:
+            copies.refresh(module)
         self._bound = (name, version)
 
     def _check_config(self, config: LoRAConfig) -> None:
@@ -129,3 +144,21 @@ class AdapterBank:
         if sorted(config.targets) != sorted(have.targets):
             raise ValueError(f"adapter targets {sorted(config.targets)} differ from the engine's "
                              f"{sorted(have.targets)}")
+
+
+MERGED_READS = ("kv_b_proj",)
+"""Adapted linears whose weight is read through `effective_weight` (MLA's absorbed decode) rather than called."""
+
+
+def attach_inference_copies(model: nn.Module) -> list[tuple[nn.Module, InferenceCopies]]:
+    """`InferenceCopies` on every adapter module of the engine's `model`: A and B in the dtype the module computes
+    in (a LoRALinear's weight dtype; routed experts' adapters: the embeddings' dtype, the activations'), plus the
+    merged weight for MERGED_READS. Returns (module, copies) to refresh after every change of the adapter."""
+    act_dtype = model.model.embed_tokens.weight.dtype
+    out = []
+    for path, m in model.named_modules():
+        if isinstance(m, LoRALinear):
+            out.append((m, InferenceCopies.attach(m, m.weight.dtype, merged=path.rsplit(".", 1)[-1] in MERGED_READS)))
+        elif isinstance(m, ExpertLoRA):
+            out.append((m, InferenceCopies.attach(m, act_dtype)))
+    return out

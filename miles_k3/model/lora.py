@@ -104,6 +104,7 @@ class LoRALinear(nn.Linear):
         nn.init.kaiming_uniform_(self.lora_A.weight, a=math.sqrt(5))
         nn.init.zeros_(self.lora_B.weight)
         self.enabled = True  # False inside `adapters_disabled`: the base alone (the reference policy)
+        self.inference_copies: InferenceCopies | None = None  # the engine's (`InferenceCopies.attach`)
 
     @property
     def dropout_p(self) -> float:
@@ -113,7 +114,11 @@ class LoRALinear(nn.Linear):
         y = F.linear(x, self.weight, self.bias)
         if not self.enabled:
             return y
-        a, b = self.lora_A.weight.to(x.dtype), self.lora_B.weight.to(x.dtype)
+        copies = self.inference_copies
+        if copies is not None and copies.a.dtype == x.dtype and not torch.is_grad_enabled():
+            a, b = copies.a, copies.b  # the casts below, made once per adapter version instead of every call
+        else:
+            a, b = self.lora_A.weight.to(x.dtype), self.lora_B.weight.to(x.dtype)
         return y + F.linear(F.linear(self.lora_dropout(x), a), b) * self.scale
 
     def delta_weight(self) -> torch.Tensor:
@@ -130,8 +135,46 @@ class LoRALinear(nn.Linear):
 
 def effective_weight(linear: nn.Linear) -> torch.Tensor:
     """The weight `linear` applies: the merged W + s * B @ A for a LoRALinear, else its weight (for code that
-    reads a projection's weight directly, such as MLA's absorbed decode)."""
-    return linear.merged_weight() if isinstance(linear, LoRALinear) and linear.enabled else linear.weight
+    reads a projection's weight directly, such as MLA's absorbed decode). Without gradients, a LoRALinear whose
+    inference copies keep the merged weight (the engine's MERGED_READS) returns that copy: the same values,
+    computed once per adapter version."""
+    if not (isinstance(linear, LoRALinear) and linear.enabled):
+        return linear.weight
+    copies = linear.inference_copies
+    if copies is not None and copies.merged is not None and not torch.is_grad_enabled():
+        return copies.merged
+    return linear.merged_weight()
+
+
+class InferenceCopies:
+    """An adapter module's tensors as its no-grad forward uses them, kept by an inference engine (whose model
+    never trains): A and B cast to the compute dtype (the cast forward otherwise makes on every call: two kernels
+    per adapted linear per decode step), and for a linear read through `effective_weight`, its merged weight.
+    Allocated once (CUDA graphs read their addresses) and `refresh`ed in place whenever the adapter's values
+    change; a forward with gradients, or in another dtype, ignores them."""
+
+    def __init__(self, a: torch.Tensor, b: torch.Tensor, merged: torch.Tensor | None):
+        self.a, self.b, self.merged = a, b, merged
+
+    @classmethod
+    def attach(cls, module: LoRALinear | ExpertLoRA, dtype: torch.dtype, merged: bool = False) -> InferenceCopies:
+        """Copies for `module` in `dtype` (the merged weight too, for a LoRALinear, if `merged`), filled now."""
+        a, b = (module.lora_A, module.lora_B) if isinstance(module, ExpertLoRA) else \
+            (module.lora_A.weight, module.lora_B.weight)
+        copies = cls(torch.empty_like(a, dtype=dtype), torch.empty_like(b, dtype=dtype),
+                     torch.empty_like(module.weight) if merged else None)
+        module.inference_copies = copies
+        copies.refresh(module)
+        return copies
+
+    @torch.no_grad()
+    def refresh(self, module: LoRALinear | ExpertLoRA) -> None:
+        a, b = (module.lora_A, module.lora_B) if isinstance(module, ExpertLoRA) else \
+            (module.lora_A.weight, module.lora_B.weight)
+        self.a.copy_(a)
+        self.b.copy_(b)
+        if self.merged is not None:
+            self.merged.copy_(module.merged_weight())
 
 
 class ExpertLoRA(nn.Module):
@@ -152,6 +195,7 @@ class ExpertLoRA(nn.Module):
         self.lora_A = nn.Parameter(a_ERI)
         self.lora_B = nn.Parameter(torch.zeros(num_experts, out_features, rank, **fp32))
         self.enabled = True  # False inside `adapters_disabled` (the caller then skips the delta)
+        self.inference_copies: InferenceCopies | None = None  # the engine's (`InferenceCopies.attach`)
 
     @property
     def dropout_p(self) -> float:
@@ -159,8 +203,13 @@ class ExpertLoRA(nn.Module):
 
     def forward(self, x_MI: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """x [M, In] grouped by expert (counts[e] rows each) -> delta [M, Out] in x's dtype."""
-        h_MR = grouped_linear(self.lora_dropout(x_MI), counts, self.lora_A.to(x_MI.dtype))
-        return grouped_linear(h_MR, counts, self.lora_B.to(x_MI.dtype)) * self.scale
+        copies = self.inference_copies
+        if copies is not None and copies.a.dtype == x_MI.dtype and not torch.is_grad_enabled():
+            a, b = copies.a, copies.b
+        else:
+            a, b = self.lora_A.to(x_MI.dtype), self.lora_B.to(x_MI.dtype)
+        h_MR = grouped_linear(self.lora_dropout(x_MI), counts, a)
+        return grouped_linear(h_MR, counts, b) * self.scale
 
     def delta_weight(self) -> torch.Tensor:
         """s * B_e @ A_e for every expert: [E, Out, In] fp32."""

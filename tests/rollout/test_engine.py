@@ -362,3 +362,61 @@ def test_lora_dropout_is_off_in_the_engine(base):
         return [[lp for lp, _ in r["meta_info"]["output_token_logprobs"]] for r in out]
 
     assert logprobs(0.5) == logprobs(0.0)
+
+
+def _bf16_adapted(targets):
+    torch.manual_seed(3)
+    trainer = K3ForCausalLM(K3Config.from_name("k3_tiny"), expert_format="mxfp4").eval()
+    cfg = LoRAConfig(rank=4, alpha=8.0, targets=targets)
+    apply_lora(trainer, cfg)
+    g = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        for name, p in lora_parameters(trainer).items():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    trainer.cast(torch.bfloat16)
+    return trainer, cfg
+
+
+def test_engine_adapters_are_cast_and_merged_once_per_version_with_the_same_bits(monkeypatch):
+    """The engine keeps its adapters in the compute dtype (and kv_b_proj's merged weight, which MLA's absorbed
+    decode reads), refreshed when an adapter is bound: a bf16 decode no longer casts A and B on every call, and
+    gives the same tokens and logprobs, bit for bit, as the per-call casts, before and after a push."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from miles_k3.rollout import adapters
+
+    trainer, cfg = _bf16_adapted(["q_proj", "o_proj", "kv_b_proj", "w1", "w2"])
+    params = {"temperature": 1.0, "max_new_tokens": 6, "sampling_seed": 5}
+
+    class Casts(TorchDispatchMode):  # casts of the engine's adapter parameters
+        n, adapter = 0, set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            x = args[0] if args else None
+            if (func.overloadpacket.__name__ == "_to_copy" and isinstance(x, torch.Tensor)
+                    and x.data_ptr() in Casts.adapter):
+                Casts.n += 1
+            return func(*args, **(kwargs or {}))
+
+    def run():
+        engine = small_engine(trainer, lora=cfg)
+        engine.load_lora_adapter_from_tensors("policy", lora_state_dict(trainer), cfg)
+        Casts.adapter = {p.data_ptr() for p in lora_parameters(engine.model).values()}
+        Casts.n = 0
+        with Casts():
+            first = engine.generate(input_ids=PROMPTS, sampling_params=params, lora="policy")
+        casts = Casts.n
+        with torch.no_grad():  # a push: the next bind refreshes the copies
+            tensors = {n: t + 0.05 for n, t in lora_state_dict(trainer).items()}
+        engine.update_weights_from_tensor(tensors, lora_name="policy")
+        second = engine.generate(input_ids=PROMPTS, sampling_params=params, lora="policy")
+        return casts, [[(r["output_ids"], [lp for lp, _ in r["meta_info"]["output_token_logprobs"]]) for r in out]
+                       for out in (first, second)]
+
+    casts, kept = run()
+    assert casts == 0
+    monkeypatch.setattr(adapters, "attach_inference_copies", lambda model: [])
+    casts_per_call, per_call = run()
+    assert casts_per_call > 0  # the test sees the casts it counts
+    assert kept == per_call and kept[0] != kept[1]
