@@ -2,7 +2,7 @@
 same model and against the HBM roofline.
 
     python benchmarks/bench_engine_gpu.py [--batches 1,64,256] [--prompt 32] [--new 64] [--grpo 64x8:512+512]
-                                          [--decode auto|eager|static] [--json out.json]
+                                          [--decode auto|eager|static] [--lora-rank R] [--json out.json]
 
 * engine: `RolloutEngine.generate` of B prompts (n=1), `max_new_tokens` new tokens each, temperature 1,
   ignore_eos; tokens/s = B * new / wall time of the call (prefill included). Decode: CUDA graphs by default
@@ -14,6 +14,9 @@ same model and against the HBM roofline.
   every request (fp32 recurrent, read and written, plus the conv window) and its MLA latents at the mean
   context; tokens/s = B / (bytes / 4.25 TB/s).
 * grpo: P prompts x n samples, prompt + new tokens, through the engine (group fork).
+* `--lora-rank R`: as in RL, an adapter of rank R (alpha 2R) on every linear target (LINEAR_TARGETS, as
+  recipe=k3_m2_reasoning adapts), its B random, served by the engine as "policy" and applied to the plain loop's
+  model too; without it, the base alone (no adapter modules at all).
 """
 import argparse
 import json
@@ -24,6 +27,7 @@ from record import write_result
 
 from miles_k3.model import K3Config, K3ForCausalLM
 from miles_k3.model.experts import RoutedExperts
+from miles_k3.model.lora import LINEAR_TARGETS, LoRAConfig, apply_lora, lora_parameters, lora_state_dict
 from miles_k3.rollout.engine import EngineConfig, RolloutEngine
 
 HBM_BYTES_PER_S = 4.25e12
@@ -78,22 +82,33 @@ def main() -> None:
     ap.add_argument("--grpo", default="64x8:512+512", help="PxN:prompt+new, or 'none'")
     ap.add_argument("--budget-gib", type=float, default=24.0)
     ap.add_argument("--decode", default="auto", help="engine decode mode: auto (graph on CUDA), eager, static")
+    ap.add_argument("--lora-rank", type=int, default=0, help="an RL-shaped adapter of this rank (0: none)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     cfg, model = build()
     econf = EngineConfig(memory_budget_bytes=int(args.budget_gib * 2**30), page_size=64, max_context=1088,
                          prefill_chunk=1024, decode=args.decode)
-    engine = RolloutEngine(model, econf)
+    lora, name = None, None
+    if args.lora_rank:
+        lora, name = LoRAConfig(rank=args.lora_rank, alpha=2.0 * args.lora_rank, targets=list(LINEAR_TARGETS)), "policy"
+        apply_lora(model, lora)
+        with torch.no_grad():
+            for n, p in lora_parameters(model).items():
+                if "lora_B" in n:
+                    p.normal_(0, 0.01)
+    engine = RolloutEngine(model, econf, lora=lora)
+    if lora:
+        engine.load_lora_adapter_from_tensors(name, lora_state_dict(model), lora)
     params = {"temperature": 1.0, "max_new_tokens": args.new, "ignore_eos": True}
     results = {"model": "k3_m", "experts": "mxfp4", "slots": engine.num_slots, "decode": engine.decode_mode,
-               "rows": []}
+               "lora_rank": args.lora_rank, "rows": []}
     with torch.no_grad():
         for b in map(int, args.batches.split(",")):  # warm up: kernels compiled, graphs captured per bucket
-            engine.generate(input_ids=[[1] * args.prompt] * b, sampling_params=params)
+            engine.generate(input_ids=[[1] * args.prompt] * b, sampling_params=params, lora=name)
         plain_loop(model, torch.randint(0, cfg.vocab_size, (2, 4), device="cuda"), 4)
         for b in map(int, args.batches.split(",")):
             prompts = torch.randint(0, cfg.vocab_size, (b, args.prompt), device="cuda")
-            t_engine = timed(lambda p=prompts: engine.generate(input_ids=p.tolist(), sampling_params=params))
+            t_engine = timed(lambda p=prompts: engine.generate(input_ids=p.tolist(), sampling_params=params, lora=name))
             t_plain = timed(lambda p=prompts: plain_loop(model, p, args.new))
             row = {"batch": b, "engine_tok_s": b * args.new / t_engine, "plain_tok_s": b * args.new / t_plain,
                    "roofline_tok_s": roofline_tokens_per_s(model, b, args.prompt + args.new // 2)}
@@ -107,8 +122,8 @@ def main() -> None:
             plen, new = map(int, lens.split("+"))
             prompts = torch.randint(0, cfg.vocab_size, (p, plen)).tolist()
             gp = {**params, "max_new_tokens": new}
-            engine.generate(input_ids=prompts, sampling_params=gp, n=n)  # warm up: graphs of every bucket it meets
-            t = timed(lambda: engine.generate(input_ids=prompts, sampling_params=gp, n=n))
+            engine.generate(input_ids=prompts, sampling_params=gp, n=n, lora=name)  # warm up: every bucket it meets
+            t = timed(lambda: engine.generate(input_ids=prompts, sampling_params=gp, n=n, lora=name))
             results["grpo"] = {"prompts": p, "n": n, "prompt_len": plen, "new": new, "wall_s": t,
                                "new_tok_s": p * n * new / t}
             print(json.dumps(results["grpo"]), flush=True)
