@@ -159,8 +159,7 @@ class InferenceCopies:
     @classmethod
     def attach(cls, module: LoRALinear | ExpertLoRA, dtype: torch.dtype, merged: bool = False) -> InferenceCopies:
         """Copies for `module` in `dtype` (the merged weight too, for a LoRALinear, if `merged`), filled now."""
-        a, b = (module.lora_A, module.lora_B) if isinstance(module, ExpertLoRA) else \
-            (module.lora_A.weight, module.lora_B.weight)
+        a, b = _adapter_pair(module)
         copies = cls(torch.empty_like(a, dtype=dtype), torch.empty_like(b, dtype=dtype),
                      torch.empty_like(module.weight) if merged else None)
         module.inference_copies = copies
@@ -169,12 +168,18 @@ class InferenceCopies:
 
     @torch.no_grad()
     def refresh(self, module: LoRALinear | ExpertLoRA) -> None:
-        a, b = (module.lora_A, module.lora_B) if isinstance(module, ExpertLoRA) else \
-            (module.lora_A.weight, module.lora_B.weight)
+        a, b = _adapter_pair(module)
         self.a.copy_(a)
         self.b.copy_(b)
         if self.merged is not None:
             self.merged.copy_(module.merged_weight())
+
+
+def _adapter_pair(module: LoRALinear | ExpertLoRA) -> tuple[torch.Tensor, torch.Tensor]:
+    """(A, B) of an adapter module: a LoRALinear's are its lora_A / lora_B linears' weights."""
+    if isinstance(module, ExpertLoRA):
+        return module.lora_A, module.lora_B
+    return module.lora_A.weight, module.lora_B.weight
 
 
 class ExpertLoRA(nn.Module):
