@@ -143,7 +143,9 @@ def test_engines_killed_while_decoding_and_while_loading_lose_nothing(cluster, t
     assert rows[1]["rollout/fleet_failovers"] >= 1  # engine 0 died with the call of groups 6-7, seen in step 2
     requeued = sum(r["rollout/fleet_requeued_groups"] for r in rows)
     assert requeued >= 2  # that call's 2 groups (and any call queued behind the load that killed engine 1)
-    assert sum(r["rollout/fleet_requeued_tokens"] for r in rows) >= requeued * 8  # 8 samples of >= 1 token each
+    # requeued tokens are counted when a requeued group finishes: engine 0's 2 groups (seen in step 2) finish in the
+    # run, 8 samples of >= 1 token each; groups queued behind engine 1's load may finish after the last step
+    assert sum(r["rollout/fleet_requeued_tokens"] for r in rows) >= 2 * 8
     for s in steps:
         assert all(len(g) == 1 and s["version"] - next(iter(g)) in (0, 1) for g in s["groups"]), s
 
