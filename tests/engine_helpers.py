@@ -10,7 +10,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from miles_k3.model.lora import LoRAConfig
+import torch
+
+from miles_k3.model.lora import LoRAConfig, apply_lora, lora_parameters
 from miles_k3.parallel.mesh import SINGLE, ParallelContext
 from miles_k3.rollout.engine import EngineConfig, RolloutEngine
 
@@ -24,3 +26,15 @@ def small_engine(model, lora: LoRAConfig | None = None, tokenizer: Any = None, c
     """A native `RolloutEngine` over `model` with `SMALL_ENGINE`'s sizes, `fields` (any `EngineConfig` field)
     replacing or adding to them; `lora`, `tokenizer` and `ctx` as `RolloutEngine` takes them."""
     return RolloutEngine(model, EngineConfig(**{**SMALL_ENGINE, **fields}), lora=lora, tokenizer=tokenizer, ctx=ctx)
+
+
+def random_adapter(model, lora: LoRAConfig, seed: int, std: float = 0.3):
+    """`model` with `lora` applied and every lora_B drawn N(0, std^2) from a generator seeded `seed` (in
+    `lora_parameters` order): an adapter that changes the outputs (a fresh one, B = 0, would not)."""
+    apply_lora(model, lora)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in lora_parameters(model).items():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * std)
+    return model

@@ -2,7 +2,7 @@
 group fork against independent requests, preemption, release/resume, in-place LoRA updates, bad requests."""
 import pytest
 import torch
-from engine_helpers import small_engine
+from engine_helpers import random_adapter, small_engine
 
 from miles_k3.model import K3Config, K3ForCausalLM
 from miles_k3.model.lora import LoRAConfig, apply_lora, lora_parameters, lora_state_dict
@@ -345,12 +345,7 @@ def test_lora_dropout_is_off_in_the_engine(base):
     trainer = K3ForCausalLM(base.config, expert_format="mxfp4").eval()
     trainer.load_state_dict(base.state_dict())
     cfg = LoRAConfig(rank=4, alpha=8.0, targets=["q_proj", "o_proj", "w1"])
-    apply_lora(trainer, cfg)
-    g = torch.Generator().manual_seed(2)
-    with torch.no_grad():
-        for name, p in lora_parameters(trainer).items():
-            if "lora_B" in name:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    random_adapter(trainer, cfg, seed=2)
     tensors = lora_state_dict(trainer)
 
     def logprobs(dropout):
@@ -368,12 +363,7 @@ def _bf16_adapted(targets):
     torch.manual_seed(3)
     trainer = K3ForCausalLM(K3Config.from_name("k3_tiny"), expert_format="mxfp4").eval()
     cfg = LoRAConfig(rank=4, alpha=8.0, targets=targets)
-    apply_lora(trainer, cfg)
-    g = torch.Generator().manual_seed(4)
-    with torch.no_grad():
-        for name, p in lora_parameters(trainer).items():
-            if "lora_B" in name:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    random_adapter(trainer, cfg, seed=4)
     trainer.cast(torch.bfloat16)
     return trainer, cfg
 

@@ -5,7 +5,7 @@ prefills only each turn's new tokens (hand-counted). Parked states give way when
 memory release makes the next turn recompute, and bad continuations are refused naming the kept state."""
 import pytest
 import torch
-from engine_helpers import small_engine
+from engine_helpers import random_adapter, small_engine
 
 from miles_k3.model import K3Config, K3ForCausalLM
 from miles_k3.model.lora import LoRAConfig, apply_lora, lora_parameters, lora_state_dict
@@ -27,12 +27,7 @@ def model():
         for name, p in m.named_parameters():
             if name.endswith("_res_proj.weight"):
                 p.normal_(0, 0.5)
-    apply_lora(m, LORA)
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, p in lora_parameters(m).items():
-            if "lora_B" in name:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    random_adapter(m, LORA, seed=1)
     return m
 
 

@@ -6,7 +6,7 @@ import io
 
 import pytest
 import torch
-from engine_helpers import small_engine
+from engine_helpers import random_adapter, small_engine
 
 from miles_k3.model import K3Config, K3ForCausalLM
 from miles_k3.model.lora import LoRAConfig, apply_lora, lora_parameters, lora_state_dict
@@ -32,12 +32,7 @@ def trainer():
         for name, p in model.named_parameters():
             if name.endswith("_res_proj.weight"):
                 p.normal_(0, 0.5)
-    apply_lora(model, LORA)
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, p in lora_parameters(model).items():
-            if "lora_B" in name:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    random_adapter(model, LORA, seed=1)
     return model
 
 

@@ -10,13 +10,13 @@ import time
 
 import pytest
 import torch
-from engine_helpers import small_engine
+from engine_helpers import random_adapter, small_engine
 
 from miles_k3.envs.env import EnvConfig, Guess, build_env
 from miles_k3.evals.problems import Problem
 from miles_k3.evals.rewards import RewardResult
 from miles_k3.model import K3Config, K3ForCausalLM
-from miles_k3.model.lora import LoRAConfig, apply_lora, lora_parameters, lora_state_dict
+from miles_k3.model.lora import LoRAConfig, lora_state_dict
 from miles_k3.model.tokenizer import small_tokenizer
 from miles_k3.rollout.engine import RolloutEngine
 from miles_k3.trainer.partial import PartialRollouts
@@ -34,12 +34,7 @@ PROBLEMS = [Problem(f"g{i}", f"Guess my number from 1 to 9: #{i}", str(1 + i % 9
 def model():
     torch.manual_seed(0)
     m = K3ForCausalLM(K3Config.from_name("k3_tiny"), expert_format="mxfp4").eval().requires_grad_(False)
-    apply_lora(m, LORA)
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, p in lora_parameters(m).items():
-            if "lora_B" in name:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    random_adapter(m, LORA, seed=1)
     return m
 
 
