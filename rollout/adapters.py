@@ -67,15 +67,14 @@ class AdapterBank:
         self.model, self.config = model, lora
         self._buffers: dict[str | None, dict[str, torch.Tensor]] = {}
         self._params: dict[str, torch.Tensor] = {}
+        self._adapted: list[nn.Module] = []  # the adapter modules, whose InferenceCopies `bind` refreshes
         if lora is not None:
             apply_lora(model, lora)
             model.eval()  # the new LoRA modules are built in training mode: lora.dropout is for training only
-            self._copies = attach_inference_copies(model)
+            self._adapted = attach_inference_copies(model)
             self._params = lora_parameters(model)
             self._buffers[None] = {n: torch.zeros_like(p) for n, p in self._params.items()}  # base: B = 0
         self._bound: tuple | None = None  # (adapter name, version) copied into the LoRA parameters
-        if lora is None:
-            self._copies = []
         self._copiers: dict[str, PushCopier] = {}
 
     def names(self) -> list[str]:
@@ -131,8 +130,8 @@ class AdapterBank:
         if self.config is None or self._bound == (name, version):
             return
         torch._foreach_copy_(list(self._params.values()), [self._buffers[name][n] for n in self._params])
-        for module, copies in self._copies:
-            copies.refresh(module)
+        for module in self._adapted:
+            module.inference_copies.refresh(module)
         self._bound = (name, version)
 
     def _check_config(self, config: LoRAConfig) -> None:
@@ -150,15 +149,19 @@ MERGED_READS = ("kv_b_proj",)
 """Adapted linears whose weight is read through `effective_weight` (MLA's absorbed decode) rather than called."""
 
 
-def attach_inference_copies(model: nn.Module) -> list[tuple[nn.Module, InferenceCopies]]:
+def attach_inference_copies(model: nn.Module) -> list[nn.Module]:
     """`InferenceCopies` on every adapter module of the engine's `model`: A and B in the dtype the module computes
     in (a LoRALinear's weight dtype; routed experts' adapters: the embeddings' dtype, the activations'), plus the
-    merged weight for MERGED_READS. Returns (module, copies) to refresh after every change of the adapter."""
+    merged weight for MERGED_READS. Returns the modules, whose copies are refreshed after every change of the
+    adapter."""
     act_dtype = model.model.embed_tokens.weight.dtype
     out = []
     for path, m in model.named_modules():
         if isinstance(m, LoRALinear):
-            out.append((m, InferenceCopies.attach(m, m.weight.dtype, merged=path.rsplit(".", 1)[-1] in MERGED_READS)))
+            InferenceCopies.attach(m, m.weight.dtype, merged=path.rsplit(".", 1)[-1] in MERGED_READS)
         elif isinstance(m, ExpertLoRA):
-            out.append((m, InferenceCopies.attach(m, act_dtype)))
+            InferenceCopies.attach(m, act_dtype)
+        else:
+            continue
+        out.append(m)
     return out

@@ -61,7 +61,7 @@ def apply_kernels(cfg: KernelsConfig, device: torch.device) -> None:
     if cfg.reference:
         log.info("fused kernels: torch references (kernels.reference=true)")
     elif device.type == "cuda":
-        log.info("fused kernels: triton (RMSNorm, SiTU-GLU and the AttnRes mix both ways in training; the router "
-                 "and the KDA decode step in the engine) (kernels.reference=false)")
+        log.info("fused kernels: triton (RMSNorm, SiTU-GLU and the AttnRes mix, with gradients too; the router and "
+                 "the KDA decode step where no gradient is needed) (kernels.reference=false)")
     else:
         log.info("fused kernels: torch references (%s: the fused kernels run on CUDA only)", device.type)

@@ -12,8 +12,9 @@ is one fused kernel (plus one sum over rows for the weights' gradients): `fused.
 `fused_norm_train.rms_norm_train`, `fused_attn_res_train.attn_res_mix_train`. Every CPU call keeps the
 differentiable pure-torch references `_rms_norm_torch`, `_situ_glu_torch` and `_attn_res_mix_torch`. The same
 switch (`use_fused_kernels`) gates the router's and the KDA decode's kernels (`moe`, `kda`).
-`kernels.reference=true` forces the references everywhere, training included, for a whole run (set once at startup: `set_reference_kernels`, called by
-`miles_k3.model.kernel_config.apply_kernels`); tests force them within a block: `with reference_kernels():`.
+`kernels.reference=true` forces the references everywhere, training included, for a whole run (set once at
+startup: `set_reference_kernels`, called by `miles_k3.model.kernel_config.apply_kernels`); tests force them within a
+block: `with reference_kernels():`.
 """
 from __future__ import annotations
 

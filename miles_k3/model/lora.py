@@ -157,14 +157,13 @@ class InferenceCopies:
         self.a, self.b, self.merged = a, b, merged
 
     @classmethod
-    def attach(cls, module: LoRALinear | ExpertLoRA, dtype: torch.dtype, merged: bool = False) -> InferenceCopies:
+    def attach(cls, module: LoRALinear | ExpertLoRA, dtype: torch.dtype, merged: bool = False) -> None:
         """Copies for `module` in `dtype` (the merged weight too, for a LoRALinear, if `merged`), filled now."""
         a, b = _adapter_pair(module)
         copies = cls(torch.empty_like(a, dtype=dtype), torch.empty_like(b, dtype=dtype),
                      torch.empty_like(module.weight) if merged else None)
         module.inference_copies = copies
         copies.refresh(module)
-        return copies
 
     @torch.no_grad()
     def refresh(self, module: LoRALinear | ExpertLoRA) -> None:
