@@ -23,6 +23,7 @@ part of each step's prompts; the metrics, the step line, the bar and the summary
 and an error is raised naming the rank that saw it.
 """
 import logging
+import os
 import time
 from pathlib import Path
 from typing import NoReturn
@@ -188,9 +189,12 @@ def format_summary(s: dict) -> str:
 def one_step(run: Run, step: int) -> tuple[dict[str, float], list]:
     cfg, tags = run.cfg, list(run.cfg.rollout.release_tags)
     timer = _Timer()
+    on_cuda = torch.cuda.is_available() and run.device.type == "cuda"
+    compiled = [triton_cache_entries()] if on_cuda else []
     engine_before = engine_timing(run.engine)
     samples, metrics = run.rollouts.collect(run.version)  # sync, partial, agent episodes: versions checked there
     timer.lap("rollout")
+    compiled += [triton_cache_entries()] if on_cuda else []
     engine_after = engine_timing(run.engine)
     metrics |= {f"perf/rollout_{k}": engine_after[k] - engine_before[k] for k in engine_before}
     if tags:
@@ -198,6 +202,7 @@ def one_step(run: Run, step: int) -> tuple[dict[str, float], list]:
     timer.lap("release")
     metrics |= train_step(run.model, samples, cfg.trainer, run.opt, run.sched, run.params, run.pad_id,
                           run.device, temperature=cfg.rollout.temperature, ctx=run.ctx)  # none: an empty step
+    compiled += [triton_cache_entries()] if on_cuda else []
     run.guard.record(metrics)
     timer.lap("train")
     resume_first = run.engine.push_needs_memory  # SGLang: a push's parity probe generates
@@ -218,9 +223,31 @@ def one_step(run: Run, step: int) -> tuple[dict[str, float], list]:
     metrics |= timer.metrics()
     if "perf/optimizer_s" in metrics:
         metrics["perf/train_fwd_bwd_s"] = metrics["perf/train_s"] - metrics["perf/optimizer_s"]
-    if torch.cuda.is_available() and run.device.type == "cuda":
-        metrics |= cuda_memory_metrics(run.device)
+    if on_cuda:
+        metrics |= cuda_memory_metrics(run.device) | triton_compile_metrics(compiled)
     return metrics, samples
+
+
+def triton_cache_entries() -> int | None:
+    """Entries in Triton's kernel cache directory (`TRITON_CACHE_DIR`, else ~/.triton/cache): one per compiled
+    kernel variant, so a count that grows during a step is kernels compiled in it. None without the directory."""
+    path = os.environ.get("TRITON_CACHE_DIR") or str(Path.home() / ".triton" / "cache")
+    try:
+        with os.scandir(path) as entries:
+            return sum(1 for e in entries if e.is_dir())
+    except OSError:
+        return None
+
+
+def triton_compile_metrics(counts: list[int | None]) -> dict[str, float]:
+    """Kernels compiled during the rollout and the train phase (`perf/triton_new_rollout`, `perf/triton_new_train`),
+    from the cache's entries before, between and after them: a step that takes seconds longer than its neighbours
+    with the same work, and compiled kernels, waited on the compiler (new sequence lengths specialise kernels
+    anew). {} where the cache was not readable."""
+    if len(counts) != 3 or None in counts:
+        return {}
+    before, mid, after = counts
+    return {"perf/triton_new_rollout": float(mid - before), "perf/triton_new_train": float(after - mid)}
 
 
 def cuda_memory_metrics(device: torch.device) -> dict[str, float]:

@@ -279,3 +279,26 @@ def test_cuda_memory_metrics_name_what_holds_the_device(monkeypatch):
         "mem/peak_gb": 50.5, "mem/reserved_gb": 54.0, "mem/alloc_retries": 7.0, "mem/device_used_gb": 50.0}
     monkeypatch.setattr(torch.cuda, "memory_stats", lambda d: {})  # an allocator that never retried has no key
     assert train.cuda_memory_metrics(torch.device("cuda"))["mem/alloc_retries"] == 0.0
+
+
+def test_triton_compile_metrics_count_the_cache_entries_each_phase_added(monkeypatch, tmp_path):
+    """Kernels compiled in a step's rollout and train phases: directories added to TRITON_CACHE_DIR (one per compiled
+    kernel variant); files beside them are not kernels, and an unreadable cache gives no figures."""
+    from miles_k3 import train
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    for key in ("k1", "k2"):
+        (tmp_path / key).mkdir()
+    (tmp_path / "lockfile").write_text("")
+    before = train.triton_cache_entries()
+    (tmp_path / "k3").mkdir()  # one kernel compiled during the rollout
+    mid = train.triton_cache_entries()
+    for key in ("k4", "k5", "k6"):  # three during the train step
+        (tmp_path / key).mkdir()
+    after = train.triton_cache_entries()
+    assert (before, mid, after) == (2, 3, 6)
+    assert train.triton_compile_metrics([before, mid, after]) == {
+        "perf/triton_new_rollout": 1.0, "perf/triton_new_train": 3.0}
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "absent"))
+    assert train.triton_cache_entries() is None
+    assert train.triton_compile_metrics([2, None, 6]) == {}
