@@ -2,7 +2,8 @@
 same model and against the HBM roofline.
 
     python benchmarks/bench_engine_gpu.py [--batches 1,64,256] [--prompt 32] [--new 64] [--grpo 64x8:512+512]
-                                          [--decode auto|eager|static] [--lora-rank R] [--json out.json]
+                                          [--decode auto|eager|static] [--lora-rank R [--merge-lora]]
+                                          [--json out.json]
 
 * engine: `RolloutEngine.generate` of B prompts (n=1), `max_new_tokens` new tokens each, temperature 1,
   ignore_eos; tokens/s = B * new / wall time of the call (prefill included). Decode: CUDA graphs by default
@@ -17,6 +18,10 @@ same model and against the HBM roofline.
 * `--lora-rank R`: as in RL, an adapter of rank R (alpha 2R) on every linear target (LINEAR_TARGETS, as
   recipe=k3_m2_reasoning adapts), its B random, served by the engine as "policy" and applied to the plain loop's
   model too; without it, the base alone (no adapter modules at all).
+* `--merge-lora` (with `--lora-rank`): the engine serves the adapter through merged dense weights
+  (`engine.merge_lora`: one GEMM per adapted linear; the routed experts' adapters stay unmerged); the plain loop
+  keeps the unmerged adapter. The figures record `merge_lora` and `rebind_s`, the wall time of re-merging (or
+  recasting) every adapter module after a push (`AdapterBank.bind`).
 """
 import argparse
 import json
@@ -83,11 +88,14 @@ def main() -> None:
     ap.add_argument("--budget-gib", type=float, default=24.0)
     ap.add_argument("--decode", default="auto", help="engine decode mode: auto (graph on CUDA), eager, static")
     ap.add_argument("--lora-rank", type=int, default=0, help="an RL-shaped adapter of this rank (0: none)")
+    ap.add_argument("--merge-lora", action="store_true", help="serve the adapter merged (engine.merge_lora)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    if args.merge_lora and not args.lora_rank:
+        ap.error("--merge-lora needs an adapter: give --lora-rank R")
     cfg, model = build()
     econf = EngineConfig(memory_budget_bytes=int(args.budget_gib * 2**30), page_size=64, max_context=1088,
-                         prefill_chunk=1024, decode=args.decode)
+                         prefill_chunk=1024, decode=args.decode, merge_lora=args.merge_lora)
     lora, name = None, None
     if args.lora_rank:
         lora, name = LoRAConfig(rank=args.lora_rank, alpha=2.0 * args.lora_rank, targets=list(LINEAR_TARGETS)), "policy"
@@ -101,7 +109,7 @@ def main() -> None:
         engine.load_lora_adapter_from_tensors(name, lora_state_dict(model), lora)
     params = {"temperature": 1.0, "max_new_tokens": args.new, "ignore_eos": True}
     results = {"model": "k3_m", "experts": "mxfp4", "slots": engine.num_slots, "decode": engine.decode_mode,
-               "lora_rank": args.lora_rank, "rows": []}
+               "lora_rank": args.lora_rank, "merge_lora": args.merge_lora, "rows": []}
     with torch.no_grad():
         for b in map(int, args.batches.split(",")):  # warm up: kernels compiled, graphs captured per bucket
             engine.generate(input_ids=[[1] * args.prompt] * b, sampling_params=params, lora=name)
@@ -116,6 +124,10 @@ def main() -> None:
             row["engine_over_roofline"] = row["engine_tok_s"] / row["roofline_tok_s"]
             print(json.dumps(row), flush=True)
             results["rows"].append(row)
+        if lora:  # a push of the same values: the next bind re-merges (or recasts) every adapter module
+            engine.update_weights_from_tensor(lora_state_dict(model), lora_name=name)
+            results["rebind_s"] = timed(lambda: engine.adapters.bind(name, engine.weight_version))
+            print(json.dumps({"rebind_s": results["rebind_s"]}), flush=True)
         if args.grpo != "none":
             shape, lens = args.grpo.split(":")
             p, n = map(int, shape.split("x"))

@@ -7,7 +7,11 @@ CUDA graphs read them) and keeps each adapter's tensors in buffers allocated onc
 checked in full (names, shapes, finiteness) before any byte is copied, so a bad push changes nothing
 (`push_copy.py`). Every adapter module also keeps `InferenceCopies` (A and B in the compute dtype; kv_b_proj's
 merged weight, which MLA's absorbed decode reads), refreshed when an adapter is bound: a decode step does not
-recast or re-merge the adapter it serves.
+recast or re-merge the adapter it serves. With `merge_lora` (`EngineConfig.merge_lora`) every adapted dense linear
+keeps its merged weight W + s * B @ A and its forward is one GEMM over it; the routed experts' adapters (their base
+is MXFP4) are applied unmerged as before. The base Parameters are the trainer's and are never written: the merged
+weights are buffers of their own (one more copy of each adapted dense weight), re-merged whenever `bind` copies in
+another adapter or version.
 """
 from __future__ import annotations
 
@@ -61,9 +65,11 @@ def share_base(model: K3ForCausalLM, ctx: ParallelContext = SINGLE) -> K3ForCaus
 
 class AdapterBank:
     """Adapters by name over one model's LoRA parameters. Name None is the base model (every lora_B zero);
-    without a LoRA config the bank is empty and only None is served."""
+    without a LoRA config the bank is empty and only None is served. `merge_lora`: the adapted dense linears
+    compute with merged weights (`attach_inference_copies`); binding another adapter (or another version of one)
+    re-merges each of them, so one adapter served across many steps is what it is for."""
 
-    def __init__(self, model: K3ForCausalLM, lora: LoRAConfig | None):
+    def __init__(self, model: K3ForCausalLM, lora: LoRAConfig | None, merge_lora: bool = False):
         self.model, self.config = model, lora
         self._buffers: dict[str | None, dict[str, torch.Tensor]] = {}
         self._params: dict[str, torch.Tensor] = {}
@@ -71,7 +77,7 @@ class AdapterBank:
         if lora is not None:
             apply_lora(model, lora)
             model.eval()  # the new LoRA modules are built in training mode: lora.dropout is for training only
-            self._adapted = attach_inference_copies(model)
+            self._adapted = attach_inference_copies(model, merge_lora)
             self._params = lora_parameters(model)
             self._buffers[None] = {n: torch.zeros_like(p) for n, p in self._params.items()}  # base: B = 0
         self._bound: tuple | None = None  # (adapter name, version) copied into the LoRA parameters
@@ -125,8 +131,8 @@ class AdapterBank:
 
     @torch.no_grad()
     def bind(self, name: str | None, version: int) -> None:
-        """Copy adapter `name`'s buffers into the LoRA parameters; skipped when that adapter at this version is
-        bound already."""
+        """Copy adapter `name`'s buffers into the LoRA parameters and refresh every module's InferenceCopies in
+        place (casts, merged weights); skipped when that adapter at this version is bound already."""
         if self.config is None or self._bound == (name, version):
             return
         torch._foreach_copy_(list(self._params.values()), [self._buffers[name][n] for n in self._params])
@@ -149,16 +155,17 @@ MERGED_READS = ("kv_b_proj",)
 """Adapted linears whose weight is read through `effective_weight` (MLA's absorbed decode) rather than called."""
 
 
-def attach_inference_copies(model: nn.Module) -> list[nn.Module]:
+def attach_inference_copies(model: nn.Module, merge_lora: bool = False) -> list[nn.Module]:
     """`InferenceCopies` on every adapter module of the engine's `model`: A and B in the dtype the module computes
     in (a LoRALinear's weight dtype; routed experts' adapters: the embeddings' dtype, the activations'), plus the
-    merged weight for MERGED_READS. Returns the modules, whose copies are refreshed after every change of the
-    adapter."""
+    merged weight for MERGED_READS, and with `merge_lora` for every LoRALinear, whose forward then reads it
+    (`forward_merged`). Returns the modules, whose copies are refreshed after every change of the adapter."""
     act_dtype = model.model.embed_tokens.weight.dtype
     out = []
     for path, m in model.named_modules():
         if isinstance(m, LoRALinear):
-            InferenceCopies.attach(m, m.weight.dtype, merged=path.rsplit(".", 1)[-1] in MERGED_READS)
+            InferenceCopies.attach(m, m.weight.dtype, merged=path.rsplit(".", 1)[-1] in MERGED_READS,
+                                   forward_merged=merge_lora)
         elif isinstance(m, ExpertLoRA):
             InferenceCopies.attach(m, act_dtype)
         else:

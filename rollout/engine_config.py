@@ -44,6 +44,16 @@ class EngineConfig:
     """Decode step: eager (model.step on pooled copies), static (fixed-shape step writing the pools directly,
     `graph_decode.py`), graph (static, captured as CUDA graphs per batch bucket); auto = graph on CUDA, else
     eager."""
+    merge_lora: bool = False
+    """Serve the LoRA adapter through merged weights: every adapted dense linear (attention, dense and shared-expert
+    MLPs; not the routed experts, whose MXFP4 base keeps its adapter apart) computes with W' = round(W + s * B @ A),
+    one GEMM, instead of x W^T + s * B(A x) (two GEMMs, a scale and an add more per linear per call). Costs one
+    more copy of every adapted dense weight in the engine (the trainer's base weights are shared and never
+    written), re-merged whenever another adapter or version is bound: for one RL adapter served across many
+    steps. Numerics: the engine samples from the merged weight rounded to the base dtype, so in bf16 its log-probs
+    differ from the trainer's by that rounding as well (the importance correction, trainer.loss.tis, covers it
+    where on). Off by default: the unmerged engine reproduces the trainer's log-probs more closely. Native engine
+    only."""
 
     def validate(self) -> None:
         caps = capabilities(self.backend)  # ValueError naming the backends
@@ -58,6 +68,9 @@ class EngineConfig:
             raise ValueError(f"state_snapshot_bytes: does nothing with backend={self.backend} (it keeps no state "
                              "between requests: the native engine's kept states only); remove it or use "
                              "backend=native")
+        if self.merge_lora and not caps.in_process_model:
+            raise ValueError(f"merge_lora: does nothing with backend={self.backend} (the native engine's merged "
+                             "weights; SGLang merges through sglang.push=merged); remove it or use backend=native")
         for name in ("num_slots", "num_pages"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1 or null, got {getattr(self, name)}")

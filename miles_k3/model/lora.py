@@ -111,11 +111,13 @@ class LoRALinear(nn.Linear):
         return self.lora_dropout.p if isinstance(self.lora_dropout, nn.Dropout) else 0.0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        copies = self.inference_copies if not torch.is_grad_enabled() else None  # the engine's, without grad
+        if copies is not None and copies.forward_merged and self.enabled and copies.merged.dtype == x.dtype:
+            return F.linear(x, copies.merged, self.bias)  # the engine's merge_lora: one GEMM, no dropout
         y = F.linear(x, self.weight, self.bias)
         if not self.enabled:
             return y
-        copies = self.inference_copies
-        if copies is not None and copies.a.dtype == x.dtype and not torch.is_grad_enabled():
+        if copies is not None and copies.a.dtype == x.dtype:
             a, b = copies.a, copies.b  # the casts below, made once per adapter version instead of every call
         else:
             a, b = self.lora_A.weight.to(x.dtype), self.lora_B.weight.to(x.dtype)
@@ -151,17 +153,28 @@ class InferenceCopies:
     never trains): A and B cast to the compute dtype (the cast forward otherwise makes on every call: two kernels
     per adapted linear per decode step), and for a linear read through `effective_weight`, its merged weight.
     Allocated once (CUDA graphs read their addresses) and `refresh`ed in place whenever the adapter's values
-    change; a forward with gradients, or in another dtype, ignores them."""
+    change; a forward with gradients, or in another dtype, ignores them.
 
-    def __init__(self, a: torch.Tensor, b: torch.Tensor, merged: torch.Tensor | None):
-        self.a, self.b, self.merged = a, b, merged
+    `forward_merged` (the engine's merge_lora): the LoRALinear's forward computes x @ merged^T (+ bias), one GEMM,
+    instead of x W^T + s * B(A x) (while enabled; disabled, the base alone as ever). The merged weight is rounded
+    once to W's dtype, so in bf16 its output differs from the unmerged forward's by that rounding. Off, a merged
+    copy is only read through `effective_weight` and the forward is unchanged."""
+
+    def __init__(self, a: torch.Tensor, b: torch.Tensor, merged: torch.Tensor | None, forward_merged: bool = False):
+        if forward_merged and merged is None:
+            raise ValueError("InferenceCopies: forward_merged needs the merged weight")
+        self.a, self.b, self.merged, self.forward_merged = a, b, merged, forward_merged
 
     @classmethod
-    def attach(cls, module: LoRALinear | ExpertLoRA, dtype: torch.dtype, merged: bool = False) -> None:
-        """Copies for `module` in `dtype` (the merged weight too, for a LoRALinear, if `merged`), filled now."""
+    def attach(cls, module: LoRALinear | ExpertLoRA, dtype: torch.dtype, merged: bool = False,
+               forward_merged: bool = False) -> None:
+        """Copies for `module` in `dtype` (the merged weight too, for a LoRALinear, if `merged` or
+        `forward_merged`; the latter also has its forward use it), filled now."""
+        if forward_merged and not isinstance(module, LoRALinear):
+            raise ValueError("InferenceCopies: only a LoRALinear's forward can use a merged weight")
         a, b = _adapter_pair(module)
         copies = cls(torch.empty_like(a, dtype=dtype), torch.empty_like(b, dtype=dtype),
-                     torch.empty_like(module.weight) if merged else None)
+                     torch.empty_like(module.weight) if merged or forward_merged else None, forward_merged)
         module.inference_copies = copies
         copies.refresh(module)
 

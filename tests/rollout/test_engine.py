@@ -406,7 +406,7 @@ def test_engine_adapters_are_cast_and_merged_once_per_version_with_the_same_bits
 
     casts, kept = run()
     assert casts == 0
-    monkeypatch.setattr(adapters, "attach_inference_copies", lambda model: [])
+    monkeypatch.setattr(adapters, "attach_inference_copies", lambda model, merge_lora=False: [])
     casts_per_call, per_call = run()
     assert casts_per_call > 0  # the test sees the casts it counts
     assert kept == per_call and kept[0] != kept[1]
