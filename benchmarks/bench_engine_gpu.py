@@ -3,6 +3,7 @@ same model and against the HBM roofline.
 
     python benchmarks/bench_engine_gpu.py [--batches 1,64,256] [--prompt 32] [--new 64] [--grpo 64x8:512+512]
                                           [--decode auto|eager|static] [--lora-rank R [--merge-lora]]
+                                          [--mxfp4-experts auto|torch|triton] [--repeats N] [--no-plain]
                                           [--json out.json]
 
 * engine: `RolloutEngine.generate` of B prompts (n=1), `max_new_tokens` new tokens each, temperature 1,
@@ -22,16 +23,21 @@ same model and against the HBM roofline.
   (`engine.merge_lora`: one GEMM per adapted linear; the routed experts' adapters stay unmerged); the plain loop
   keeps the unmerged adapter. The figures record `merge_lora` and `rebind_s`, the wall time of re-merging (or
   recasting) every adapter module after a push (`AdapterBank.bind`).
+* `--mxfp4-experts`: the routed experts' backend (`kernels.mxfp4_experts`; auto keeps k3_m's small projections on
+  dequantize + grouped matmul, triton forces the fused kernel, which reads only the experts a step routes to).
+* `--repeats N`: each batch's engine call timed N times; the row keeps the median and every time. `--no-plain`
+  skips the plain loop (about 18 s a batch at 256 new tokens), so the ratio to it is not recorded.
 """
 import argparse
 import json
+import statistics
 import time
 
 import torch
 from record import write_result
 
 from miles_k3.model import K3Config, K3ForCausalLM
-from miles_k3.model.experts import RoutedExperts
+from miles_k3.model.experts import RoutedExperts, set_mxfp4_experts_backend
 from miles_k3.model.lora import LINEAR_TARGETS, LoRAConfig, apply_lora, lora_parameters, lora_state_dict
 from miles_k3.rollout.engine import EngineConfig, RolloutEngine
 
@@ -89,10 +95,16 @@ def main() -> None:
     ap.add_argument("--decode", default="auto", help="engine decode mode: auto (graph on CUDA), eager, static")
     ap.add_argument("--lora-rank", type=int, default=0, help="an RL-shaped adapter of this rank (0: none)")
     ap.add_argument("--merge-lora", action="store_true", help="serve the adapter merged (engine.merge_lora)")
+    ap.add_argument("--mxfp4-experts", default="auto", choices=["auto", "torch", "triton"])
+    ap.add_argument("--repeats", type=int, default=1, help="timed engine calls per batch (the median is kept)")
+    ap.add_argument("--no-plain", action="store_true", help="skip the plain model.step loop")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     if args.merge_lora and not args.lora_rank:
         ap.error("--merge-lora needs an adapter: give --lora-rank R")
+    if args.repeats < 1:
+        ap.error(f"--repeats must be >= 1, got {args.repeats}")
+    set_mxfp4_experts_backend(args.mxfp4_experts)
     cfg, model = build()
     econf = EngineConfig(memory_budget_bytes=int(args.budget_gib * 2**30), page_size=64, max_context=1088,
                          prefill_chunk=1024, decode=args.decode, merge_lora=args.merge_lora)
@@ -109,18 +121,23 @@ def main() -> None:
         engine.load_lora_adapter_from_tensors(name, lora_state_dict(model), lora)
     params = {"temperature": 1.0, "max_new_tokens": args.new, "ignore_eos": True}
     results = {"model": "k3_m", "experts": "mxfp4", "slots": engine.num_slots, "decode": engine.decode_mode,
-               "lora_rank": args.lora_rank, "merge_lora": args.merge_lora, "rows": []}
+               "lora_rank": args.lora_rank, "merge_lora": args.merge_lora, "mxfp4_experts": args.mxfp4_experts,
+               "repeats": args.repeats, "rows": []}
     with torch.no_grad():
         for b in map(int, args.batches.split(",")):  # warm up: kernels compiled, graphs captured per bucket
             engine.generate(input_ids=[[1] * args.prompt] * b, sampling_params=params, lora=name)
-        plain_loop(model, torch.randint(0, cfg.vocab_size, (2, 4), device="cuda"), 4)
+        if not args.no_plain:
+            plain_loop(model, torch.randint(0, cfg.vocab_size, (2, 4), device="cuda"), 4)
         for b in map(int, args.batches.split(",")):
             prompts = torch.randint(0, cfg.vocab_size, (b, args.prompt), device="cuda")
-            t_engine = timed(lambda p=prompts: engine.generate(input_ids=p.tolist(), sampling_params=params, lora=name))
-            t_plain = timed(lambda p=prompts: plain_loop(model, p, args.new))
-            row = {"batch": b, "engine_tok_s": b * args.new / t_engine, "plain_tok_s": b * args.new / t_plain,
+            times = [timed(lambda p=prompts: engine.generate(input_ids=p.tolist(), sampling_params=params, lora=name))
+                     for _ in range(args.repeats)]
+            t_engine = statistics.median(times)
+            row = {"batch": b, "engine_tok_s": b * args.new / t_engine, "engine_s": times,
                    "roofline_tok_s": roofline_tokens_per_s(model, b, args.prompt + args.new // 2)}
-            row["engine_over_plain"] = row["engine_tok_s"] / row["plain_tok_s"]
+            if not args.no_plain:
+                row["plain_tok_s"] = b * args.new / timed(lambda p=prompts: plain_loop(model, p, args.new))
+                row["engine_over_plain"] = row["engine_tok_s"] / row["plain_tok_s"]
             row["engine_over_roofline"] = row["engine_tok_s"] / row["roofline_tok_s"]
             print(json.dumps(row), flush=True)
             results["rows"].append(row)
