@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from miles_k3.kernels.mxfp4 import GROUP_SIZE, dequantize_mxfp4, quantize_mxfp4
-from miles_k3.model.layers import situ_glu
+from miles_k3.model.layers import situ_glu, to_dtype
 
 EXPERT_FORMATS = ("bf16", "mxfp4")
 MXFP4_BACKENDS = ("torch", "triton")
@@ -159,7 +159,8 @@ def grouped_linear(x_MI: torch.Tensor, counts: Counts, w_EOI: torch.Tensor) -> t
 
     Ordinary autograd: differentiable in x and w. On CUDA bf16 one `torch._grouped_mm` kernel; otherwise
     one matmul per expert that has rows (the CPU reference path). `counts` may be a device tensor of
-    cumulative row ends (int32 [E], the sync-free form used by captured decode steps).
+    cumulative row ends (int32 [E], the sync-free form: captured decode steps, and on CUDA in bf16 every forward of
+    bf16 experts without LoRA, `RoutedExperts.device_row_ends`).
     """
     if isinstance(counts, torch.Tensor):
         if _use_grouped_mm(x_MI, w_EOI):
@@ -288,7 +289,7 @@ class RoutedExperts(nn.Module):
     def project(self, name: str, x_MI: torch.Tensor, counts: Counts) -> torch.Tensor:
         """Projection `name` of grouped rows: base (bf16 or MXFP4) plus the LoRA delta if attached."""
         if self.expert_format == "bf16":
-            y = grouped_linear(x_MI, counts, getattr(self, name).to(x_MI.dtype))
+            y = grouped_linear(x_MI, counts, to_dtype(getattr(self, name), x_MI.dtype))
         else:
             y = MXFP4GroupedLinear.apply(x_MI, counts, getattr(self, f"{name}_packed"),
                                          getattr(self, f"{name}_scale"))
@@ -303,6 +304,14 @@ class RoutedExperts(nn.Module):
                      self.beta, self.linear_beta)
         return self.project("w2", h, counts)
 
+    def device_row_ends(self, z_ND: torch.Tensor) -> bool:
+        """Whether a forward of `z_ND` keeps the row counts on the device: bf16 experts without LoRA, z bf16 on
+        CUDA, where every projection is one torch._grouped_mm reading cumulative row ends from the device. The
+        host list (`bincount(...).tolist()`) would cost a device sync in every MoE layer of every training
+        forward, and an upload of the offsets per projection; the offsets are the same numbers either way, so the
+        kernel and its results are the same."""
+        return self.expert_format == "bf16" and self.lora is None and z_ND.is_cuda and z_ND.dtype == torch.bfloat16
+
     def forward(self, z_ND: torch.Tensor, ids_NK: torch.Tensor, w_NK: torch.Tensor) -> torch.Tensor:
         """u = sum_k w[n,k] * E_{ids[n,k]}(z[n]); expert outputs rounded to z's dtype, weighted in fp32."""
         n_tok, top_k = ids_NK.shape
@@ -315,7 +324,7 @@ class RoutedExperts(nn.Module):
         else:
             order = torch.argsort(flat_ids, stable=True)
             token_of = order // top_k
-            if _SYNC_FREE:  # captured decode: cumulative row ends stay on the device (bincount would sync)
+            if _SYNC_FREE or self.device_row_ends(z_ND):  # cumulative row ends stay on the device (no sync)
                 ones = torch.ones_like(flat_ids, dtype=torch.int32)
                 counts = torch.zeros(self.num_experts, dtype=torch.int32, device=flat_ids.device)
                 counts = counts.index_add_(0, flat_ids, ones).cumsum(0, dtype=torch.int32)

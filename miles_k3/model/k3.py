@@ -31,7 +31,7 @@ from miles_k3.model.config import K3Config
 from miles_k3.model.experts import RoutedExperts
 from miles_k3.model.kda import KDAAttention
 from miles_k3.model.kda_ops import KDABackend, resolve_kda_backend
-from miles_k3.model.layers import RMSNorm, SiTUMLP, attn_res_mix
+from miles_k3.model.layers import RMSNorm, SiTUMLP, attn_res_mix, to_dtype
 from miles_k3.model.mla import MLAAttention
 from miles_k3.model.moe import LatentMoE
 from miles_k3.model.state import K3State
@@ -110,7 +110,7 @@ class K3DecoderLayer(nn.Module):
         if self.seals_block:
             bank.append(partial)
         a = attn_fn(self, self.input_layernorm(x_in, act))
-        partial = a.to(partial.dtype) if self.seals_block else partial + a
+        partial = to_dtype(a, partial.dtype) if self.seals_block else partial + a
         x_ffn = attn_res_mix(bank + [partial], self.mlp_res_norm, self.mlp_res_proj)
         return partial + self.ffn(self.post_attention_layernorm(x_ffn, act))
 
@@ -229,7 +229,7 @@ class K3ForCausalLM(nn.Module):
         if self.fp32_lm_head and weight.dtype != torch.float32:
             with torch.autocast(x.device.type, enabled=False):  # bf16 autocast would round the product again
                 return F.linear(x.float(), weight.float())
-        return self.lm_head(x.to(weight.dtype))
+        return self.lm_head(to_dtype(x, weight.dtype))
 
     def forward(self, input_ids_BT: torch.Tensor, seq_lens: torch.Tensor | None = None,
                 state: K3State | None = None, return_state: bool = False, return_logits: bool = True

@@ -24,7 +24,7 @@ from torch import nn
 
 from miles_k3.model.config import K3Config
 from miles_k3.model.kda_ops import KDABackend, lowerbound_gate
-from miles_k3.model.layers import use_fused_kernels
+from miles_k3.model.layers import to_dtype, use_fused_kernels
 from miles_k3.model.state import KDALayerState
 from miles_k3.parallel.comm import copy_to, reduce_from
 
@@ -147,8 +147,8 @@ class KDAAttention(nn.Module):
         Returns the activations [B, T, C] (input dtype) and the new window: the last W-1 real inputs.
         """
         qkv_BTC = self._qkv(x_BTD)
-        seq_BCX = torch.cat([conv_BCW.to(qkv_BTC.dtype), qkv_BTC.transpose(1, 2)], dim=2)  # X = W-1+T
-        weight = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight]).float()
+        seq_BCX = torch.cat([to_dtype(conv_BCW, qkv_BTC.dtype), qkv_BTC.transpose(1, 2)], dim=2)  # X = W-1+T
+        weight = to_dtype(torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight]), torch.float32)
         act_BCT = F.silu(F.conv1d(seq_BCX.float(), weight, groups=weight.shape[0]))
         w1 = self.conv_size - 1
         t = x_BTD.shape[1]
@@ -163,7 +163,8 @@ class KDAAttention(nn.Module):
         """o_proj( RMSNorm(o_h) * o_norm.weight * sigmoid(g_proj x)_h ), norm and gate in fp32; under TP
         `x_BTD` is the column projections' input and the rows' partial o_proj outputs are summed."""
         o = o_BTHV.float()
-        o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + self.norm_eps) * self.o_norm.weight.float()
+        weight = to_dtype(self.o_norm.weight, torch.float32)
+        o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + self.norm_eps) * weight
         gate = torch.sigmoid(self.g_proj(x_BTD).float()).view_as(o)
         y_BTD = self.o_proj((o * gate).reshape(*x_BTD.shape[:2], -1).to(x_BTD.dtype))
         return reduce_from(y_BTD, self.tp_group)

@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange
 
+from miles_k3.model.layers import to_dtype
+
 # benchmarks/bench_kda_cpu.py measures 16 and 32 at the same speed on CPU; 16 keeps every factored decay
 # exponent within e^+-37.5 for g >= -5, where 32 needs e^+-77.5 and leaves gradient intermediates ~e^11 of
 # room below fp32's overflow.
@@ -230,14 +232,14 @@ def _prefill_fla(q, k, v, g, beta, initial_state=None, output_final_state=False,
     """
     from fla.ops.kda import chunk_kda
     safe = gate_lower_bound is not None and -5.0 <= gate_lower_bound < 0.0
-    h0 = None if initial_state is None else initial_state.float()
+    h0 = None if initial_state is None else to_dtype(initial_state, torch.float32)
     out_dtype = v.dtype
     if fp32:
         q, k, v, beta = q.float(), k.float(), v.float(), beta.float()
-    o, state = chunk_kda(q, k, v, g.float(), beta, initial_state=h0, output_final_state=output_final_state,
-                         use_qk_l2norm_in_kernel=True, safe_gate=safe,
+    o, state = chunk_kda(q, k, v, to_dtype(g, torch.float32), beta, initial_state=h0,
+                         output_final_state=output_final_state, use_qk_l2norm_in_kernel=True, safe_gate=safe,
                          lower_bound=gate_lower_bound if safe else None)
-    return o.to(out_dtype), state
+    return to_dtype(o, out_dtype), state
 
 
 @torch.no_grad()
@@ -255,8 +257,8 @@ def lowerbound_gate(f: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
     start and the CPU path uses nothing else of it."""
     h = f.shape[-2]
     g = f.float() + dt_bias.view(h, -1)
-    g = A_log.view(h, 1).float().exp() * g
-    return (lower_bound * torch.sigmoid(g)).to(torch.float32)
+    g = to_dtype(A_log.view(h, 1), torch.float32).exp() * g
+    return to_dtype(lower_bound * torch.sigmoid(g), torch.float32)
 
 
 @torch.no_grad()

@@ -72,6 +72,12 @@ def use_fused_kernels(x: torch.Tensor, *tensors: torch.Tensor) -> bool:
     return _fused_eligible(x, *tensors) and not _needs_grad(x, *tensors)
 
 
+def to_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`t.to(dtype)`, skipped when t already has that dtype (Tensor.to would return t itself, after a trip through
+    the dispatcher: host time on every forward, e.g. an fp32 parameter's `.float()` in a bf16 model)."""
+    return t if t.dtype == dtype else t.to(dtype)
+
+
 class RMSNorm(nn.Module):
     """RMSNorm with an fp32 variance; the weight multiplies after casting back to the input dtype."""
 

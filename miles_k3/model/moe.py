@@ -20,7 +20,7 @@ from torch import nn
 
 from miles_k3.model.config import K3Config
 from miles_k3.model.experts import RoutedExperts
-from miles_k3.model.layers import RMSNorm, SiTUMLP, use_fused_kernels
+from miles_k3.model.layers import RMSNorm, SiTUMLP, to_dtype, use_fused_kernels
 
 if TYPE_CHECKING:
     from miles_k3.model.expert_parallel import ExpertParallel
@@ -62,7 +62,7 @@ class TopKRouter(nn.Module):
 
     def select(self, scores_NE: torch.Tensor) -> torch.Tensor:
         """The top-k experts of scores + the selection bias: ids [N, K] int64."""
-        biased_NE = scores_NE.detach() + self.e_score_correction_bias.float()
+        biased_NE = scores_NE.detach() + to_dtype(self.e_score_correction_bias, torch.float32)
         return torch.topk(biased_NE, self.top_k, dim=-1, sorted=False).indices
 
     def weights(self, scores_NE: torch.Tensor, ids_NK: torch.Tensor) -> torch.Tensor:

@@ -165,3 +165,43 @@ def test_grouped_mm_with_unaligned_widths_is_one_capturable_kernel():
         grouped_linear(xr, counts, wr).sum().backward()
         torch.testing.assert_close(xg.grad.float().cpu(), xr.grad, atol=5e-2, rtol=2e-2)
         torch.testing.assert_close(wg.grad.float().cpu(), wr.grad, atol=5e-2, rtol=2e-2)
+
+
+def test_bf16_experts_keep_row_counts_on_the_device_and_equal_the_host_list_path(monkeypatch):
+    """A training forward of bf16 experts on CUDA (64 experts, one never routed to) groups its rows without a host
+    sync: the cumulative row ends stay on the device (`RoutedExperts.device_row_ends`) and torch._grouped_mm reads
+    them there. The offsets are the numbers the host list gives, so the output and every gradient (input and the
+    three stacked weights) are bitwise those of the host-list path (`bincount(...).tolist()`, switched back on)."""
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        m = RoutedExperts(64, 512, 256, 4.0, 25.0, expert_format="bf16")
+        m.reset_parameters(std=0.05)
+        m.bfloat16().requires_grad_(True)
+    ids, w = _routing(1024, 64, 4, "cuda")
+    z = torch.randn(1024, 512, device="cuda", dtype=torch.bfloat16)
+    grad = torch.randn(1024, 512, device="cuda", dtype=torch.bfloat16)
+    assert m.device_row_ends(z) and not m.device_row_ends(z.float()) and not m.device_row_ends(z.cpu())
+
+    def run():
+        zz = z.clone().requires_grad_()
+        out = m(zz, ids, w)
+        out.backward(grad)
+        grads = [zz.grad] + [getattr(m, n).grad.clone() for n in PROJS]
+        m.zero_grad(set_to_none=True)
+        return out, grads
+
+    with monkeypatch.context() as patch:
+        patch.setattr(RoutedExperts, "device_row_ends", lambda self, z_ND: False)
+        host_out, host_grads = run()  # also compiles the SiTU-GLU kernel, whose autotuning synchronises
+    zz = z.clone().requires_grad_()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # a host sync (.tolist(), .item()) in the forward raises
+    try:
+        out = m(zz, ids, w)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(out, host_out)
+    dev_out, dev_grads = run()
+    assert torch.equal(dev_out, host_out)
+    for name, a, b in zip(("z", *PROJS), dev_grads, host_grads):
+        assert torch.equal(a, b), name
