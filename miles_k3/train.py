@@ -188,13 +188,11 @@ def format_summary(s: dict) -> str:
 
 def one_step(run: Run, step: int) -> tuple[dict[str, float], list]:
     cfg, tags = run.cfg, list(run.cfg.rollout.release_tags)
-    timer = _Timer()
     on_cuda = torch.cuda.is_available() and run.device.type == "cuda"
-    compiled = [triton_cache_entries()] if on_cuda else []
+    timer = _Timer(count_compiles=on_cuda)
     engine_before = engine_timing(run.engine)
     samples, metrics = run.rollouts.collect(run.version)  # sync, partial, agent episodes: versions checked there
     timer.lap("rollout")
-    compiled += [triton_cache_entries()] if on_cuda else []
     engine_after = engine_timing(run.engine)
     metrics |= {f"perf/rollout_{k}": engine_after[k] - engine_before[k] for k in engine_before}
     if tags:
@@ -202,7 +200,6 @@ def one_step(run: Run, step: int) -> tuple[dict[str, float], list]:
     timer.lap("release")
     metrics |= train_step(run.model, samples, cfg.trainer, run.opt, run.sched, run.params, run.pad_id,
                           run.device, temperature=cfg.rollout.temperature, ctx=run.ctx)  # none: an empty step
-    compiled += [triton_cache_entries()] if on_cuda else []
     run.guard.record(metrics)
     timer.lap("train")
     resume_first = run.engine.push_needs_memory  # SGLang: a push's parity probe generates
@@ -224,30 +221,20 @@ def one_step(run: Run, step: int) -> tuple[dict[str, float], list]:
     if "perf/optimizer_s" in metrics:
         metrics["perf/train_fwd_bwd_s"] = metrics["perf/train_s"] - metrics["perf/optimizer_s"]
     if on_cuda:
-        metrics |= cuda_memory_metrics(run.device) | triton_compile_metrics(compiled)
+        metrics |= cuda_memory_metrics(run.device)
     return metrics, samples
 
 
 def triton_cache_entries() -> int | None:
-    """Entries in Triton's kernel cache directory (`TRITON_CACHE_DIR`, else ~/.triton/cache): one per compiled
-    kernel variant, so a count that grows during a step is kernels compiled in it. None without the directory."""
-    path = os.environ.get("TRITON_CACHE_DIR") or str(Path.home() / ".triton" / "cache")
+    """Entries in Triton's kernel cache directory (`triton.knobs.cache.dir`: TRITON_CACHE_DIR, else
+    ~/.triton/cache): one per compiled kernel variant, so a count that grows during a phase is kernels compiled in
+    it. None without Triton or the directory."""
     try:
-        with os.scandir(path) as entries:
+        import triton
+        with os.scandir(triton.knobs.cache.dir) as entries:
             return sum(1 for e in entries if e.is_dir())
-    except OSError:
+    except (ImportError, AttributeError, OSError):
         return None
-
-
-def triton_compile_metrics(counts: list[int | None]) -> dict[str, float]:
-    """Kernels compiled during the rollout and the train phase (`perf/triton_new_rollout`, `perf/triton_new_train`),
-    from the cache's entries before, between and after them: a step that takes seconds longer than its neighbours
-    with the same work, and compiled kernels, waited on the compiler (new sequence lengths specialise kernels
-    anew). {} where the cache was not readable."""
-    if len(counts) != 3 or None in counts:
-        return {}
-    before, mid, after = counts
-    return {"perf/triton_new_rollout": float(mid - before), "perf/triton_new_train": float(after - mid)}
 
 
 def cuda_memory_metrics(device: torch.device) -> dict[str, float]:
@@ -269,23 +256,39 @@ def engine_timing(engine) -> dict[str, float]:
 
 
 class _Timer:
-    """Seconds per named phase (a name lapped twice adds up), and the total since construction."""
+    """Seconds per named phase (a name lapped twice adds up), and the total since construction. With
+    `count_compiles` (CUDA), also the kernels Triton compiled in each phase (`triton_cache_entries` at every lap): a
+    step seconds slower than its neighbours with the same work, and compiles, waited on the compiler (new sequence
+    lengths specialise kernels anew)."""
 
-    def __init__(self):
+    def __init__(self, count_compiles: bool = False):
         self.start = self.last = time.perf_counter()
         self.laps: dict[str, float] = {}
+        self.compiles: dict[str, int] | None = None
+        self.entries = triton_cache_entries() if count_compiles else None
+        if self.entries is not None:
+            self.compiles = {}
 
     def lap(self, name: str) -> None:
         now = time.perf_counter()
         self.laps[name] = self.laps.get(name, 0.0) + now - self.last
         self.last = now
+        if self.compiles is not None:
+            entries = triton_cache_entries()
+            if entries is None:  # the cache went away: no figures rather than wrong ones
+                self.compiles = None
+                return
+            self.compiles[name] = self.compiles.get(name, 0) + entries - self.entries
+            self.entries = entries
 
     def total(self) -> float:
         return self.last - self.start
 
     def metrics(self) -> dict[str, float]:
-        """perf/<phase>_s of every phase lapped so far, and perf/step_s: their total."""
-        return {f"perf/{k}_s": v for k, v in self.laps.items()} | {"perf/step_s": self.total()}
+        """perf/<phase>_s of every phase lapped so far, perf/step_s (their total), and with compiles counted
+        perf/triton_new_<phase>."""
+        compiles = {f"perf/triton_new_{k}": float(v) for k, v in (self.compiles or {}).items()}
+        return {f"perf/{k}_s": v for k, v in self.laps.items()} | {"perf/step_s": self.total()} | compiles
 
 
 def log_samples(run: Run, samples: list, step: int) -> None:

@@ -282,23 +282,37 @@ def test_cuda_memory_metrics_name_what_holds_the_device(monkeypatch):
 
 
 def test_triton_compile_metrics_count_the_cache_entries_each_phase_added(monkeypatch, tmp_path):
-    """Kernels compiled in a step's rollout and train phases: directories added to TRITON_CACHE_DIR (one per compiled
-    kernel variant); files beside them are not kernels, and an unreadable cache gives no figures."""
+    """Kernels compiled in a step's phases: directories added to Triton's cache dir (one per compiled kernel
+    variant) between the timer's laps; files beside them are not kernels, a phase lapped twice adds up, and an
+    unreadable cache gives no figures."""
+    import triton
+
     from miles_k3 import train
 
-    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(triton.knobs.cache, "dir", str(tmp_path))
     for key in ("k1", "k2"):
         (tmp_path / key).mkdir()
     (tmp_path / "lockfile").write_text("")
-    before = train.triton_cache_entries()
+    assert train.triton_cache_entries() == 2
+    timer = train._Timer(count_compiles=True)
     (tmp_path / "k3").mkdir()  # one kernel compiled during the rollout
-    mid = train.triton_cache_entries()
+    timer.lap("rollout")
     for key in ("k4", "k5", "k6"):  # three during the train step
         (tmp_path / key).mkdir()
-    after = train.triton_cache_entries()
-    assert (before, mid, after) == (2, 3, 6)
-    assert train.triton_compile_metrics([before, mid, after]) == {
-        "perf/triton_new_rollout": 1.0, "perf/triton_new_train": 3.0}
-    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "absent"))
+    timer.lap("train")
+    timer.lap("sync")  # none
+    (tmp_path / "k7").mkdir()
+    timer.lap("train")  # a second train lap adds its one
+    m = timer.metrics()
+    assert {k: v for k, v in m.items() if k.startswith("perf/triton_new_")} == {
+        "perf/triton_new_rollout": 1.0, "perf/triton_new_train": 4.0, "perf/triton_new_sync": 0.0}
+    assert not any(k.startswith("perf/triton_new_") for k in train._Timer().metrics())  # not counted off CUDA
+    monkeypatch.setattr(triton.knobs.cache, "dir", str(tmp_path / "absent"))
     assert train.triton_cache_entries() is None
-    assert train.triton_compile_metrics([2, None, 6]) == {}
+    assert not any(k.startswith("perf/triton_new_") for k in train._Timer(count_compiles=True).metrics())
+    monkeypatch.setattr(triton.knobs.cache, "dir", str(tmp_path))
+    gone = train._Timer(count_compiles=True)  # a cache readable at the start that vanishes mid-step
+    monkeypatch.setattr(triton.knobs.cache, "dir", str(tmp_path / "absent"))
+    gone.lap("rollout")
+    assert not any(k.startswith("perf/triton_new_") for k in gone.metrics())
+
