@@ -33,6 +33,13 @@ from miles_k3.utils.runtime import resolve_device
 TASK_ARGS = {"min_terms": 6, "max_terms": 12, "min_value": 1, "max_value": 19}  # recipe=reasoning_base's
 
 
+def worked_examples(n: int, tokenizer, eos_id: int) -> list:
+    """`n` worked_sum training examples (seed 0) as recipe=reasoning_base draws and encodes them."""
+    problems = load_problems(DatasetConfig(source="worked_sum", answer_field="solution", size=n, seed=0,
+                                           distinct=False, task_args=TASK_ARGS))
+    return [encode_example(p, "worked", tokenizer, eos_id) for p in problems]
+
+
 def _step(model, params, opt, sched, optim, examples, pad_id, device, micro, ckpt) -> tuple[float, int]:
     t = time.perf_counter()
     _, tokens = sft_backward(model, examples, pad_id, device, micro, ckpt)
@@ -66,9 +73,7 @@ def main() -> None:
     tokenizer, stop_ids = build_tokenizer(cfg)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     n = args.batch * (args.steps + args.profile_steps + 1)
-    problems = load_problems(DatasetConfig(source="worked_sum", answer_field="solution", size=n, seed=0,
-                                           distinct=False, task_args=TASK_ARGS))
-    examples = [encode_example(p, "worked", tokenizer, stop_ids[0]) for p in problems]
+    examples = worked_examples(n, tokenizer, stop_ids[0])
     batches = [examples[i:i + args.batch] for i in range(0, n, args.batch)]
     settings = [(int(m), c == "on", k) for m in args.micro_batch_tokens.split(",")
                 for c in args.checkpointing.split(",") for k in args.kernels.split(",")]

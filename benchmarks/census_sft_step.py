@@ -44,12 +44,12 @@ import time
 from pathlib import Path
 
 import torch
+from bench_sft_gpu import worked_examples
 from record import write_result
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from miles_k3 import sft
-from miles_k3.evals.datasets import DatasetConfig, load_problems
 from miles_k3.model.build import ModelConfig, build_tokenizer
 from miles_k3.model.config import K3Config
 from miles_k3.model.weight_sources import RandomInit
@@ -57,7 +57,6 @@ from miles_k3.model.weights import build_k3
 from miles_k3.trainer.batch import Sample
 from miles_k3.trainer.optim import OptimConfig, build_scheduler, optimizer_step
 
-TASK_ARGS = {"min_terms": 6, "max_terms": 12, "min_value": 1, "max_value": 19}  # recipe=reasoning_base's
 OPTIM = OptimConfig(lr=1e-3, betas=[0.9, 0.95], weight_decay=0.01, grad_clip=1.0)
 REDUCED = {"vocab_size": 512, "hidden_size": 64, "num_attention_heads": 2, "num_key_value_heads": 2,
            "q_lora_rank": 32, "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16,
@@ -84,9 +83,7 @@ def census_config(width: str) -> K3Config:
 def census_examples(batch: int, vocab_size: int) -> list[Sample]:
     """`batch` worked_sum examples as the recipe encodes them (k3_m2's tokenizer), ids folded into `vocab_size`."""
     tokenizer, stop_ids = build_tokenizer(ModelConfig(name="k3_m2"))
-    problems = load_problems(DatasetConfig(source="worked_sum", answer_field="solution", size=batch, seed=0,
-                                           distinct=False, task_args=TASK_ARGS))
-    examples = [sft.encode_example(p, "worked", tokenizer, stop_ids[0]) for p in problems]
+    examples = worked_examples(batch, tokenizer, stop_ids[0])
     return [Sample([i % vocab_size for i in e.prompt_ids], [i % vocab_size for i in e.response_ids])
             for e in examples]
 
