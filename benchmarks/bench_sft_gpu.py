@@ -26,7 +26,7 @@ from record import write_result
 from miles_k3.evals.datasets import DatasetConfig, load_problems
 from miles_k3.model.build import ModelConfig, build_model, build_tokenizer
 from miles_k3.model.layers import set_reference_kernels
-from miles_k3.sft import build_full_optimizer, encode_example, sft_backward
+from miles_k3.sft import build_full_optimizer, encode_batch, sft_backward
 from miles_k3.trainer.optim import OptimConfig, build_scheduler, optimizer_step
 from miles_k3.utils.runtime import resolve_device
 
@@ -37,7 +37,7 @@ def worked_examples(n: int, tokenizer, eos_id: int) -> list:
     """`n` worked_sum training examples (seed 0) as recipe=reasoning_base draws and encodes them."""
     problems = load_problems(DatasetConfig(source="worked_sum", answer_field="solution", size=n, seed=0,
                                            distinct=False, task_args=TASK_ARGS))
-    return [encode_example(p, "worked", tokenizer, eos_id) for p in problems]
+    return encode_batch(problems, "worked", tokenizer, eos_id)
 
 
 def _step(model, params, opt, sched, optim, examples, pad_id, device, micro, ckpt) -> tuple[float, int]:

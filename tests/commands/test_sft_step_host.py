@@ -1,0 +1,80 @@
+"""The SFT run's host work, made cheaper without changing what it trains on: the examples tokenized in two batched
+calls (`sft.encode_batch`: the same ids as one `encode` per text, as the RL rollouts tokenize), one host read of
+the step's loss after its backward (a non-finite loss still skips the update), and a fused AdamW on CUDA."""
+import math
+
+import pytest
+import torch
+
+from miles_k3.evals.problems import DatasetError, Problem
+from miles_k3.model.build import ModelConfig, build_model, build_tokenizer
+from miles_k3.sft import build_full_optimizer, encode_batch, sft_backward
+from miles_k3.trainer.batch import Sample
+from miles_k3.trainer.optim import OptimConfig, build_scheduler, optimizer_step
+
+OPTIM = OptimConfig(lr=1e-3, betas=[0.9, 0.95], weight_decay=0.01, grad_clip=1.0)
+
+
+def test_batched_encoding_gives_the_ids_of_one_encode_per_text():
+    tok, stop = build_tokenizer(ModelConfig(name="k3_nano"))
+    problems = [Problem("a", "a=3, b=-4. Sum them.", "a=3\n3 + b=-4 = -1\nAnswer: -1"),
+                Problem("b", "x", "7"), Problem("c", "Total of 12 and 30?", "Answer: 42")]
+    samples = encode_batch(problems, "plain", tok, stop[0])
+    assert [tok.decode(s.prompt_ids) for s in samples] == [p.problem for p in problems]
+    assert [tok.decode(s.response_ids[:-1]) for s in samples] == [p.answer for p in problems]
+    assert all(s.response_ids[-1] == stop[0] for s in samples)
+    for p, s in zip(problems, samples):
+        assert s.prompt_ids == tok.encode(p.problem, add_special_tokens=False)
+        assert s.response_ids == tok.encode(p.answer, add_special_tokens=False) + [stop[0]]
+    assert encode_batch([], "plain", tok, stop[0]) == []
+
+
+def test_an_empty_prompt_is_refused_naming_its_problem():
+    tok, stop = build_tokenizer(ModelConfig(name="k3_nano"))
+    with pytest.raises(DatasetError, match="problem empty-one: its prompt under template 'plain' is empty"):
+        encode_batch([Problem("fine", "1+1", "2"), Problem("empty-one", "", "3")], "plain", tok, stop[0])
+
+
+def test_a_nan_loss_is_read_after_the_backward_and_the_update_is_skipped():
+    model = build_model(ModelConfig(name="k3_nano", experts="bf16", dtype="fp32"), torch.device("cpu"),
+                        torch.float32, seed=0).requires_grad_(True)
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        params["lm_head.weight"][5].fill_(math.nan)  # one NaN logit: every position's log-softmax is NaN
+    before = {n: p.detach().clone() for n, p in params.items()}
+    opt = build_full_optimizer(params, OPTIM)
+    sched = build_scheduler(opt, OPTIM)
+    examples = [Sample([1, 2, 2], [3, 4]), Sample([7, 8], [9])]
+    loss, tokens = sft_backward(model, examples, 0, torch.device("cpu"), micro_batch_tokens=6)  # two micro-batches
+    assert math.isnan(loss) and tokens == 4 + 2  # the input positions: all ids but the last of each
+    assert any(not torch.isfinite(p.grad).all() for p in params.values() if p.grad is not None)  # it ran
+    metrics = optimizer_step(opt, sched, params, OPTIM, loss=loss)
+    assert metrics["train/skipped"] == 1.0 and math.isnan(metrics["train/grad_norm"])
+    assert all(torch.equal(p.detach(), before[n]) or n == "lm_head.weight" for n, p in params.items())
+    assert all(p.grad is None for p in params.values())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_fused_cuda_optimizer_steps_as_the_foreach_one():
+    """Three updates of the same bf16 parameters and gradients: the fused AdamW (what build_full_optimizer takes
+    on CUDA) against torch's foreach one, within bf16 rounding (2^-8 relative) of the parameters."""
+    cuda = torch.device("cuda")
+    g = torch.Generator(device=cuda).manual_seed(0)
+    shapes = [(256, 128), (128,), (64, 64, 8)]
+    runs = []
+    for fused in (True, False):
+        params = {f"p{i}": torch.nn.Parameter(torch.randn(s, generator=g.manual_seed(i), device=cuda,
+                                                           dtype=torch.bfloat16)) for i, s in enumerate(shapes)}
+        opt = build_full_optimizer(params, OPTIM)
+        assert opt.defaults["fused"] is True
+        if not fused:
+            opt = torch.optim.AdamW(opt.param_groups, lr=OPTIM.lr, betas=tuple(OPTIM.betas), foreach=True)
+        for step in range(3):
+            for i, p in enumerate(params.values()):
+                p.grad = torch.randn(p.shape, generator=g.manual_seed(100 * step + i), device=cuda,
+                                     dtype=torch.bfloat16)
+            opt.step()
+        runs.append([p.detach().float() for p in params.values()])
+    for a, b in zip(*runs):
+        torch.testing.assert_close(a, b, rtol=2 ** -8, atol=1e-5)
