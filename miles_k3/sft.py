@@ -82,7 +82,7 @@ from miles_k3.trainer.logprobs import token_logprobs
 from miles_k3.trainer.optim import BadStepGuard, OptimConfig, build_optimizer, build_scheduler, optimizer_step
 from miles_k3.trainer.rollouts import PromptStream
 from miles_k3.utils.atomic import atomic_write_text
-from miles_k3.utils.runtime import resolve_dtype, set_threads
+from miles_k3.utils.runtime import CompileCounter, resolve_dtype, set_threads
 from miles_k3.utils.tracking import NullTracker, Tracker
 
 log = logging.getLogger("miles_k3.sft")
@@ -383,6 +383,7 @@ def _loop(cfg, model, params, opt, sched, stream, examples, pad_id, device, trac
     if hook is not None and cfg.eval.at_start:
         _evaluate(cfg, hook, engine, params, 0, evals)  # the initial weights (lora: the no-op adapter)
     window = _Window()
+    compiles = CompileCounter(device.type == "cuda")  # a fresh machine compiles what its Triton cache lacks
     stop = StopFlag()
     for step in range(1, cfg.steps + 1):
         stopping = stop.agreed(ctx)  # a signal to any rank stops them all
@@ -398,17 +399,23 @@ def _loop(cfg, model, params, opt, sched, stream, examples, pad_id, device, trac
         metrics = optimizer_step(opt, sched, params, cfg.optim, loss=value, ctx=ctx)
         guard.record(metrics)
         losses.append(value)
-        window.add(value, metrics, num_tokens, time.perf_counter() - t)
+        window.add(value, metrics, num_tokens, time.perf_counter() - t, compiles.take())
         if step % cfg.log_every == 0 or step == cfg.steps:
             row = window.flush() | {"train/epoch": float(stream.epoch)}
             tracker.log(row, step=step)
-            log.info("step %d/%d loss=%.4f lr=%.3g grad_norm=%.3g tok/s=%.0f", step, cfg.steps,
-                     row["train/loss"], row["train/lr"], row["train/grad_norm"], row["perf/tokens_per_s"])
+            log.info("step %d/%d loss=%.4f lr=%.3g grad_norm=%.3g tok/s=%.0f%s", step, cfg.steps,
+                     row["train/loss"], row["train/lr"], row["train/grad_norm"], row["perf/tokens_per_s"],
+                     _compiled(row.get("perf/triton_new")))
         if heldout is not None and (step % cfg.heldout_every == 0 or step == cfg.steps):
+            t = time.perf_counter()
             row = heldout_figures(model, heldout, pad_id, device, ctx=ctx)  # the same on every rank
+            row["perf/heldout_s"] = time.perf_counter() - t
+            if (new := compiles.take()) is not None:
+                row["perf/heldout_triton_new"] = float(new)
             tracker.log(row, step=step)
-            log.info("step %d/%d held-out (teacher-forced): exact=%.4f token=%.4f", step, cfg.steps,
-                     row["sft/heldout_exact"], row["sft/heldout_token"])
+            log.info("step %d/%d held-out (teacher-forced): exact=%.4f token=%.4f (%.1f s%s)", step, cfg.steps,
+                     row["sft/heldout_exact"], row["sft/heldout_token"], row["perf/heldout_s"],
+                     _compiled(row.get("perf/heldout_triton_new")))
             if cfg.stop_at_heldout_exact and row["sft/heldout_exact"] >= cfg.stop_at_heldout_exact:
                 log.info("stopping at step %d: held-out exact %.4f >= stop_at_heldout_exact=%g", step,
                          row["sft/heldout_exact"], cfg.stop_at_heldout_exact)
@@ -454,19 +461,28 @@ def heldout_figures(model: nn.Module, examples: list[Sample], pad_id: int, devic
     return {"sft/heldout_exact": exact / len(examples), "sft/heldout_token": hits / max(total, 1)}
 
 
+def _compiled(new: float | None) -> str:
+    """", compiled N Triton kernels" for a log line when N > 0, else nothing."""
+    return f", compiled {new:.0f} Triton kernels" if new else ""
+
+
 class _Window:
-    """Sums since the last log: the mean loss of those steps, the last lr / grad norm, tokens per second."""
+    """Sums since the last log: the mean loss of those steps, the last lr / grad norm, tokens per second, and the
+    Triton kernels compiled in them (perf/triton_new; CUDA only)."""
 
     def __init__(self):
         self.losses: list[float] = []
         self.tokens, self.seconds, self.skipped, self.last = 0, 0.0, 0, {}
+        self.compiles: int | None = None
 
-    def add(self, loss: float, metrics: dict, tokens: int, seconds: float) -> None:
+    def add(self, loss: float, metrics: dict, tokens: int, seconds: float, compiles: int | None = None) -> None:
         self.losses.append(loss)
         self.tokens += tokens
         self.seconds += seconds
         self.skipped += int(metrics["train/skipped"])
         self.last = metrics
+        if compiles is not None:
+            self.compiles = (self.compiles or 0) + compiles
 
     def flush(self) -> dict[str, float]:
         finite = [x for x in self.losses if math.isfinite(x)]
@@ -474,6 +490,8 @@ class _Window:
                "train/lr": self.last["train/lr"], "train/grad_norm": self.last["train/grad_norm"],
                "train/skipped_steps": float(self.skipped), "perf/tokens_per_s": self.tokens / self.seconds,
                "perf/step_s": self.seconds / len(self.losses)}
+        if self.compiles is not None:
+            row["perf/triton_new"] = float(self.compiles)
         self.__init__()
         return row
 

@@ -23,7 +23,6 @@ part of each step's prompts; the metrics, the step line, the bar and the summary
 and an error is raised naming the rank that saw it.
 """
 import logging
-import os
 import time
 from pathlib import Path
 from typing import NoReturn
@@ -42,7 +41,7 @@ from miles_k3.model.ranks import start_ranks
 from miles_k3.parallel.mesh import naming_rank, shutdown
 from miles_k3.trainer.checkpoint import ADAPTER_DIR, rollout_checkpoint, save_checkpoint
 from miles_k3.trainer.step import train_step
-from miles_k3.utils.runtime import resolve_dtype
+from miles_k3.utils.runtime import CompileCounter, resolve_dtype
 from miles_k3.utils.tracking import logged_evals
 from miles_k3.weight_sync.push import SyncError
 
@@ -225,18 +224,6 @@ def one_step(run: Run, step: int) -> tuple[dict[str, float], list]:
     return metrics, samples
 
 
-def triton_cache_entries() -> int | None:
-    """Entries in Triton's kernel cache directory (`triton.knobs.cache.dir`: TRITON_CACHE_DIR, else
-    ~/.triton/cache): one per compiled kernel variant, so a count that grows during a phase is kernels compiled in
-    it. None without Triton or the directory."""
-    try:
-        import triton
-        with os.scandir(triton.knobs.cache.dir) as entries:
-            return sum(1 for e in entries if e.is_dir())
-    except (ImportError, AttributeError, OSError):
-        return None
-
-
 def cuda_memory_metrics(device: torch.device) -> dict[str, float]:
     """The process's CUDA memory after a step: its peak allocation, what the caching allocator holds, how often it
     had to free its cache and retry a cudaMalloc (each retry synchronises the device: steps that slow down with the
@@ -264,22 +251,19 @@ class _Timer:
     def __init__(self, count_compiles: bool = False):
         self.start = self.last = time.perf_counter()
         self.laps: dict[str, float] = {}
-        self.compiles: dict[str, int] | None = None
-        self.entries = triton_cache_entries() if count_compiles else None
-        if self.entries is not None:
-            self.compiles = {}
+        self.counter = CompileCounter(count_compiles)
+        self.compiles: dict[str, int] | None = None if self.counter.entries is None else {}
 
     def lap(self, name: str) -> None:
         now = time.perf_counter()
         self.laps[name] = self.laps.get(name, 0.0) + now - self.last
         self.last = now
         if self.compiles is not None:
-            entries = triton_cache_entries()
-            if entries is None:  # the cache went away: no figures rather than wrong ones
+            new = self.counter.take()
+            if new is None:  # the cache went away: no figures rather than wrong ones
                 self.compiles = None
                 return
-            self.compiles[name] = self.compiles.get(name, 0) + entries - self.entries
-            self.entries = entries
+            self.compiles[name] = self.compiles.get(name, 0) + new
 
     def total(self) -> float:
         return self.last - self.start

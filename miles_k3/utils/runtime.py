@@ -93,3 +93,32 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
         dtype, reason = DTYPES[name], "as configured"
     log.info("dtype=%s (%s)", str(dtype).removeprefix("torch."), reason)
     return dtype
+
+
+def triton_cache_entries() -> int | None:
+    """Entries in Triton's kernel cache directory (`triton.knobs.cache.dir`: TRITON_CACHE_DIR, else
+    ~/.triton/cache): one per compiled kernel variant, so a count that grows during a phase is kernels compiled in
+    it. None without Triton or the directory."""
+    try:
+        import triton
+        with os.scandir(triton.knobs.cache.dir) as entries:
+            return sum(1 for e in entries if e.is_dir())
+    except (ImportError, AttributeError, OSError):
+        return None
+
+
+class CompileCounter:
+    """Kernels Triton compiled between calls of `take` (`triton_cache_entries`' growth): a step seconds slower
+    than its neighbours with the same work, and compiles, waited on the compiler. Counts only when `enabled` (CUDA)
+    and the cache is readable; `take` then returns None, as it does from the moment the cache goes away (no figure
+    rather than a wrong one)."""
+
+    def __init__(self, enabled: bool):
+        self.entries = triton_cache_entries() if enabled else None
+
+    def take(self) -> int | None:
+        if self.entries is None:
+            return None
+        entries = triton_cache_entries()
+        new, self.entries = (None if entries is None else entries - self.entries), entries
+        return new

@@ -78,3 +78,28 @@ def test_the_fused_cuda_optimizer_steps_as_the_foreach_one():
         runs.append([p.detach().float() for p in params.values()])
     for a, b in zip(*runs):
         torch.testing.assert_close(a, b, rtol=2 ** -8, atol=1e-5)
+
+
+def test_the_log_window_counts_the_kernels_compiled_in_its_steps(monkeypatch, tmp_path):
+    """SFT's log line and perf/triton_new: Triton cache directories added during the window's steps (by hand: one
+    kernel in the first step, two in the third); a window that could not count has no figure."""
+    import triton
+
+    from miles_k3.sft import _compiled, _Window
+    from miles_k3.utils.runtime import CompileCounter
+
+    monkeypatch.setattr(triton.knobs.cache, "dir", str(tmp_path))
+    (tmp_path / "old").mkdir()
+    counter, window = CompileCounter(True), _Window()
+    metrics = {"train/skipped": 0.0, "train/lr": 1e-3, "train/grad_norm": 1.0}
+    for step, new in enumerate([["k1"], [], ["k2", "k3"]]):
+        for key in new:
+            (tmp_path / key).mkdir()
+        window.add(1.0, metrics, 100, 0.5, counter.take())
+    row = window.flush()
+    assert row["perf/triton_new"] == 3.0 and row["perf/tokens_per_s"] == 200.0
+    assert _compiled(row["perf/triton_new"]) == ", compiled 3 Triton kernels" and _compiled(0.0) == ""
+    window.add(1.0, metrics, 100, 0.5, CompileCounter(False).take())  # off CUDA: not counted
+    assert "perf/triton_new" not in window.flush()
+    monkeypatch.setattr(triton.knobs.cache, "dir", str(tmp_path / "absent"))
+    assert counter.take() is None and counter.take() is None  # the cache went away
