@@ -399,23 +399,26 @@ def _loop(cfg, model, params, opt, sched, stream, examples, pad_id, device, trac
         metrics = optimizer_step(opt, sched, params, cfg.optim, loss=value, ctx=ctx)
         guard.record(metrics)
         losses.append(value)
-        window.add(value, metrics, num_tokens, time.perf_counter() - t, compiles.take())
+        new = compiles.take()
+        window.add(value, metrics, num_tokens, time.perf_counter() - t, new, compiles.names if new else [])
         if step % cfg.log_every == 0 or step == cfg.steps:
+            kernels = window.kernels
             row = window.flush() | {"train/epoch": float(stream.epoch)}
             tracker.log(row, step=step)
             log.info("step %d/%d loss=%.4f lr=%.3g grad_norm=%.3g tok/s=%.0f%s", step, cfg.steps,
                      row["train/loss"], row["train/lr"], row["train/grad_norm"], row["perf/tokens_per_s"],
-                     _compiled(row.get("perf/triton_new")))
+                     _compiled(row.get("perf/triton_new"), kernels))
         if heldout is not None and (step % cfg.heldout_every == 0 or step == cfg.steps):
             t = time.perf_counter()
             row = heldout_figures(model, heldout, pad_id, device, ctx=ctx)  # the same on every rank
             row["perf/heldout_s"] = time.perf_counter() - t
             if (new := compiles.take()) is not None:
                 row["perf/heldout_triton_new"] = float(new)
+            kernels = compiles.names if new else []
             tracker.log(row, step=step)
             log.info("step %d/%d held-out (teacher-forced): exact=%.4f token=%.4f (%.1f s%s)", step, cfg.steps,
                      row["sft/heldout_exact"], row["sft/heldout_token"], row["perf/heldout_s"],
-                     _compiled(row.get("perf/heldout_triton_new")))
+                     _compiled(row.get("perf/heldout_triton_new"), kernels))
             if cfg.stop_at_heldout_exact and row["sft/heldout_exact"] >= cfg.stop_at_heldout_exact:
                 log.info("stopping at step %d: held-out exact %.4f >= stop_at_heldout_exact=%g", step,
                          row["sft/heldout_exact"], cfg.stop_at_heldout_exact)
@@ -461,9 +464,12 @@ def heldout_figures(model: nn.Module, examples: list[Sample], pad_id: int, devic
     return {"sft/heldout_exact": exact / len(examples), "sft/heldout_token": hits / max(total, 1)}
 
 
-def _compiled(new: float | None) -> str:
-    """", compiled N Triton kernels" for a log line when N > 0, else nothing."""
-    return f", compiled {new:.0f} Triton kernels" if new else ""
+def _compiled(new: float | None, kernels: list[str], show: int = 6) -> str:
+    """", compiled N Triton kernels (names)" for a log line when N > 0 (the first `show` names), else nothing."""
+    if not new:
+        return ""
+    names = ", ".join(kernels[:show]) + (", ..." if len(kernels) > show else "")
+    return f", compiled {new:.0f} Triton kernels ({names})"
 
 
 class _Window:
@@ -474,8 +480,10 @@ class _Window:
         self.losses: list[float] = []
         self.tokens, self.seconds, self.skipped, self.last = 0, 0.0, 0, {}
         self.compiles: int | None = None
+        self.kernels: list[str] = []
 
-    def add(self, loss: float, metrics: dict, tokens: int, seconds: float, compiles: int | None = None) -> None:
+    def add(self, loss: float, metrics: dict, tokens: int, seconds: float, compiles: int | None = None,
+            kernels: list[str] = ()) -> None:
         self.losses.append(loss)
         self.tokens += tokens
         self.seconds += seconds
@@ -483,6 +491,7 @@ class _Window:
         self.last = metrics
         if compiles is not None:
             self.compiles = (self.compiles or 0) + compiles
+        self.kernels.extend(kernels)
 
     def flush(self) -> dict[str, float]:
         finite = [x for x in self.losses if math.isfinite(x)]

@@ -99,26 +99,50 @@ def triton_cache_entries() -> int | None:
     """Entries in Triton's kernel cache directory (`triton.knobs.cache.dir`: TRITON_CACHE_DIR, else
     ~/.triton/cache): one per compiled kernel variant, so a count that grows during a phase is kernels compiled in
     it. None without Triton or the directory."""
+    found = _triton_cache_dirs()
+    return None if found is None else len(found)
+
+
+def _triton_cache_dirs() -> dict[str, str] | None:
+    """{entry directory: path} of Triton's kernel cache directory, None without Triton or the directory."""
     try:
         import triton
         with os.scandir(triton.knobs.cache.dir) as entries:
-            return sum(1 for e in entries if e.is_dir())
+            return {e.name: e.path for e in entries if e.is_dir()}
     except (ImportError, AttributeError, OSError):
         return None
+
+
+def _kernel_name(path: str) -> str:
+    """The kernel an entry of Triton's cache holds: the stem of its metadata file (<name>.json; the
+    __grp__<name>.json index aside), or the entry's own name when it has none yet."""
+    try:
+        names = sorted(f[:-5] for f in os.listdir(path) if f.endswith(".json") and not f.startswith("__grp__"))
+    except OSError:
+        names = []
+    return names[0] if names else os.path.basename(path)
 
 
 class CompileCounter:
     """Kernels Triton compiled between calls of `take` (`triton_cache_entries`' growth): a step seconds slower
     than its neighbours with the same work, and compiles, waited on the compiler. Counts only when `enabled` (CUDA)
     and the cache is readable; `take` then returns None, as it does from the moment the cache goes away (no figure
-    rather than a wrong one)."""
+    rather than a wrong one). `names` holds the kernels of the last `take` that found some."""
 
     def __init__(self, enabled: bool):
-        self.entries = triton_cache_entries() if enabled else None
+        self.dirs = _triton_cache_dirs() if enabled else None
+        self.entries = None if self.dirs is None else len(self.dirs)
+        self.names: list[str] = []
 
     def take(self) -> int | None:
-        if self.entries is None:
+        if self.dirs is None:
             return None
-        entries = triton_cache_entries()
-        new, self.entries = (None if entries is None else entries - self.entries), entries
-        return new
+        dirs = _triton_cache_dirs()
+        if dirs is None:
+            self.dirs = self.entries = None
+            return None
+        new = [path for name, path in dirs.items() if name not in self.dirs]
+        self.dirs, self.entries = dirs, len(dirs)
+        if new:
+            self.names = sorted(_kernel_name(path) for path in new)
+        return len(new)

@@ -92,13 +92,20 @@ def test_the_log_window_counts_the_kernels_compiled_in_its_steps(monkeypatch, tm
     (tmp_path / "old").mkdir()
     counter, window = CompileCounter(True), _Window()
     metrics = {"train/skipped": 0.0, "train/lr": 1e-3, "train/grad_norm": 1.0}
-    for step, new in enumerate([["k1"], [], ["k2", "k3"]]):
+    for new in (["k1"], [], ["k2", "k3"]):
         for key in new:
             (tmp_path / key).mkdir()
-        window.add(1.0, metrics, 100, 0.5, counter.take())
+            (tmp_path / key / f"kernel_{key}.json").write_text("{}")
+            (tmp_path / key / f"__grp__kernel_{key}.json").write_text("{}")
+        count = counter.take()
+        window.add(1.0, metrics, 100, 0.5, count, counter.names if count else [])
+    assert window.kernels == ["kernel_k1", "kernel_k2", "kernel_k3"]
+    kernels = window.kernels
     row = window.flush()
     assert row["perf/triton_new"] == 3.0 and row["perf/tokens_per_s"] == 200.0
-    assert _compiled(row["perf/triton_new"]) == ", compiled 3 Triton kernels" and _compiled(0.0) == ""
+    assert _compiled(row["perf/triton_new"], kernels) == ", compiled 3 Triton kernels (kernel_k1, kernel_k2, kernel_k3)"
+    assert _compiled(3.0, kernels, show=2) == ", compiled 3 Triton kernels (kernel_k1, kernel_k2, ...)"
+    assert _compiled(0.0, []) == ""
     window.add(1.0, metrics, 100, 0.5, CompileCounter(False).take())  # off CUDA: not counted
     assert "perf/triton_new" not in window.flush()
     monkeypatch.setattr(triton.knobs.cache, "dir", str(tmp_path / "absent"))
