@@ -365,7 +365,8 @@ def _train_sft(cfg, raw_yaml: str, ctx: ParallelContext, device: torch.device, t
                               engine, hook, heldout_examples, ctx)
         saved = _save(cfg, model_cfg, model, target, ctx)
         if cfg.quantize:
-            log.info("quantized base (MXFP4 routed experts): %s", quantize_checkpoint(saved, run_dir / "base"))
+            log.info("quantized base (MXFP4 routed experts): %s",
+                     quantize_checkpoint(saved, run_dir / "base", device=device))
     finally:
         tracker.finish()
     log.info("saved the %s to %s", "model" if cfg.mode == "full" else "adapter", saved)
