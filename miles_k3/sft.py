@@ -65,6 +65,7 @@ from miles_k3.model.adapter_stream import save_adapter_streamed
 from miles_k3.model.build import ModelConfig, build_model, build_tokenizer, num_params, weights_dir
 from miles_k3.model.config import ConfigError
 from miles_k3.model.kernel_config import apply_kernels
+from miles_k3.model.layers import reference_kernels
 from miles_k3.model.lora import lora_parameters
 from miles_k3.model.parallelize import vocab_shard
 from miles_k3.model.ranks import end_ranks, start_ranks
@@ -442,24 +443,28 @@ def heldout_figures(model: nn.Module, examples: list[Sample], pad_id: int, devic
     of the model's logits at its position (what greedy decoding would reproduce, ties aside), and
     sft/heldout_token, the share of all target tokens that are. On many ranks (`ctx`) DP replica r counts examples
     r, r + dp, ... (the argmax over the TP group's vocabulary shards: `vocab_argmax`) and the counts are summed over
-    the replicas: the same figures on every rank. In lockstep a replica with fewer batches runs idle forwards."""
+    the replicas: the same figures on every rank. In lockstep a replica with fewer batches runs idle forwards.
+    The forwards take the torch references of the kernels that run only without gradients (RMSNorm, SiTU-GLU,
+    the AttnRes mix, the router: `reference_kernels`), so that nothing is compiled for a measurement of a few
+    forwards (on a fresh GPU machine the first one took 16 s, the later ones ~0.3 s)."""
     was_training = model.training
     model.eval()
     mine = examples[ctx.dp_rank::ctx.dp_size]
     starts = range(0, len(mine), batch_size)
     exact = hits = total = 0
-    for k in range(Lockstep(ctx).steps(len(starts))):
-        if k >= len(starts):  # lockstep: this rank's part in another replica's forward
-            _idle_step(model, pad_id, device, backward=False)
-            continue
-        batch = pack(mine[starts[k]:starts[k] + batch_size], pad_id, model.config.vocab_size).to(device)
-        with _autocast(model):
-            logits = model(batch.input_ids_BT, seq_lens=batch.seq_lens_B).logits
-        mask_BT = batch.mask_BT > 0
-        right_BT = (vocab_argmax(logits, vocab_shard(model)) == batch.targets_BT) & mask_BT
-        hits += int(right_BT.sum())
-        total += int(mask_BT.sum())
-        exact += int((right_BT.sum(-1) == mask_BT.sum(-1)).sum())
+    with reference_kernels():
+        for k in range(Lockstep(ctx).steps(len(starts))):
+            if k >= len(starts):  # lockstep: this rank's part in another replica's forward
+                _idle_step(model, pad_id, device, backward=False)
+                continue
+            batch = pack(mine[starts[k]:starts[k] + batch_size], pad_id, model.config.vocab_size).to(device)
+            with _autocast(model):
+                logits = model(batch.input_ids_BT, seq_lens=batch.seq_lens_B).logits
+            mask_BT = batch.mask_BT > 0
+            right_BT = (vocab_argmax(logits, vocab_shard(model)) == batch.targets_BT) & mask_BT
+            hits += int(right_BT.sum())
+            total += int(mask_BT.sum())
+            exact += int((right_BT.sum(-1) == mask_BT.sum(-1)).sum())
     model.train(was_training)
     exact, hits, total = sum_over([float(exact), float(hits), float(total)], ctx.dp_group)
     return {"sft/heldout_exact": exact / len(examples), "sft/heldout_token": hits / max(total, 1)}

@@ -110,3 +110,24 @@ def test_the_log_window_counts_the_kernels_compiled_in_its_steps(monkeypatch, tm
     assert "perf/triton_new" not in window.flush()
     monkeypatch.setattr(triton.knobs.cache, "dir", str(tmp_path / "absent"))
     assert counter.take() is None and counter.take() is None  # the cache went away
+
+
+def test_heldout_forwards_take_the_reference_kernels_and_restore_the_choice(monkeypatch):
+    """Nothing is compiled for a held-out measurement: every RMSNorm in its forwards sees the fused kernels
+    switched off (`reference_kernels`), and the process's choice is back on afterwards."""
+    from miles_k3.model import layers
+    from miles_k3.sft import heldout_figures
+
+    model = build_model(ModelConfig(name="k3_nano", experts="bf16", dtype="fp32"), torch.device("cpu"),
+                        torch.float32, seed=0)
+    seen, forward = [], layers.RMSNorm.forward
+
+    def spy(self, *args, **kwargs):
+        seen.append(layers.fused_kernels_active())
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(layers.RMSNorm, "forward", spy)
+    assert layers.fused_kernels_active()
+    figures = heldout_figures(model, [Sample([1, 2], [3, 4]), Sample([5], [6])], 0, torch.device("cpu"))
+    assert seen and not any(seen) and layers.fused_kernels_active()
+    assert 0.0 <= figures["sft/heldout_exact"] <= 1.0
