@@ -28,8 +28,8 @@ each is one fused Triton kernel, one grouped matmul or fla's chunk_kda) and left
 references of RMSNorm, SiTU-GLU and the AttnRes mix, the KDA torch_chunk backend, and `experts.grouped_linear`
 (per-expert matmuls on the CPU; one torch._grouped_mm on CUDA). Not marked, still CPU-specific: the MLA layers'
 scaled_dot_product_attention (a CPU kernel; on CUDA flash attention) and a few backward copies that depend on the
-layout of the gradients the CPU path returns (the q/k/v views of the KDA layers). The AdamW step runs with
-foreach=True, its choice on CUDA (on the CPU it would loop over the parameters). Prints the tables and writes them
+layout of the gradients the CPU path returns (the q/k/v views of the KDA layers). The AdamW step is the
+fused one, as on CUDA. Prints the tables and writes them
 with `record.write_result` (`--out`, default benchmarks/results/census_sft_step.json). `--device cuda` marks
 nothing as CPU path.
 """
@@ -186,13 +186,10 @@ class _Kernels(TorchDispatchMode):
 
 def sft_setup(cfg: K3Config, device: torch.device, dtype: torch.dtype):
     """(model, params, optimizer, scheduler) of a full-parameter SFT run of `cfg` from its random init (bf16
-    experts, every parameter trained), AdamW with foreach=True: its choice on CUDA (on the CPU it would loop over
-    the parameters)."""
+    experts, every parameter trained), the fused AdamW that `sft.build_full_optimizer` takes on CUDA."""
     model = build_k3(RandomInit(cfg, "bf16", 0), "bf16", device, dtype).requires_grad_(True)
     params = dict(model.named_parameters())
-    opt = sft.build_full_optimizer(params, OPTIM)
-    for group in opt.param_groups:
-        group["foreach"] = True
+    opt = sft.build_full_optimizer(params, OPTIM, fused=True)
     return model, params, opt, build_scheduler(opt, OPTIM)
 
 

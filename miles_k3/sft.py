@@ -296,16 +296,18 @@ def trainable_parameters(model: nn.Module, cfg) -> dict[str, nn.Parameter]:
     return dict(model.named_parameters())
 
 
-def build_full_optimizer(params: dict[str, nn.Parameter], cfg: OptimConfig) -> torch.optim.AdamW:
+def build_full_optimizer(params: dict[str, nn.Parameter], cfg: OptimConfig,
+                         fused: bool | None = None) -> torch.optim.AdamW:
     """AdamW over every parameter (`trainer.optim.build_optimizer` takes adapters only, on purpose), with the
-    OptimConfig's lr, betas, eps; weight decay on the matrices only (not on norms, biases, A_log, ...). On CUDA the
-    fused implementation: one pass over each tensor (the default foreach one makes one per arithmetic step) and
-    no host read of each parameter's step count (~900 a k3_m2 step)."""
+    OptimConfig's lr, betas, eps; weight decay on the matrices only (not on norms, biases, A_log, ...). `fused` (None:
+    on CUDA) takes the fused implementation: one pass over each tensor (the foreach one makes one per arithmetic
+    step) and no host read of each parameter's step count (~900 a k3_m2 step)."""
     cfg.validate()
     decay = [p for p in params.values() if p.ndim >= 2]
     rest = [p for p in params.values() if p.ndim < 2]
     groups = [{"params": ps, "weight_decay": wd} for ps, wd in ((decay, cfg.weight_decay), (rest, 0.0)) if ps]
-    fused = bool(params) and all(p.is_cuda for p in params.values())
+    if fused is None:
+        fused = bool(params) and all(p.is_cuda for p in params.values())
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.betas[0], cfg.betas[1]), eps=cfg.eps, fused=fused)
 
 
