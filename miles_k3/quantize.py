@@ -42,7 +42,7 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, scale_rule: str = "flo
                         device: torch.device | None = None) -> Path:
     """Write the MXFP4 version of bf16 checkpoint `src` to `dst`; returns `dst`. See the module docstring.
     `device` (e.g. CUDA): where the experts are quantized (the bytes are the same on every device: the rounding
-    is comparisons and power-of-two products; k3_m2's 2,880 projections took 7 s on a 2-core CPU)."""
+    is comparisons and power-of-two products)."""
     src, dst = Path(src), Path(dst)
     if scale_rule not in SCALE_RULES:
         raise WeightsError(f"scale_rule: '{scale_rule}' is not one of {', '.join(SCALE_RULES)}")

@@ -146,8 +146,8 @@ def encode_example(problem: Problem, template: str, tokenizer, eos_id: int) -> S
 
 def encode_batch(problems: list[Problem], template: str, tokenizer, eos_id: int) -> list[Sample]:
     """`encode_example` of every problem, the texts tokenized in two batched calls (a fast tokenizer spreads them
-    over the host's cores: 60,000 worked sums one at a time took 24 s of a GPU run's start). The ids are the same
-    as one `tokenizer.encode` per text."""
+    over the host's cores: `benchmarks/bench_sft_encode.py`). The ids are the same as one `tokenizer.encode` per
+    text."""
     if not problems:
         return []
     prompts = tokenizer([render_prompt(template, p.problem, tokenizer) for p in problems],
