@@ -57,27 +57,32 @@ def test_a_nan_loss_is_read_after_the_backward_and_the_update_is_skipped():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_the_fused_cuda_optimizer_steps_as_the_foreach_one():
-    """Three updates of the same bf16 parameters and gradients: the fused AdamW (what build_full_optimizer takes
-    on CUDA) against torch's foreach one, within bf16 rounding (2^-8 relative) of the parameters."""
+    """Three updates of the same parameters and gradients: the fused AdamW that build_full_optimizer takes on CUDA
+    against torch's foreach one over the same groups. In fp32, so that a wrong lr, beta, eps or decay group (each
+    moves a parameter by ~1e-4 or more here; the decay alone 0.5 x lr 1e-3 x |p|) shows above the implementations'
+    rounding."""
     cuda = torch.device("cuda")
-    g = torch.Generator(device=cuda).manual_seed(0)
+    optim = OptimConfig(lr=1e-3, betas=[0.9, 0.95], weight_decay=0.5, grad_clip=1.0)
+    gen = torch.Generator(device=cuda)
     shapes = [(256, 128), (128,), (64, 64, 8)]
     runs = []
     for fused in (True, False):
-        params = {f"p{i}": torch.nn.Parameter(torch.randn(s, generator=g.manual_seed(i), device=cuda,
-                                                           dtype=torch.bfloat16)) for i, s in enumerate(shapes)}
-        opt = build_full_optimizer(params, OPTIM)
+        params = {f"p{i}": torch.nn.Parameter(torch.randn(s, generator=gen.manual_seed(i), device=cuda))
+                  for i, s in enumerate(shapes)}
+        opt = build_full_optimizer(params, optim)
         assert opt.defaults["fused"] is True
-        if not fused:
-            opt = torch.optim.AdamW(opt.param_groups, lr=OPTIM.lr, betas=tuple(OPTIM.betas), foreach=True)
+        if not fused:  # the same groups, torch's foreach implementation
+            groups = [{"params": group["params"], "weight_decay": group["weight_decay"]}
+                      for group in opt.param_groups]
+            opt = torch.optim.AdamW(groups, lr=optim.lr, betas=tuple(optim.betas), eps=optim.eps, foreach=True)
+            assert not any(group["fused"] for group in opt.param_groups)
         for step in range(3):
             for i, p in enumerate(params.values()):
-                p.grad = torch.randn(p.shape, generator=g.manual_seed(100 * step + i), device=cuda,
-                                     dtype=torch.bfloat16)
+                p.grad = torch.randn(p.shape, generator=gen.manual_seed(100 * step + i), device=cuda)
             opt.step()
-        runs.append([p.detach().float() for p in params.values()])
+        runs.append([p.detach().clone() for p in params.values()])
     for a, b in zip(*runs):
-        torch.testing.assert_close(a, b, rtol=2 ** -8, atol=1e-5)
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
 
 
 def test_the_log_window_counts_the_kernels_compiled_in_its_steps(monkeypatch, tmp_path):
