@@ -1,6 +1,6 @@
 """The tokenizing that `recipe=reasoning_base` does before its first step: its `--size` worked_sum problems (the
 recipe's task_args, k3_m2's tokenizer) encoded one `tokenizer.encode` per text (how `miles_k3.sft` did it) and in
-two batched calls (`sft.encode_batch`, what it does now), alternating, `--repeats` times each.
+two batched calls (`sft_examples.encode_batch`, what it does now), alternating, `--repeats` times each.
 
     python benchmarks/bench_sft_encode.py [--size 60000] [--repeats 2] [--out FILE]
 
@@ -18,7 +18,7 @@ from record import write_result
 from miles_k3.evals.datasets import DatasetConfig, load_problems
 from miles_k3.evals.templates import render_prompt
 from miles_k3.model.build import ModelConfig, build_tokenizer
-from miles_k3.sft import encode_batch
+from miles_k3.sft_examples import encode_batch
 from miles_k3.trainer.batch import Sample
 
 TASK_ARGS = {"min_terms": 6, "max_terms": 12, "min_value": 1, "max_value": 19}  # recipe=reasoning_base's

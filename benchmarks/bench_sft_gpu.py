@@ -26,7 +26,8 @@ from record import write_result
 from miles_k3.evals.datasets import DatasetConfig, load_problems
 from miles_k3.model.build import ModelConfig, build_model, build_tokenizer
 from miles_k3.model.layers import set_reference_kernels
-from miles_k3.sft import build_full_optimizer, encode_batch, sft_backward
+from miles_k3.sft import build_full_optimizer, sft_backward
+from miles_k3.sft_examples import encode_batch
 from miles_k3.trainer.optim import OptimConfig, build_scheduler, optimizer_step
 from miles_k3.utils.runtime import resolve_device
 

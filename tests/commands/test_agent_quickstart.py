@@ -13,7 +13,7 @@ from miles_k3.evals.harness import EvalConfig
 from miles_k3.evals.problems import DatasetError, Problem
 from miles_k3.model.build import ModelConfig, build_tokenizer
 from miles_k3.rollout.api import EngineCapabilities
-from miles_k3.sft import guess_transcript
+from miles_k3.sft_examples import guess_transcript
 from miles_k3.trainer.episode_eval import evaluate_episodes
 from miles_k3.trainer.episodes import Episode, first_prompt, run_turns
 from miles_k3.trainer.rollouts import RolloutConfig

@@ -35,7 +35,8 @@ EXCLUDED_DIRS = ("tests", "benchmarks")  # not part of the package
 
 ENTRY_POINTS = tuple(f"miles_k3.{name}" for name in (
     "train", "eval", "sft", "grade", "model_info", "init_checkpoint", "launch", "config", "config_checks",
-    "quantize", "__main__", "serve", "config_reference", "agent", "cli", "ray_config", "ray_launch", "sft_config"))
+    "quantize", "__main__", "serve", "config_reference", "agent", "cli", "ray_config", "ray_launch", "sft_config",
+    "sft_examples"))
 
 # Highest first. Units of one layer may import each other (but not both ways).
 LAYERS: tuple[tuple[str, ...], ...] = (

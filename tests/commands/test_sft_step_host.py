@@ -1,5 +1,5 @@
 """The SFT run's host work, made cheaper without changing what it trains on: the examples tokenized in two batched
-calls (`sft.encode_batch`: the same ids as one `encode` per text, as the RL rollouts tokenize), one host read of
+calls (`sft_examples.encode_batch`: the same ids as one `encode` per text, as the RL rollouts tokenize), one host read of
 the step's loss after its backward (a non-finite loss still skips the update), and a fused AdamW on CUDA."""
 import math
 
@@ -8,7 +8,8 @@ import torch
 
 from miles_k3.evals.problems import DatasetError, Problem
 from miles_k3.model.build import ModelConfig, build_model, build_tokenizer
-from miles_k3.sft import build_full_optimizer, encode_batch, sft_backward
+from miles_k3.sft import build_full_optimizer, sft_backward
+from miles_k3.sft_examples import encode_batch
 from miles_k3.trainer.batch import Sample
 from miles_k3.trainer.optim import OptimConfig, build_scheduler, optimizer_step
 
