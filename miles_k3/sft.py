@@ -355,7 +355,7 @@ def heldout_figures(model: nn.Module, examples: list[Sample], pad_id: int, devic
     the replicas: the same figures on every rank. In lockstep a replica with fewer batches runs idle forwards.
     The forwards take the torch references of the kernels that run only without gradients (RMSNorm, SiTU-GLU,
     the AttnRes mix, the router: `reference_kernels`), so that nothing is compiled for a measurement of a few
-    forwards (on a fresh GPU machine the first one took 16 s, the later ones ~0.3 s)."""
+    forwards."""
     was_training = model.training
     model.eval()
     mine = examples[ctx.dp_rank::ctx.dp_size]

@@ -244,7 +244,7 @@ def engine_timing(engine) -> dict[str, float]:
 
 class _Timer:
     """Seconds per named phase (a name lapped twice adds up), and the total since construction. With
-    `count_compiles` (CUDA), also the kernels Triton compiled in each phase (`triton_cache_entries` at every lap): a
+    `count_compiles` (CUDA), also the kernels Triton compiled in each phase (`CompileCounter` at every lap): a
     step seconds slower than its neighbours with the same work, and compiles, waited on the compiler (new sequence
     lengths specialise kernels anew)."""
 
@@ -252,7 +252,7 @@ class _Timer:
         self.start = self.last = time.perf_counter()
         self.laps: dict[str, float] = {}
         self.counter = CompileCounter(count_compiles)
-        self.compiles: dict[str, int] | None = None if self.counter.entries is None else {}
+        self.compiles: dict[str, int] | None = {} if self.counter.counting else None
 
     def lap(self, name: str) -> None:
         now = time.perf_counter()

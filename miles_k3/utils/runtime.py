@@ -95,16 +95,10 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return dtype
 
 
-def triton_cache_entries() -> int | None:
-    """Entries in Triton's kernel cache directory (`triton.knobs.cache.dir`: TRITON_CACHE_DIR, else
-    ~/.triton/cache): one per compiled kernel variant, so a count that grows during a phase is kernels compiled in
-    it. None without Triton or the directory."""
-    found = _triton_cache_dirs()
-    return None if found is None else len(found)
-
-
-def _triton_cache_dirs() -> dict[str, str] | None:
-    """{entry directory: path} of Triton's kernel cache directory, None without Triton or the directory."""
+def triton_cache_dirs() -> dict[str, str] | None:
+    """{entry: path} of the directories in Triton's kernel cache directory (`triton.knobs.cache.dir`:
+    TRITON_CACHE_DIR, else ~/.triton/cache): one per compiled kernel variant, so entries that appear during a
+    phase are kernels compiled in it. None without Triton or the directory."""
     try:
         import triton
         with os.scandir(triton.knobs.cache.dir) as entries:
@@ -124,25 +118,25 @@ def _kernel_name(path: str) -> str:
 
 
 class CompileCounter:
-    """Kernels Triton compiled between calls of `take` (`triton_cache_entries`' growth): a step seconds slower
-    than its neighbours with the same work, and compiles, waited on the compiler. Counts only when `enabled` (CUDA)
-    and the cache is readable; `take` then returns None, as it does from the moment the cache goes away (no figure
-    rather than a wrong one). `names` holds the kernels of the last `take` that found some."""
+    """Kernels Triton compiled between calls of `take` (the entries `triton_cache_dirs` gained): a step seconds
+    slower than its neighbours with the same work, and compiles, waited on the compiler. Counts only when `enabled`
+    (CUDA) and the cache is readable (`counting`); `take` then returns None, as it does from the moment the cache
+    goes away (no figure rather than a wrong one). `names` holds the kernels of the last `take` that found some."""
 
     def __init__(self, enabled: bool):
-        self.dirs = _triton_cache_dirs() if enabled else None
-        self.entries = None if self.dirs is None else len(self.dirs)
+        self.dirs = triton_cache_dirs() if enabled else None
         self.names: list[str] = []
+
+    @property
+    def counting(self) -> bool:
+        return self.dirs is not None
 
     def take(self) -> int | None:
         if self.dirs is None:
             return None
-        dirs = _triton_cache_dirs()
-        if dirs is None:
-            self.dirs = self.entries = None
-            return None
-        new = [path for name, path in dirs.items() if name not in self.dirs]
-        self.dirs, self.entries = dirs, len(dirs)
+        dirs = triton_cache_dirs()
+        new = None if dirs is None else [path for name, path in dirs.items() if name not in self.dirs]
+        self.dirs = dirs
         if new:
             self.names = sorted(_kernel_name(path) for path in new)
-        return len(new)
+        return None if new is None else len(new)

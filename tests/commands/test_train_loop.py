@@ -294,7 +294,7 @@ def test_triton_compile_metrics_count_the_cache_entries_each_phase_added(monkeyp
     for key in ("k1", "k2"):
         (tmp_path / key).mkdir()
     (tmp_path / "lockfile").write_text("")
-    assert runtime.triton_cache_entries() == 2
+    assert len(runtime.triton_cache_dirs()) == 2
     timer = train._Timer(count_compiles=True)
     (tmp_path / "k3").mkdir()  # one kernel compiled during the rollout
     timer.lap("rollout")
@@ -309,7 +309,7 @@ def test_triton_compile_metrics_count_the_cache_entries_each_phase_added(monkeyp
         "perf/triton_new_rollout": 1.0, "perf/triton_new_train": 4.0, "perf/triton_new_sync": 0.0}
     assert not any(k.startswith("perf/triton_new_") for k in train._Timer().metrics())  # not counted off CUDA
     monkeypatch.setattr(triton.knobs.cache, "dir", str(tmp_path / "absent"))
-    assert runtime.triton_cache_entries() is None
+    assert runtime.triton_cache_dirs() is None
     assert not any(k.startswith("perf/triton_new_") for k in train._Timer(count_compiles=True).metrics())
     monkeypatch.setattr(triton.knobs.cache, "dir", str(tmp_path))
     gone = train._Timer(count_compiles=True)  # a cache readable at the start that vanishes mid-step
