@@ -1,4 +1,5 @@
-"""MXFP4 Triton dequant kernel against the pure-torch reference, bit for bit (CUDA only).
+"""MXFP4 Triton dequant kernel against the pure-torch reference, bit for bit, and the quantizer on CUDA against the
+CPU (CUDA only).
 
 Run on a GPU: `python -m pytest -m gpu tests/kernels/test_gpu_mxfp4.py`. Outputs are compared as int16 / int32 bit
 patterns, so NaN blocks (scale 0xFF), -0.0 nibbles, subnormal products (scale 0) and overflow to Inf (scale 253,
@@ -8,8 +9,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from miles_k3.kernels.mxfp4 import dequantize_mxfp4, quantize_mxfp4
+from miles_k3.model.build import ModelConfig, build_model
+from miles_k3.model.weight_writer import save_weights
+from miles_k3.quantize import quantize_checkpoint
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (Triton MXFP4 kernel)")]
@@ -84,3 +89,22 @@ def test_codec_on_cuda_matches_cpu():
         assert torch.equal(p.cpu(), p_cpu) and torch.equal(s.cpu(), s_cpu), rule
         for dtype in (torch.bfloat16, torch.float32):
             _assert_bitwise(dequantize_mxfp4(p, s, dtype).cpu(), dequantize_mxfp4(p_cpu, s_cpu, dtype))
+
+
+def test_quantizing_a_checkpoint_on_cuda_writes_the_bytes_the_cpu_writes(tmp_path):
+    """quantize_checkpoint(device=cuda) (what SFT's quantize=true does on a GPU) writes every tensor with the
+    bytes of the CPU's run."""
+    model = build_model(ModelConfig(name="k3_tiny", experts="bf16", dtype="bf16"), torch.device("cpu"),
+                        torch.bfloat16, seed=0)
+    src = save_weights(model, tmp_path / "bf16", small_tokenizer=True)
+    runs = []
+    for device in (None, torch.device("cuda")):
+        dst = quantize_checkpoint(src, tmp_path / str(device), device=device)
+        tensors = {}
+        for file in sorted(dst.glob("*.safetensors")):
+            tensors.update(load_file(file))
+        runs.append(tensors)
+    on_cpu, on_cuda = runs
+    assert on_cpu.keys() == on_cuda.keys() and any(n.endswith(".weight_packed") for n in on_cpu)
+    for name, t in on_cpu.items():
+        assert torch.equal(on_cuda[name], t), name

@@ -497,15 +497,3 @@ def test_build_model_hub_id_offline(monkeypatch, tmp_path):
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
     with pytest.raises(ConfigError, match="could not be fetched.*HF_HUB_OFFLINE.*local checkpoint directory"):
         build_model(ModelConfig(path="moonshotai/Kimi-K3"), torch.device("cpu"), torch.float32)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_quantizing_on_cuda_writes_the_bytes_the_cpu_writes(saved, tmp_path):
-    """quantize_checkpoint(device=cuda) (what SFT's quantize=true does on a GPU) writes every tensor with the
-    bytes of the CPU's run."""
-    on_cpu = _all_tensors(quantize_checkpoint(saved["bf16"], tmp_path / "cpu"))
-    on_cuda = _all_tensors(quantize_checkpoint(saved["bf16"], tmp_path / "cuda", device=torch.device("cuda")))
-    assert on_cpu.keys() == on_cuda.keys() and any(n.endswith(".weight_packed") for n in on_cpu)
-    for name, t in on_cpu.items():
-        assert on_cuda[name].device.type == "cpu" and torch.equal(on_cuda[name], t), name
