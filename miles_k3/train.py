@@ -217,6 +217,8 @@ def one_step(run: Run, step: int) -> tuple[dict[str, float], list]:
     timer.lap("resume")
     metrics |= report.metrics()
     metrics |= timer.metrics()
+    if timer.kernels:  # a step that waited on the compiler: which kernels (new sequence lengths specialise anew)
+        log.info("step %d compiled Triton kernels: %s", step, timer.compiled_line())
     if "perf/optimizer_s" in metrics:
         metrics["perf/train_fwd_bwd_s"] = metrics["perf/train_s"] - metrics["perf/optimizer_s"]
     if on_cuda:
@@ -253,6 +255,7 @@ class _Timer:
         self.laps: dict[str, float] = {}
         self.counter = CompileCounter(count_compiles)
         self.compiles: dict[str, int] | None = {} if self.counter.counting else None
+        self.kernels: dict[str, list[str]] = {}  # phase -> the kernels compiled in it, by name
 
     def lap(self, name: str) -> None:
         now = time.perf_counter()
@@ -264,9 +267,23 @@ class _Timer:
                 self.compiles = None
                 return
             self.compiles[name] = self.compiles.get(name, 0) + new
+            if new:
+                self.kernels.setdefault(name, []).extend(self.counter.names)
 
     def total(self) -> float:
         return self.last - self.start
+
+    def compiled_line(self, show: int = 6) -> str:
+        """The kernels compiled in each phase, for the log ("" when none): "train 14 (name, ...), rollout 2
+        (...)", the first `show` distinct names of each phase with their counts."""
+        parts = []
+        for phase, names in self.kernels.items():
+            counts: dict[str, int] = {}
+            for n in names:
+                counts[n] = counts.get(n, 0) + 1
+            shown = [f"{n} x{c}" if c > 1 else n for n, c in list(counts.items())[:show]]
+            parts.append(f"{phase} {len(names)} ({', '.join(shown)}{', ...' if len(counts) > show else ''})")
+        return ", ".join(parts)
 
     def metrics(self) -> dict[str, float]:
         """perf/<phase>_s of every phase lapped so far, perf/step_s (their total), and with compiles counted

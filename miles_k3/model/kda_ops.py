@@ -229,6 +229,8 @@ def _prefill_fla(q, k, v, g, beta, initial_state=None, output_final_state=False,
     q/k/v's dtype: with bf16 activations they are rounded to bf16, where the engine's decode step keeps an fp32
     state. `fp32` (backend "fla_fp32") hands fla fp32 q, k, v and beta, so every intermediate is fp32; the
     output is rounded once, to v's dtype, and the gradients come back in the inputs' dtypes.
+    The batch goes to fla padded with zero rows to `fla_batch_bucket(B)` rows (`FLA_BATCH_MULTIPLE`); the
+    outputs and final states of the padding are dropped, and rows never mix, so the result is the unpadded one.
     """
     from fla.ops.kda import chunk_kda
     safe = gate_lower_bound is not None and -5.0 <= gate_lower_bound < 0.0
@@ -236,10 +238,34 @@ def _prefill_fla(q, k, v, g, beta, initial_state=None, output_final_state=False,
     out_dtype = v.dtype
     if fp32:
         q, k, v, beta = q.float(), k.float(), v.float(), beta.float()
+    rows = q.shape[0]
+    q, k, v, g, beta, h0 = (pad_batch(x, fla_batch_bucket(rows)) for x in (q, k, v, g, beta, h0))
     o, state = chunk_kda(q, k, v, to_dtype(g, torch.float32), beta, initial_state=h0,
                          output_final_state=output_final_state, use_qk_l2norm_in_kernel=True, safe_gate=safe,
                          lower_bound=gate_lower_bound if safe else None)
-    return to_dtype(o, out_dtype), state
+    return to_dtype(o[:rows], out_dtype), (None if state is None else state[:rows])
+
+
+# fla autotunes some of chunk_kda's kernels per batch size (its chunked cumsums name B in their autotune keys) and
+# keeps each result in Triton's cache: every B it has not seen benchmarks their configs again, seconds each time.
+# RL micro-batches fit their rows to a token budget, so B changes from one to the next; padded to a multiple of 8
+# (a power of two up to 8), a run sees a few batch sizes, each tuned once. The padding costs KDA work on up to 7
+# zero rows (g = 0, beta = 0: their outputs are 0 and nothing reaches the real rows).
+FLA_BATCH_MULTIPLE = 8
+
+
+def fla_batch_bucket(rows: int) -> int:
+    """The batch size fla's chunk_kda is called with for `rows` rows: 1, 2, 4, 8, then multiples of 8."""
+    if rows <= FLA_BATCH_MULTIPLE:
+        return 1 << max(rows - 1, 0).bit_length()
+    return -(-rows // FLA_BATCH_MULTIPLE) * FLA_BATCH_MULTIPLE
+
+
+def pad_batch(x: torch.Tensor | None, rows: int) -> torch.Tensor | None:
+    """x with zero rows appended along dim 0 up to `rows` (x itself when it has them; None stays None)."""
+    if x is None or x.shape[0] >= rows:
+        return x
+    return torch.cat([x, x.new_zeros((rows - x.shape[0], *x.shape[1:]))])
 
 
 @torch.no_grad()

@@ -298,8 +298,11 @@ def test_triton_compile_metrics_count_the_cache_entries_each_phase_added(monkeyp
     timer = train._Timer(count_compiles=True)
     (tmp_path / "k3").mkdir()  # one kernel compiled during the rollout
     timer.lap("rollout")
-    for key in ("k4", "k5", "k6"):  # three during the train step
+    for key in ("k4", "k5", "k6"):  # three during the train step, two of them variants of one kernel
         (tmp_path / key).mkdir()
+    for key in ("k4", "k5"):
+        (tmp_path / key / "chunk_fwd.json").write_text("{}")
+        (tmp_path / key / "__grp__chunk_fwd.json").write_text("{}")
     timer.lap("train")
     timer.lap("sync")  # none
     (tmp_path / "k7").mkdir()
@@ -307,6 +310,10 @@ def test_triton_compile_metrics_count_the_cache_entries_each_phase_added(monkeyp
     m = timer.metrics()
     assert {k: v for k, v in m.items() if k.startswith("perf/triton_new_")} == {
         "perf/triton_new_rollout": 1.0, "perf/triton_new_train": 4.0, "perf/triton_new_sync": 0.0}
+    # kernels by the name of their <name>.json (an entry without one yet by its directory), repeats counted once
+    # with their number; phases in the order they first compiled
+    assert timer.compiled_line() == "rollout 1 (k3), train 4 (chunk_fwd x2, k6, k7)"
+    assert train._Timer(count_compiles=True).compiled_line() == ""
     assert not any(k.startswith("perf/triton_new_") for k in train._Timer().metrics())  # not counted off CUDA
     monkeypatch.setattr(triton.knobs.cache, "dir", str(tmp_path / "absent"))
     assert runtime.triton_cache_dirs() is None

@@ -124,6 +124,34 @@ def test_fla_in_place_pool_decode_matches_the_gathered_reference():
     assert torch.equal(got[untouched], pool[untouched])
 
 
+def test_fla_prefill_pads_the_batch_to_a_bucket_and_tunes_each_bucket_once():
+    """fla autotunes chunk_kda's cumsums per batch size, a new Triton cache entry each (the premise of
+    `fla_batch_bucket`: a bare chunk_kda call with a batch size it has not seen adds entries). Through the
+    backend, 9 and then 13 rows both run as 16: the second call adds none, and its rows equal the bare call's on
+    the same 13 rows (the padding reaches nothing)."""
+    from fla.ops.kda import chunk_kda
+
+    from miles_k3.utils.runtime import triton_cache_dirs
+
+    fla_b = resolve_kda_backend("fla", "cuda")
+    q, k, v, g, beta, h0 = (x.cuda() for x in _kda_inputs(b=13, t=96, seed=5))
+    fla_b.prefill(q[:9], k[:9], v[:9], g[:9], beta[:9], initial_state=h0[:9], output_final_state=True)
+    before = triton_cache_dirs()
+    assert before is not None, "the Triton cache directory is not readable"
+    o, s = fla_b.prefill(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+    torch.cuda.synchronize()
+    assert set(triton_cache_dirs()) == set(before), "13 rows tuned kernels again after 9 (both bucket 16)"
+    o_bare, s_bare = chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                               use_qk_l2norm_in_kernel=True, safe_gate=True, lower_bound=-5.0)
+    torch.cuda.synchronize()
+    added = set(triton_cache_dirs()) - set(before)
+    print(f"bare chunk_kda at 13 rows added {len(added)} Triton cache entries")
+    assert added, "a bare call with a new batch size added nothing: fla no longer tunes per batch size"
+    errs = {"o": rel(o, o_bare), "state": rel(s, s_bare)}
+    print("fla prefill padded to 16 rows vs bare chunk_kda on 13:", errs)
+    assert max(errs.values()) < 1e-4, errs  # the two may tune different cumsum blocks: fp32 order, not padding
+
+
 def test_k3m_layerwise_cuda_bf16_matches_cpu_fp32_reference():
     """Every sublayer of k3_m on CUDA (fla kernels, bf16) against the fp32 CPU reference, on identical inputs:
     forward, input and weight gradients, and a decode step (see tests/parity.py for why layer-wise)."""

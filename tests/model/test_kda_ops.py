@@ -19,7 +19,9 @@ from miles_k3.model.kda_ops import (
     KDABackend,
     _prefill_fla,
     chunk_size_for_bound,
+    fla_batch_bucket,
     l2norm,
+    pad_batch,
     resolve_kda_backend,
     torch_chunk_kda,
     torch_decode_step,
@@ -239,6 +241,49 @@ def test_fla_fp32_hands_fla_fp32_inputs_and_returns_the_activation_dtype(monkeyp
     assert all(x.grad.dtype == torch.bfloat16 for x in (q, k, v, beta))
     _prefill_fla(q, k, v, g, beta, gate_lower_bound=-5.0)
     assert seen[1] == (torch.bfloat16, torch.bfloat16, torch.bfloat16, torch.float32, torch.bfloat16)
+
+
+def test_fla_batch_buckets():
+    """Worked by hand: powers of two up to 8 rows, then the next multiple of 8."""
+    got = {b: fla_batch_bucket(b) for b in (1, 2, 3, 4, 5, 8, 9, 16, 17, 50, 56, 57)}
+    assert got == {1: 1, 2: 2, 3: 4, 4: 4, 5: 8, 8: 8, 9: 16, 16: 16, 17: 24, 50: 56, 56: 56, 57: 64}
+    x = torch.ones(3, 2)
+    assert pad_batch(x, 3) is x and pad_batch(None, 8) is None
+    assert torch.equal(pad_batch(x, 4), torch.tensor([[1.0, 1], [1, 1], [1, 1], [0, 0]]))
+
+
+def test_fla_prefill_pads_the_batch_and_returns_the_unpadded_rows(monkeypatch):
+    """fla's chunk_kda (a stand-in computing the torch form) gets 5 rows padded to 8 with zero rows (q, k, v, g,
+    beta and the initial state); the outputs, final states and gradients of the 5 are those of the torch form run on
+    the 5 alone."""
+    import fla.ops.kda
+
+    seen = []
+
+    def fake_chunk_kda(q, k, v, g, beta, initial_state=None, output_final_state=False, **_):
+        seen.append([x.shape[0] for x in (q, k, v, g, beta, initial_state)])
+        pads = (q[5:], k[5:], v[5:], g[5:], beta[5:], initial_state[5:])
+        assert all(bool((x == 0).all()) for x in pads)
+        return torch_chunk_kda(l2norm(q), l2norm(k), v, g, beta, initial_state=initial_state,
+                               output_final_state=output_final_state)
+
+    monkeypatch.setattr(fla.ops.kda, "chunk_kda", fake_chunk_kda)
+    x = make_inputs(batch=5, seq=20, heads=2, dim_k=8, dim_v=8, seed=4, raw=True)
+    x = {n: t.requires_grad_(True) for n, t in x.items()}
+    o, state = _prefill_fla(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["initial_state"],
+                            output_final_state=True, gate_lower_bound=-5.0)
+    assert seen == [[8] * 6] and o.shape[0] == 5 and state.shape[0] == 5
+    w_o, w_s = torch.randn_like(o), torch.randn_like(state)
+    ((o * w_o).sum() + (state * w_s).sum()).backward()
+    grads = [x[n].grad.clone() for n in ("q", "k", "v", "g", "beta", "initial_state")]
+    y = {n: t.detach().clone().requires_grad_(True) for n, t in x.items()}
+    ref, ref_state = torch_chunk_kda(l2norm(y["q"]), l2norm(y["k"]), y["v"], y["g"], y["beta"],
+                                     initial_state=y["initial_state"], output_final_state=True)
+    ((ref * w_o).sum() + (ref_state * w_s).sum()).backward()
+    torch.testing.assert_close(o, ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(state, ref_state, rtol=1e-5, atol=1e-6)
+    for got, n in zip(grads, ("q", "k", "v", "g", "beta", "initial_state")):
+        torch.testing.assert_close(got, y[n].grad, rtol=1e-5, atol=1e-6, msg=n)
 
 
 def test_chunk_size_for_bound():
