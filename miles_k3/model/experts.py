@@ -10,7 +10,8 @@ storage nor for backward. Its backend is one switch, `kernels.mxfp4_experts` (au
 at startup by `miles_k3.model.kernel_config.apply_kernels`, which logs what it resolves to and why): "triton" on
 CUDA with bf16 activations, a W4A16 grouped matmul that decodes the MXFP4 codes in registers and reads only the
 experts that have rows (`miles_k3.kernels.mxfp4_moe`, also inside captured decode steps), for projections of at
-least FUSED_MIN_WEIGHTS weights unless forced (real-width K3; k3_m's small experts keep the torch path); "torch"
+least FUSED_MIN_WEIGHTS weights, or of any size for at most FUSED_MAX_ROWS rows (a small decode step), unless
+forced (real-width K3; k3_m's small experts keep the torch path above 64 rows); "torch"
 everywhere else (the CPU path and the reference): dequantize a chunk of experts to bf16, then a grouped matmul.
 Tests and benchmarks force one within a block: `with mxfp4_experts_backend("torch"):`. Optional per-expert LoRA
 deltas (`self.lora`, see `miles_k3.model.lora`) are added to each projection's output.
@@ -99,7 +100,8 @@ def resolve_mxfp4_backend(device: torch.device) -> tuple[str, str]:
             choice = ("torch", forced)
         elif device.type == "cuda":
             choice = ("triton", forced if _mxfp4_forced == "triton" else
-                      f"auto: CUDA available; bf16 projections of >= {FUSED_MIN_WEIGHTS:,} weights, smaller ones torch")
+                      f"auto: CUDA available; bf16 projections of >= {FUSED_MIN_WEIGHTS:,} weights or <= "
+                      f"{FUSED_MAX_ROWS} rows, others torch")
         elif _mxfp4_forced == "triton" and os.environ.get("TRITON_INTERPRET", "0") == "1":
             choice = ("triton", f"{forced}, Triton interpreter on {device.type}")
         elif _mxfp4_forced == "triton":
@@ -113,18 +115,25 @@ def resolve_mxfp4_backend(device: torch.device) -> tuple[str, str]:
 
 # "auto" takes the fused kernel for a projection of at least this many decoded weights (all experts): there the
 # bf16 copy the torch path writes and reads dominates (K3: 896 x 3072 x 3584 = 9.9e9). Below it (k3_m: 64 x 128 x
-# 384 = 3.1e6, a 6 MB copy) the torch path is kept: on an H200 k3_m engine decode measured 27.8k tok/s at batch
-# 256 with the kernel against 40.1k before it (tiny grids: 64 experts x 1-3 column tiles).
+# 384 = 3.1e6, a 6 MB copy) the torch path is kept for more than FUSED_MAX_ROWS rows: on an H200 k3_m engine decode
+# measured 27.8k tok/s at batch 256 (1,024 rows) with the kernel against 40.1k before it (tiny grids: 64 experts x
+# 1-3 column tiles). At most FUSED_MAX_ROWS rows the kernel wins at any size: its one launch per projection against
+# the torch path's dequantize + grouped matmul; on an H100 (benchmarks/results/bench_engine_gpu_h100_ab.json,
+# merged LoRA both) k3_m decode at batch 1 (4 rows) 332 -> 396 tok/s and at batch 16 (64 rows) 4.79k -> 5.67k.
+# Between 64 and 1,024 rows it is not measured; the torch path stays there.
 FUSED_MIN_WEIGHTS = 2**27
+FUSED_MAX_ROWS = 64
 
 
 def _use_fused_mxfp4(x: torch.Tensor, packed: torch.Tensor) -> bool:
     """The Triton W4A16 path: the resolved backend is triton, the activations are bf16 (its only activation
     dtype; fp32 activations keep the exact torch path), and, unless triton is forced, the projection holds at
-    least FUSED_MIN_WEIGHTS weights."""
+    least FUSED_MIN_WEIGHTS weights or x has at most FUSED_MAX_ROWS rows (a function of shapes alone, so a
+    captured decode step and an eager one take the same path)."""
     if x.dtype != torch.bfloat16 or resolve_mxfp4_backend(x.device)[0] != "triton":
         return False
-    return _mxfp4_forced == "triton" or packed.numel() * 2 >= FUSED_MIN_WEIGHTS
+    return (_mxfp4_forced == "triton" or packed.numel() * 2 >= FUSED_MIN_WEIGHTS
+            or x.shape[0] <= FUSED_MAX_ROWS)
 
 
 def _use_routing_kernel(flat_ids: torch.Tensor) -> bool:

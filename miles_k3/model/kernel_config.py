@@ -2,7 +2,7 @@
 starts (`apply_kernels`, called with the run's device by `launch.build_run`, `eval.eval_engine` and
 `sft.train_sft`), which logs each choice with its reason:
 
-    mxfp4 experts: triton (auto: CUDA available; bf16 projections of >= 134,217,728 weights, smaller ones torch)
+    mxfp4 experts: triton (auto: CUDA available; bf16 projections of >= 134,217,728 weights or <= 64 rows, others torch)
     fused kernels: torch references (kernels.reference=true)
 
 The switches themselves are `miles_k3.model.experts` (MXFP4 routed experts) and `miles_k3.model.layers`
@@ -35,8 +35,9 @@ class KernelsConfig:
     is exact enough on the run's device."""
 
     mxfp4_experts: str = "auto"
-    """Matmuls of the frozen MXFP4 routed experts: auto (triton on CUDA for projections of >= 2^27 weights with
-    bf16 activations, i.e. real-width K3; torch elsewhere), torch (dequantize a chunk of experts to bf16, then a
+    """Matmuls of the frozen MXFP4 routed experts: auto (triton on CUDA with bf16 activations for projections of
+    >= 2^27 weights, i.e. real-width K3, and for any projection of <= 64 rows, a small decode step; torch
+    elsewhere), torch (dequantize a chunk of experts to bf16, then a
     grouped matmul: the CPU path and the reference) or triton (the fused W4A16 grouped matmul for every
     projection with bf16 activations; needs CUDA)."""
     reference: bool = False

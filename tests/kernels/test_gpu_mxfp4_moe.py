@@ -310,7 +310,13 @@ def test_switch_dispatches_to_the_kernel_on_cuda_only_for_bf16(monkeypatch):
         m(z.float().detach(), ids, w)  # fp32 activations: the exact torch path
     with mxfp4_experts_backend("torch"):
         m(z, ids, w).sum().backward()
-    m(z, ids, w).sum().backward()  # auto: 8 x 64 x 32 weights are below FUSED_MIN_WEIGHTS, the torch path
+    assert calls == []
+    m(z, ids, w).sum().backward()  # auto: 8 x 64 x 32 weights, but 32 rows <= FUSED_MAX_ROWS: the kernel
+    assert calls == [False, False, False, True, True, True], calls
+    calls.clear()
+    ids33, w33 = torch.randint(0, 8, (33, 2), device="cuda"), torch.rand(33, 2, device="cuda")
+    z33 = torch.randn(33, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    m(z33, ids33, w33).sum().backward()  # auto: 66 rows of a projection below FUSED_MIN_WEIGHTS, the torch path
     assert calls == []
     big = torch.empty(experts_mod.FUSED_MIN_WEIGHTS // 2, dtype=torch.uint8, device="cuda").view(1, 1, -1)
     assert experts_mod._use_fused_mxfp4(z, big)  # auto: K3-sized projections take the kernel

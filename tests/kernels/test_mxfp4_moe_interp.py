@@ -191,5 +191,20 @@ def test_backend_switch_is_torch_on_cpu_and_forcible():
         pass
 
 
+def test_auto_takes_the_kernel_for_big_projections_or_few_rows(monkeypatch):
+    """auto on a GPU (the resolution patched to triton, nothing launched): the kernel for a projection of at least
+    2**27 weights whatever the rows, and for a smaller one at most 64 rows (k3_m: batch 16 x top-4); fp32
+    activations never; forced triton always."""
+    monkeypatch.setattr(experts_mod, "resolve_mxfp4_backend", lambda device: ("triton", "patched"))
+    small = torch.zeros(64, 128, 192, dtype=torch.uint8)  # k3_m's w1: 64 x 128 x 384 weights
+    big = torch.zeros(1, 1, 2**26, dtype=torch.uint8)  # 2**27 weights
+    rows = {n: torch.zeros(n, 384, dtype=torch.bfloat16) for n in (1, 4, 64, 65, 1024)}
+    assert [experts_mod._use_fused_mxfp4(rows[n], small) for n in (1, 4, 64, 65, 1024)] == [True] * 3 + [False] * 2
+    assert all(experts_mod._use_fused_mxfp4(rows[n], big) for n in (1, 65, 1024))
+    assert not experts_mod._use_fused_mxfp4(torch.zeros(4, 384), small)  # fp32 activations: the exact torch path
+    with experts_mod.mxfp4_experts_backend("triton"):
+        assert experts_mod._use_fused_mxfp4(rows[1024], small)
+
+
 if __name__ == "__main__":
     print_results(INTERPRETER_CASES)

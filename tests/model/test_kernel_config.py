@@ -152,8 +152,9 @@ def test_gpu_reference_config_decides_the_fused_calls(reference, monkeypatch):
 @gpu_test
 @pytest.mark.parametrize("choice, kernel_calls", [("triton", 3), ("torch", 0), ("auto", 0)])
 def test_gpu_mxfp4_experts_config_decides_the_kernel(choice, kernel_calls, monkeypatch):
-    """A small MXFP4 experts forward (bf16, 8 x 64 x 32 weights: below FUSED_MIN_WEIGHTS) takes the fused kernel
-    for each of its three projections only when kernels.mxfp4_experts=triton forces it."""
+    """A small MXFP4 experts forward (bf16, 8 x 64 x 32 weights: below FUSED_MIN_WEIGHTS; 40 tokens x 2 = 80 rows,
+    above FUSED_MAX_ROWS) takes the fused kernel for each of its three projections only when
+    kernels.mxfp4_experts=triton forces it."""
     import miles_k3.kernels.mxfp4_moe as mk
 
     calls = []
@@ -164,7 +165,7 @@ def test_gpu_mxfp4_experts_config_decides_the_kernel(choice, kernel_calls, monke
     with torch.device("cuda"):
         m = experts.RoutedExperts(8, 64, 32, 4.0, 25.0, expert_format="mxfp4")
         m.reset_parameters(std=0.05)
-    ids = torch.randint(0, 8, (16, 2), device="cuda")
+    ids = torch.randint(0, 8, (40, 2), device="cuda")
     with torch.no_grad():
-        m(torch.randn(16, 64, device="cuda", dtype=torch.bfloat16), ids, torch.rand(16, 2, device="cuda"))
+        m(torch.randn(40, 64, device="cuda", dtype=torch.bfloat16), ids, torch.rand(40, 2, device="cuda"))
     assert len(calls) == kernel_calls
