@@ -9,15 +9,17 @@ continued over several calls with resume=auto appends to the same file). RL minu
 perf/step_s and the evals' eval/seconds up to that eval (the work itself: a call's start, model build and CUDA-graph
 capture are not counted, and are reported apart as `wall_overhead_s` where the train.log shows them). The step-time
 breakdown is the median over the run's steps of each perf/ figure (rollout: prefill, decode, of which the tail;
-reward; train: forward/backward, optimizer; sync) and their shares of perf/step_s. `--sft` adds the bases' SFT
-figures (tokens/s and step time per log window, and their medians after the first window, which holds the kernels'
-compiles; the teacher-forced held-out exact match by step); with two or more, rebuilds of one base, how close they
-are (`rebuild_closeness`). Two or more runs (seeds) add the mean gain and its spread (`seeds`), with each run's
-`seed` and `rollout_seed` (from RUN_DIR/config.yaml, or `--seeds S:R` per run where that file did not come back):
-runs that share a rollout seed drew the same prompts with the same sampling seeds, so their spread is not a seed's.
-`--prior FILE` joins the runs and bases of an earlier result file (another session's; each keeps its `source`), before
-these. Writes benchmarks/results/bench_reasoning.json (or --out) and, beside it, <stem>_curves.png (held-out accuracy
-by RL minutes with its standard error, and the training reward by step, of every run).
+reward; train: forward/backward, optimizer; sync) and their shares of perf/step_s; on CUDA, the steps that added
+Triton cache entries (perf/triton_new_*: kernels compiled or tuned in them), their summed time and the entries.
+`--sft` adds the bases' SFT figures (tokens/s and step time per log window, and their medians after the first
+window, which holds the kernels' compiles; the teacher-forced held-out exact match by step); with two or more,
+rebuilds of one base, how close they are (`rebuild_closeness`). Two or more runs (seeds) add the mean gain and its
+spread (`seeds`), with each run's `seed` and `rollout_seed` (from RUN_DIR/config.yaml, or `--seeds S:R` per run
+where that file did not come back): runs that share a rollout seed drew the same prompts with the same sampling
+seeds, so their spread is not a seed's. `--prior FILE` joins the runs and bases of an earlier result file (another
+session's; each keeps its `source`), before these. Writes benchmarks/results/bench_reasoning.json (or --out) and,
+beside it, <stem>_curves.png (held-out accuracy by RL minutes with its standard error, and the training reward by
+step, of every run).
 """
 import argparse
 import json
@@ -65,6 +67,13 @@ def run_figures(run_dir: Path) -> dict:
     shares = {k: round(v / step_s, 3) for k, v in breakdown.items() if k != "step_s"}
     lengths = [r["rollout/response_len_mean"] for r in steps if "rollout/response_len_mean" in r]
     seed, rollout_seed = run_seeds(run_dir)
+    compiles = {}
+    if any(k.startswith("perf/triton_new_") for r in steps for k in r):  # CUDA: steps that waited on the compiler
+        compiling = [r for r in steps if any(v for k, v in r.items() if k.startswith("perf/triton_new_"))]
+        compiles = {"compiling_steps": len(compiling),
+                    "compiling_seconds": round(sum(r["perf/step_s"] for r in compiling), 2),
+                    "triton_new": round(sum(v for r in steps for k, v in r.items()
+                                            if k.startswith("perf/triton_new_")))}
     return {"run_dir": str(run_dir), "seed": seed, "rollout_seed": rollout_seed,
             "metric": key.removeprefix("eval/"), "evals": evals,
             "accuracy_before": base, "accuracy_after": evals[-1]["accuracy"],
@@ -76,7 +85,7 @@ def run_figures(run_dir: Path) -> dict:
             "truncated_frac_by_step": [r.get("rollout/truncated_frac") for r in steps
                                        if "rollout/truncated_frac" in r],
             "reward_by_step": [[r["step"], round(r["rollout/reward_mean"], 4)] for r in steps
-                               if "rollout/reward_mean" in r]}
+                               if "rollout/reward_mean" in r], **compiles}
 
 
 def run_seeds(run_dir: Path) -> tuple[int | None, int | None]:

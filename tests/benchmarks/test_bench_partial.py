@@ -46,6 +46,11 @@ def test_run_figures_by_hand():
     assert f["breakdown_s"] == {"step": 2.6667, "rollout": 1.6667, "rollout_tail": 1.0}
     assert f["reward_by_samples"] == [[8, 0.1], [16, 0.2], [24, 0.3]] and f["reward_mean"] == 0.2
     assert f["response_len_mean"] == 133.3 and "retracted_mib_max" not in f
+    assert "compiling_steps" not in f  # no compile counts logged (the CPU)
+    for r, new in zip(rows, (0.0, 14.0, 0.0)):  # the second step (4 s) compiled 14 kernels in its train phase
+        r |= {"perf/triton_new_train": new, "perf/triton_new_rollout": 0.0}
+    f = bench.run_figures(rows, 12)
+    assert f["compiling_steps"] == 1 and f["compiling_seconds"] == 4.0
 
 
 def test_pairs_and_their_summary_by_hand():

@@ -33,7 +33,17 @@ def test_gain_minutes_and_the_step_to_plus_15(tmp_path):
     assert [e["rl_minutes"] for e in fig["evals"]] == [0.2, 1.4, 2.6]
     assert fig["rl_minutes_to_plus_15"] == 2.6  # +14.5 at step 10 is short of +15
     assert fig["step_time_median_s"]["step_s"] == 6.0 and fig["step_time_shares"]["train_s"] == 0.5
-    assert fig["steps"] == 20
+    assert fig["steps"] == 20 and "compiling_steps" not in fig  # no compile counts logged (the CPU)
+
+
+def test_steps_that_compiled_and_their_time(tmp_path):
+    """Steps 3 and 7 of ten added 14 and 2 Triton cache entries (train, rollout) and took 9 s and 7 s."""
+    rows = [{"step": s, "perf/step_s": {3: 9.0, 7: 7.0}.get(s, 2.0), "perf/triton_new_train": 14.0 if s == 3 else 0.0,
+             "perf/triton_new_rollout": 2.0 if s == 7 else 0.0} for s in range(1, 11)]
+    rows = [{"step": 0, "eval/avg@4": 0.4, "eval/seconds": 1.0}, *rows,
+            {"step": 10, "eval/avg@4": 0.5, "eval/seconds": 1.0}]
+    fig = bench.run_figures(_write(tmp_path / "c", rows))
+    assert (fig["compiling_steps"], fig["compiling_seconds"], fig["triton_new"]) == (2, 16.0, 16)
 
 
 def test_a_step_logged_twice_counts_once(tmp_path):
