@@ -246,8 +246,9 @@ def _prefill_fla(q, k, v, g, beta, initial_state=None, output_final_state=False,
     return to_dtype(o[:rows], out_dtype), (None if state is None else state[:rows])
 
 
-# fla autotunes some of chunk_kda's kernels per batch size (its chunked cumsums name B in their autotune keys) and
-# keeps each result in Triton's cache: every B it has not seen benchmarks their configs again, seconds each time.
+# Some of chunk_kda's kernels take the batch size as a compile-time constant (fla's chunked cumsums: `B:
+# tl.constexpr`, also in their autotune key): every B it has not seen compiles each of their configs again and
+# tunes them, seconds each time (14 new Triton cache entries a step in RL runs on an H100).
 # RL micro-batches fit their rows to a token budget, so B changes from one to the next; padded to a multiple of 8
 # (a power of two up to 8), a run sees a few batch sizes, each tuned once. The padding costs KDA work on up to 7
 # zero rows (g = 0, beta = 0: their outputs are 0 and nothing reaches the real rows).

@@ -125,8 +125,9 @@ def test_fla_in_place_pool_decode_matches_the_gathered_reference():
 
 
 def test_fla_prefill_pads_the_batch_to_a_bucket_and_tunes_each_bucket_once():
-    """fla autotunes chunk_kda's cumsums per batch size, a new Triton cache entry each (the premise of
-    `fla_batch_bucket`: a bare chunk_kda call with a batch size it has not seen adds entries). Through the
+    """fla compiles and tunes chunk_kda's cumsums per batch size (a tl.constexpr there), new Triton cache entries
+    each time (the premise of `fla_batch_bucket`: a bare chunk_kda call with a batch size it has not seen adds
+    entries). Through the
     backend, 9 and then 13 rows both run as 16: the second call adds none, and its rows equal the bare call's on
     the same 13 rows (the padding reaches nothing)."""
     from fla.ops.kda import chunk_kda
