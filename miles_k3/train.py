@@ -217,7 +217,7 @@ def one_step(run: Run, step: int) -> tuple[dict[str, float], list]:
     timer.lap("resume")
     metrics |= report.metrics()
     metrics |= timer.metrics()
-    if timer.kernels:  # a step that waited on the compiler: which kernels (new sequence lengths specialise anew)
+    if timer.kernels:  # a step that waited on the compiler: which kernels (new shapes specialise anew)
         log.info("step %d compiled Triton kernels: %s", step, timer.compiled_line())
     if "perf/optimizer_s" in metrics:
         metrics["perf/train_fwd_bwd_s"] = metrics["perf/train_s"] - metrics["perf/optimizer_s"]
@@ -247,8 +247,8 @@ def engine_timing(engine) -> dict[str, float]:
 class _Timer:
     """Seconds per named phase (a name lapped twice adds up), and the total since construction. With
     `count_compiles` (CUDA), also the kernels Triton compiled in each phase (`CompileCounter` at every lap): a
-    step seconds slower than its neighbours with the same work, and compiles, waited on the compiler (new sequence
-    lengths specialise kernels anew)."""
+    step seconds slower than its neighbours with the same work, and compiles, waited on the compiler (new shapes
+    specialise kernels anew: fla's cumsums per batch size, `kda_ops.fla_batch_bucket`)."""
 
     def __init__(self, count_compiles: bool = False):
         self.start = self.last = time.perf_counter()
