@@ -80,7 +80,7 @@ from miles_k3.trainer.logprobs import token_logprobs
 from miles_k3.trainer.optim import BadStepGuard, OptimConfig, build_optimizer, build_scheduler, optimizer_step
 from miles_k3.trainer.rollouts import PromptStream
 from miles_k3.utils.atomic import atomic_write_text
-from miles_k3.utils.runtime import CompileCounter, resolve_dtype, set_threads
+from miles_k3.utils.runtime import CompileCounter, kernel_list, resolve_dtype, set_threads
 from miles_k3.utils.tracking import NullTracker, Tracker
 
 log = logging.getLogger("miles_k3.sft")
@@ -380,11 +380,8 @@ def heldout_figures(model: nn.Module, examples: list[Sample], pad_id: int, devic
 
 
 def _compiled(new: float | None, kernels: list[str], show: int = 6) -> str:
-    """", compiled N Triton kernels (names)" for a log line when N > 0 (the first `show` names), else nothing."""
-    if not new:
-        return ""
-    names = ", ".join(kernels[:show]) + (", ..." if len(kernels) > show else "")
-    return f", compiled {new:.0f} Triton kernels ({names})"
+    """", compiled N Triton kernels (names)" for a log line when N > 0 (`kernel_list`), else nothing."""
+    return f", compiled {new:.0f} Triton kernels ({kernel_list(kernels, show)})" if new else ""
 
 
 class _Window:

@@ -41,7 +41,7 @@ from miles_k3.model.ranks import start_ranks
 from miles_k3.parallel.mesh import naming_rank, shutdown
 from miles_k3.trainer.checkpoint import ADAPTER_DIR, rollout_checkpoint, save_checkpoint
 from miles_k3.trainer.step import train_step
-from miles_k3.utils.runtime import CompileCounter, resolve_dtype
+from miles_k3.utils.runtime import CompileCounter, kernel_list, resolve_dtype
 from miles_k3.utils.tracking import logged_evals
 from miles_k3.weight_sync.push import SyncError
 
@@ -276,14 +276,7 @@ class _Timer:
     def compiled_line(self, show: int = 6) -> str:
         """The kernels compiled in each phase, for the log ("" when none): "train 14 (name, ...), rollout 2
         (...)", the first `show` distinct names of each phase with their counts."""
-        parts = []
-        for phase, names in self.kernels.items():
-            counts: dict[str, int] = {}
-            for n in names:
-                counts[n] = counts.get(n, 0) + 1
-            shown = [f"{n} x{c}" if c > 1 else n for n, c in list(counts.items())[:show]]
-            parts.append(f"{phase} {len(names)} ({', '.join(shown)}{', ...' if len(counts) > show else ''})")
-        return ", ".join(parts)
+        return ", ".join(f"{phase} {len(names)} ({kernel_list(names, show)})" for phase, names in self.kernels.items())
 
     def metrics(self) -> dict[str, float]:
         """perf/<phase>_s of every phase lapped so far, perf/step_s (their total), and with compiles counted

@@ -1,6 +1,7 @@
 """Device and precision, chosen once at start and logged with the reason (the same code runs on CPU)."""
 import logging
 import os
+from collections import Counter
 
 import torch
 
@@ -115,6 +116,14 @@ def _kernel_name(path: str) -> str:
     except OSError:
         names = []
     return names[0] if names else os.path.basename(path)
+
+
+def kernel_list(names: list[str], show: int = 6) -> str:
+    """Kernel names for a log line: the first `show` distinct ones in order, a repeated one with its count
+    ("chunk_fwd x2, k6, ..."); "..." when more are left out."""
+    counts = Counter(names)
+    shown = [f"{n} x{c}" if c > 1 else n for n, c in list(counts.items())[:show]]
+    return ", ".join(shown) + (", ..." if len(counts) > show else "")
 
 
 class CompileCounter:

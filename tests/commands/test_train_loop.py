@@ -314,6 +314,7 @@ def test_triton_compile_metrics_count_the_cache_entries_each_phase_added(monkeyp
     # with their number; phases in the order they first compiled
     assert timer.compiled_line() == "rollout 1 (k3), train 4 (chunk_fwd x2, k6, k7)"
     assert train._Timer(count_compiles=True).compiled_line() == ""
+    assert runtime.kernel_list(["a", "b", "a", "c"], show=2) == "a x2, b, ..."  # the first 2 distinct, a counted
     assert not any(k.startswith("perf/triton_new_") for k in train._Timer().metrics())  # not counted off CUDA
     monkeypatch.setattr(triton.knobs.cache, "dir", str(tmp_path / "absent"))
     assert runtime.triton_cache_dirs() is None
