@@ -33,9 +33,9 @@ and the first step of every later call that continued the run (graphs captured a
   decode_batch_mean     the engine's decoded rows per decode step (perf/rollout_decode_rows / decode_steps);
   tail_share            the tail's share of the step (perf/rollout_tail_s / perf/step_s);
   response lengths, peak_gb, and for partial the retracted MiB and re-prefilled tokens per step;
-  compiling_steps, compiling_seconds (CUDA)  the counted steps that added Triton cache entries (perf/triton_new_*:
-                        kernels compiled or tuned in the step, seconds each) and their summed step time: a mode
-                        whose steps bring new shapes pays it, and a ratio that rests on it says so.
+  compiling_steps, compiling_seconds, triton_new (CUDA; `record.compile_figures`)  the counted steps that added
+                        Triton cache entries (kernels compiled or tuned, seconds each), their summed step time and
+                        the entries: a mode whose steps bring new shapes pays it, and a ratio that rests on it says so.
 Per pair: partial / sync trained tokens/s and sync / partial time to the equal samples. Summary: the median of the
 pairs' ratios, their smallest and largest, and the per-mode medians. `--out` (default benchmarks/results/
 bench_partial.json) gets the figures and, beside it, <stem>_curves.png (reward by trained samples, every run).
@@ -52,7 +52,7 @@ import tempfile
 from pathlib import Path
 
 import torch
-from record import write_result
+from record import compile_figures, write_result
 
 from miles_k3.evals.rewards import RewardResult, register_reward
 
@@ -111,10 +111,7 @@ def run_figures(rows: list[dict], equal_samples: float) -> dict:
         out["decode_batch_mean"] = round(sum(r["perf/rollout_decode_rows"] for r in rows) / steps, 2)
     if all("perf/rollout_tail_s" in r for r in rows):
         out["tail_share"] = round(sum(r["perf/rollout_tail_s"] for r in rows) / seconds, 4)
-    compiling = [r for r in rows if any(v for k, v in r.items() if k.startswith("perf/triton_new_"))]
-    if any(k.startswith("perf/triton_new_") for r in rows for k in r):  # CUDA: steps that waited on the compiler
-        out["compiling_steps"] = len(compiling)
-        out["compiling_seconds"] = round(sum(r["perf/step_s"] for r in compiling), 2)
+    out |= compile_figures(rows)  # CUDA: steps that waited on the compiler
     if "rollout/retracted_mib" in rows[0]:  # partial: what the stop's retract recomputes, and what resident would hold
         out |= {"retracted_mib_max": round(max(r["rollout/retracted_mib"] for r in rows), 1),
                 "reprefill_tokens_per_step": round(sum(r["rollout/reprefill_tokens"] for r in rows) / len(rows))}

@@ -26,7 +26,7 @@ import json
 import statistics
 from pathlib import Path
 
-from record import write_result
+from record import compile_figures, write_result
 
 STEP_PARTS = ("perf/rollout_s", "perf/rollout_prefill_s", "perf/rollout_decode_s", "perf/rollout_tail_s",
               "perf/train_s", "perf/train_fwd_bwd_s", "perf/optimizer_s", "perf/sync_s", "perf/release_s",
@@ -67,13 +67,6 @@ def run_figures(run_dir: Path) -> dict:
     shares = {k: round(v / step_s, 3) for k, v in breakdown.items() if k != "step_s"}
     lengths = [r["rollout/response_len_mean"] for r in steps if "rollout/response_len_mean" in r]
     seed, rollout_seed = run_seeds(run_dir)
-    compiles = {}
-    if any(k.startswith("perf/triton_new_") for r in steps for k in r):  # CUDA: steps that waited on the compiler
-        compiling = [r for r in steps if any(v for k, v in r.items() if k.startswith("perf/triton_new_"))]
-        compiles = {"compiling_steps": len(compiling),
-                    "compiling_seconds": round(sum(r["perf/step_s"] for r in compiling), 2),
-                    "triton_new": round(sum(v for r in steps for k, v in r.items()
-                                            if k.startswith("perf/triton_new_")))}
     return {"run_dir": str(run_dir), "seed": seed, "rollout_seed": rollout_seed,
             "metric": key.removeprefix("eval/"), "evals": evals,
             "accuracy_before": base, "accuracy_after": evals[-1]["accuracy"],
@@ -85,7 +78,7 @@ def run_figures(run_dir: Path) -> dict:
             "truncated_frac_by_step": [r.get("rollout/truncated_frac") for r in steps
                                        if "rollout/truncated_frac" in r],
             "reward_by_step": [[r["step"], round(r["rollout/reward_mean"], 4)] for r in steps
-                               if "rollout/reward_mean" in r], **compiles}
+                               if "rollout/reward_mean" in r], **compile_figures(steps)}
 
 
 def run_seeds(run_dir: Path) -> tuple[int | None, int | None]:

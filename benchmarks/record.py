@@ -4,7 +4,8 @@ one JSON object holding what was measured and how:
     {"name", "command" (the argv, as typed), "commit" (git HEAD), "dirty" (uncommitted changes to tracked files),
      "hardware" {"device", "cpu", "cpu_count", "torch", "cuda"}, "date" (UTC, ISO 8601), "figures"}
 
-docs/measurements/*.md cite these files instead of narrating runs. The benchmarks import it as `from record import
+docs/measurements/*.md cite these files instead of narrating runs. `compile_figures(rows)`: the figures of a
+training run's steps that waited on the compiler, which every benchmark of the training loop reports. The benchmarks import it as `from record import
 write_result` (they run as `python benchmarks/<script>.py`, which puts this folder on sys.path).
 """
 import datetime
@@ -67,3 +68,15 @@ def write_result(name: str, figures, out: str | os.PathLike | None = None, argv:
     path.write_text(json.dumps(record(name, figures, argv), indent=1, default=str) + "\n")
     print(f"result: {path}", file=sys.stderr, flush=True)
     return path
+
+
+def compile_figures(rows: list[dict]) -> dict:
+    """Of a training run's step rows (metrics.jsonl), on CUDA where perf/triton_new_<phase> is logged: the steps
+    that added Triton cache entries (kernels compiled or tuned in them), their summed perf/step_s and the entries;
+    {} where nothing was counted (the CPU)."""
+    if not any(k.startswith("perf/triton_new_") for r in rows for k in r):
+        return {}
+    new = [sum(v for k, v in r.items() if k.startswith("perf/triton_new_")) for r in rows]
+    return {"compiling_steps": sum(1 for n in new if n),
+            "compiling_seconds": round(sum(r["perf/step_s"] for r, n in zip(rows, new) if n), 2),
+            "triton_new": round(sum(new))}

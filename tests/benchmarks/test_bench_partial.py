@@ -50,7 +50,7 @@ def test_run_figures_by_hand():
     for r, new in zip(rows, (0.0, 14.0, 0.0)):  # the second step (4 s) compiled 14 kernels in its train phase
         r |= {"perf/triton_new_train": new, "perf/triton_new_rollout": 0.0}
     f = bench.run_figures(rows, 12)
-    assert f["compiling_steps"] == 1 and f["compiling_seconds"] == 4.0
+    assert f["compiling_steps"] == 1 and f["compiling_seconds"] == 4.0 and f["triton_new"] == 14
 
 
 def test_pairs_and_their_summary_by_hand():
