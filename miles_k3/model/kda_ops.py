@@ -238,8 +238,8 @@ def _prefill_fla(q, k, v, g, beta, initial_state=None, output_final_state=False,
     out_dtype = v.dtype
     if fp32:
         q, k, v, beta = q.float(), k.float(), v.float(), beta.float()
-    rows = q.shape[0]
-    q, k, v, g, beta, h0 = (pad_batch(x, fla_batch_bucket(rows)) for x in (q, k, v, g, beta, h0))
+    rows, padded = q.shape[0], fla_batch_bucket(q.shape[0])
+    q, k, v, g, beta, h0 = (pad_batch(x, padded) for x in (q, k, v, g, beta, h0))
     o, state = chunk_kda(q, k, v, to_dtype(g, torch.float32), beta, initial_state=h0,
                          output_final_state=output_final_state, use_qk_l2norm_in_kernel=True, safe_gate=safe,
                          lower_bound=gate_lower_bound if safe else None)
