@@ -320,15 +320,18 @@ def _sigmoid(x):
 
 
 @triton.jit
-def _situ_glu_kernel(g_ptr, u_ptr, out_ptr, n, beta, inv_beta, lin_beta, inv_lin_beta,
+def _situ_glu_kernel(g_ptr, u_ptr, out_ptr, n, cols, stride_g, stride_u, beta, inv_beta, lin_beta, inv_lin_beta,
                      HAS_LIN: tl.constexpr, BLOCK: tl.constexpr, ROUND: tl.constexpr):
-    """Elementwise over the flattened tensors: out = beta*tanh(g/beta)*sigmoid(g) * (lin*tanh(u/lin) | u), fp32,
-    multiplied in the reference's order; x / beta is x * (1 / beta), as torch does on CUDA."""
+    """Elementwise over the [n / cols, cols] rows (g and u read with their row strides, out contiguous):
+    out = beta*tanh(g/beta)*sigmoid(g) * (lin*tanh(u/lin) | u), fp32, multiplied in the reference's order;
+    x / beta is x * (1 / beta), as torch does on CUDA."""
     odt = out_ptr.dtype.element_ty
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
-    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(u_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    row = offs // cols
+    col = offs - row * cols
+    g = tl.load(g_ptr + row * stride_g + col, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + row * stride_u + col, mask=mask, other=0.0).to(tl.float32)
     h = beta * _tanh(g * inv_beta) * _sigmoid(g)
     if HAS_LIN:
         u = lin_beta * _tanh(u * inv_lin_beta)
@@ -380,14 +383,17 @@ def _check_situ(fn: str, gate: torch.Tensor, up: torch.Tensor, beta: float,
 
 
 def _situ_glu_fwd(g: torch.Tensor, u: torch.Tensor, beta: float, linear_beta: float | None) -> torch.Tensor:
-    """The forward launch on contiguous, validated g and u: the output in g's dtype and shape."""
+    """The forward launch on validated g and u of one shape (rows with unit stride along the last dim are read in
+    place, as views of a wider output are; others are copied): the output in g's dtype and shape, contiguous."""
     out = torch.empty(g.shape, dtype=g.dtype, device=g.device)
     n = out.numel()
     if n == 0:
         return out
     lin = 1.0 if linear_beta is None else linear_beta
+    g2, u2 = _rows(g), _rows(u)
     with _on_device(g):
-        _situ_glu_kernel[(triton.cdiv(n, _SITU_BLOCK),)](g, u, out, n, beta, 1.0 / beta, lin, 1.0 / lin,
+        _situ_glu_kernel[(triton.cdiv(n, _SITU_BLOCK),)](g2, u2, out, n, g2.shape[-1], g2.stride(0), u2.stride(0),
+                                                         beta, 1.0 / beta, lin, 1.0 / lin,
                                                          HAS_LIN=linear_beta is not None, BLOCK=_SITU_BLOCK,
                                                          ROUND=_ROUND_KIND[g.dtype], num_warps=4)
     return out
@@ -396,10 +402,11 @@ def _situ_glu_fwd(g: torch.Tensor, u: torch.Tensor, beta: float, linear_beta: fl
 def situ_glu(gate: torch.Tensor, up: torch.Tensor, beta: float, linear_beta: float | None) -> torch.Tensor:
     """Fused SiTU-GLU: beta*tanh(g/beta)*sigmoid(g) * (linear_beta*tanh(u/linear_beta), or u when linear_beta is
     None), fp32 math, returned in gate.dtype with gate's shape. gate and up: one shape (no broadcasting), any
-    dtype of ACT_DTYPES each; non-contiguous inputs are copied first. One launch. Forward only (no autograd:
-    `situ_glu_train` is the differentiable form)."""
+    dtype of ACT_DTYPES each; rows with unit stride along the last dim (such as column slices of one projection's
+    output) are read in place, other layouts copied first. One launch. Forward only (no autograd: `situ_glu_train`
+    is the differentiable form)."""
     beta, linear_beta = _check_situ("situ_glu", gate, up, beta, linear_beta)
-    return _situ_glu_fwd(gate.contiguous(), up.contiguous(), beta, linear_beta)
+    return _situ_glu_fwd(gate, up, beta, linear_beta)
 
 
 def situ_glu_backward(gate: torch.Tensor, up: torch.Tensor, grad_out: torch.Tensor, beta: float,

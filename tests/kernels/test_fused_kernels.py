@@ -109,7 +109,9 @@ def check_attn_res_mix(device: str, dtype: torch.dtype, shape: tuple[int, ...], 
 
 def check_situ_glu(device: str, dtype: torch.dtype, shape: tuple[int, ...], linear_beta: float | None,
                    beta: float = 4.0, scale: float = 30.0, up_dtype: torch.dtype | None = None,
-                   seed: int = 0) -> None:
+                   seed: int = 0, sliced: bool = False) -> None:
+    """`sliced`: gate and up are column slices of one wider [..., 2 * D + 3] tensor (a fused projection's output,
+    rows of unit stride, read in place) rather than tensors of their own."""
     from miles_k3.kernels import fused
 
     gen = seeded(seed)
@@ -120,6 +122,12 @@ def check_situ_glu(device: str, dtype: torch.dtype, shape: tuple[int, ...], line
     k = min(sp.numel(), g.numel())
     g.view(-1)[:k], u.view(-1)[:k] = sp[:k], sp.flip(0)[:k]  # large magnitudes, the 0.3 switch, zeros
     g, u = g.to(device=device, dtype=dtype), u.to(device=device, dtype=up_dtype or dtype)
+    if sliced:  # the same values, at column 3 and D + 3 of one wider row; NaNs in the columns around them
+        d = shape[-1]
+        wide = torch.full((*shape[:-1], 2 * d + 3), float("nan"), device=device, dtype=dtype)
+        wide[..., 3:d + 3], wide[..., d + 3:] = g, u
+        g, u = wide[..., 3:d + 3], wide[..., d + 3:]
+        assert not g.is_contiguous() and g.stride(-1) == 1
     got = fused.situ_glu(g, u, beta, linear_beta)
     ref = _situ_glu_torch(g, u, beta, linear_beta)
     what = f"situ_glu {dtype} {tuple(shape)} linear_beta={linear_beta}"
@@ -160,6 +168,10 @@ INTERPRETER_CASES["rms_norm-fp32-to-bf16"] = (check_rms_norm, {"dtype": F32, "sh
 INTERPRETER_CASES["rms_norm-fp32-to-bf16-tiled"] = (check_rms_norm, {"dtype": F32, "shape": (4, 700), "block_d": 128,
                                                                      "weight_dtype": BF16, "out_dtype": BF16,
                                                                      "seed": 5})
+INTERPRETER_CASES["situ_glu-bf16-sliced"] = (check_situ_glu, {"dtype": BF16, "shape": (5, 2, 60), "linear_beta": 25.0,
+                                                              "sliced": True, "seed": 4})
+INTERPRETER_CASES["situ_glu-fp32-sliced"] = (check_situ_glu, {"dtype": F32, "shape": (3, 70), "linear_beta": None,
+                                                              "sliced": True, "seed": 5})
 INTERPRETER_CASES["situ_glu-fp16-lin25"] = (check_situ_glu, {"dtype": torch.float16, "shape": (4, 50),
                                                              "linear_beta": 25.0, "scale": 3.0, "seed": 2})
 INTERPRETER_CASES["situ_glu-bf16-gate-fp32-up"] = (check_situ_glu, {"dtype": BF16, "shape": (3, 70),
@@ -276,6 +288,7 @@ def test_gpu_attn_res_mix_wide(dtype, case):
 def test_gpu_situ_glu(shape, dtype, linear_beta):
     check_situ_glu("cuda", DTYPES[dtype], shape, linear_beta, seed=sum(shape))
     check_situ_glu("cuda", DTYPES[dtype], shape, linear_beta, scale=1.0, seed=sum(shape) + 1)
+    check_situ_glu("cuda", DTYPES[dtype], shape, linear_beta, seed=sum(shape) + 2, sliced=True)
 
 
 
