@@ -429,6 +429,8 @@ def _build_eval(cfg, model, tokenizer, stop_ids, params, problems, run_dir, trac
     replica generates its share, rank 0 grades, writes and logs)."""
     device = next(model.parameters()).device
     lora = cfg.mode == "lora"  # full mode: the engine serves the model's own (trained) weights
+    if not lora:  # ... in place, so no fused copy of them (`SFTConfig.validate` refuses fuse_projections=true)
+        cfg.engine.fuse_projections = False
     with _rng_isolated(device), torch.no_grad():
         engine = build_engine(cfg, model, tokenizer, stop_ids, lora=cfg.lora if lora else None, ctx=ctx,
                               adapter={n: p.detach() for n, p in params.items()} if lora else None)

@@ -148,6 +148,10 @@ class SFTConfig:
                              f"shares the trained model's tensors; remove engine.backend={self.engine.backend}")
         if self.template not in template_names():
             raise ValueError(f"template: '{self.template}' is not one of {', '.join(template_names())}")
+        if self.mode == "full" and self.engine.fuse_projections:
+            raise ValueError("engine.fuse_projections: in mode=full the eval engine reads the weights being trained "
+                             "in place, and fused projections are a copy that would not follow them; remove it "
+                             "(mode=full leaves it off)")
         if self.mode == "full" and self.model.experts == "mxfp4":
             raise ValueError("model.experts: mxfp4 experts are frozen storage and cannot train in mode=full; "
                              "set model.experts=bf16 (or auto), or train an adapter with mode=lora")

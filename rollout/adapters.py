@@ -11,13 +11,18 @@ recast or re-merge the adapter it serves. With `merge_lora` (`EngineConfig.merge
 keeps its merged weight W + s * B @ A and its forward is one GEMM over it; the routed experts' adapters (their base
 is MXFP4) are applied unmerged as before. The base Parameters are the trainer's and are never written: the merged
 weights are buffers of their own (one more copy of each adapted dense weight), re-merged whenever `bind` copies in
-another adapter or version.
+another adapter or version. With `fuse_projections` (`EngineConfig.fuse_projections`) the decode step's groups of
+linears that read one input (`miles_k3.model.fused_projections`) are attached after the copies and refreshed with
+them.
 """
 from __future__ import annotations
+
+import logging
 
 import torch
 from torch import nn
 
+from miles_k3.model.fused_projections import FusedProjections, attach_fused_projections
 from miles_k3.model.k3 import K3ForCausalLM
 from miles_k3.model.lora import (
     ExpertLoRA,
@@ -32,6 +37,8 @@ from miles_k3.model.parallelize import parallelize
 from miles_k3.model.weight_files import meta_model
 from miles_k3.parallel.mesh import SINGLE, ParallelContext
 from miles_k3.rollout.push_copy import PushCopier, copy_checked
+
+log = logging.getLogger(__name__)
 
 
 def share_base(model: K3ForCausalLM, ctx: ParallelContext = SINGLE) -> K3ForCausalLM:
@@ -69,17 +76,23 @@ class AdapterBank:
     compute with merged weights (`attach_inference_copies`); binding another adapter (or another version of one)
     re-merges each of them, so one adapter served across many steps is what it is for."""
 
-    def __init__(self, model: K3ForCausalLM, lora: LoRAConfig | None, merge_lora: bool = False):
+    def __init__(self, model: K3ForCausalLM, lora: LoRAConfig | None, merge_lora: bool = False,
+                 fuse_projections: bool = False):
         self.model, self.config = model, lora
         self._buffers: dict[str | None, dict[str, torch.Tensor]] = {}
         self._params: dict[str, torch.Tensor] = {}
         self._adapted: list[nn.Module] = []  # the adapter modules, whose InferenceCopies `bind` refreshes
+        self.fused: list[FusedProjections] = []  # the decode step's fused projections, which `bind` refreshes
         if lora is not None:
             apply_lora(model, lora)
             model.eval()  # the new LoRA modules are built in training mode: lora.dropout is for training only
             self._adapted = attach_inference_copies(model, merge_lora)
             self._params = lora_parameters(model)
             self._buffers[None] = {n: torch.zeros_like(p) for n, p in self._params.items()}  # base: B = 0
+        if fuse_projections:
+            self.fused = attach_fused_projections(model)
+            log.info("engine: %d fused projection groups, %.1f MiB of stacked weights", len(self.fused),
+                     sum(g.nbytes() for g in self.fused) / 2**20)
         self._bound: tuple | None = None  # (adapter name, version) copied into the LoRA parameters
         self._copiers: dict[str, PushCopier] = {}
 
@@ -138,6 +151,8 @@ class AdapterBank:
         torch._foreach_copy_(list(self._params.values()), [self._buffers[name][n] for n in self._params])
         for module in self._adapted:
             module.inference_copies.refresh(module)
+        for group in self.fused:
+            group.refresh()
         self._bound = (name, version)
 
     def _check_config(self, config: LoRAConfig) -> None:

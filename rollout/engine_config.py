@@ -55,6 +55,18 @@ class EngineConfig:
     where on). Off by default: the unmerged engine reproduces the trainer's log-probs more closely. Native engine
     only."""
 
+    fuse_projections: bool | None = None
+    """Decode steps compute the linears that read one input as one GEMM (`miles_k3.model.fused_projections`): KDA's
+    q, k, v, g, b and f_a; MLA's q_a, kv_a and g; a dense MLP's gate and up; a latent MoE's routed down projection
+    with its shared expert's gate and up. With an unmerged adapter, one GEMM more over their A and one over their B
+    (block-diagonal), added with the scale inside the GEMM: 3 kernels per group against 5 per adapted linear. A
+    decode step at small batch is bound by its kernel launches. Costs one more copy of the grouped base weights in
+    the engine (the trainer's are shared and never written; the engine logs the bytes), refreshed when another
+    adapter or version is bound. Skipped for modules split by tensor or expert parallelism. Numerics: the same dot
+    products, but the adapter's delta is added before one rounding (and a wider GEMM may split its sums
+    differently), so in bf16 log-probs differ from the unfused engine's by rounding. None: on for the native
+    engine (full-mode SFT turns it off: its engine reads the weights being trained in place). Native engine only."""
+
     def validate(self) -> None:
         caps = capabilities(self.backend)  # ValueError naming the backends
         for name in ("memory_budget_bytes", "page_size", "max_context", "prefill_chunk", "max_prefill_tokens"):
@@ -68,6 +80,9 @@ class EngineConfig:
             raise ValueError(f"state_snapshot_bytes: does nothing with backend={self.backend} (it keeps no state "
                              "between requests: the native engine's kept states only); remove it or use "
                              "backend=native")
+        if self.fuse_projections and not caps.in_process_model:
+            raise ValueError(f"fuse_projections: does nothing with backend={self.backend} (the native engine's "
+                             "decode step); remove it or use backend=native")
         if self.merge_lora and not caps.in_process_model:
             raise ValueError(f"merge_lora: does nothing with backend={self.backend} (the native engine's merged "
                              "weights; SGLang merges through sglang.push=merged); remove it or use backend=native")

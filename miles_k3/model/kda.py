@@ -58,6 +58,9 @@ class KDAAttention(nn.Module):
         self.norm_eps = OUTPUT_NORM_EPS
         self.tp_group = None
         """The tensor-parallel group the heads are split over (None: all heads here)."""
+        self.fused_projections = None
+        """The rollout engine's `FusedProjections` over q|k|v, g, b and f_a (None: each linear on its own); read by
+        the decode step on the engine's pools only."""
 
     def state_bytes_per_request(self, tp: int = 1) -> int:
         """Recurrent state of this layer per request on the busiest of `tp` ranks: ceil(H/tp) x K x V fp32
@@ -113,23 +116,30 @@ class KDAAttention(nn.Module):
         q, k, v come out of one copy, each dense."""
         b = x_B1D.shape[0]
         x_col = copy_to(x_B1D, self.tp_group)
+        group = self.fused_projections
+        if group is not None and group.serves(x_col):  # q|k|v, g, b, f_a in one GEMM (+ 2 for adapters)
+            qkv_B1C, gate_B1P, beta_B1H, fa_B1R = group(x_col)
+        else:
+            qkv_B1C, gate_B1P, beta_B1H, fa_B1R = self._qkv(x_col), None, self.b_proj(x_col), self.f_a_proj(x_B1D)
         convs = (self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight)
         fused = use_fused_kernels(x_B1D, *convs, self.o_norm.weight)
         if fused:
             from miles_k3.kernels.kda_decode import short_conv_step
-            act_B1C = short_conv_step(self._qkv(x_col)[:, 0], state.conv_BCW, state.slots_B, convs)[:, None]
+            act_B1C = short_conv_step(qkv_B1C[:, 0], state.conv_BCW, state.slots_B, convs)[:, None]
         else:
-            act_B1C, conv_BCW = self._short_conv(x_col, state.conv_BCW[state.slots_B], None)
+            act_B1C, conv_BCW = self._short_conv(x_col, state.conv_BCW[state.slots_B], None, qkv_B1C)
             state.conv_BCW.index_copy_(0, state.slots_B, conv_BCW.to(state.conv_BCW.dtype))
         qkv = act_B1C.view(b, 1, 3, self.num_heads, self.head_dim).permute(2, 0, 1, 3, 4).contiguous()
-        f_B1HK = self._decay(x_B1D).view(b, 1, self.num_heads, self.head_dim)
-        o_B1HV = backend.decode_into(*qkv.unbind(0), f_B1HK, self.b_proj(x_col), self.A_log, self.dt_bias,
+        f_B1HK = self.f_b_proj(copy_to(fa_B1R, self.tp_group)).view(b, 1, self.num_heads, self.head_dim)
+        o_B1HV = backend.decode_into(*qkv.unbind(0), f_B1HK, beta_B1H, self.A_log, self.dt_bias,
                                      self.lower_bound, state.recurrent_BHKV, state.slots_B)
+        if gate_B1P is None:
+            gate_B1P = self.g_proj(x_col)
         if fused:
             from miles_k3.kernels.kda_decode import gated_head_norm
-            o_B1P = gated_head_norm(o_B1HV, self.g_proj(x_col), self.o_norm.weight, self.norm_eps, x_B1D.dtype)
+            o_B1P = gated_head_norm(o_B1HV, gate_B1P, self.o_norm.weight, self.norm_eps, x_B1D.dtype)
             return reduce_from(self.o_proj(o_B1P), self.tp_group)
-        return self._gated_output(o_B1HV, x_col)
+        return self._gated_output(o_B1HV, x_col, gate_B1P)
 
     def _decay(self, x_BTD: torch.Tensor) -> torch.Tensor:
         """The raw decay-gate logits f_b(f_a(x)) [B, T, H*K] of this rank's heads. f_a is replicated: its output
@@ -140,13 +150,15 @@ class KDAAttention(nn.Module):
         """The q|k|v projections before the short conv, [B, T, C]."""
         return torch.cat([self.q_proj(x_BTD), self.k_proj(x_BTD), self.v_proj(x_BTD)], dim=-1)
 
-    def _short_conv(self, x_BTD: torch.Tensor, conv_BCW: torch.Tensor, seq_lens: torch.Tensor | None
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """SiLU(causal depthwise conv) of the q|k|v projections, continuing from the carried window.
+    def _short_conv(self, x_BTD: torch.Tensor, conv_BCW: torch.Tensor, seq_lens: torch.Tensor | None,
+                    qkv_BTC: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """SiLU(causal depthwise conv) of the q|k|v projections (`qkv_BTC` when computed already), continuing from
+        the carried window.
 
         Returns the activations [B, T, C] (input dtype) and the new window: the last W-1 real inputs.
         """
-        qkv_BTC = self._qkv(x_BTD)
+        if qkv_BTC is None:
+            qkv_BTC = self._qkv(x_BTD)
         seq_BCX = torch.cat([to_dtype(conv_BCW, qkv_BTC.dtype), qkv_BTC.transpose(1, 2)], dim=2)  # X = W-1+T
         weight = to_dtype(torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight]), torch.float32)
         act_BCT = F.silu(F.conv1d(seq_BCX.float(), weight, groups=weight.shape[0]))
@@ -159,13 +171,15 @@ class KDAAttention(nn.Module):
             new_BCW = seq_BCX.gather(2, idx_BW[:, None, :].expand(-1, seq_BCX.shape[1], -1))
         return act_BCT.transpose(1, 2).to(x_BTD.dtype), new_BCW
 
-    def _gated_output(self, o_BTHV: torch.Tensor, x_BTD: torch.Tensor) -> torch.Tensor:
-        """o_proj( RMSNorm(o_h) * o_norm.weight * sigmoid(g_proj x)_h ), norm and gate in fp32; under TP
-        `x_BTD` is the column projections' input and the rows' partial o_proj outputs are summed."""
+    def _gated_output(self, o_BTHV: torch.Tensor, x_BTD: torch.Tensor, gate_BTP: torch.Tensor | None = None
+                      ) -> torch.Tensor:
+        """o_proj( RMSNorm(o_h) * o_norm.weight * sigmoid(g_proj x)_h ), norm and gate in fp32 (`gate_BTP`: g_proj x
+        when computed already); under TP `x_BTD` is the column projections' input and the rows' partial o_proj
+        outputs are summed."""
         o = o_BTHV.float()
         weight = to_dtype(self.o_norm.weight, torch.float32)
         o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + self.norm_eps) * weight
-        gate = torch.sigmoid(self.g_proj(x_BTD).float()).view_as(o)
+        gate = torch.sigmoid((self.g_proj(x_BTD) if gate_BTP is None else gate_BTP).float()).view_as(o)
         y_BTD = self.o_proj((o * gate).reshape(*x_BTD.shape[:2], -1).to(x_BTD.dtype))
         return reduce_from(y_BTD, self.tp_group)
 

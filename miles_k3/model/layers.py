@@ -153,11 +153,20 @@ class SiTUMLP(nn.Module):
         self.down_proj = nn.Linear(inter, hidden, bias=False)
         self.tp_group = None
         """The tensor-parallel group the width is split over (None: the whole width here)."""
+        self.fused_projections = None
+        """The rollout engine's `FusedProjections` over gate and up (None: each linear on its own); read in decode
+        steps (one token per request, x [B, 1, D])."""
 
     def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
+        group = self.fused_projections
+        if group is not None and x_BTD.dim() == 3 and x_BTD.shape[1] == 1 and group.serves(x_BTD):
+            return self.down(*group(x_BTD))  # gate and up in one GEMM (+ 2 for adapters)
         x_BTD = copy_to(x_BTD, self.tp_group)
-        h = situ_glu(self.gate_proj(x_BTD), self.up_proj(x_BTD), self.beta, self.linear_beta)
-        return reduce_from(self.down_proj(h), self.tp_group)
+        return self.down(self.gate_proj(x_BTD), self.up_proj(x_BTD))
+
+    def down(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """down_proj(SiTU-GLU(gate, up)) of the gate and up projections' outputs (summed over TP)."""
+        return reduce_from(self.down_proj(situ_glu(gate, up, self.beta, self.linear_beta)), self.tp_group)
 
 
 def attn_res_mix(sources: list[torch.Tensor], norm: RMSNorm, proj: nn.Linear) -> torch.Tensor:

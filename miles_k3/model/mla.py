@@ -45,6 +45,9 @@ class MLAAttention(nn.Module):
         self.o_proj = nn.Linear(h * self.v_dim, d, bias=False)
         self.tp_group = None
         """The tensor-parallel group the query heads are split over (None: all heads here)."""
+        self.fused_projections = None
+        """The rollout engine's `FusedProjections` over q_a, kv_a and g (None: each linear on its own); read by the
+        decode step on the engine's paged pool only."""
 
     # ---- pieces shared by both forms ---------------------------------------------------------------
     def cache_bytes_per_token(self, bytes_per_value: int = 2) -> int:
@@ -55,21 +58,27 @@ class MLAAttention(nn.Module):
         """No latents yet: what a request holds before its first token."""
         return MLALayerState(torch.zeros(batch, 0, self.rank + self.rope, device=device, dtype=dtype))
 
-    def _queries(self, x_BTD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        q = self.q_b_proj(copy_to(self.q_a_layernorm(self.q_a_proj(x_BTD)), self.tp_group))
+    def _queries(self, x_BTD: torch.Tensor, qa_BTR: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(q_nope, q_rope) [B, T, H, *]; `qa_BTR`: q_a_proj x when computed already."""
+        qa_BTR = self.q_a_proj(x_BTD) if qa_BTR is None else qa_BTR
+        q = self.q_b_proj(copy_to(self.q_a_layernorm(qa_BTR), self.tp_group))
         q_BTHQ = q.view(*x_BTD.shape[:2], self.num_heads, self.nope + self.rope)
         return q_BTHQ[..., : self.nope], q_BTHQ[..., self.nope:]
 
-    def _latents(self, x_BTD: torch.Tensor) -> torch.Tensor:
-        """The new latents [B, T, L] (replicated over TP; they enter every rank's heads through `copy_to`)."""
-        c_kr = self.kv_a_proj_with_mqa(x_BTD)
+    def _latents(self, x_BTD: torch.Tensor, c_kr: torch.Tensor | None = None) -> torch.Tensor:
+        """The new latents [B, T, L] (replicated over TP; they enter every rank's heads through `copy_to`);
+        `c_kr`: kv_a_proj_with_mqa x when computed already."""
+        c_kr = self.kv_a_proj_with_mqa(x_BTD) if c_kr is None else c_kr
         c, k_r = c_kr[..., : self.rank], c_kr[..., self.rank:]
         return copy_to(torch.cat([self.kv_a_layernorm(c), k_r], dim=-1), self.tp_group)
 
-    def _output(self, o_BTHV: torch.Tensor, x_BTD: torch.Tensor) -> torch.Tensor:
+    def _output(self, o_BTHV: torch.Tensor, x_BTD: torch.Tensor, gate_BTP: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        """o_proj(o * sigmoid(g_proj x)) (`gate_BTP`: g_proj x when computed already)."""
         o = o_BTHV.reshape(*x_BTD.shape[:2], -1)
         if self.g_proj is not None:
-            o = o * torch.sigmoid(self.g_proj(copy_to(x_BTD, self.tp_group)))
+            gate_BTP = self.g_proj(copy_to(x_BTD, self.tp_group)) if gate_BTP is None else gate_BTP
+            o = o * torch.sigmoid(gate_BTP)
         return reduce_from(self.o_proj(o), self.tp_group)
 
     # ---- naive form -------------------------------------------------------------------------------
@@ -116,17 +125,22 @@ class MLAAttention(nn.Module):
         over positions 0..past_lens[b] with the paged kernel (no gathered copy of the latents)."""
         from miles_k3.kernels.paged_mla import paged_latent_attention
 
-        q_nope, q_rope = self._queries(x_B1D)
+        group = self.fused_projections
+        qa = c_kr = gate = None
+        if group is not None and group.serves(x_B1D):  # q_a, kv_a and g in one GEMM (+ 2 for adapters)
+            qa, c_kr, *rest = group(x_B1D)
+            gate = rest[0] if rest else None
+        q_nope, q_rope = self._queries(x_B1D, qa)
         pool_GZL, table_BT = state.latent_BSL, state.table_BT
         z = pool_GZL.shape[1]
         page_B = table_BT.gather(1, (past_lens // z)[:, None])[:, 0]
         flat_pool = pool_GZL.view(-1, pool_GZL.shape[-1])
-        flat_pool.index_copy_(0, page_B * z + past_lens % z, self._latents(x_B1D)[:, 0].to(pool_GZL.dtype))
+        flat_pool.index_copy_(0, page_B * z + past_lens % z, self._latents(x_B1D, c_kr)[:, 0].to(pool_GZL.dtype))
         w_uk_HNR, w_uv_HVR = self._absorbed_weights()
         q_lat_BHR = torch.einsum("bhn,hnr->bhr", q_nope[:, 0], w_uk_HNR)
         o_lat_BHR = paged_latent_attention(q_lat_BHR, q_rope[:, 0], pool_GZL, table_BT, past_lens + 1, self.scale)
         o_BHV = torch.einsum("bhr,hvr->bhv", o_lat_BHR.to(x_B1D.dtype), w_uv_HVR)
-        return self._output(o_BHV.unsqueeze(1), x_B1D), state
+        return self._output(o_BHV.unsqueeze(1), x_B1D, gate), state
 
     def _absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """W_UK [H, N, R] and W_UV [H, V, R]: slices of kv_b_proj's effective weight (with its LoRA delta)."""

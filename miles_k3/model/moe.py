@@ -96,6 +96,9 @@ class LatentMoE(nn.Module):
         """This layer's place among the model's MoE layers (set by K3Model): its column of recorded routes."""
         self.routing: tuple | None = None
         """(Recorder, replay or None) while `miles_k3.model.routing` records or replays routes, else None."""
+        self.fused_projections = None
+        """The rollout engine's `FusedProjections` over the routed down projection and the shared expert's gate and
+        up (None: each linear on its own); read in decode steps (one token per request, x [B, 1, D])."""
 
     def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
         """y [B, T, D] = routed(x) + shared(x). Under expert parallelism every rank of the EP group must call
@@ -104,14 +107,18 @@ class LatentMoE(nn.Module):
         ep = self.expert_parallel
         x_SD = x_ND if ep is None else ep.local_tokens(x_ND)
         ids_SK, w_SK = self.gate(x_SD) if self.routing is None else self._route(x_SD, x_ND.shape[0])
-        z_SL = self.routed_expert_down_proj(x_SD)
+        group, shared_gu = self.fused_projections, None
+        if group is not None and x_BTD.dim() == 3 and x_BTD.shape[1] == 1 and group.serves(x_ND):
+            z_SL, *shared_gu = group(x_ND)  # routed down, shared gate and up in one GEMM (+ 2 for adapters)
+        else:
+            z_SL = self.routed_expert_down_proj(x_SD)
         u_SL = self.experts(z_SL, ids_SK, w_SK) if ep is None else ep.run_experts(self.experts, z_SL, ids_SK, w_SK)
         if self.routed_expert_norm is not None:
             u_SL = self.routed_expert_norm(u_SL)
         y_SD = self.routed_expert_up_proj(u_SL)
         y_ND = y_SD if ep is None else ep.all_tokens(y_SD, x_ND.shape[0])
         if self.shared_experts is not None:
-            y_ND = y_ND + self.shared_experts(x_ND)
+            y_ND = y_ND + (self.shared_experts(x_ND) if shared_gu is None else self.shared_experts.down(*shared_gu))
         return y_ND.view_as(x_BTD)
 
     def _route(self, x_SD: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
