@@ -3,8 +3,8 @@ same model and against the HBM roofline.
 
     python benchmarks/bench_engine_gpu.py [--batches 1,64,256] [--prompt 32] [--new 64] [--grpo 64x8:512+512]
                                           [--decode auto|eager|static] [--lora-rank R [--merge-lora]]
-                                          [--mxfp4-experts auto|torch|triton] [--repeats N] [--no-plain]
-                                          [--json out.json]
+                                          [--mxfp4-experts auto|torch|triton] [--no-fuse-projections]
+                                          [--repeats N] [--no-plain] [--json out.json]
 
 * engine: `RolloutEngine.generate` of B prompts (n=1), `max_new_tokens` new tokens each, temperature 1,
   ignore_eos; tokens/s = B * new / wall time of the call (prefill included). Decode: CUDA graphs by default
@@ -23,8 +23,12 @@ same model and against the HBM roofline.
   (`engine.merge_lora`: one GEMM per adapted linear; the routed experts' adapters stay unmerged); the plain loop
   keeps the unmerged adapter. The figures record `merge_lora` and `rebind_s`, the wall time of re-merging (or
   recasting) every adapter module after a push (`AdapterBank.bind`).
-* `--mxfp4-experts`: the routed experts' backend (`kernels.mxfp4_experts`; auto keeps k3_m's small projections on
-  dequantize + grouped matmul, triton forces the fused kernel, which reads only the experts a step routes to).
+* `--no-fuse-projections`: the decode step computes every linear on its own (`engine.fuse_projections=false`);
+  by default the linears that read one input are one GEMM (+ 2 for an unmerged adapter). Recorded as
+  `fuse_projections`.
+* `--mxfp4-experts`: the routed experts' backend (`kernels.mxfp4_experts`; auto takes the fused kernel for a
+  projection of at most 64 rows (`FUSED_MAX_ROWS`) and keeps k3_m's small projections of more rows on dequantize +
+  grouped matmul, triton forces the fused kernel, which reads only the experts a step routes to).
 * `--repeats N`: each batch's engine call timed N times; the row keeps the median and every time. `--no-plain`
   skips the plain loop (about 18 s a batch at 256 new tokens), so the ratio to it is not recorded.
 """
@@ -96,6 +100,7 @@ def main() -> None:
     ap.add_argument("--lora-rank", type=int, default=0, help="an RL-shaped adapter of this rank (0: none)")
     ap.add_argument("--merge-lora", action="store_true", help="serve the adapter merged (engine.merge_lora)")
     ap.add_argument("--mxfp4-experts", default="auto", choices=["auto", "torch", "triton"])
+    ap.add_argument("--no-fuse-projections", action="store_true", help="engine.fuse_projections=false")
     ap.add_argument("--repeats", type=int, default=1, help="timed engine calls per batch (the median is kept)")
     ap.add_argument("--no-plain", action="store_true", help="skip the plain model.step loop")
     ap.add_argument("--json", default=None)
@@ -107,7 +112,8 @@ def main() -> None:
     set_mxfp4_experts_backend(args.mxfp4_experts)
     cfg, model = build()
     econf = EngineConfig(memory_budget_bytes=int(args.budget_gib * 2**30), page_size=64, max_context=1088,
-                         prefill_chunk=1024, decode=args.decode, merge_lora=args.merge_lora)
+                         prefill_chunk=1024, decode=args.decode, merge_lora=args.merge_lora,
+                         fuse_projections=not args.no_fuse_projections)
     lora, name = None, None
     if args.lora_rank:
         lora, name = LoRAConfig(rank=args.lora_rank, alpha=2.0 * args.lora_rank, targets=list(LINEAR_TARGETS)), "policy"
@@ -122,7 +128,7 @@ def main() -> None:
     params = {"temperature": 1.0, "max_new_tokens": args.new, "ignore_eos": True}
     results = {"model": "k3_m", "experts": "mxfp4", "slots": engine.num_slots, "decode": engine.decode_mode,
                "lora_rank": args.lora_rank, "merge_lora": args.merge_lora, "mxfp4_experts": args.mxfp4_experts,
-               "repeats": args.repeats, "rows": []}
+               "fuse_projections": not args.no_fuse_projections, "repeats": args.repeats, "rows": []}
     with torch.no_grad():
         for b in map(int, args.batches.split(",")):  # warm up: kernels compiled, graphs captured per bucket
             engine.generate(input_ids=[[1] * args.prompt] * b, sampling_params=params, lora=name)
