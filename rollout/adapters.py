@@ -90,6 +90,9 @@ class AdapterBank:
             self._params = lora_parameters(model)
             self._buffers[None] = {n: torch.zeros_like(p) for n, p in self._params.items()}  # base: B = 0
         if fuse_projections:
+            for module in self._adapted:  # the adapted linears outside the groups: the B GEMM adds in place
+                if isinstance(module, LoRALinear):
+                    module.inference_copies.add_in_gemm = True
             self.fused = attach_fused_projections(model)
             log.info("engine: %d fused projection groups, %.1f MiB of stacked weights", len(self.fused),
                      sum(g.nbytes() for g in self.fused) / 2**20)

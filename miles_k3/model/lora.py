@@ -119,6 +119,10 @@ class LoRALinear(nn.Linear):
             return y
         if copies is not None and copies.a.dtype == x.dtype:
             a, b = copies.a, copies.b  # the casts below, made once per adapter version instead of every call
+            if copies.add_in_gemm:  # y += s * (A x) B^T in one GEMM, rounded once (the engine's fuse_projections)
+                y.view(-1, y.shape[-1]).addmm_(F.linear(self.lora_dropout(x), a).view(-1, a.shape[0]), b.t(),
+                                               alpha=self.scale)
+                return y
         else:
             a, b = self.lora_A.weight.to(x.dtype), self.lora_B.weight.to(x.dtype)
         return y + F.linear(F.linear(self.lora_dropout(x), a), b) * self.scale
@@ -158,12 +162,16 @@ class InferenceCopies:
     `forward_merged` (the engine's merge_lora): the LoRALinear's forward computes x @ merged^T (+ bias), one GEMM,
     instead of x W^T + s * B(A x) (while enabled; disabled, the base alone as ever). The merged weight is rounded
     once to W's dtype, so in bf16 its output differs from the unmerged forward's by that rounding. Off, a merged
-    copy is only read through `effective_weight` and the forward is unchanged."""
+    copy is only read through `effective_weight` and the forward is unchanged.
+
+    `add_in_gemm` (set by the engine's fuse_projections): an unmerged forward adds s * B(A x) into x W^T inside the
+    B GEMM (`addmm_`, the scale as its alpha): 3 kernels instead of 5, the delta rounded once with the sum."""
 
     def __init__(self, a: torch.Tensor, b: torch.Tensor, merged: torch.Tensor | None, forward_merged: bool = False):
         if forward_merged and merged is None:
             raise ValueError("InferenceCopies: forward_merged needs the merged weight")
         self.a, self.b, self.merged, self.forward_merged = a, b, merged, forward_merged
+        self.add_in_gemm = False
 
     @classmethod
     def attach(cls, module: LoRALinear | ExpertLoRA, dtype: torch.dtype, merged: bool = False,

@@ -1,6 +1,7 @@
 """`FusedProjections`: linears that read one input as one GEMM (+ one over their adapters' A, one over their B
 block-diagonal), on hand-worked values: outputs, sections as views, merged adapters, refresh, when it serves, and
-the groups it refuses. The engine's use of it: tests/rollout/test_fuse_projections.py."""
+the groups it refuses; and a single adapted linear adding its delta inside its B GEMM (`add_in_gemm`). The engine's
+use of them: tests/rollout/test_fuse_projections.py."""
 import pytest
 import torch
 from torch import nn
@@ -112,3 +113,16 @@ def test_refuses_groups_it_cannot_compute_as_one():
     InferenceCopies.attach(a, torch.float32, forward_merged=True)
     with pytest.raises(ValueError, match="some adapters of the group are merged and some not"):
         FusedProjections([(a, b), (c,)])
+
+
+@torch.no_grad()
+def test_an_adapted_linear_adds_its_delta_inside_the_b_gemm_by_hand():
+    a = _abc()[0]
+    InferenceCopies.attach(a, torch.float32)
+    a.inference_copies.add_in_gemm = True
+    torch.testing.assert_close(a(X), SECTION_AB[:, :2], rtol=0, atol=0)  # [4, 9] and [-1, -2] as above
+    torch.testing.assert_close(a(X.view(2, 1, 2))[:, 0], SECTION_AB[:, :2], rtol=0, atol=0)
+    with torch.enable_grad():  # the trainer's forward (autograd on) never takes it
+        y = a(X.clone().requires_grad_())
+        assert y.grad_fn is not None and y.grad_fn.name() != "AddmmBackward0"
+        torch.testing.assert_close(y.detach(), SECTION_AB[:, :2], rtol=0, atol=0)

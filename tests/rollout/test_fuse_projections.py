@@ -27,11 +27,15 @@ SAMPLED = {"temperature": 1.0, "max_new_tokens": 6, "sampling_seed": 5}
 # k3_nano: layers kda/mlp, kda/moe, kda/moe, mla/moe (one shared expert, MLA output gate): 3 KDA groups (q|k|v, g,
 # b, f_a), 1 MLA (q_a, kv_a, g), 1 dense MLP (gate, up) and 3 MoE groups (routed down, shared gate, shared up).
 NANO_GROUPS = {KDAAttention: 3, MLAAttention: 1, SiTUMLP: 1, LatentMoE: 3}
-# GEMMs one decode step saves. With the adapter on every member, a linear is 3 mm (x W^T, A x, B (A x)) and a
-# group 2 mm (the stacked W and A) + 1 addmm_ (B): KDA 6 * 3 - 2 = 16, MLA 3 * 3 - 2 = 7, MLP 2 * 3 - 2 = 4,
-# MoE 3 * 3 - 2 = 7, so 3 * 16 + 7 + 4 + 3 * 7 = 80 mm fewer and 8 addmm_ more. Without an adapter a linear is
-# 1 mm and a group 1: KDA 5, MLA 2, MLP 1, MoE 2: 3 * 5 + 2 + 1 + 3 * 2 = 24 fewer, no addmm_.
-SAVED_MM = {"adapter": 80, "base": 24}
+# What one decode step saves. With the adapter, an unfused adapted linear is 3 mm (x W^T, A x, B (A x)), a mul (the
+# scale) and an add. A group is 2 mm (the stacked W and A) + 1 addmm_ (B): KDA 6 * 3 - 2 = 16 mm fewer, MLA
+# 3 * 3 - 2 = 7, MLP 2 * 3 - 2 = 4, MoE 3 * 3 - 2 = 7, so 3 * 16 + 7 + 4 + 3 * 7 = 80 and 8 addmm_. The 15 adapted
+# linears outside the groups (KDA f_b and o: 6, MLA q_b and o: 2 (kv_b is read merged), MLP down: 1, MoE routed up
+# and shared down: 6) each turn their B mm into an addmm_: 15 mm fewer, 15 addmm_. None of the 47 adapted linears
+# (KDA 3 * 8, MLA 5, MLP 3, MoE 3 * 5) keeps its mul and add. Without an adapter a linear is 1 mm and a group 1:
+# KDA 5, MLA 2, MLP 1, MoE 2: 3 * 5 + 2 + 1 + 3 * 2 = 24 mm fewer, nothing else.
+SAVED = {"adapter": {"mm": 95, "mul": 47, "add": 47, "addmm_": -23},
+         "base": {"mm": 24, "mul": 0, "add": 0, "addmm_": 0}}
 # fp32, fused vs unfused: the same dot products summed by one GEMM or several (another blocking, another order:
 # 2^-24 relative per operation), which a random model amplifies about twice per layer; as in test_merge_lora.py.
 # Measured on k3_nano: 0 to 1.2e-5.
@@ -116,7 +120,7 @@ def test_groups_by_default_where_they_belong_and_none_when_off(nano):
 
 
 @pytest.mark.parametrize("adapter", [True, False], ids=["adapter", "no-lora"])
-def test_a_decode_step_saves_the_gemms_counted_by_hand(nano, adapter):
+def test_a_decode_step_saves_the_kernels_counted_by_hand(nano, adapter):
     """With the engine's LoRA config (the base, adapter None, is B = 0 and computes the same GEMMs) and without."""
     if adapter:
         ops = {fuse: _step_ops(_engine(nano, fuse, decode="static"), "policy") for fuse in (False, True)}
@@ -124,9 +128,8 @@ def test_a_decode_step_saves_the_gemms_counted_by_hand(nano, adapter):
         base = _nano(seed=None)
         ops = {fuse: _step_ops(small_engine(base, fuse_projections=fuse, decode="static"), None)
                for fuse in (False, True)}
-    saved = SAVED_MM["adapter" if adapter else "base"]
-    assert ops[False]["mm"] - ops[True]["mm"] == saved, (ops[False]["mm"], ops[True]["mm"])
-    assert ops[True]["addmm_"] == (8 if adapter else 0) and ops[False]["addmm_"] == 0
+    saved = {op: ops[False][op] - ops[True][op] for op in ("mm", "mul", "add", "addmm_")}
+    assert saved == SAVED["adapter" if adapter else "base"], saved
 
 
 @pytest.mark.parametrize("decode", ["static", "eager"])
@@ -142,11 +145,11 @@ def test_the_same_samples_as_the_unfused_engine_in_fp32(nano, decode):
 def test_bf16_log_probs_are_no_further_from_fp32_than_the_unfused_engines(nano):
     """bf16: the adapter's delta is added before one rounding where the unfused form rounds three times, so the
     fused engine's log-probs differ from the unfused one's by bf16 rounding; against the fp32 engine they are no
-    further off. 32 random prompts, the log-probs of decode steps 1 and 2 where all three engines chose the same
-    tokens (measured: mean |bf16 - fp32| 0.0075 fused, 0.0089 unfused, over 32 shared positions)."""
+    further off. 64 random prompts, the log-probs of decode steps 1 and 2 where all three engines chose the same
+    tokens (measured: mean |bf16 - fp32| 0.0071 fused, 0.0093 unfused, over 63 shared positions)."""
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(1, 500, (int(torch.randint(2, 12, (1,), generator=gen)),), generator=gen).tolist()
-               for _ in range(32)]
+               for _ in range(64)]
     greedy3 = {"temperature": 0, "max_new_tokens": 3}
     bf16 = copy.deepcopy(nano).cast(torch.bfloat16)
     ref, unfused, fused = (_runs(_engine(m, f, decode="static").generate(input_ids=prompts, sampling_params=greedy3,
@@ -160,7 +163,7 @@ def test_bf16_log_probs_are_no_further_from_fp32_than_the_unfused_engines(nano):
                 err["fused"].append(abs(l2[i] - l0[i]))
     n = len(err["fused"])
     mean = {k: sum(v) / n for k, v in err.items()}
-    assert n >= 30 and mean["fused"] <= 1.25 * mean["unfused"], (n, mean)
+    assert n >= 50 and mean["fused"] <= 1.25 * mean["unfused"], (n, mean)
 
 
 def test_groups_follow_a_push_and_a_switch_of_adapter(nano):
@@ -220,7 +223,8 @@ def test_gpu_graph_decode_reads_the_groups_refreshed_in_place_and_launches_fewer
     One static decode step at batch 1 launches at least 90% of the kernels counted by hand fewer than the
     unfused step: k3_tiny has 6 KDA, 3 MLA, 1 dense MLP and 8 MoE groups; an adapted linear is 5 kernels (x W^T,
     A x, B (A x), the scale, the add) and a group 3, and KDA's q|k|v concatenation goes: 6 * 28 + 3 * 12 + 7 +
-    8 * 12 = 307 (cuBLAS may split a GEMM in two kernels, hence 90%)."""
+    8 * 12 = 307; the 35 adapted linears outside the groups (KDA f_b, o; MLA q_b, o; MLP down; MoE routed up,
+    shared down) take 3 instead of 5: 70 more, 377 in all (cuBLAS may split a GEMM in two kernels, hence 90%)."""
     from kernel_testing import cuda_kernels
 
     torch.manual_seed(0)
@@ -273,4 +277,4 @@ def test_gpu_graph_decode_reads_the_groups_refreshed_in_place_and_launches_fewer
         _, packed, _, _ = graph._graph(graph.buckets[0], 1)
         launches[fuse] = len(cuda_kernels(lambda graph=graph, packed=packed: graph._step(packed)))
     print(f"kernels per static decode step at batch 1: unfused {launches[False]}, fused {launches[True]}")
-    assert launches[False] - launches[True] >= 0.9 * 307
+    assert launches[False] - launches[True] >= 0.9 * 377

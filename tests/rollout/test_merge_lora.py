@@ -59,8 +59,8 @@ def nano_bf16(nano):
     return copy.deepcopy(nano).cast(torch.bfloat16)
 
 
-def _engine(model, merge: bool, tensors=None) -> RolloutEngine:
-    engine = small_engine(model, lora=LORA, merge_lora=merge)
+def _engine(model, merge: bool, tensors=None, **fields) -> RolloutEngine:
+    engine = small_engine(model, lora=LORA, merge_lora=merge, **fields)
     engine.load_lora_adapter_from_tensors("policy", lora_state_dict(model) if tensors is None else tensors, LORA)
     return engine
 
@@ -217,11 +217,12 @@ def test_disabled_adapters_give_the_base_alone_with_merge_on(nano):
 
 def test_merged_copies_where_merge_lora_says_and_kv_b_proj_unchanged_when_off(nano_bf16):
     """Off: kv_b_proj alone keeps a merged weight (for MLA's absorbed decode), and its forward still computes
-    x W^T + s B(A x), bitwise the per-call casts' result, not x W'^T. On: every dense adapted linear has a merged
-    weight its forward reads; the routed experts' adapters never do."""
+    x W^T + s B(A x), bitwise the per-call casts' result, not x W'^T (with fuse_projections off: on, the delta is
+    added inside the B GEMM, `test_fuse_projections.py`). On: every dense adapted linear has a merged weight its
+    forward reads; the routed experts' adapters never do."""
     x = torch.randn(3, nano_bf16.config.kv_lora_rank, generator=torch.Generator().manual_seed(5)).bfloat16()
     for merge in (False, True):
-        engine = _engine(nano_bf16, merge)
+        engine = _engine(nano_bf16, merge, fuse_projections=False)
         engine.adapters.bind("policy", engine.weight_version)
         for path, lin in lora_linears(engine.model):
             copies = lin.inference_copies
