@@ -24,6 +24,7 @@ import torch
 
 from miles_k3.model.experts import sync_free_experts
 from miles_k3.model.k3 import K3ForCausalLM
+from miles_k3.model.mla import paged_rows
 from miles_k3.model.routing import Recorder, recording
 from miles_k3.model.state import K3State, KDALayerState, MLALayerState
 from miles_k3.rollout.memory import KDAStatePool, PagedLatentCache
@@ -142,7 +143,9 @@ class GraphDecoder:
         kda_states = [KDALayerState(self.kda.conv_NCW[i], self.kda.recurrent_NHKV[i], slots)  # updated in place
                       for i in range(len(self.kda_ids))]
         storage = self.cache.storage_MGZL
-        mla_states = [MLALayerState(storage[m], table) for m in range(len(self.mla_ids))]  # paged, in place
+        rows, attend = (paged_rows(table, lens, storage.shape[2]), lens + 1) if self.mla_ids else (None, None)
+        mla_states = [MLALayerState(storage[m], table, rows, attend)  # paged, in place; rows once for all layers
+                      for m in range(len(self.mla_ids))]
         layers: list = [None] * self.model.config.num_hidden_layers
         for i, layer_id in enumerate(self.kda_ids):
             layers[layer_id] = kda_states[i]

@@ -132,13 +132,13 @@ class MLAAttention(nn.Module):
             gate = rest[0] if rest else None
         q_nope, q_rope = self._queries(x_B1D, qa)
         pool_GZL, table_BT = state.latent_BSL, state.table_BT
-        z = pool_GZL.shape[1]
-        page_B = table_BT.gather(1, (past_lens // z)[:, None])[:, 0]
+        rows_B = paged_rows(table_BT, past_lens, pool_GZL.shape[1]) if state.rows_B is None else state.rows_B
+        attend_B = past_lens + 1 if state.attend_B is None else state.attend_B
         flat_pool = pool_GZL.view(-1, pool_GZL.shape[-1])
-        flat_pool.index_copy_(0, page_B * z + past_lens % z, self._latents(x_B1D, c_kr)[:, 0].to(pool_GZL.dtype))
+        flat_pool.index_copy_(0, rows_B, self._latents(x_B1D, c_kr)[:, 0].to(pool_GZL.dtype))
         w_uk_HNR, w_uv_HVR = self._absorbed_weights()
         q_lat_BHR = torch.einsum("bhn,hnr->bhr", q_nope[:, 0], w_uk_HNR)
-        o_lat_BHR = paged_latent_attention(q_lat_BHR, q_rope[:, 0], pool_GZL, table_BT, past_lens + 1, self.scale)
+        o_lat_BHR = paged_latent_attention(q_lat_BHR, q_rope[:, 0], pool_GZL, table_BT, attend_B, self.scale)
         o_BHV = torch.einsum("bhr,hvr->bhv", o_lat_BHR.to(x_B1D.dtype), w_uv_HVR)
         return self._output(o_BHV.unsqueeze(1), x_B1D, gate), state
 
@@ -183,3 +183,10 @@ def _prefix_causal_mask(past_lens: torch.Tensor, t: int, s: int) -> torch.Tensor
     j = torch.arange(s, device=past_lens.device)
     limit_BT = past_lens[:, None] + torch.arange(t, device=past_lens.device)
     return (j[None, None, :] <= limit_BT[:, :, None]).unsqueeze(1)
+
+
+def paged_rows(table_BT: torch.Tensor, positions_B: torch.Tensor, page_size: int) -> torch.Tensor:
+    """The flat pool row [B] of position positions_B[b] of request b: row positions % Z of page
+    table_BT[b, positions // Z], i.e. page * Z + positions % Z."""
+    page_B = table_BT.gather(1, (positions_B // page_size)[:, None])[:, 0]
+    return page_B * page_size + positions_B % page_size

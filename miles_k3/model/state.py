@@ -30,11 +30,15 @@ class MLALayerState:
 
     Paged form (the rollout engine's decode): with `table_BT` set, latent_BSL is the layer's whole page pool
     [G, Z, L] and position j of request b is row j % Z of page table_BT[b, j // Z]; a decode step writes the
-    new latent into its page in place and attends over the pages (`kernels/paged_mla.py`).
+    new latent into its page in place and attends over the pages (`kernels/paged_mla.py`). `rows_B` (the pool row
+    of each request's new position, table_BT[b, seq_lens // Z] * Z + seq_lens % Z) and `attend_B` (seq_lens + 1)
+    may come precomputed: the same for every MLA layer of a step, so the engine computes them once per step.
     """
 
     latent_BSL: torch.Tensor
     table_BT: torch.Tensor | None = None
+    rows_B: torch.Tensor | None = None
+    attend_B: torch.Tensor | None = None
 
 
 @dataclass
