@@ -1,4 +1,5 @@
-"""Grouping routed (token, slot) pairs by expert in one launch: a pure-torch reference and a Triton kernel.
+"""Grouping routed (token, slot) pairs by expert in one launch, and combining the expert outputs back by token in
+one more (`combine_rows`, below): pure-torch references and Triton kernels.
 
 `RoutedExperts.forward` (`miles_k3.model.experts`) feeds its grouped matmuls with the M = N*K routed pairs
 sorted by expert. Flattening ids [N, K] to ids [M] (pair i is token i // K, slot i % K), the grouping is
@@ -39,6 +40,8 @@ import torch
 import triton
 import triton.language as tl
 
+from miles_k3.kernels.fused import _ROUND_KIND, _round
+
 ID_DTYPES = (torch.int64, torch.int32)
 
 _MAX_BLOCK = 4096  # ids per loop iteration of a program (decode M <= 4096 is a single block)
@@ -74,10 +77,11 @@ def group_by_expert_reference(flat_ids_M: torch.Tensor, num_experts: int,
 
 
 @triton.jit
-def _group_by_expert_kernel(ids_ptr, order_ptr, token_of_ptr, ends_ptr, M, top_k, num_experts,
-                            BLOCK: tl.constexpr, NUM_BLOCKS: tl.constexpr):
+def _group_by_expert_kernel(ids_ptr, order_ptr, token_of_ptr, ends_ptr, row_of_ptr, M, top_k, num_experts,
+                            BLOCK: tl.constexpr, NUM_BLOCKS: tl.constexpr, WITH_ROWS: tl.constexpr):
     """Program e: the pairs routed to expert e, in pair order, to rows start_e .. start_e + count_e of the
-    grouping; writes ends[e]. NUM_BLOCKS * BLOCK >= M (a constexpr trip count; the tail is masked)."""
+    grouping; writes ends[e] (and with WITH_ROWS each such pair's row: row_of[order[j]] = j). NUM_BLOCKS * BLOCK
+    >= M (a constexpr trip count; the tail is masked)."""
     e = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     # Pass 1: start_e = #(ids < e). Masked lanes read num_experts, which is neither < e nor == e.
@@ -97,6 +101,8 @@ def _group_by_expert_kernel(ids_ptr, order_ptr, token_of_ptr, ends_ptr, M, top_k
         row = start + seen + tl.cumsum(hit_i, axis=0) - 1
         tl.store(order_ptr + row, i.to(tl.int64), mask=hit)
         tl.store(token_of_ptr + row, (i // top_k).to(tl.int64), mask=hit)
+        if WITH_ROWS:
+            tl.store(row_of_ptr + i, row.to(tl.int64), mask=hit)
         seen += tl.sum(hit_i, axis=0)
     tl.store(ends_ptr + e, start + seen)
 
@@ -113,10 +119,12 @@ def _launch_shape(m: int) -> tuple[int, int, int]:
     return block, num_blocks, 4 if block <= 1024 else 8
 
 
-def group_by_expert(flat_ids_M: torch.Tensor, num_experts: int,
-                    top_k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def group_by_expert(flat_ids_M: torch.Tensor, num_experts: int, top_k: int,
+                    with_rows: bool = False) -> tuple[torch.Tensor, ...]:
     """(order int64 [M], token_of int64 [M], ends int32 [E]) in one Triton launch, equal to
-    `group_by_expert_reference` (module docstring for the meaning and the cost).
+    `group_by_expert_reference` (module docstring for the meaning and the cost). `with_rows`: also row_of int64
+    [M], the inverse of order (row_of[order[j]] = j: the row of pair i), written by the same launch, for
+    `combine_rows`.
 
     flat_ids_M: expert ids [N, top_k] flattened, int64 (or int32), values in [0, num_experts), on CUDA (any
     device under TRITON_INTERPRET=1). No host synchronisation: capturable in a CUDA graph (after a first call
@@ -131,16 +139,81 @@ def group_by_expert(flat_ids_M: torch.Tensor, num_experts: int,
     dev = flat_ids_M.device
     order_M = torch.empty(m, dtype=torch.int64, device=dev)
     token_of_M = torch.empty(m, dtype=torch.int64, device=dev)
+    row_of_M = torch.empty(m if with_rows else 0, dtype=torch.int64, device=dev)
+    extra = (row_of_M,) if with_rows else ()
     if m == 0:
-        return order_M, token_of_M, torch.zeros(num_experts, dtype=torch.int32, device=dev)
+        return order_M, token_of_M, torch.zeros(num_experts, dtype=torch.int32, device=dev), *extra
     ends_E = torch.empty(num_experts, dtype=torch.int32, device=dev)
     ids = flat_ids_M.contiguous()
     block, num_blocks, num_warps = _launch_shape(m)
-    args = (ids, order_M, token_of_M, ends_E, m, top_k, num_experts)
+    args = (ids, order_M, token_of_M, ends_E, row_of_M if with_rows else order_M, m, top_k, num_experts)
+    meta = {"BLOCK": block, "NUM_BLOCKS": num_blocks, "WITH_ROWS": with_rows, "num_warps": num_warps}
     if ids.is_cuda:
         with torch.cuda.device(dev):
-            _group_by_expert_kernel[(num_experts,)](*args, BLOCK=block, NUM_BLOCKS=num_blocks,
-                                                    num_warps=num_warps)
+            _group_by_expert_kernel[(num_experts,)](*args, **meta)
     else:
-        _group_by_expert_kernel[(num_experts,)](*args, BLOCK=block, NUM_BLOCKS=num_blocks, num_warps=num_warps)
-    return order_M, token_of_M, ends_E
+        _group_by_expert_kernel[(num_experts,)](*args, **meta)
+    return order_M, token_of_M, ends_E, *extra
+
+
+# ---- combining the expert outputs back by token ------------------------------------------------------------
+def combine_rows_reference(y_MD: torch.Tensor, row_of_M: torch.Tensor, w_NK: torch.Tensor,
+                           dtype: torch.dtype) -> torch.Tensor:
+    """u [N, D] in `dtype`: u[n] = sum_k w[n, k] * y[row_of[n * K + k]], in fp32 (the products, then the sum over k
+    in slot order, k = 0 first), rounded once. With row_of the inverse of order this is `experts.combine_slots(y,
+    order, w, dtype)` (y's row j is pair order[j]'s output) up to the order of its fp32 sum over k."""
+    n_tok, top_k = w_NK.shape
+    y_NKD = y_MD[row_of_M].view(n_tok, top_k, y_MD.shape[-1]).float()
+    w_NK1 = w_NK.float().unsqueeze(-1)
+    acc = y_NKD[:, 0] * w_NK1[:, 0]
+    for k in range(1, top_k):
+        acc = acc + y_NKD[:, k] * w_NK1[:, k]
+    return acc.to(dtype)
+
+
+@triton.jit
+def _combine_rows_kernel(y_ptr, row_of_ptr, w_ptr, out_ptr, D, stride_y, K: tl.constexpr, BLOCK_D: tl.constexpr,
+                         ROUND: tl.constexpr):
+    """Program (n, d-tile): out[n, tile] = sum over k in order of w[n, k] * y[row_of[n K + k], tile], fp32, rounded
+    once to nearest-even in the output dtype (`fused._round`: the interpreter's cast would truncate)."""
+    n = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    mask = cols < D
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for k in range(K):
+        row = tl.load(row_of_ptr + n * K + k)
+        w = tl.load(w_ptr + n * K + k).to(tl.float32)
+        acc += w * tl.load(y_ptr + row * stride_y + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + n * D + cols, _round(acc, ROUND).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def combine_rows(y_MD: torch.Tensor, row_of_M: torch.Tensor, w_NK: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`combine_rows_reference` in one Triton launch (no host synchronisation: capturable), replacing the torch
+    form's index_copy, two casts, a multiply and a sum. y_MD [M, D] (rows of unit stride), row_of_M int64 [M]
+    (`group_by_expert(..., with_rows=True)`), w_NK [N, K] fp32 with N * K = M; on CUDA (any device under
+    TRITON_INTERPRET=1). The reference's fp32 operations per element in its order (on a GPU a multiply and add may
+    contract to one FMA: the last fp32 bit); against `combine_slots`, whose sum over k runs in torch's order, at
+    most one ulp of a 16-bit output (tests/kernels/test_moe_routing_kernel.py)."""
+    fn = "combine_rows"
+    if dtype not in _ROUND_KIND:
+        raise ValueError(f"{fn}: dtype must be one of {list(_ROUND_KIND)}, got {dtype}")
+    n_tok, top_k = w_NK.shape
+    if y_MD.dim() != 2 or y_MD.shape[0] != n_tok * top_k or row_of_M.shape != (n_tok * top_k,):
+        raise ValueError(f"{fn}: y_MD must be [N * K, D] and row_of_M [N * K] for w_NK [N, K] = {tuple(w_NK.shape)}, "
+                         f"got {tuple(y_MD.shape)} and {tuple(row_of_M.shape)}")
+    if not _interpreting() and not y_MD.is_cuda:
+        raise ValueError(f"{fn}: y_MD must be a CUDA tensor, got {y_MD.device}; use combine_rows_reference")
+    d = y_MD.shape[-1]
+    out = torch.empty(n_tok, d, dtype=dtype, device=y_MD.device)
+    if out.numel() == 0:
+        return out
+    y = y_MD if y_MD.stride(-1) == 1 else y_MD.contiguous()
+    block = min(1024, triton.next_power_of_2(d))
+    args = (y, row_of_M.contiguous(), w_NK.float().contiguous(), out, d, y.stride(0))
+    grid = (n_tok, triton.cdiv(d, block))
+    if y.is_cuda:
+        with torch.cuda.device(y.device):
+            _combine_rows_kernel[grid](*args, K=top_k, BLOCK_D=block, ROUND=_ROUND_KIND[dtype], num_warps=4)
+    else:
+        _combine_rows_kernel[grid](*args, K=top_k, BLOCK_D=block, ROUND=_ROUND_KIND[dtype], num_warps=4)
+    return out

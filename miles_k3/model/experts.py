@@ -138,8 +138,10 @@ def _use_fused_mxfp4(x: torch.Tensor, packed: torch.Tensor) -> bool:
 
 def _use_routing_kernel(flat_ids: torch.Tensor) -> bool:
     """Sync-free decode with ids on CUDA groups the routed rows with one Triton launch
-    (`miles_k3.kernels.moe_routing.group_by_expert`, equal to argsort + index_add + cumsum bit for bit);
-    everywhere else (CPU, training, prefill) the torch ops below."""
+    (`miles_k3.kernels.moe_routing.group_by_expert`, equal to argsort + index_add + cumsum bit for bit) and
+    combines the expert outputs by token with one more (`combine_rows`: the fp32 products and sum over the slots
+    of `combine_slots`, whose five torch kernels it replaces); everywhere else (CPU, training, prefill) the torch
+    ops."""
     return _SYNC_FREE and flat_ids.is_cuda
 
 
@@ -327,18 +329,18 @@ class RoutedExperts(nn.Module):
         if n_tok == 0:
             return torch.zeros_like(z_ND)
         flat_ids = ids_NK.reshape(-1)
-        if _use_routing_kernel(flat_ids):  # captured decode on CUDA: the grouping in one launch
-            from miles_k3.kernels.moe_routing import group_by_expert
-            order, token_of, counts = group_by_expert(flat_ids, self.num_experts, top_k)
+        if _use_routing_kernel(flat_ids):  # captured decode on CUDA: the grouping and the combine, one launch each
+            from miles_k3.kernels.moe_routing import combine_rows, group_by_expert
+            _, token_of, counts, row_of = group_by_expert(flat_ids, self.num_experts, top_k, with_rows=True)
+            return combine_rows(self.grouped_glu(z_ND[token_of], counts), row_of, w_NK, z_ND.dtype)
+        order = torch.argsort(flat_ids, stable=True)
+        token_of = order // top_k
+        if _SYNC_FREE or self.device_row_ends(z_ND):  # cumulative row ends stay on the device (no sync)
+            ones = torch.ones_like(flat_ids, dtype=torch.int32)
+            counts = torch.zeros(self.num_experts, dtype=torch.int32, device=flat_ids.device)
+            counts = counts.index_add_(0, flat_ids, ones).cumsum(0, dtype=torch.int32)
         else:
-            order = torch.argsort(flat_ids, stable=True)
-            token_of = order // top_k
-            if _SYNC_FREE or self.device_row_ends(z_ND):  # cumulative row ends stay on the device (no sync)
-                ones = torch.ones_like(flat_ids, dtype=torch.int32)
-                counts = torch.zeros(self.num_experts, dtype=torch.int32, device=flat_ids.device)
-                counts = counts.index_add_(0, flat_ids, ones).cumsum(0, dtype=torch.int32)
-            else:
-                counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()  # one host sync per layer
+            counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()  # one host sync per layer
         return combine_slots(self.grouped_glu(z_ND[token_of], counts), order, w_NK, z_ND.dtype)
 
     # ---- storage -----------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ import os
 
 import pytest
 import torch
-from kernel_testing import capture, interpreted
+from kernel_testing import assert_ulps16, capture, interpreted
 
 import miles_k3.model.experts as experts_mod
 from miles_k3.kernels.moe_routing import group_by_expert, group_by_expert_reference
@@ -128,6 +128,11 @@ def check(name, ids, num_experts, top_k):
     for what, a, b in zip(("order", "token_of", "ends"), got, ref):
         assert a.dtype == b.dtype and a.shape == b.shape, (name, what, a.dtype, b.dtype, a.shape, b.shape)
         assert torch.equal(a, b), (name, what, a.tolist()[:64], b.tolist()[:64])
+    # with_rows: the same three, and row_of the inverse of order (row_of[order[j]] = j)
+    *same, row_of = mr.group_by_expert(ids, num_experts, top_k, with_rows=True)
+    assert all(torch.equal(a, b) for a, b in zip(same, ref)), name
+    inverse = torch.empty_like(ref[0]).scatter_(0, ref[0], torch.arange(ref[0].numel()))
+    assert row_of.dtype == torch.int64 and torch.equal(row_of, inverse), (name, row_of.tolist()[:64])
 
 
 E8 = 8
@@ -164,10 +169,38 @@ ro, rt, re = mr.group_by_expert_reference(ids, 7, 3)
 valid = (ids[ro] >= 0) & (ids[ro] < 7)
 assert torch.equal(e, re) and torch.equal(o[valid], ro[valid]) and torch.equal(t[valid], rt[valid])
 
+# combine_rows: hand-worked (2 tokens, top-2, D = 2): y rows 0..3 are pairs order = [2, 0, 3, 1], so row_of =
+# [1, 3, 0, 2]; token 0 = 0.5 * y[1] + 0.25 * y[3] = [1.5, 2.5]; token 1 = 2 * y[0] - 1 * y[2] = [-3, -2]
+y_hand = torch.tensor([[1.0, 2.0], [2.0, 3.0], [5.0, 6.0], [2.0, 4.0]])
+w_hand = torch.tensor([[0.5, 0.25], [2.0, -1.0]])
+got = mr.combine_rows(y_hand, torch.tensor([1, 3, 0, 2]), w_hand, torch.float32)
+assert got.tolist() == [[1.5, 2.5], [-3.0, -2.0]], got.tolist()
+# against the reference (its fp32 sums in slot order: bitwise, the interpreter does not contract to FMA) and
+# combine_slots (the torch form the engine used; its sum over k in torch's order: 1 ulp of bf16, 1e-6 in fp32):
+# bf16 and fp32 outputs, D not a power of two, D over one tile
+from miles_k3.model.experts import combine_slots
+from kernel_testing import assert_ulps16
+for n_tok, top_k, d, dt, seed in ((7, 4, 96, torch.bfloat16, 20), (3, 8, 1500, torch.float32, 21),
+                                  (1, 1, 5, torch.bfloat16, 22)):
+    g = torch.Generator().manual_seed(seed)
+    order = torch.randperm(n_tok * top_k, generator=g)
+    row_of = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel()))
+    y = (torch.randn(n_tok * top_k, d, generator=g) * 3).to(dt)
+    w = torch.rand(n_tok, top_k, generator=g)
+    got = mr.combine_rows(y, row_of, w, dt)
+    assert got.dtype == dt and torch.equal(got, mr.combine_rows_reference(y, row_of, w, dt)), (n_tok, top_k, d)
+    if dt == torch.float32:
+        torch.testing.assert_close(got, combine_slots(y, order, w, dt), rtol=1e-6, atol=1e-6)
+    else:
+        assert_ulps16(got, combine_slots(y, order, w, dt), 1, what=f"combine_rows {n_tok}x{top_k}x{d}")
+    wide = torch.full((n_tok * top_k, d + 3), float("nan"), dtype=dt)
+    wide[:, :d] = y  # y as rows of a wider tensor (row stride d + 3): read in place
+    assert torch.equal(mr.combine_rows(wide[:, :d], row_of, w, dt), got)
+
 # RoutedExperts on the kernel path (forced on CPU) under sync_free_experts() == the torch path, bit for bit.
 calls = []
 real = mr.group_by_expert
-mr.group_by_expert = lambda *a: calls.append(a[0].shape[0]) or real(*a)
+mr.group_by_expert = lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k)
 torch.manual_seed(0)
 for fmt in ("mxfp4", "bf16"):
     m = RoutedExperts(12, 64, 32, 4.0, 25.0, expert_format=fmt)
@@ -295,15 +328,19 @@ def test_gpu_routed_experts_sync_free_equal_the_plain_forward(monkeypatch, fmt, 
         plain = m(z, ids, w)
         calls = []
         real = mr.group_by_expert
-        monkeypatch.setattr(mr, "group_by_expert", lambda *a: calls.append(a[1:]) or real(*a))
+        monkeypatch.setattr(mr, "group_by_expert", lambda *a, **k: calls.append(a[1:]) or real(*a, **k))
         with sync_free_experts():
             fast = m(z, ids, w)
         assert calls == [(num_experts, top_k)], calls
         monkeypatch.setattr(experts_mod, "_use_routing_kernel", lambda flat_ids: False)
         with sync_free_experts():
-            torch_grouped = m(z, ids, w)  # argsort + index_add + cumsum, then the same kernels
+            torch_grouped = m(z, ids, w)  # argsort + index_add + cumsum, then the same kernels, combine_slots
     torch.cuda.synchronize()
-    assert torch.equal(fast, torch_grouped)
+    # the same expert outputs; combine_rows sums the k slots in slot order, torch's sum(1) in its own: at most one
+    # bf16 ulp apart (printed: whether bitwise)
+    print(f"{fmt} E={num_experts} N={n_tok} K={top_k}: kernel path bitwise the torch grouping: "
+          f"{torch.equal(fast, torch_grouped)}")
+    assert_ulps16(fast, torch_grouped, 1, what="combine_rows vs combine_slots")
     err = _rel(fast, plain)
     print(f"{fmt} E={num_experts} N={n_tok} K={top_k}: sync-free vs plain rel err {err:.2e}, "
           f"bitwise {torch.equal(fast, plain)}")
