@@ -246,7 +246,8 @@ def _mxfp4_matmul(x_MI: torch.Tensor, counts: Counts, packed: torch.Tensor, scal
 def combine_slots(y_MD: torch.Tensor, order_M: torch.Tensor, w_NK: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """u [N, D] in `dtype`: expert outputs y (row i is slot order[i] of the flattened [N, K] routing) put back in
     (token, slot) order and summed over the K slots with the routing weights in fp32. Deterministic (no
-    atomics), so the trainer and the engine reproduce each other bit for bit."""
+    atomics). The engine's captured decode step combines with `moe_routing.combine_rows` instead (one launch; its
+    sum over the slots in slot order: at most one ulp of a 16-bit output from this)."""
     n_tok, top_k = w_NK.shape
     y_NKD = torch.empty_like(y_MD).index_copy_(0, order_M, y_MD).view(n_tok, top_k, y_MD.shape[-1])
     return (y_NKD.float() * w_NK.unsqueeze(-1)).sum(1).to(dtype)
