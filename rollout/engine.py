@@ -85,7 +85,8 @@ class RolloutEngine(VersionedEngine):
         self.model = share_base(model, ctx)  # planned for ctx: expert LoRA below is sized for the held experts
         self.ctx = ctx
         self.lora_config = lora
-        self.adapters = AdapterBank(self.model, lora, self.config.merge_lora, self.config.fuse_projections is not False)
+        self.adapters = AdapterBank(self.model, lora, self.config.merge_lora,
+                                    self.config.fuses_projections(ctx.tp_size, ctx.ep_size))
         self.runner = ModelRunner(self.model, self.config, self.adapters, ctx, lambda: self.weight_version,
                                   tokenizer)
         self._lock = threading.RLock()

@@ -191,6 +191,14 @@ def test_with_merged_adapters(nano):
     assert all(g.merged and g.a is None for g in engine.adapters.fused)
 
 
+def test_on_by_default_only_for_a_model_that_is_not_sharded():
+    """None: on at tp = ep = 1, off for a sharded model (its stacked copies would be of the whole dense model: a
+    K3 70.5 GiB); set, the field decides."""
+    cases = [(None, 1, 1, True), (None, 2, 1, False), (None, 1, 8, False), (True, 2, 8, True), (False, 1, 1, False)]
+    for field_value, tp, ep, want in cases:
+        assert EngineConfig(fuse_projections=field_value).fuses_projections(tp, ep) is want, (field_value, tp, ep)
+
+
 def test_a_module_split_by_tensor_parallelism_gets_no_group(nano):
     from miles_k3.model.fused_projections import attach_fused_projections
 
