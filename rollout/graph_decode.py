@@ -140,6 +140,7 @@ class GraphDecoder:
         token id, KDA slot, length (= the new token's position), then the request's first P pages. Returns the
         logits [B, V] and the step's routes (recorded)."""
         ids, slots, lens, table = packed[:, 0], packed[:, 1], packed[:, 2], packed[:, 3:]
+        slots = slots.contiguous()  # once per step: every KDA layer's kernels need unit stride (else each copies)
         kda_states = [KDALayerState(self.kda.conv_NCW[i], self.kda.recurrent_NHKV[i], slots)  # updated in place
                       for i in range(len(self.kda_ids))]
         storage = self.cache.storage_MGZL
