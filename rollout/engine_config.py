@@ -60,7 +60,8 @@ class EngineConfig:
     q, k, v, g, b and f_a; MLA's q_a, kv_a and g; a dense MLP's gate and up; a latent MoE's routed down projection
     with its shared expert's gate and up. With an unmerged adapter, one GEMM more over their A and one over their B
     (block-diagonal), added with the scale inside the GEMM: 3 kernels per group against 5 per adapted linear; every
-    other adapted linear adds its delta inside its B GEMM the same way (3 kernels instead of 5). A decode step at
+    other adapted linear adds its delta inside its B GEMM the same way (3 kernels instead of 5; in every engine
+    forward, prefill included). A decode step at
     small batch is bound by its kernel launches. Costs one more copy of the grouped base weights in the engine
     (the trainer's are shared and never written; the engine logs the bytes: k3_m2 220 MiB, a whole K3 70.5 GiB),
     refreshed when another adapter or version is bound. Skipped for modules split by tensor or expert
