@@ -40,7 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
-from miles_k3.kernels.fused import _ROUND_KIND, _round
+from miles_k3.kernels.fused import _ROUND_KIND, _on_device, _round
 
 ID_DTYPES = (torch.int64, torch.int32)
 
@@ -147,12 +147,9 @@ def group_by_expert(flat_ids_M: torch.Tensor, num_experts: int, top_k: int,
     ids = flat_ids_M.contiguous()
     block, num_blocks, num_warps = _launch_shape(m)
     args = (ids, order_M, token_of_M, ends_E, row_of_M if with_rows else order_M, m, top_k, num_experts)
-    meta = {"BLOCK": block, "NUM_BLOCKS": num_blocks, "WITH_ROWS": with_rows, "num_warps": num_warps}
-    if ids.is_cuda:
-        with torch.cuda.device(dev):
-            _group_by_expert_kernel[(num_experts,)](*args, **meta)
-    else:
-        _group_by_expert_kernel[(num_experts,)](*args, **meta)
+    with _on_device(ids):
+        _group_by_expert_kernel[(num_experts,)](*args, BLOCK=block, NUM_BLOCKS=num_blocks, WITH_ROWS=with_rows,
+                                                num_warps=num_warps)
     return order_M, token_of_M, ends_E, *extra
 
 
@@ -210,10 +207,7 @@ def combine_rows(y_MD: torch.Tensor, row_of_M: torch.Tensor, w_NK: torch.Tensor,
     y = y_MD if y_MD.stride(-1) == 1 else y_MD.contiguous()
     block = min(1024, triton.next_power_of_2(d))
     args = (y, row_of_M.contiguous(), w_NK.float().contiguous(), out, d, y.stride(0))
-    grid = (n_tok, triton.cdiv(d, block))
-    if y.is_cuda:
-        with torch.cuda.device(y.device):
-            _combine_rows_kernel[grid](*args, K=top_k, BLOCK_D=block, ROUND=_ROUND_KIND[dtype], num_warps=4)
-    else:
-        _combine_rows_kernel[grid](*args, K=top_k, BLOCK_D=block, ROUND=_ROUND_KIND[dtype], num_warps=4)
+    with _on_device(y):
+        _combine_rows_kernel[(n_tok, triton.cdiv(d, block))](*args, K=top_k, BLOCK_D=block, ROUND=_ROUND_KIND[dtype],
+                                                             num_warps=4)
     return out
