@@ -87,9 +87,10 @@ class FusedProjections:
             row += out
 
     def serves(self, x: torch.Tensor) -> bool:
-        """Whether this call can take the fused form: no autograd, x in the weights' dtype, every adapter enabled
-        (disabled, a LoRALinear computes its base alone)."""
-        return (not torch.is_grad_enabled() and x.dtype == self.weight.dtype
+        """Whether this call can take the fused form: a decode step's input (one token per request, x [B, 1, In]),
+        no autograd, x in the weights' dtype, every adapter enabled (disabled, a LoRALinear computes its base
+        alone)."""
+        return (x.dim() == 3 and x.shape[1] == 1 and not torch.is_grad_enabled() and x.dtype == self.weight.dtype
                 and all(m.enabled for m in self.adapted))
 
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:

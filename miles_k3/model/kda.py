@@ -120,7 +120,7 @@ class KDAAttention(nn.Module):
         if group is not None and group.serves(x_col):  # q|k|v, g, b, f_a in one GEMM (+ 2 for adapters)
             qkv_B1C, gate_B1P, beta_B1H, fa_B1R = group(x_col)
         else:
-            qkv_B1C, gate_B1P, beta_B1H, fa_B1R = self._qkv(x_col), None, self.b_proj(x_col), self.f_a_proj(x_B1D)
+            qkv_B1C, gate_B1P, beta_B1H, fa_B1R = self._qkv(x_col), None, self.b_proj(x_col), None
         convs = (self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight)
         fused = use_fused_kernels(x_B1D, *convs, self.o_norm.weight)
         if fused:
@@ -130,7 +130,7 @@ class KDAAttention(nn.Module):
             act_B1C, conv_BCW = self._short_conv(x_col, state.conv_BCW[state.slots_B], None, qkv_B1C)
             state.conv_BCW.index_copy_(0, state.slots_B, conv_BCW.to(state.conv_BCW.dtype))
         qkv = act_B1C.view(b, 1, 3, self.num_heads, self.head_dim).permute(2, 0, 1, 3, 4).contiguous()
-        f_B1HK = self.f_b_proj(copy_to(fa_B1R, self.tp_group)).view(b, 1, self.num_heads, self.head_dim)
+        f_B1HK = self._decay(x_B1D, fa_B1R).view(b, 1, self.num_heads, self.head_dim)
         o_B1HV = backend.decode_into(*qkv.unbind(0), f_B1HK, beta_B1H, self.A_log, self.dt_bias,
                                      self.lower_bound, state.recurrent_BHKV, state.slots_B)
         if gate_B1P is None:
@@ -141,10 +141,12 @@ class KDAAttention(nn.Module):
             return reduce_from(self.o_proj(o_B1P), self.tp_group)
         return self._gated_output(o_B1HV, x_col, gate_B1P)
 
-    def _decay(self, x_BTD: torch.Tensor) -> torch.Tensor:
-        """The raw decay-gate logits f_b(f_a(x)) [B, T, H*K] of this rank's heads. f_a is replicated: its output
-        enters the head-split f_b through `copy_to`, so f_a (and its adapter) gets the whole gradient."""
-        return self.f_b_proj(copy_to(self.f_a_proj(x_BTD), self.tp_group))
+    def _decay(self, x_BTD: torch.Tensor, fa_BTR: torch.Tensor | None = None) -> torch.Tensor:
+        """The raw decay-gate logits f_b(f_a(x)) [B, T, H*K] of this rank's heads (`fa_BTR`: f_a x when computed
+        already). f_a is replicated: its output enters the head-split f_b through `copy_to`, so f_a (and its
+        adapter) gets the whole gradient."""
+        fa_BTR = self.f_a_proj(x_BTD) if fa_BTR is None else fa_BTR
+        return self.f_b_proj(copy_to(fa_BTR, self.tp_group))
 
     def _qkv(self, x_BTD: torch.Tensor) -> torch.Tensor:
         """The q|k|v projections before the short conv, [B, T, C]."""

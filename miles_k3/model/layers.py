@@ -159,7 +159,7 @@ class SiTUMLP(nn.Module):
 
     def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
         group = self.fused_projections
-        if group is not None and x_BTD.dim() == 3 and x_BTD.shape[1] == 1 and group.serves(x_BTD):
+        if group is not None and group.serves(x_BTD):
             return self.down(*group(x_BTD))  # gate and up in one GEMM (+ 2 for adapters)
         x_BTD = copy_to(x_BTD, self.tp_group)
         return self.down(self.gate_proj(x_BTD), self.up_proj(x_BTD))

@@ -108,7 +108,7 @@ class LatentMoE(nn.Module):
         x_SD = x_ND if ep is None else ep.local_tokens(x_ND)
         ids_SK, w_SK = self.gate(x_SD) if self.routing is None else self._route(x_SD, x_ND.shape[0])
         group, shared_gu = self.fused_projections, None
-        if group is not None and x_BTD.dim() == 3 and x_BTD.shape[1] == 1 and group.serves(x_ND):
+        if group is not None and group.serves(x_BTD):
             z_SL, *shared_gu = group(x_ND)  # routed down, shared gate and up in one GEMM (+ 2 for adapters)
         else:
             z_SL = self.routed_expert_down_proj(x_SD)

@@ -88,15 +88,18 @@ def test_refresh_rereads_the_adapters_in_place():
     assert [t.data_ptr() for t in (group.weight, group.a, group.b)] == addresses  # graphs keep reading them
 
 
-def test_serves_only_without_grad_in_its_dtype_with_every_adapter_enabled():
+def test_serves_only_a_decode_step_without_grad_in_its_dtype_with_every_adapter_enabled():
     a, b, c = _abc()
     group = FusedProjections([(a, b), (c,)])
+    step = X.view(2, 1, 2)  # a decode step's input: one token per request
     with torch.no_grad():
-        assert group.serves(X)
-        assert not group.serves(X.double())
+        assert group.serves(step)
+        assert not group.serves(X) and not group.serves(X.view(1, 2, 2))  # not one token per request
+        assert not group.serves(step.double())
         a.enabled = False  # `adapters_disabled`: a LoRALinear computes its base alone
-        assert not group.serves(X)
-    assert not group.serves(X)  # autograd on: the trainer's forward
+        assert not group.serves(step)
+        a.enabled = True
+    assert not group.serves(step)  # autograd on: the trainer's forward
 
 
 def test_refuses_groups_it_cannot_compute_as_one():
