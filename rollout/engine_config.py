@@ -61,14 +61,14 @@ class EngineConfig:
     with its shared expert's gate and up. With an unmerged adapter, one GEMM more over their A and one over their B
     (block-diagonal), added with the scale inside the GEMM: 3 kernels per group against 5 per adapted linear; every
     other adapted linear adds its delta inside its B GEMM the same way (3 kernels instead of 5; in every engine
-    forward, prefill included). A decode step at
-    small batch is bound by its kernel launches. Costs one more copy of the grouped base weights in the engine
-    (the trainer's are shared and never written; the engine logs the bytes: k3_m2 220 MiB, a whole K3 70.5 GiB),
-    refreshed when another adapter or version is bound. Skipped for modules split by tensor or expert
-    parallelism. Numerics: the same dot products, but the adapter's delta is added before one rounding (and a
-    wider GEMM may split its sums differently), so in bf16 log-probs differ from the unfused engine's by rounding.
-    None: on for the native engine of a model that is not sharded (tp = ep = 1), off otherwise (full-mode SFT turns
-    it off: its eval engine reads the weights being trained in place). Native engine only."""
+    forward, prefill included). A decode step at small batch is bound by its kernel launches. Costs one more copy
+    of the grouped base weights in the engine (the trainer's are shared and never written; the engine logs the
+    bytes; summed `FusedProjections.nbytes` of a meta-device model's groups: k3_m2 220 MiB, a whole K3 70.5 GiB),
+    refreshed when another adapter or version is bound. Skipped for modules split by tensor or expert parallelism.
+    Numerics: the same dot products, but the adapter's delta is added before one rounding (and a wider GEMM may
+    split its sums differently), so in bf16 log-probs differ from the unfused engine's by rounding. None: on for
+    the native engine of a model that is not sharded (tp = ep = 1), off otherwise (full-mode SFT turns it off: its
+    eval engine reads the weights being trained in place). Native engine only."""
 
     def fuses_projections(self, tp_size: int, ep_size: int) -> bool:
         """Whether the native engine of a model planned for tp_size x ep_size fuses projections: the field when
