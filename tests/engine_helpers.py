@@ -38,3 +38,40 @@ def random_adapter(model, lora: LoRAConfig, seed: int, std: float = 0.3):
             if "lora_B" in name:
                 p.copy_(torch.randn(p.shape, generator=g) * std)
     return model
+
+
+def cuda_tiny_adapted(lora: LoRAConfig, seed: int = 0, std: float = 0.2):
+    """(model, pushed): k3_tiny on CUDA (fla's KDA, MXFP4 experts) in bf16 with `random_adapter(lora, seed, std)`,
+    and the tensors of another adapter to push (the same A, B ~ N(0, std^2) from a CUDA generator seeded seed + 1):
+    what the GPU tests of the engine's adapter forms (merged, fused) serve before and after a push."""
+    from miles_k3.model import K3Config, K3ForCausalLM
+    from miles_k3.model.lora import lora_state_dict
+
+    torch.manual_seed(seed)
+    with torch.device("cuda"):
+        model = K3ForCausalLM(K3Config.from_name("k3_tiny"), kda_backend="fla", expert_format="mxfp4")
+    random_adapter(model.eval(), lora, seed=seed, std=std)
+    model.cast(torch.bfloat16)
+    g = torch.Generator(device="cuda").manual_seed(seed + 1)
+    pushed = {n: torch.randn(t.shape, generator=g, device="cuda") * std if "lora_B" in n else t.clone()
+              for n, t in lora_state_dict(model).items()}
+    return model, pushed
+
+
+def samples_before_and_after_a_push(engine: RolloutEngine, prompts, params: dict, pushed: dict) -> list:
+    """[engine's samples of `prompts` with adapter "policy", the same after `pushed` is pushed into it]."""
+    before = engine.generate(input_ids=prompts, sampling_params=params, lora="policy")
+    engine.update_weights_from_tensor(pushed, lora_name="policy")
+    return [before, engine.generate(input_ids=prompts, sampling_params=params, lora="policy")]
+
+
+@torch.no_grad()
+def teacher_forced_gaps(model, prompts, outs) -> list[float]:
+    """|engine log-prob - log-prob of a teacher-forced forward of `model`| for every sampled token of `outs`."""
+    gaps = []
+    for p, out in zip(prompts, outs):
+        logits = model(torch.tensor([p + out["output_ids"]], device=model.lm_head.weight.device)).logits[0]
+        logp = torch.log_softmax(logits.float(), -1)
+        gaps += [abs(lp - logp[len(p) - 1 + i, t].item())
+                 for i, (lp, t) in enumerate(out["meta_info"]["output_token_logprobs"])]
+    return gaps

@@ -9,7 +9,13 @@ import copy
 
 import pytest
 import torch
-from engine_helpers import random_adapter, small_engine
+from engine_helpers import (
+    cuda_tiny_adapted,
+    random_adapter,
+    samples_before_and_after_a_push,
+    small_engine,
+    teacher_forced_gaps,
+)
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from miles_k3.model import K3Config, K3ForCausalLM
@@ -238,15 +244,8 @@ def test_gpu_graph_decode_reads_the_groups_refreshed_in_place_and_launches_fewer
     shared down) take 3 instead of 5: 70 more, 377 in all (cuBLAS may split a GEMM in two kernels, hence 90%)."""
     from kernel_testing import cuda_kernels
 
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = K3ForCausalLM(K3Config.from_name("k3_tiny"), kda_backend="fla", expert_format="mxfp4")
     lora = LoRAConfig(rank=8, alpha=16.0, targets=list(LINEAR_TARGETS))
-    random_adapter(model.eval(), lora, seed=0, std=0.2)
-    model.cast(torch.bfloat16)
-    g = torch.Generator(device="cuda").manual_seed(1)
-    pushed = {n: torch.randn(t.shape, generator=g, device="cuda") * 0.2 if "lora_B" in n else t.clone()
-              for n, t in lora_state_dict(model).items()}
+    model, pushed = cuda_tiny_adapted(lora)
     prompts = [*PROMPTS, list(range(40, 70))]
     params = {"temperature": 1.0, "max_new_tokens": 12, "sampling_seed": 5}
 
@@ -259,24 +258,15 @@ def test_gpu_graph_decode_reads_the_groups_refreshed_in_place_and_launches_fewer
     runs = {}
     for decode in ("static", "graph"):
         e = engine(decode)
-        runs[decode] = [e.generate(input_ids=prompts, sampling_params=params, lora="policy")]
-        e.update_weights_from_tensor(pushed, lora_name="policy")
-        runs[decode].append(e.generate(input_ids=prompts, sampling_params=params, lora="policy"))
+        runs[decode] = samples_before_and_after_a_push(e, prompts, params, pushed)
         assert e.decode_mode == decode and len(e.adapters.fused) == 18
     assert _runs(runs["graph"][0]) == _runs(runs["static"][0])
     assert _runs(runs["graph"][1]) == _runs(runs["static"][1]) != _runs(runs["graph"][0])
     assert _runs(engine("graph", pushed).generate(input_ids=prompts, sampling_params=params,
                                                   lora="policy")) == _runs(runs["graph"][1])
-    gaps = {}
     unfused = engine("graph", fuse=False).generate(input_ids=prompts, sampling_params=params, lora="policy")
-    for name, outs in (("fused", runs["graph"][0]), ("unfused", unfused)):
-        gaps[name] = []
-        for p, out in zip(prompts, outs):
-            with torch.no_grad():
-                logits = model(torch.tensor([p + out["output_ids"]], device="cuda")).logits[0].float()
-            logp = torch.log_softmax(logits, -1)
-            gaps[name] += [abs(lp - logp[len(p) - 1 + i, t].item())
-                           for i, (lp, t) in enumerate(out["meta_info"]["output_token_logprobs"])]
+    gaps = {name: teacher_forced_gaps(model, prompts, outs)
+            for name, outs in (("fused", runs["graph"][0]), ("unfused", unfused))}
     print("max |graph engine - bf16 trainer forward| log-prob: "
           + ", ".join(f"{k} {max(v):.4f}" for k, v in gaps.items()))
     assert max(gaps["fused"]) < 0.5

@@ -9,7 +9,13 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from engine_helpers import random_adapter, small_engine
+from engine_helpers import (
+    cuda_tiny_adapted,
+    random_adapter,
+    samples_before_and_after_a_push,
+    small_engine,
+    teacher_forced_gaps,
+)
 from torch import nn
 
 from miles_k3.model import K3Config, K3ForCausalLM
@@ -250,16 +256,9 @@ def test_graph_decode_reads_the_merged_weights_refreshed_in_place():
     three seeds (random weights amplify bf16 rounding about twice per layer); leaving the adapter out moves
     log-probs by ~1 nat. Greedy tokens are not compared: on these near-uniform random models bf16 rounding flips
     near-tied greedy choices from the first token for some seeds (seen on CPU)."""
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = K3ForCausalLM(K3Config.from_name("k3_tiny"), kda_backend="fla", expert_format="mxfp4")
     lora = LoRAConfig(rank=8, alpha=16.0, targets=["q_proj", "o_proj", "kv_b_proj", "gate_proj", "up_proj",
                                                    "down_proj", "w1", "w2", "w3"])
-    random_adapter(model.eval(), lora, seed=0, std=0.2)
-    model.cast(torch.bfloat16)
-    g = torch.Generator(device="cuda").manual_seed(1)
-    pushed = {n: torch.randn(t.shape, generator=g, device="cuda") * 0.2 if "lora_B" in n else t.clone()
-              for n, t in lora_state_dict(model).items()}
+    model, pushed = cuda_tiny_adapted(lora)
     prompts = [*PROMPTS, list(range(40, 70))]
     params = {"temperature": 1.0, "max_new_tokens": 12, "sampling_seed": 5}
 
@@ -272,19 +271,12 @@ def test_graph_decode_reads_the_merged_weights_refreshed_in_place():
     runs = {}
     for decode in ("static", "graph"):
         e = engine(decode)
-        runs[decode] = [e.generate(input_ids=prompts, sampling_params=params, lora="policy")]
-        e.update_weights_from_tensor(pushed, lora_name="policy")
-        runs[decode].append(e.generate(input_ids=prompts, sampling_params=params, lora="policy"))
+        runs[decode] = samples_before_and_after_a_push(e, prompts, params, pushed)
         assert e.decode_mode == decode
     assert _runs(runs["graph"][0]) == _runs(runs["static"][0])
     assert _runs(runs["graph"][1]) == _runs(runs["static"][1]) != _runs(runs["graph"][0])
     fresh = engine("graph", pushed).generate(input_ids=prompts, sampling_params=params, lora="policy")
     assert _runs(fresh) == _runs(runs["graph"][1])
-    gaps = []
-    for p, out in zip(prompts, runs["graph"][0]):
-        with torch.no_grad():
-            logp = torch.log_softmax(model(torch.tensor([p + out["output_ids"]], device="cuda")).logits[0].float(), -1)
-        gaps += [abs(lp - logp[len(p) - 1 + i, t].item())
-                 for i, (lp, t) in enumerate(out["meta_info"]["output_token_logprobs"])]
+    gaps = teacher_forced_gaps(model, prompts, runs["graph"][0])
     print(f"max |merged graph engine - bf16 trainer forward| log-prob: {max(gaps):.4f}")
     assert max(gaps) < 0.5
